@@ -1,0 +1,5 @@
+import sys
+
+from hivetune.cli import main
+
+sys.exit(main())

@@ -1,0 +1,152 @@
+"""The command line: each subcommand parses its flags and calls one library function.
+
+Errors in user input print one line (``hivetune: error: ...``) and exit 2; ``--debug`` shows
+the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hivetune.errors import UserError
+
+# Flags of `train` that are shortcuts for config keys: flag -> (config key, argparse kwargs).
+TRAIN_FLAGS = {
+    "--model": ("model", {"metavar": "PATH", "help": "HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)"}),
+    "--data": ("data", {"metavar": "FILE", "help": "JSONL/JSON training data (default: the shipped ops dataset)"}),
+    "--val-data": ("val_data", {"metavar": "FILE", "help": "held-out data for the end-of-run A/B"}),
+    "--output": ("output_dir", {"metavar": "DIR", "help": "run folder (default: runs/<date>-<time>)"}),
+    "--format": ("format", {"help": "alpaca | chat | text | auto"}),
+    "--max-length": ("max_length", {"type": int}),
+    "--epochs": ("epochs", {"type": float}),
+    "--max-steps": ("max_steps", {"type": int}),
+    "--batch-size": ("batch_size", {"type": int, "help": "examples per micro-batch"}),
+    "--grad-accum": ("grad_accum", {"type": int, "help": "micro-batches per optimizer step"}),
+    "--lr": ("lr", {"type": float}),
+    "--schedule": ("schedule", {"help": "cosine | linear | constant"}),
+    "--warmup-steps": ("warmup_steps", {"type": int}),
+    "--precision": ("precision", {"help": "bf16 | fp16 | fp32 | auto"}),
+    "--device": ("device", {"help": "cuda | cpu | auto"}),
+    "--seed": ("seed", {"type": int}),
+    "--lora-r": ("lora.r", {"type": int}),
+    "--lora-alpha": ("lora.alpha", {"type": float}),
+    "--lora-dropout": ("lora.dropout", {"type": float}),
+    "--lora-targets": ("lora.targets", {"metavar": "NAMES", "help": "comma-separated, e.g. q_proj,v_proj"}),
+    "--save-every": ("save_every", {"type": int, "metavar": "STEPS"}),
+    "--threads": ("threads", {"type": int}),
+}
+TRAIN_SWITCHES = {
+    "--train-on-inputs": ("train_on_inputs", True, "loss on prompt tokens too"),
+    "--no-packing": ("packing", False, "pad each micro-batch instead of packing it"),
+    "--gradient-checkpointing": ("gradient_checkpointing", True, "recompute activations in backward"),
+    "--rslora": ("lora.rslora", True, "rank-stabilised LoRA scaling"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hivetune", description="Fast, lean LoRA fine-tuning of Llama-family models.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    train = sub.add_parser("train", help="LoRA fine-tune (no arguments: the embedded default job)",
+                           description="LoRA fine-tune a model. With no arguments: SmolLM2-135M-Instruct "
+                                       "on the shipped Linux / GPU ops dataset.")
+    train.add_argument("--config", metavar="YAML", help="config file; flags and --set override it")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="any config key, e.g. --set lora.r=8 (repeatable)")
+    for flag, (_, kwargs) in TRAIN_FLAGS.items():
+        train.add_argument(flag, default=None, **kwargs)
+    for flag, (_, value, help_text) in TRAIN_SWITCHES.items():
+        train.add_argument(flag, action="store_const", const=value, default=None, help=help_text)
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    gen = sub.add_parser("generate", help="greedy generation from a model, optionally with an adapter")
+    gen.add_argument("prompt", help="the prompt (chat template applied when the model has one)")
+    gen.add_argument("--model", default="", metavar="PATH", help="HF folder or .gguf (default: embedded model)")
+    gen.add_argument("--adapter", default="", metavar="RUN", help="run folder or adapter folder")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--no-chat", action="store_true", help="raw continuation, no chat template")
+    gen.add_argument("--device", default="auto")
+    gen.add_argument("--precision", default="auto")
+    return parser
+
+
+def train_overrides(ns: argparse.Namespace) -> dict:
+    from hivetune.config import merge, parse_overrides
+
+    pairs = {}
+    for flag, (key, _) in TRAIN_FLAGS.items():
+        value = getattr(ns, flag[2:].replace("-", "_"))
+        if value is not None:
+            pairs[key] = value
+    for flag, (key, _, _) in TRAIN_SWITCHES.items():
+        value = getattr(ns, flag[2:].replace("-", "_"))
+        if value is not None:
+            pairs[key] = value
+    nested: dict = {}
+    for key, value in pairs.items():
+        node = nested
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    # --set comes last: it wins over the shortcut flags.
+    return merge(nested, parse_overrides(ns.overrides))
+
+
+def run_train(ns) -> int:
+    from hivetune.config import load_config
+    from hivetune.train import train
+
+    cfg = load_config(ns.config, train_overrides(ns))
+    result = train(cfg, progress=not ns.quiet)
+    print_train_summary(result)
+    return 0
+
+
+def print_train_summary(result) -> None:
+    gib = result.peak_memory_bytes / 2**30
+    print(f"\ntrained {result.steps} steps in {result.seconds:.1f} s  "
+          f"({result.tokens_per_s:,.0f} tokens/s, final loss {result.final_loss:.4f}, peak memory {gib:.2f} GiB)")
+    for s in result.samples:
+        print(f"\nheld-out question: {s['question']}")
+        print(f"  reference: {s['reference']}")
+        print(f"  base:      {s['base']}")
+        print(f"  tuned:     {s['tuned']}")
+    print(f"\nadapter: {result.adapter}")
+
+
+def run_generate(ns) -> int:
+    from hivetune.generate import generate
+
+    if ns.max_new_tokens <= 0:
+        raise UserError(f"--max-new-tokens: must be > 0, got {ns.max_new_tokens}")
+    print(generate(model=ns.model, prompt=ns.prompt, adapter=ns.adapter, max_new_tokens=ns.max_new_tokens,
+                   chat=not ns.no_chat, device=ns.device, precision=ns.precision))
+    return 0
+
+
+COMMANDS = {"train": run_train, "generate": run_generate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return COMMANDS[ns.command](ns)
+    except UserError as e:
+        if ns.debug:
+            raise
+        print(f"hivetune: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hivetune: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

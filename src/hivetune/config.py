@@ -1,0 +1,295 @@
+"""Typed training config: YAML file + ``key=value`` overrides, validated once, all errors at once.
+
+Nothing here touches weights or data: ``load_config`` runs before any model is opened, so a
+typo costs milliseconds, not a model load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from hivetune.errors import UserError
+from hivetune.model.lora import DEFAULT_TARGETS
+
+FORMATS = ("auto", "alpaca", "chat", "text")
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+SCHEDULES = ("cosine", "linear", "constant")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class LoRAConfig:
+    r: int = 16
+    """Rank of the update B A."""
+    alpha: float = 32.0
+    """Scale numerator: the update is multiplied by alpha / r (alpha / sqrt(r) with rslora)."""
+    dropout: float = 0.05
+    """Dropout on the LoRA input path during training."""
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    """Short names of the linear layers to adapt; one that matches nothing is an error."""
+    rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(r)."""
+
+
+@dataclass
+class TrainConfig:
+    model: str = ""
+    """HF model folder (config.json + safetensors) or a .gguf file; empty: the embedded SmolLM2-135M-Instruct."""
+    data: str = ""
+    """Training JSONL / JSON file; empty: the shipped Linux / GPU ops dataset."""
+    val_data: str = ""
+    """Held-out file for the end-of-run A/B; empty with the default data: the shipped held-out split."""
+    format: str = "auto"
+    """alpaca (instruction/input/output), chat (messages), text, or auto-detected per file."""
+    max_length: int = 1024
+    """Examples longer than this many tokens are truncated (and counted)."""
+    train_on_inputs: bool = False
+    """Put loss on prompt tokens too (default: response tokens only)."""
+    packing: bool = True
+    """Pack the examples of a micro-batch into one row with per-example attention (no padding)."""
+    output_dir: str = ""
+    """Run folder; empty: runs/<date>-<time>. An existing non-empty folder is refused."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    epochs: float = 1.0
+    """Passes over the data (fractions allowed); ignored when max_steps > 0."""
+    max_steps: int = 0
+    """Optimizer steps to run; 0: derived from epochs."""
+    batch_size: int = 8
+    """Examples per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; effective batch = batch_size * grad_accum examples."""
+    lr: float = 2e-4
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    schedule: str = "cosine"
+    """cosine, linear or constant, after warmup."""
+    warmup_steps: int = -1
+    """Linear warmup steps; -1: 3% of the steps (at least 1)."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of lr (cosine and linear)."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    precision: str = "auto"
+    """bf16, fp16 (with loss scaling), fp32, or auto: bf16 where the device runs it fast."""
+    gradient_checkpointing: bool = False
+    """Recompute layer activations in backward to save memory."""
+    seed: int = 0
+    """Seeds LoRA init, dropout and the data order."""
+    device: str = "auto"
+    """cuda when available, else cpu."""
+    threads: int = 0
+    """CPU threads for torch; 0: all cores."""
+    log_every: int = 1
+    """Write a metrics.jsonl line every this many optimizer steps."""
+    save_every: int = 0
+    """Checkpoint every this many optimizer steps; 0: only the final adapter."""
+    keep_checkpoints: int = 2
+    """How many step checkpoints to keep."""
+    eval_prompts: int = 1
+    """Held-out questions answered by the base and the tuned model at the end (0: none)."""
+    max_new_tokens: int = 96
+    """Generation length for those answers."""
+
+
+def field_doc(cls, name: str) -> str:
+    """The docstring written under a dataclass field (used for --help and errors)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    for i, node in enumerate(body[:-1]):
+        nxt = body[i + 1]
+        if (isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == name
+                and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant)):
+            return str(nxt.value.value)
+    return ""
+
+
+def _coerce(value, typ, key: str, errors: list[str]):
+    """Convert a YAML / CLI value to the field's type; record an error instead of raising."""
+    origin = typing.get_origin(typ)
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            errors.append(f"{key}: expected a list of names, got {value!r}")
+            return None
+        return value
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
+            return value.lower() in ("true", "yes", "1", "on")
+        errors.append(f"{key}: expected true or false, got {value!r}")
+        return None
+    if typ is int:
+        if isinstance(value, bool):
+            errors.append(f"{key}: expected an integer, got {value!r}")
+            return None
+        try:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            errors.append(f"{key}: expected an integer, got {value!r}")
+            return None
+    if typ is float:
+        if isinstance(value, bool):
+            errors.append(f"{key}: expected a number, got {value!r}")
+            return None
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            errors.append(f"{key}: expected a number, got {value!r}")
+            return None
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            errors.append(f"{key}: expected a string, got {value!r}")
+            return None
+        return "" if value is None else str(value)
+    raise AssertionError(f"unhandled type {typ}")
+
+
+def _apply(obj, values: dict, prefix: str, errors: list[str]) -> None:
+    hints = typing.get_type_hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    for key, value in values.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            errors.append(f"{full}: unknown key{hint}")
+            continue
+        typ = hints[key]
+        if dataclasses.is_dataclass(typ):
+            if not isinstance(value, dict):
+                errors.append(f"{full}: expected a mapping of {', '.join(f.name for f in dataclasses.fields(typ))}")
+                continue
+            _apply(getattr(obj, key), value, f"{full}.", errors)
+            continue
+        coerced = _coerce(value, typ, full, errors)
+        if coerced is not None:
+            setattr(obj, key, coerced)
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    """["lora.r=8", "lr=1e-4"] -> {"lora": {"r": 8}, "lr": 1e-4} (values parsed as YAML scalars)."""
+    out: dict = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise UserError(f"override {pair!r}: expected key=value")
+        key, _, raw = pair.partition("=")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"override {pair!r}: {part} is not a section")
+        node[parts[-1]] = value
+    return out
+
+
+def merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UserError(f"{path}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: unreadable config ({e})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise UserError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of config keys at the top level")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> TrainConfig:
+    """YAML (optional) + overrides -> a validated TrainConfig; every problem in one UserError."""
+    values = read_yaml(path) if path else {}
+    values = merge(values, overrides or {})
+    cfg = TrainConfig()
+    errors: list[str] = []
+    _apply(cfg, values, "", errors)
+    errors += validate(cfg)
+    if errors:
+        raise UserError("invalid config:\n  " + "\n  ".join(errors) if len(errors) > 1 else errors[0])
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> list[str]:
+    errors = []
+
+    def choice(key, value, options):
+        if value not in options:
+            errors.append(f"{key}: {value!r} is not one of {', '.join(options)}")
+
+    choice("format", cfg.format, FORMATS)
+    choice("precision", cfg.precision, PRECISIONS)
+    choice("schedule", cfg.schedule, SCHEDULES)
+    choice("device", cfg.device, DEVICES)
+    for key in ("max_length", "batch_size", "grad_accum", "lora.r", "log_every", "keep_checkpoints"):
+        value = cfg.lora.r if key == "lora.r" else getattr(cfg, key)
+        if value <= 0:
+            errors.append(f"{key}: must be > 0, got {value}")
+    for key in ("max_steps", "save_every", "threads", "eval_prompts", "max_new_tokens"):
+        if getattr(cfg, key) < 0:
+            errors.append(f"{key}: must be >= 0, got {getattr(cfg, key)}")
+    if cfg.lr <= 0:
+        errors.append(f"lr: must be > 0, got {cfg.lr}")
+    if cfg.epochs <= 0 and cfg.max_steps == 0:
+        errors.append(f"epochs: must be > 0 when max_steps is 0, got {cfg.epochs}")
+    if not 0 <= cfg.lora.dropout < 1:
+        errors.append(f"lora.dropout: must be in [0, 1), got {cfg.lora.dropout}")
+    if cfg.lora.alpha <= 0:
+        errors.append(f"lora.alpha: must be > 0, got {cfg.lora.alpha}")
+    if not cfg.lora.targets:
+        errors.append("lora.targets: must name at least one module")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        errors.append(f"min_lr_ratio: must be in [0, 1], got {cfg.min_lr_ratio}")
+    if cfg.max_grad_norm < 0:
+        errors.append(f"max_grad_norm: must be >= 0, got {cfg.max_grad_norm}")
+    if cfg.weight_decay < 0:
+        errors.append(f"weight_decay: must be >= 0, got {cfg.weight_decay}")
+    if cfg.warmup_steps < -1:
+        errors.append(f"warmup_steps: must be >= 0 (or -1 for 3%), got {cfg.warmup_steps}")
+    if cfg.device == "cpu" and cfg.precision == "fp16":
+        errors.append("precision: fp16 needs a GPU; use bf16 or fp32 with device cpu")
+    return errors
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: TrainConfig, path: Path) -> None:
+    from hivetune.fileio import atomic_write_bytes
+
+    atomic_write_bytes(path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())

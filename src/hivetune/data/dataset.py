@@ -1,0 +1,115 @@
+"""A dataset index that keeps only where each record lives and its lengths, not its tokens.
+
+``index_dataset`` reads the file once, checks and tokenises every record to learn its length
+and target count (for step planning and loss normalisation), and drops the tokens. Batches
+re-read and re-tokenise their records on the fly, so RAM holds a few integers per example.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hivetune.data.formats import (FORMAT_NAMES, Encoded, check_record, detect_format, encode_record,
+                                   iter_records, read_line_at)
+from hivetune.errors import UserError
+
+
+@dataclass
+class DatasetIndex:
+    path: Path
+    format: str
+    lines: list[int]  # line number (or array item) of each kept record
+    offsets: list[int | None]  # byte offset of each kept JSONL line (None for JSON arrays)
+    lengths: list[int]  # tokens after truncation
+    n_targets: list[int]  # loss tokens after truncation
+    truncated: int = 0  # records cut to max_length
+    skipped_no_target: int = 0  # records left with no loss token after truncation
+    records: dict = field(default_factory=dict, repr=False)  # line -> record, for small files
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def index_dataset(path: str | Path, fmt: str, tokenizer, max_length: int, train_on_inputs: bool,
+                  keep_records_below: int = 64 << 20) -> DatasetIndex:
+    """Check and measure every record; keep the records in RAM only for files under 64 MiB."""
+    path = Path(path)
+    chosen = None if fmt == "auto" else fmt
+    keep = path.is_file() and path.stat().st_size < keep_records_below
+    index = DatasetIndex(path, chosen or "", [], [], [], [])
+    for line, offset, record in iter_records(path):
+        where = f"{path}:{line}"
+        if chosen is None:
+            chosen = detect_format(record)
+            if chosen is None:
+                raise UserError(f"{where}: cannot tell the format (expected 'messages', "
+                                f"'instruction'+'output' or 'text'); set format to one of {', '.join(FORMAT_NAMES)}")
+            index.format = chosen
+        check_record(record, chosen, where)
+        try:
+            enc = encode_record(record, chosen, tokenizer, max_length, train_on_inputs)
+        except UserError as e:
+            raise UserError(f"{where}: {e}") from None
+        if enc.n_targets == 0:
+            index.skipped_no_target += 1
+            continue
+        index.truncated += enc.truncated
+        index.lines.append(line)
+        index.offsets.append(offset)
+        index.lengths.append(len(enc.ids))
+        index.n_targets.append(enc.n_targets)
+        if keep or offset is None:
+            index.records[line] = record
+    if not index.lines:
+        raise UserError(f"{path}: no record has a response token to learn from within max_length={max_length}")
+    return index
+
+
+def read_record(index: DatasetIndex, i: int) -> dict:
+    line = index.lines[i]
+    if line in index.records:
+        return index.records[line]
+    return read_line_at(index.path, line, index.offsets[i])
+
+
+def load_example(index: DatasetIndex, i: int, tokenizer, max_length: int, train_on_inputs: bool) -> Encoded:
+    return encode_record(read_record(index, i), index.format, tokenizer, max_length, train_on_inputs)
+
+
+def example_order(n: int, seed: int, epoch: int) -> list[int]:
+    """A permutation of range(n) that depends only on (seed, epoch): deterministic data order."""
+    order = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+def plan_steps(n_examples: int, examples_per_step: int, epochs: float, max_steps: int, seed: int):
+    """List of steps, each a list of example indices, drawn from consecutive epoch permutations.
+
+    Steps may cross an epoch boundary so that no example is dropped between epochs; a trailing
+    partial step is dropped so every step sees exactly examples_per_step examples.
+    """
+    if max_steps > 0:
+        total = max_steps
+    else:
+        total = max(1, int(epochs * n_examples) // examples_per_step)
+    steps, stream, epoch = [], [], 0
+    while len(steps) < total:
+        while len(stream) < examples_per_step:
+            stream += example_order(n_examples, seed, epoch)
+            epoch += 1
+        steps.append(stream[:examples_per_step])
+        stream = stream[examples_per_step:]
+    return steps
+
+
+def to_json(index: DatasetIndex) -> str:
+    return json.dumps({"path": str(index.path), "format": index.format, "examples": len(index),
+                       "tokens": index.total_tokens, "truncated": index.truncated})

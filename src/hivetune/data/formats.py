@@ -1,0 +1,214 @@
+"""Read alpaca / chat / text records and turn them into token ids with a loss mask.
+
+Records stream from JSONL (one object per line) or a JSON array file. Every problem is reported
+as ``file:line: what is wrong`` (a UserError), so the user can jump to it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from hivetune.errors import UserError
+
+ROLES = ("system", "user", "assistant")
+FORMAT_NAMES = ("alpaca", "chat", "text")
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_PROMPT_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+
+
+@dataclass
+class Encoded:
+    ids: list[int]
+    mask: list[bool]  # True where the token is a loss target
+    truncated: bool = False
+
+    @property
+    def n_targets(self) -> int:
+        # Token t is predicted from position t-1, so the first token can never be a target.
+        return sum(self.mask[1:])
+
+
+def iter_records(path: str | Path):
+    """Yield (line_number, byte_offset, record) from JSONL, or (item, None, record) from a JSON array."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory, expected a JSONL or JSON file")
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise UserError(f"{path}: data file not found") from None
+    except OSError as e:
+        raise UserError(f"{path}: unreadable data file ({e.strerror})") from None
+    with f:
+        head = f.read(1 << 16).lstrip()
+        f.seek(0)
+        if not head:
+            raise UserError(f"{path}: data file is empty")
+        if head.startswith(b"["):
+            yield from _iter_json_array(path, f.read())
+            return
+        count, offset = 0, 0
+        for lineno, raw in enumerate(f, start=1):
+            start, offset = offset, offset + len(raw)
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise UserError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start})") from None
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(record, dict):
+                raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            count += 1
+            yield lineno, start, record
+        if count == 0:
+            raise UserError(f"{path}: data file has no records")
+
+
+def _iter_json_array(path: Path, raw: bytes):
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not valid UTF-8 (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(data, list) or not data:
+        raise UserError(f"{path}: expected a non-empty JSON array of objects")
+    for i, record in enumerate(data, start=1):
+        if not isinstance(record, dict):
+            raise UserError(f"{path}: item {i}: expected a JSON object, got {type(record).__name__}")
+        yield i, None, record
+
+
+def read_line_at(path: Path, lineno: int, offset: int) -> dict:
+    """Re-read one JSONL record by byte offset (checked again: the file may have changed)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            raw = f.readline()
+        record = json.loads(raw.decode("utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path}: data file disappeared during the run") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}:{lineno}: record changed during the run ({e})") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{path}:{lineno}: record changed during the run")
+    return record
+
+
+def detect_format(record: dict) -> str | None:
+    if "messages" in record:
+        return "chat"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    if "text" in record:
+        return "text"
+    return None
+
+
+def check_record(record: dict, fmt: str, where: str) -> None:
+    """Raise a UserError naming `where` (file:line) if the record does not fit `fmt`."""
+
+    def need_str(key, allow_empty=False):
+        value = record.get(key)
+        if value is None:
+            raise UserError(f"{where}: missing field {key!r} for {fmt} format")
+        if not isinstance(value, str):
+            raise UserError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
+        if not allow_empty and not value.strip():
+            raise UserError(f"{where}: field {key!r} is empty")
+
+    if fmt == "alpaca":
+        need_str("instruction")
+        need_str("output")
+        if record.get("input") is not None:
+            need_str("input", allow_empty=True)
+    elif fmt == "text":
+        need_str("text")
+    elif fmt == "chat":
+        messages = record.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise UserError(f"{where}: field 'messages' must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise UserError(f"{where}: messages[{i}] must be an object with role and content")
+            if m.get("role") not in ROLES:
+                raise UserError(f"{where}: messages[{i}] has unknown role {m.get('role')!r} "
+                                f"(expected {', '.join(ROLES)})")
+            if not isinstance(m.get("content"), str):
+                raise UserError(f"{where}: messages[{i}].content must be a string")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise UserError(f"{where}: no assistant message to learn from")
+    else:
+        raise UserError(f"{where}: unknown format {fmt!r}")
+
+
+def alpaca_messages(record: dict) -> list[dict]:
+    user = record["instruction"]
+    if record.get("input"):
+        user = f"{user}\n\n{record['input']}"
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": record["output"]}]
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    """The model's chat template (sandboxed Jinja inside transformers), or a plain fallback."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    text = "".join(f"### {m['role'].capitalize()}:\n{m['content']}\n\n" for m in messages)
+    return text + ("### Assistant:\n" if add_generation_prompt else "")
+
+
+def chat_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Full conversation text and the character spans of the assistant turns (the targets).
+
+    Each turn's span runs from the end of the prompt rendered up to it (with the generation
+    prompt) to the end of the conversation rendered through it, so it includes the template's
+    end-of-turn token: the model learns to stop.
+    """
+    full = render_chat(tokenizer, messages, add_generation_prompt=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = render_chat(tokenizer, messages[:i], add_generation_prompt=True)
+        upto = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if not (full.startswith(upto) and upto.startswith(prompt)):
+            spans = []  # the template rewrites history (e.g. strips reasoning): last turn only
+            break
+        spans.append((len(prompt), len(upto)))
+    if not spans:
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompt = render_chat(tokenizer, messages[:last], add_generation_prompt=True)
+        full = render_chat(tokenizer, messages[: last + 1], add_generation_prompt=False)
+        if not full.startswith(prompt):
+            raise UserError("the chat template does not render the prompt as a prefix of the conversation")
+        spans = [(len(prompt), len(full))]
+    return full, spans
+
+
+def encode_record(record: dict, fmt: str, tokenizer, max_length: int, train_on_inputs: bool) -> Encoded:
+    """Token ids and loss mask for one record (format already checked)."""
+    if fmt == "text":
+        ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            ids = ids + [tokenizer.eos_token_id]
+        mask = [True] * len(ids)
+    else:
+        if fmt == "alpaca" and not getattr(tokenizer, "chat_template", None):
+            template = ALPACA_PROMPT_INPUT if record.get("input") else ALPACA_PROMPT
+            prompt = template.format(instruction=record["instruction"], input=record.get("input", ""))
+            eos = tokenizer.eos_token or ""
+            text, spans = prompt + record["output"] + eos, [(len(prompt), len(prompt) + len(record["output"]) + len(eos))]
+        else:
+            messages = alpaca_messages(record) if fmt == "alpaca" else record["messages"]
+            text, spans = chat_spans(tokenizer, messages)
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        # A token is a target when it starts inside an assistant span.
+        mask = [train_on_inputs or any(a <= start < b for a, b in spans) for start, _ in enc["offset_mapping"]]
+    truncated = len(ids) > max_length
+    return Encoded(ids[:max_length], mask[:max_length], truncated)

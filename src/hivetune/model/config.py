@@ -1,0 +1,144 @@
+"""Architecture description of a Llama-family decoder, read from HF config.json or GGUF metadata.
+
+One dataclass covers Llama 2/3 (incl. llama3 rope scaling), Qwen2/2.5 (qkv bias), Qwen3
+(q/k RMSNorm), Mistral and SmolLM2: they differ only in the fields below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hivetune.errors import UserError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelArgs:
+    """Shape and numerics of a decoder; field names follow HF's config.json where one exists."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor": ..., ...} or None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q, k, v (Qwen2 always; Llama when set)
+    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
+    rope_freq_factors: list[float] | None = None  # GGUF's rope_freqs tensor: inv_freq / factor
+    model_type: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    extra: dict = field(default_factory=dict, repr=False)  # the source config, kept for export
+
+    def __post_init__(self):
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UserError(
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def linear_weight_count(self) -> int:
+        """Parameters of all matmul weights incl. the LM head: N in the 6N / 4N FLOP rules."""
+        h, hd = self.hidden_size, self.head_dim
+        attn = h * hd * (self.num_attention_heads * 2 + self.num_key_value_heads * 2)
+        mlp = 3 * h * self.intermediate_size
+        return self.num_hidden_layers * (attn + mlp) + self.vocab_size * h
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict, source: str = "config.json") -> "ModelArgs":
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UserError(
+                f"{source}: model_type {model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in cfg]
+        if missing:
+            raise UserError(f"{source}: missing keys {', '.join(missing)}")
+        # transformers >= 5 moved rope_theta and rope_scaling into rope_parameters.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise UserError(f"{source}: rope type {rope_type!r} is not supported (default, llama3)")
+        rope_scaling = rope if rope_type == "llama3" else None
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            head_dim=cfg.get("head_dim") or 0,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            model_type=model_type,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+            extra=dict(cfg),
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "ModelArgs":
+        path = Path(path)
+        try:
+            cfg = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(f"{path}: not found") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"{path}: not a readable JSON config ({e})") from None
+        if not isinstance(cfg, dict):
+            raise UserError(f"{path}: expected a JSON object")
+        return cls.from_hf_dict(cfg, source=str(path))
+
+    def to_hf_dict(self) -> dict:
+        """A config.json that transformers reads back to the same architecture."""
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
+        out = {k: v for k, v in self.extra.items() if k not in ("rope_parameters",)}
+        out.update(
+            architectures=[arch],
+            model_type=self.model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            hidden_act="silu",
+        )
+        if self.model_type == "llama":
+            out["attention_bias"] = self.attention_bias
+        if self.bos_token_id is not None:
+            out["bos_token_id"] = self.bos_token_id
+        if self.eos_token_id is not None:
+            out["eos_token_id"] = self.eos_token_id
+        return out
+
+    def replace(self, **changes) -> "ModelArgs":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,188 @@
+"""A compact Llama-family decoder whose parameter names equal transformers' own.
+
+Same names mean HF safetensors load with no renaming and PEFT adapter keys are
+``base_model.model.<our module name>.lora_A.weight``. The forward returns the final hidden
+states; the LM head is applied by the caller, so training can project only the positions
+that carry a loss (see ``hivetune.ops.loss``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from hivetune.model.config import ModelArgs
+from hivetune.ops.attention import causal_attention
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), the statistic taken in fp32 as transformers does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/d), with Llama 3's piecewise long-context scaling."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if args.rope_freq_factors is not None:  # llama.cpp stores Llama 3 scaling precomputed
+        return inv_freq / torch.tensor(args.rope_freq_factors, dtype=torch.float32)
+    s = args.rope_scaling
+    if not s:
+        return inv_freq
+    factor = s["factor"]
+    low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, and the band
+    # between is interpolated linearly in old_len / wavelen.
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype):
+    """cos, sin of shape [B, T, D] for rotate-half RoPE; angles computed in fp32."""
+    angles = position_ids[..., None].float() * inv_freq.to(position_ids.device)
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, T, D]; rotate-half form: x*cos + [-x2, x1]*sin."""
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        h, hd = args.hidden_size, args.head_dim
+        self.n_heads, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, hd
+        self.layer_idx = layer_idx
+        self.q_proj = nn.Linear(h, self.n_heads * hd, bias=args.attention_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * hd, bias=args.attention_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * hd, bias=args.attention_bias)
+        # Qwen2 puts a bias on q, k, v only; Llama / Qwen3 with attention_bias on all four.
+        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=args.attention_bias and args.model_type != "qwen2")
+        if args.qk_norm:
+            self.q_norm = RMSNorm(hd, args.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, args.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, layout=None, cache=None):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.append(self.layer_idx, k, v)
+        out = causal_attention(q, k, v, layout)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer_idx)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, layout=None, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Llama-family decoder. ``forward`` gives final hidden states; ``logits`` applies the head."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = DecoderBody(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.gradient_checkpointing = False
+
+    def forward(self, input_ids, position_ids=None, layout=None, cache=None) -> torch.Tensor:
+        """input_ids, position_ids: [B, T] -> hidden states [B, T, hidden] after the final norm."""
+        if position_ids is None:
+            start = cache.length if cache is not None else 0
+            position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+            position_ids = position_ids[None].expand(input_ids.shape[0], -1)
+        x = self.model.embed_tokens(input_ids)
+        # Under autocast the layer outputs are in the autocast dtype, so RoPE tables follow it.
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        cos, sin = rope_cos_sin(self.inv_freq, position_ids, dtype)
+        for layer in self.model.layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, layout, None, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, layout, cache)
+        if cache is not None:
+            cache.length += input_ids.shape[1]
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+class KVCache:
+    """Preallocated keys and values [B, KVH, max_len, D] per layer; ``length`` tokens are filled."""
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, device, dtype):
+        shape = (batch, args.num_key_value_heads, max_len, args.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_hidden_layers)]
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]

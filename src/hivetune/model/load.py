@@ -1,0 +1,225 @@
+"""Load a decoder from an HF folder (config.json + safetensors, sharded or not) or a GGUF file.
+
+Weights go straight into the requested dtype: the model is built on the meta device and each
+tensor is assigned once, so a bf16 run never holds an fp32 copy of the base.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hivetune.errors import UserError
+from hivetune.model.config import ModelArgs
+from hivetune.model.decoder import CausalLM, rope_inv_freq
+
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# llama.cpp's converter permutes q/k rows of these architectures for its interleaved RoPE.
+GGUF_PERMUTED_ARCHS = ("llama", "mistral")
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).lower().endswith(".gguf")
+
+
+def load_args(path: str | Path) -> ModelArgs:
+    """Architecture only, no weights read: a folder, its config.json, or a GGUF file."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: model path not found")
+    if is_gguf(path):
+        return gguf_args(open_gguf(path))
+    if path.is_dir():
+        path = path / "config.json"
+    return ModelArgs.from_json_file(path)
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
+    """Build the decoder and fill it from `path`; parameters frozen, in `dtype`, on `device`."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: model path not found")
+    if is_gguf(path):
+        reader = open_gguf(path)
+        args = gguf_args(reader)
+        tensors = gguf_state_dict(reader, args)
+    else:
+        if not path.is_dir():
+            raise UserError(f"{path}: expected an HF model folder or a .gguf file")
+        args = ModelArgs.from_json_file(path / "config.json")
+        tensors = safetensors_state_dict(path)
+    return build_model(args, tensors, dtype, device, source=str(path))
+
+
+def build_model(args: ModelArgs, tensors, dtype, device, source: str) -> CausalLM:
+    """tensors: iterable of (HF name, tensor). Checks names and shapes against the architecture."""
+    with torch.device("meta"):
+        model = CausalLM(args)
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    seen = set()
+    for name, tensor in tensors:
+        if name not in expected:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            raise UserError(f"{source}: unexpected tensor {name!r} for a {args.model_type} model")
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise UserError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, "
+                            f"config.json implies {tuple(expected[name])}")
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        value = tensor.to(device=device, dtype=dtype)
+        setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
+        seen.add(name)
+    missing = set(expected) - seen
+    if args.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if missing:
+        raise UserError(f"{source}: missing tensors: {', '.join(sorted(missing)[:5])}"
+                        + (" ..." if len(missing) > 5 else ""))
+    model.inv_freq = rope_inv_freq(args).to(device)
+    return model
+
+
+def safetensors_state_dict(folder: Path):
+    from safetensors import safe_open
+    from safetensors import SafetensorError
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise UserError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{folder}: no *.safetensors weights")
+    for name in files:
+        file = folder / name
+        if not file.exists():
+            raise UserError(f"{file}: listed in the index but missing")
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{file}: unreadable safetensors ({e})") from None
+
+
+def open_gguf(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError, struct errors, IndexError ...
+        raise UserError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def gguf_field(reader, key, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def gguf_args(reader) -> ModelArgs:
+    arch = gguf_field(reader, "general.architecture")
+    model_type = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(arch)
+    source = str(reader.data.filename) if hasattr(reader.data, "filename") else "GGUF"
+    if model_type is None:
+        raise UserError(f"{source}: GGUF architecture {arch!r} is not supported (llama, mistral, qwen2, qwen3)")
+
+    def key(name, default=None):
+        return gguf_field(reader, f"{arch}.{name}", default)
+
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = key("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    names = {t.name for t in reader.tensors}
+    factors = None
+    if "rope_freqs.weight" in names:
+        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        factors = [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+    cfg = {
+        "model_type": model_type,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length") or (hidden // heads if hidden and heads else None),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": key("rope.freq_base", 10000.0),
+        "max_position_embeddings": key("context_length", 4096),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    args = ModelArgs.from_hf_dict(cfg, source=source)
+    args.rope_freq_factors = factors
+    return args
+
+
+def gguf_state_dict(reader, args: ModelArgs):
+    """(HF name, fp32 tensor) pairs: dequantised, llama.cpp's q/k row permutation undone."""
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        name = gguf_to_hf_name(t.name)
+        shape = tuple(int(x) for x in reversed(t.shape))  # ggml lists dims innermost first
+        array = dequantize(t.data, t.tensor_type).reshape(shape)
+        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        if args.model_type in GGUF_PERMUTED_ARCHS:
+            if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
+                tensor = unpermute_rope_rows(tensor, args.num_attention_heads)
+            elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
+                tensor = unpermute_rope_rows(tensor, args.num_key_value_heads)
+        yield name, tensor
+
+
+def gguf_to_hf_name(name: str) -> str:
+    if name in GGUF_TOP_NAMES:
+        return GGUF_TOP_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return name  # unknown: build_model reports it by name
+
+
+def permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """HF (rotate-half) row order -> llama.cpp (interleaved pairs) row order, per head."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of ``permute_rope_rows``."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

@@ -1,0 +1,223 @@
+"""LoRA: y = W x + (alpha / r) * B A dropout(x), saved and loaded in PEFT's format.
+
+Module names follow PEFT's (``q_proj.base_layer``, ``q_proj.lora_A``, ``q_proj.lora_B``), so an
+adapter key is ``base_model.model.<module>.lora_A.weight`` exactly as PEFT writes it and
+``peft.PeftModel.from_pretrained`` loads our adapters onto the transformers model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from hivetune.errors import UserError
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@dataclass
+class LoRASpec:
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    rslora: bool = False  # scale alpha / sqrt(r) instead of alpha / r (Kalajdzievski 2023)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.r) if self.rslora else self.r)
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear plus a trainable low-rank update; A in fp32, B zero-initialised."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float, rslora: bool,
+                 param_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.base_layer = base
+        device = base.weight.device
+        self.lora_A = nn.Linear(base.in_features, r, bias=False, device=device, dtype=param_dtype)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False, device=device, dtype=param_dtype)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.scaling = alpha / (math.sqrt(r) if rslora else r)
+        self.enabled = True  # False: behave as the base layer (A/B against the base model)
+        # PEFT's default init: A ~ kaiming_uniform(a=sqrt(5)), B = 0, so the update starts at 0.
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    @property
+    def in_features(self) -> int:
+        return self.base_layer.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base_layer.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        if not self.enabled:
+            return y
+        a = self.lora_A(self.lora_dropout(x).to(self._compute_dtype(x)))
+        return y + (self.lora_B(a) * self.scaling).to(y.dtype)
+
+    def _compute_dtype(self, x):
+        # Under autocast the matmul casts for us; without it, run the update in A's dtype.
+        return x.dtype if torch.is_autocast_enabled(x.device.type) else self.lora_A.weight.dtype
+
+    def merged_weight(self) -> torch.Tensor:
+        """W + scaling * B A in fp32 (for export)."""
+        delta = self.lora_B.weight.float() @ self.lora_A.weight.float()
+        return self.base_layer.weight.float() + self.scaling * delta
+
+
+def target_names(model: nn.Module) -> list[str]:
+    """Short names of the linear layers LoRA can target, e.g. q_proj ... down_proj."""
+    names = {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    names.discard("lm_head")
+    return sorted(names)
+
+
+def apply_lora(model: nn.Module, spec: LoRASpec, param_dtype=torch.float32) -> list[str]:
+    """Swap each targeted nn.Linear for a LoRALinear; freeze everything else. Returns the names."""
+    valid = target_names(model)
+    unknown = [t for t in spec.targets if t not in valid]
+    if unknown:
+        raise UserError(f"lora.targets: {', '.join(unknown)} matches no module "
+                        f"(valid: {', '.join(valid)})")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    wrapped = []
+    for name, module in list(model.named_modules()):
+        short = name.rpartition(".")[2]
+        if short in spec.targets and isinstance(module, nn.Linear) and name != "lm_head":
+            parent = model.get_submodule(name.rpartition(".")[0])
+            setattr(parent, short, LoRALinear(module, spec.r, spec.alpha, spec.dropout,
+                                              spec.rslora, param_dtype))
+            wrapped.append(name)
+    return wrapped
+
+
+def lora_modules(model: nn.Module):
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+@contextmanager
+def lora_enabled(model: nn.Module, enabled: bool):
+    """Temporarily switch every LoRA update on or off."""
+    modules = [m for _, m in lora_modules(model)]
+    before = [m.enabled for m in modules]
+    for m in modules:
+        m.enabled = enabled
+    try:
+        yield
+    finally:
+        for m, b in zip(modules, before):
+            m.enabled = b
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for _, m in lora_modules(model) for p in (m.lora_A.weight, m.lora_B.weight)]
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """PEFT key names: base_model.model.<module>.lora_A.weight."""
+    out = {}
+    for name, m in lora_modules(model):
+        out[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.weight.detach().contiguous().cpu()
+        out[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.weight.detach().contiguous().cpu()
+    return out
+
+
+def peft_config(spec: LoRASpec, base_model_path: str, model_type: str) -> dict:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_path,
+        "r": spec.r,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": sorted(spec.targets),
+        "use_rslora": spec.rslora,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "revision": None,
+        "hivetune": {"model_type": model_type},
+    }
+
+
+def save_adapter(model: nn.Module, spec: LoRASpec, folder: Path, base_model_path: str) -> None:
+    """Write adapter_config.json + adapter_model.safetensors (PEFT format) into `folder`.
+
+    Each file goes to a temporary name first and is renamed into place, so a crash never
+    leaves a half-written adapter under the final name.
+    """
+    from safetensors.torch import save_file
+
+    from hivetune.fileio import atomic_write_bytes, atomic_write_with
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = lora_state_dict(model)
+    atomic_write_with(folder / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, str(tmp), {"format": "pt"}))
+    cfg = peft_config(spec, base_model_path, getattr(model, "args", None) and model.args.model_type)
+    atomic_write_bytes(folder / ADAPTER_CONFIG, json.dumps(cfg, indent=2).encode())
+
+
+def read_adapter_spec(folder: Path) -> LoRASpec:
+    path = Path(folder) / ADAPTER_CONFIG
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: not found (is {folder} a run folder or adapter folder?)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: unreadable adapter config ({e})") from None
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"{path}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    targets = cfg.get("target_modules") or list(DEFAULT_TARGETS)
+    if isinstance(targets, str):
+        raise UserError(f"{path}: target_modules as a regex is not supported; list the names")
+    return LoRASpec(r=int(cfg["r"]), alpha=float(cfg.get("lora_alpha", cfg["r"])), dropout=0.0,
+                    targets=tuple(targets), rslora=bool(cfg.get("use_rslora", False)))
+
+
+def load_adapter(model: nn.Module, folder: str | Path, param_dtype=torch.float32) -> LoRASpec:
+    """Apply LoRA to `model` as the adapter in `folder` describes and load its weights."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    spec = read_adapter_spec(folder)
+    apply_lora(model, spec, param_dtype)
+    path = folder / ADAPTER_WEIGHTS
+    try:
+        tensors = load_file(str(path))
+    except FileNotFoundError:
+        raise UserError(f"{path}: not found") from None
+    except Exception as e:
+        raise UserError(f"{path}: unreadable adapter weights ({e})") from None
+    params = {}
+    for name, m in lora_modules(model):
+        params[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.weight
+        params[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.weight
+    # PEFT sometimes writes the adapter name into keys (lora_A.default.weight): accept both.
+    tensors = {k.replace(".default.weight", ".weight"): v for k, v in tensors.items()}
+    missing = set(params) - set(tensors)
+    if missing:
+        raise UserError(f"{path}: missing {len(missing)} LoRA tensors, e.g. {sorted(missing)[0]}")
+    with torch.no_grad():
+        for key, p in params.items():
+            t = tensors[key]
+            if t.shape != p.shape:
+                raise UserError(f"{path}: {key} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+            p.copy_(t)
+    return spec

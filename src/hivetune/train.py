@@ -1,0 +1,344 @@
+"""LoRA fine-tuning: ``setup`` builds everything, ``fit`` is one loop read top to bottom.
+
+Loss normalisation: every micro-batch's summed token loss is divided by the number of target
+tokens of the whole optimizer step (known on the host from the dataset index), so gradient
+accumulation gives exactly the gradient of the mean over the step's target tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from hivetune.config import TrainConfig, save_config
+from hivetune.data.batch import collate_packed, collate_padded
+from hivetune.data.dataset import DatasetIndex, index_dataset, load_example, plan_steps
+from hivetune.device import DTYPES, peak_memory_bytes, resolve_device, resolve_precision, set_threads
+from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
+from hivetune.errors import UserError
+from hivetune.fileio import atomic_write_bytes
+from hivetune.model.decoder import CausalLM
+from hivetune.model.load import load_args, load_model
+from hivetune.model.lora import LoRASpec, apply_lora, lora_parameters, save_adapter
+from hivetune.model.tokenizer import load_tokenizer
+from hivetune.ops.loss import target_loss_sum
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built by ``setup``."""
+
+    cfg: TrainConfig
+    folder: Path
+    model_path: Path
+    device: torch.device
+    precision: str
+    tokenizer: object
+    data: DatasetIndex
+    model: CausalLM
+    spec: LoRASpec
+    steps: list[list[int]]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler | None
+    val_path: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainResult:
+    folder: Path
+    adapter: Path
+    steps: int
+    final_loss: float
+    tokens_per_s: float
+    seconds: float
+    peak_memory_bytes: int
+    samples: list[dict] = field(default_factory=list)  # held-out answers, base vs tuned
+
+
+def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
+    """Multiplier of the peak lr at a step: linear warmup, then cosine / linear decay or constant."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+        return min_ratio + (1 - min_ratio) * decay
+
+    return f
+
+
+def new_run_folder(cfg: TrainConfig) -> Path:
+    if cfg.output_dir:
+        folder = Path(cfg.output_dir)
+        if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+            raise UserError(f"output_dir: {folder} already exists and is not empty; choose another")
+        return folder
+    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def setup(cfg: TrainConfig) -> Run:
+    """Resolve paths, read and check data, load the model, add LoRA; then create the run folder.
+
+    The folder is created last, so bad input leaves nothing behind.
+    """
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    set_threads(cfg.threads)
+    model_path = Path(cfg.model) if cfg.model else embedded_model_path()
+    data_path = Path(cfg.data) if cfg.data else default_train_data()
+    val_path = Path(cfg.val_data) if cfg.val_data else (default_heldout_data() if not cfg.data else None)
+    if val_path is not None and not val_path.exists():
+        raise UserError(f"val_data: {val_path} not found")
+    folder = new_run_folder(cfg)
+    args = load_args(model_path)  # architecture only: cheap, catches a bad model early
+    if cfg.max_length > args.max_position_embeddings:
+        raise UserError(f"max_length: {cfg.max_length} exceeds the model's context "
+                        f"({args.max_position_embeddings})")
+    device = resolve_device(cfg.device)
+    precision = resolve_precision(cfg.precision, device)
+    tokenizer = load_tokenizer(str(model_path))
+    if len(tokenizer) > args.vocab_size:
+        raise UserError(f"{model_path}: tokenizer has {len(tokenizer)} tokens, more than the model's "
+                        f"vocab_size {args.vocab_size}")
+    data = index_dataset(data_path, cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
+
+    # fp16 / bf16 runs keep the frozen base in half precision; only LoRA is fp32.
+    model = load_model(model_path, dtype=DTYPES[precision], device=device)
+    spec = LoRASpec(cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.targets), cfg.lora.rslora)
+    torch.manual_seed(cfg.seed)  # LoRA init independent of anything loaded before
+    apply_lora(model, spec, param_dtype=torch.float32)
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+
+    per_step = cfg.batch_size * cfg.grad_accum
+    steps = plan_steps(len(data), per_step, cfg.epochs, cfg.max_steps, cfg.seed)
+    params = lora_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  fused=device.type == "cuda")
+    warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, round(0.03 * len(steps)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(cfg.schedule, warmup, len(steps), cfg.min_lr_ratio))
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, folder / "config.yaml")
+    notes = []
+    if data.truncated:
+        notes.append(f"{data.truncated} examples truncated to max_length={cfg.max_length}")
+    if data.skipped_no_target:
+        notes.append(f"{data.skipped_no_target} examples skipped: no response token within max_length")
+    return Run(cfg, folder, model_path, device, precision, tokenizer, data, model, spec, steps,
+               optimizer, scheduler, scaler, val_path, notes)
+
+
+def micro_batches(run: Run, example_ids: list[int]):
+    """Tokenise the step's examples and cut them into grad_accum micro-batches."""
+    cfg = run.cfg
+    examples = [load_example(run.data, i, run.tokenizer, cfg.max_length, cfg.train_on_inputs)
+                for i in example_ids]
+    pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
+    for start in range(0, len(examples), cfg.batch_size):
+        chunk = examples[start:start + cfg.batch_size]
+        yield collate_packed(chunk, pad_id=pad) if cfg.packing else collate_padded(chunk, pad)
+
+
+def autocast(run: Run):
+    if run.precision == "fp32":
+        return nullcontext()
+    return torch.autocast(run.device.type, dtype=DTYPES[run.precision])
+
+
+def fit(run: Run, progress: bool = True) -> TrainResult:
+    """The training loop: forward, loss, backward, clip, step, log, checkpoint."""
+    cfg, model, device = run.cfg, run.model, run.device
+    params = lora_parameters(model)
+    metrics_file = open(run.folder / "metrics.jsonl", "a")
+    model.train()
+    bar = _progress_bar(len(run.steps), progress)
+    tokens_done, samples_done, loss_ema = 0, 0, None
+    t_start = t_log = time.perf_counter()
+    tokens_since_log = samples_since_log = 0
+    total_examples = len(run.data)
+    final_loss = float("nan")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    for step, example_ids in enumerate(run.steps):
+        n_targets = sum(run.data.n_targets[i] for i in example_ids)
+        step_loss = torch.zeros((), device=device)
+        step_tokens = 0
+        for batch in micro_batches(run, example_ids):
+            batch = batch.to(device)
+            with autocast(run):
+                hidden = model(batch.input_ids, batch.position_ids, batch.layout)
+                loss_sum = target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+            loss = loss_sum / n_targets
+            (run.scaler.scale(loss) if run.scaler else loss).backward()
+            step_loss += loss.detach()
+            step_tokens += batch.n_tokens
+
+        if run.scaler:
+            run.scaler.unscale_(run.optimizer)
+        if cfg.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        else:
+            grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+        lr = run.scheduler.get_last_lr()[0]
+        if run.scaler:
+            run.scaler.step(run.optimizer)
+            run.scaler.update()
+        else:
+            run.optimizer.step()
+        run.scheduler.step()
+        run.optimizer.zero_grad(set_to_none=True)
+
+        tokens_done += step_tokens
+        samples_done += len(example_ids)
+        tokens_since_log += step_tokens
+        samples_since_log += len(example_ids)
+        if (step + 1) % cfg.log_every == 0 or step + 1 == len(run.steps):
+            final_loss = float(step_loss)
+            now = time.perf_counter()
+            elapsed = max(now - t_log, 1e-9)
+            record = {
+                "step": step + 1,
+                "epoch": round(samples_done / total_examples, 4),
+                "loss": round(final_loss, 6),
+                "lr": lr,
+                "grad_norm": round(float(grad_norm), 6),
+                "tokens_per_s": round(tokens_since_log / elapsed, 1),
+                "samples_per_s": round(samples_since_log / elapsed, 3),
+                "peak_memory_bytes": peak_memory_bytes(device),
+                "elapsed_s": round(now - t_start, 3),
+            }
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            loss_ema = final_loss if loss_ema is None else 0.9 * loss_ema + 0.1 * final_loss
+            bar.update(step + 1, loss_ema, record["tokens_per_s"])
+            t_log, tokens_since_log, samples_since_log = now, 0, 0
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < len(run.steps):
+            save_checkpoint(run, step + 1)
+
+    seconds = time.perf_counter() - t_start
+    bar.close()
+    metrics_file.close()
+    adapter = run.folder / "adapter"
+    save_adapter(model, run.spec, adapter, str(run.model_path))
+    return TrainResult(run.folder, adapter, len(run.steps), final_loss, tokens_done / max(seconds, 1e-9),
+                       seconds, peak_memory_bytes(device))
+
+
+def save_checkpoint(run: Run, step: int) -> Path:
+    """checkpoints/step-N/: the adapter plus optimizer and scheduler state; keeps the last K."""
+    root = run.folder / "checkpoints"
+    folder = root / f"step-{step:06d}"
+    save_adapter(run.model, run.spec, folder, str(run.model_path))
+    state = {"step": step, "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict()}
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    atomic_write_bytes(folder / "trainer_state.pt", buffer.getvalue())
+    old = sorted(p for p in root.iterdir() if p.name.startswith("step-"))
+    for stale in old[: max(0, len(old) - run.cfg.keep_checkpoints)]:
+        for f in stale.iterdir():
+            f.unlink()
+        stale.rmdir()
+    return folder
+
+
+class _progress_bar:
+    """One line on stderr: step, loss, tokens/s and ETA; silent when not wanted."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.t0 = total, enabled, time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self.last_print = 0.0
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if not self.tty and now - self.last_print < 10 and step != self.total:
+            return
+        self.last_print = now
+        elapsed = now - self.t0
+        eta = elapsed / step * (self.total - step)
+        width = 24
+        filled = int(width * step / self.total)
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total}  loss {loss:.4f}  "
+                f"{tokens_per_s:,.0f} tok/s  ETA {_fmt_s(eta)}")
+        sys.stderr.write(("\r" + line) if self.tty else line + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            sys.stderr.write("\n")
+
+
+def _fmt_s(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def answer_heldout(run: Run, n: int, max_new_tokens: int) -> list[dict]:
+    """The first n held-out questions answered by the base (LoRA off) and the tuned model."""
+    from hivetune.data.formats import alpaca_messages, check_record, detect_format, iter_records
+    from hivetune.generate import generate_text
+    from hivetune.model.lora import lora_enabled
+
+    if run.val_path is None or n == 0:
+        return []
+    questions = []
+    for line, _, record in iter_records(run.val_path):
+        fmt = detect_format(record)
+        check_record(record, fmt or "?", f"{run.val_path}:{line}")
+        if fmt == "alpaca":
+            messages = alpaca_messages(record)
+        elif fmt == "chat":
+            messages = record["messages"]
+        else:
+            continue
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        reference = next((m["content"] for m in messages[last_user:] if m["role"] == "assistant"), "")
+        questions.append((messages[last_user]["content"], reference))
+        if len(questions) == n:
+            break
+    run.model.eval()
+    prompts = [q for q, _ in questions]
+    with lora_enabled(run.model, False):
+        base = generate_text(run.model, run.tokenizer, prompts, max_new_tokens)
+    tuned = generate_text(run.model, run.tokenizer, prompts, max_new_tokens)
+    return [{"question": q, "reference": r, "base": b, "tuned": t}
+            for (q, r), b, t in zip(questions, base, tuned)]
+
+
+def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
+    """`hivetune train`: setup, fit, save; then answer held-out questions with base and tuned."""
+    run = setup(cfg)
+    for note in run.notes:
+        print(f"note: {note}", file=sys.stderr)
+    result = fit(run, progress)
+    result.samples = answer_heldout(run, cfg.eval_prompts, cfg.max_new_tokens)
+    summary = {
+        "adapter": str(result.adapter), "steps": result.steps, "final_loss": result.final_loss,
+        "tokens_per_s": round(result.tokens_per_s, 1), "train_seconds": round(result.seconds, 2),
+        "peak_memory_bytes": result.peak_memory_bytes, "device": str(run.device),
+        "precision": run.precision, "examples": len(run.data), "data_format": run.data.format,
+        "samples": result.samples,
+    }
+    atomic_write_bytes(run.folder / "summary.json", json.dumps(summary, indent=2).encode())
+    return result
