@@ -194,8 +194,12 @@ def gguf_state_dict(reader, args: ModelArgs):
             continue
         name = gguf_to_hf_name(t.name)
         shape = tuple(int(x) for x in reversed(t.shape))  # ggml lists dims innermost first
-        array = dequantize(t.data, t.tensor_type).reshape(shape)
-        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(dequantize(t.data, t.tensor_type).reshape(shape), dtype=np.float32)
+        if not array.flags.writeable:
+            # F32 tensors come back as views of the reader's read-only memory map: without a
+            # copy the parameters would alias the file and an in-place write would segfault.
+            array = array.copy()
+        tensor = torch.from_numpy(array)
         if args.model_type in GGUF_PERMUTED_ARCHS:
             if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
                 tensor = unpermute_rope_rows(tensor, args.num_attention_heads)
