@@ -21,6 +21,16 @@ FORMATS = ("auto", "alpaca", "chat", "text")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "linear", "constant")
 DEVICES = ("auto", "cpu", "cuda")
+# Names people bring from HF Trainer / PEFT / other tools, mapped to ours for "did you mean".
+KEY_ALIASES = {
+    "rank": "r", "lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout",
+    "target_modules": "targets", "use_rslora": "rslora", "learning_rate": "lr",
+    "num_epochs": "epochs", "num_train_epochs": "epochs", "per_device_train_batch_size": "batch_size",
+    "micro_batch_size": "batch_size", "gradient_accumulation_steps": "grad_accum",
+    "lr_scheduler_type": "schedule", "lr_scheduler": "schedule", "max_seq_length": "max_length",
+    "sequence_len": "max_length", "dataset": "data", "output": "output_dir", "bf16": "precision",
+    "fp16": "precision", "model_name_or_path": "model", "base_model": "model",
+}
 
 
 @dataclass
@@ -163,7 +173,8 @@ def _apply(obj, values: dict, prefix: str, errors: list[str]) -> None:
     for key, value in values.items():
         full = f"{prefix}{key}"
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
+            alias = KEY_ALIASES.get(str(key))
+            close = [alias] if alias in names else difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
             errors.append(f"{full}: unknown key{hint}")
             continue

@@ -137,7 +137,7 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def peft_config(spec: LoRASpec, base_model_path: str, model_type: str) -> dict:
+def peft_config(spec: LoRASpec, base_model_path: str) -> dict:
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -153,7 +153,6 @@ def peft_config(spec: LoRASpec, base_model_path: str, model_type: str) -> dict:
         "init_lora_weights": True,
         "modules_to_save": None,
         "revision": None,
-        "hivetune": {"model_type": model_type},
     }
 
 
@@ -170,7 +169,7 @@ def save_adapter(model: nn.Module, spec: LoRASpec, folder: Path, base_model_path
     folder.mkdir(parents=True, exist_ok=True)
     tensors = lora_state_dict(model)
     atomic_write_with(folder / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, str(tmp), {"format": "pt"}))
-    cfg = peft_config(spec, base_model_path, getattr(model, "args", None) and model.args.model_type)
+    cfg = peft_config(spec, base_model_path)
     atomic_write_bytes(folder / ADAPTER_CONFIG, json.dumps(cfg, indent=2).encode())
 
 

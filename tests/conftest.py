@@ -1,0 +1,86 @@
+"""Shared fixtures: a tiny byte-level BPE tokenizer with a ChatML template, tiny random models
+saved in HF format, and small datasets. Everything is built locally in seconds; no hub."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "How do I restart the nginx service? Run systemctl restart nginx as root.",
+    "Show the logs of sshd from the last hour with journalctl -u sshd --since '1 hour ago'.",
+    "List GPUs with nvidia-smi and rocm-smi; check podman run --device nvidia.com/gpu=all.",
+    "rpm-ostree status shows the deployments; bootc upgrade stages a new image.",
+    "The quick brown fox jumps over the lazy dog 0123456789 ```code``` `inline`",
+]
+
+os.environ.setdefault("HIVETUNE_CACHE", str(Path(__file__).parent / ".cache"))
+
+
+def build_tokenizer(folder: Path, vocab_size: int = 384) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token=None)
+    fast.chat_template = CHATML
+    fast.save_pretrained(str(folder))
+
+
+def build_tiny_model(folder: Path, model_type: str = "llama", vocab_size: int = 384, seed: int = 0, **overrides) -> None:
+    """A 2-layer, hidden-64 random model of the given family, saved as HF safetensors."""
+    import transformers
+
+    cls_name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[model_type]
+    config_cls = getattr(transformers, f"{cls_name}Config")
+    model_cls = getattr(transformers, f"{cls_name}ForCausalLM")
+    kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs))
+    model.save_pretrained(str(folder))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    build_tokenizer(folder)
+    build_tiny_model(folder)
+    return folder
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def ops_records(n: int) -> list[dict]:
+    services = ["nginx", "sshd", "redis", "podman", "httpd", "chronyd"]
+    out = []
+    for i in range(n):
+        svc = services[i % len(services)]
+        out.append({"instruction": f"How do I restart the {svc} service? ({i})", "input": "",
+                    "output": f"Run `systemctl restart {svc}` as root, then `systemctl status {svc}`."})
+    return out
+
+
+@pytest.fixture
+def alpaca_file(tmp_path) -> Path:
+    return write_jsonl(tmp_path / "train.jsonl", ops_records(24))
