@@ -27,7 +27,7 @@ class MicroBatch:
     def to(self, device) -> "MicroBatch":
         layout = self.layout
         if layout is not None:
-            layout = Packed(layout.cu_seqlens.to(device, non_blocking=True), layout.max_seqlen)
+            layout = Packed(layout.cu_seqlens.to(device, non_blocking=True), layout.max_seqlen, layout.lengths)
         return MicroBatch(self.input_ids.to(device, non_blocking=True),
                           self.position_ids.to(device, non_blocking=True),
                           self.target_index.to(device, non_blocking=True),
@@ -75,6 +75,7 @@ def collate_packed(examples: list[Encoded], pad_to_multiple: int = 1, pad_id: in
     if pad:  # padding forms its own segment past cu_seqlens[-1]; it is never a target
         ids += [pad_id] * pad
         positions += range(pad)
-    layout = Packed(torch.tensor(cu, dtype=torch.int32), max(len(e.ids) for e in examples))
+    lengths = tuple(len(e.ids) for e in examples) + ((pad,) if pad else ())
+    layout = Packed(torch.tensor(cu, dtype=torch.int32), max(len(e.ids) for e in examples), lengths)
     return MicroBatch(torch.tensor([ids]), torch.tensor([positions]), torch.tensor(index, dtype=torch.long),
                       torch.tensor(targets, dtype=torch.long), layout, len(examples), real)
