@@ -39,8 +39,8 @@ class LoRAConfig:
     """Rank of the update B A."""
     alpha: float = 32.0
     """Scale numerator: the update is multiplied by alpha / r (alpha / sqrt(r) with rslora)."""
-    dropout: float = 0.05
-    """Dropout on the LoRA input path during training."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input path during training (PEFT's default is 0 too)."""
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     """Short names of the linear layers to adapt; one that matches nothing is an error."""
     rslora: bool = False
@@ -242,10 +242,19 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
+DEFAULT_RECIPE = Path(__file__).parent / "recipes" / "default.yaml"
+
+
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> TrainConfig:
-    """YAML (optional) + overrides -> a validated TrainConfig; every problem in one UserError."""
+    """YAML (optional) + overrides -> a validated TrainConfig; every problem in one UserError.
+
+    With no file and neither model nor data given, the embedded default recipe is the base.
+    """
+    overrides = overrides or {}
+    if path is None and not overrides.get("model") and not overrides.get("data"):
+        path = DEFAULT_RECIPE
     values = read_yaml(path) if path else {}
-    values = merge(values, overrides or {})
+    values = merge(values, overrides)
     cfg = TrainConfig()
     errors: list[str] = []
     _apply(cfg, values, "", errors)

