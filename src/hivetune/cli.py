@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", action="store_true", help="raw continuation, no chat template")
     gen.add_argument("--device", default="auto")
     gen.add_argument("--precision", default="auto")
+    bench = sub.add_parser("bench", help="time the W1 / W2 workloads (random-init Qwen2.5 shapes)")
+    bench.add_argument("workload", nargs="?", default="W1", help="W1 | W2 | all")
+    bench.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: the full workload)")
+    bench.add_argument("--out", default="bench/results", help="folder for the JSON results")
+    bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="training config override, e.g. --set packing=false")
     return parser
 
 
@@ -127,7 +133,21 @@ def run_generate(ns) -> int:
     return 0
 
 
-COMMANDS = {"train": run_train, "generate": run_generate}
+def run_bench(ns) -> int:
+    from hivetune.bench import bench
+    from hivetune.config import parse_overrides
+
+    results = bench(ns.workload, ns.max_steps, ns.out, parse_overrides(ns.overrides))
+    for name, record in results.items():
+        h = record["hivetune"]
+        mfu = f", MFU {h['mfu']:.1%}" if h["mfu"] else ""
+        mem = f", peak {h['peak_memory_allocated_gib']:.2f} GiB" if h["peak_memory_allocated_gib"] else ""
+        print(f"{name}: {h['steps']} steps in {h['seconds']:.1f} s, {h['tokens_per_s']:,.0f} tokens/s{mfu}{mem} "
+              f"-> {record['path']}")
+    return 0
+
+
+COMMANDS = {"train": run_train, "generate": run_generate, "bench": run_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

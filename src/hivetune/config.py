@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,10 +156,14 @@ def _coerce(value, typ, key: str, errors: list[str]):
             errors.append(f"{key}: expected a number, got {value!r}")
             return None
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             errors.append(f"{key}: expected a number, got {value!r}")
             return None
+        if not math.isfinite(number):  # nan passes every `<= 0` check; inf epochs crash plan_steps
+            errors.append(f"{key}: expected a finite number, got {value!r}")
+            return None
+        return number
     if typ is str:
         if isinstance(value, (dict, list)):
             errors.append(f"{key}: expected a string, got {value!r}")
@@ -167,15 +172,32 @@ def _coerce(value, typ, key: str, errors: list[str]):
     raise AssertionError(f"unhandled type {typ}")
 
 
+def _suggest(obj, key: str, prefix: str) -> str:
+    """The full name of the key the user probably meant: exact alias, else the closest name or
+    alias (difflib), in this section or, from the top level, in a sub-section (lora_alpha)."""
+    spots = {}  # spelling -> full key
+    for f in dataclasses.fields(obj):
+        spots[f.name] = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(getattr(obj, f.name)):
+            for sub in dataclasses.fields(getattr(obj, f.name)):
+                spots.setdefault(sub.name, f"{prefix}{f.name}.{sub.name}")
+    for alias, target in KEY_ALIASES.items():
+        if target in spots:
+            spots.setdefault(alias, spots[target])
+    if key in spots:
+        return spots[key]
+    close = difflib.get_close_matches(key, list(spots), n=1)
+    return spots[close[0]] if close else ""
+
+
 def _apply(obj, values: dict, prefix: str, errors: list[str]) -> None:
     hints = typing.get_type_hints(type(obj))
     names = [f.name for f in dataclasses.fields(obj)]
     for key, value in values.items():
         full = f"{prefix}{key}"
         if key not in names:
-            alias = KEY_ALIASES.get(str(key))
-            close = [alias] if alias in names else difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            hint = _suggest(obj, str(key), prefix)
+            hint = f" (did you mean {hint}?)" if hint else ""
             errors.append(f"{full}: unknown key{hint}")
             continue
         typ = hints[key]

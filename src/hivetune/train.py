@@ -21,7 +21,7 @@ import torch
 
 from hivetune.config import TrainConfig, save_config
 from hivetune.data.batch import collate_packed, collate_padded
-from hivetune.data.dataset import DatasetIndex, index_dataset, load_example, plan_steps
+from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset, plan_steps
 from hivetune.device import DTYPES, peak_memory_bytes, resolve_device, resolve_precision, set_threads
 from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.errors import UserError
@@ -43,7 +43,7 @@ class Run:
     device: torch.device
     precision: str
     tokenizer: object
-    data: DatasetIndex
+    data: DatasetIndex | TokenizedExamples
     model: CausalLM
     spec: LoRASpec
     steps: list[list[int]]
@@ -52,6 +52,11 @@ class Run:
     scaler: torch.amp.GradScaler | None
     val_path: Path | None = None
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def pad_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return pad if pad is not None else 0
 
 
 @dataclass
@@ -118,6 +123,18 @@ def setup(cfg: TrainConfig) -> Run:
 
     # fp16 / bf16 runs keep the frozen base in half precision; only LoRA is fp32.
     model = load_model(model_path, dtype=DTYPES[precision], device=device)
+    run = assemble(cfg, model, data, tokenizer, device, precision, folder, model_path)
+    run.val_path = val_path
+    if data.truncated:
+        run.notes.append(f"{data.truncated} examples truncated to max_length={cfg.max_length}")
+    if data.skipped_no_target:
+        run.notes.append(f"{data.skipped_no_target} examples skipped: no response token within max_length")
+    return run
+
+
+def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.device, precision: str,
+             folder: Path, model_path: Path) -> Run:
+    """Add LoRA, plan the steps, build optimizer and schedule, create the run folder."""
     spec = LoRASpec(cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.targets), cfg.lora.rslora)
     torch.manual_seed(cfg.seed)  # LoRA init independent of anything loaded before
     apply_lora(model, spec, param_dtype=torch.float32)
@@ -135,21 +152,15 @@ def setup(cfg: TrainConfig) -> Run:
 
     folder.mkdir(parents=True, exist_ok=True)
     save_config(cfg, folder / "config.yaml")
-    notes = []
-    if data.truncated:
-        notes.append(f"{data.truncated} examples truncated to max_length={cfg.max_length}")
-    if data.skipped_no_target:
-        notes.append(f"{data.skipped_no_target} examples skipped: no response token within max_length")
     return Run(cfg, folder, model_path, device, precision, tokenizer, data, model, spec, steps,
-               optimizer, scheduler, scaler, val_path, notes)
+               optimizer, scheduler, scaler)
 
 
 def micro_batches(run: Run, example_ids: list[int]):
     """Tokenise the step's examples and cut them into grad_accum micro-batches."""
     cfg = run.cfg
-    examples = [load_example(run.data, i, run.tokenizer, cfg.max_length, cfg.train_on_inputs)
-                for i in example_ids]
-    pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
+    examples = [run.data.example(i) for i in example_ids]
+    pad = run.pad_id
     for start in range(0, len(examples), cfg.batch_size):
         chunk = examples[start:start + cfg.batch_size]
         yield collate_packed(chunk, pad_id=pad) if cfg.packing else collate_padded(chunk, pad)

@@ -28,9 +28,15 @@ class DatasetIndex:
     truncated: int = 0  # records cut to max_length
     skipped_no_target: int = 0  # records left with no loss token after truncation
     records: dict = field(default_factory=dict, repr=False)  # line -> record, for small files
+    encoding: tuple = field(default=(None, 0, False), repr=False)  # (tokenizer, max_length, train_on_inputs)
 
     def __len__(self) -> int:
         return len(self.lines)
+
+    def example(self, i: int) -> Encoded:
+        """Re-read and re-tokenise example i (same result as at indexing time)."""
+        tokenizer, max_length, train_on_inputs = self.encoding
+        return encode_record(read_record(self, i), self.format, tokenizer, max_length, train_on_inputs)
 
     @property
     def total_tokens(self) -> int:
@@ -43,7 +49,7 @@ def index_dataset(path: str | Path, fmt: str, tokenizer, max_length: int, train_
     path = Path(path)
     chosen = None if fmt == "auto" else fmt
     keep = path.is_file() and path.stat().st_size < keep_records_below
-    index = DatasetIndex(path, chosen or "", [], [], [], [])
+    index = DatasetIndex(path, chosen or "", [], [], [], [], encoding=(tokenizer, max_length, train_on_inputs))
     for line, offset, record in iter_records(path):
         where = f"{path}:{line}"
         if chosen is None:
@@ -81,6 +87,30 @@ def read_record(index: DatasetIndex, i: int) -> dict:
 
 def load_example(index: DatasetIndex, i: int, tokenizer, max_length: int, train_on_inputs: bool) -> Encoded:
     return encode_record(read_record(index, i), index.format, tokenizer, max_length, train_on_inputs)
+
+
+@dataclass
+class TokenizedExamples:
+    """Examples already as token ids (benchmarks, tests): the same interface as DatasetIndex."""
+
+    encoded: list[Encoded]
+    format: str = "tokens"
+    truncated: int = 0
+    skipped_no_target: int = 0
+
+    def __post_init__(self):
+        self.lengths = [len(e.ids) for e in self.encoded]
+        self.n_targets = [e.n_targets for e in self.encoded]
+
+    def __len__(self) -> int:
+        return len(self.encoded)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def example(self, i: int) -> Encoded:
+        return self.encoded[i]
 
 
 def example_order(n: int, seed: int, epoch: int) -> list[int]:

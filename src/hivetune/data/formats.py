@@ -42,7 +42,12 @@ def iter_records(path: str | Path):
     except OSError as e:
         raise UserError(f"{path}: unreadable data file ({e.strerror})") from None
     with f:
-        head = f.read(1 << 16).lstrip()
+        head = b""
+        while not head:  # the first non-blank bytes tell JSONL from a JSON array
+            chunk = f.read(1 << 16)
+            if not chunk:
+                break
+            head = chunk.lstrip()
         f.seek(0)
         if not head:
             raise UserError(f"{path}: data file is empty")
