@@ -7,6 +7,7 @@ same work anywhere. The clock covers the training loop only (model built, data m
 from __future__ import annotations
 
 import json
+import os
 import platform
 import random
 import subprocess
@@ -99,6 +100,9 @@ def peak_tflops(device) -> float | None:
 
 
 def git_commit() -> str:
+    """HEAD's short hash; HIVETUNE_COMMIT wins (the device gets the tree without .git)."""
+    if os.environ.get("HIVETUNE_COMMIT"):
+        return os.environ["HIVETUNE_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        cwd=Path(__file__).parent, stderr=subprocess.DEVNULL).strip()

@@ -28,8 +28,10 @@ def test_cuda_fp32_matches_cpu_fp32(tiny_model_dir, alpaca_file, tmp_path):
     cpu, _ = run_losses(tiny_model_dir, alpaca_file, tmp_path / "cpu", device="cpu", precision="fp32")
     gpu, run = run_losses(tiny_model_dir, alpaca_file, tmp_path / "gpu", device="cuda", precision="fp32")
     assert run.device.type == "cuda"
-    # TF32 is off by default for matmuls in torch; remaining differences are reduction order.
-    assert gpu == pytest.approx(cpu, rel=1e-4)
+    # The first loss is one forward pass: only reduction order differs. Later steps compound
+    # those differences through AdamW at lr 5e-3 (measured on an H200: 1.7e-3 relative by step 3).
+    assert gpu[0] == pytest.approx(cpu[0], rel=1e-5)
+    assert gpu == pytest.approx(cpu, rel=5e-3)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
