@@ -54,8 +54,21 @@ def hf_peft_run(run, steps: int, batch: int, out: Path) -> dict:
     from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
 
     transformers.logging.set_verbosity_error()
-    path = embedded_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    # HF Trainer refuses a model loaded from GGUF ("quantized ... does not support training"),
+    # so hand it the same dequantised fp32 weights as a plain safetensors folder.
+    from safetensors.torch import save_file
+
+    from hivetune.model.load import load_model
+
+    folder = out / "smollm2-fp32"
+    folder.mkdir(parents=True)
+    base = load_model(embedded_model_path(), dtype=torch.float32)
+    tensors = {k: v.contiguous() for k, v in base.state_dict().items()
+               if not (base.args.tie_word_embeddings and k == "lm_head.weight")}
+    save_file(tensors, str(folder / "model.safetensors"), {"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(base.args.to_hf_dict()))
+    del base
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
                                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
                                                              "gate_proj", "up_proj", "down_proj"]))

@@ -69,8 +69,8 @@ class LoRALinear(nn.Module):
             return y
         if dropped is None:
             dropped = self.lora_dropout(x)
-        a = self.lora_A(dropped.to(self._compute_dtype(x)))
-        return y + (self.lora_B(a) * self.scaling).to(y.dtype)
+        a = self.lora_A(dropped.to(self._compute_dtype(x))) * self.scaling  # scale the rank-r side
+        return add_low_rank(y, a, self.lora_B.weight)
 
     def _compute_dtype(self, x):
         # Under autocast the matmul casts for us; without it, run the update in A's dtype.
@@ -82,6 +82,15 @@ class LoRALinear(nn.Module):
         return self.base_layer.weight.float() + self.scaling * delta
 
 
+def add_low_rank(y: torch.Tensor, a: torch.Tensor, b_weight: torch.Tensor) -> torch.Tensor:
+    """y + a @ B^T as one addmm: the add rides in the matmul's epilogue, so no [T, out]
+    temporary is written and read again (y, a: [..., out], [..., r]; B: [out, r])."""
+    if not torch.is_autocast_enabled(y.device.type) and a.dtype != y.dtype:
+        a, b_weight = a.to(y.dtype), b_weight.to(y.dtype)  # e.g. fp32 LoRA on a bf16 base at eval
+    out = torch.addmm(y.reshape(-1, y.shape[-1]), a.reshape(-1, a.shape[-1]), b_weight.t())
+    return out.view(y.shape)
+
+
 def project_shared_input(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
     """Apply layers that all read x (q/k/v, or gate/up), drawing one LoRA dropout mask for all.
 
@@ -90,11 +99,19 @@ def project_shared_input(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tens
     sets: on the CPU, drawing masks costs more than the LoRA matmuls themselves.
     """
     lora = [m for m in layers if isinstance(m, LoRALinear) and m.enabled]
-    dropouts = {m.lora_dropout.p if isinstance(m.lora_dropout, nn.Dropout) else 0.0 for m in lora}
-    if len(lora) < 2 or len(dropouts) != 1 or not lora[0].training or dropouts == {0.0}:
+    if len(lora) < 2 or len(lora) != len(layers):
         return [m(x) for m in layers]
-    dropped = lora[0].lora_dropout(x)
-    return [m(x, dropped) if isinstance(m, LoRALinear) else m(x) for m in layers]
+    first = lora[0]
+    if any(m.scaling != first.scaling or m.lora_A.out_features != first.lora_A.out_features
+           or type(m.lora_dropout) is not type(first.lora_dropout)
+           or getattr(m.lora_dropout, "p", 0.0) != getattr(first.lora_dropout, "p", 0.0) for m in lora):
+        return [m(x) for m in layers]
+    # One A for all: x @ [A_q; A_k; A_v]^T is one [T, 3r] matmul instead of three [T, r] ones
+    # (forward and backward), then each B adds its own update onto its base output.
+    dropped = first.lora_dropout(x).to(first._compute_dtype(x))
+    a_all = torch.nn.functional.linear(dropped, torch.cat([m.lora_A.weight for m in lora])) * first.scaling
+    rank = first.lora_A.out_features
+    return [add_low_rank(m.base_layer(x), a, m.lora_B.weight) for m, a in zip(lora, a_all.split(rank, dim=-1))]
 
 
 def target_names(model: nn.Module) -> list[str]:
