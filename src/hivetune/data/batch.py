@@ -72,10 +72,11 @@ def collate_packed(examples: list[Encoded], pad_to_multiple: int = 1, pad_id: in
         cu.append(len(ids))
     real = len(ids)
     pad = -real % pad_to_multiple
-    if pad:  # padding forms its own segment past cu_seqlens[-1]; it is never a target
+    if pad:  # padding forms its own segment, attended only by itself; it is never a target
         ids += [pad_id] * pad
         positions += range(pad)
-    lengths = tuple(len(e.ids) for e in examples) + ((pad,) if pad else ())
-    layout = Packed(torch.tensor(cu, dtype=torch.int32), max(len(e.ids) for e in examples), lengths)
+        cu.append(len(ids))
+    lengths = tuple(b - a for a, b in zip(cu, cu[1:]))
+    layout = Packed(torch.tensor(cu, dtype=torch.int32), max(lengths), lengths)
     return MicroBatch(torch.tensor([ids]), torch.tensor([positions]), torch.tensor(index, dtype=torch.long),
                       torch.tensor(targets, dtype=torch.long), layout, len(examples), real)

@@ -65,8 +65,8 @@ def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torc
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, T, D]; rotate-half form: x*cos + [-x2, x1]*sin."""
-    cos, sin = cos[:, None], sin[:, None]
+    """x: [B, T, H, D]; rotate-half form: x*cos + [-x2, x1]*sin."""
+    cos, sin = cos[:, :, None], sin[:, :, None]
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -96,12 +96,9 @@ class Attention(nn.Module):
         v = v.view(b, t, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.append(self.layer_idx, k, v)
-        out = causal_attention(q, k, v, layout)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        out = causal_attention(q, k, v, layout, cache, self.layer_idx)  # [B, T, H, D] in and out
+        return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -185,6 +182,7 @@ class KVCache:
         self.length = 0
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """k, v: [B, KVH, T, D] new entries; returns everything cached so far for the layer."""
         end = self.length + k.shape[2]
         self.k[layer][:, :, self.length:end] = k
         self.v[layer][:, :, self.length:end] = v

@@ -11,10 +11,17 @@ Layouts:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# cuDNN's SDPA builds an execution plan per new shape: 2-2.5 ms of host time per call measured
+# on an H200 for W1's [8, 14, L, 64] (L changes every step), 35% of the step's host time.
+# Flash / memory-efficient kernels have no per-shape plan; math is the fallback everywhere.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -25,9 +32,9 @@ class Packed:
     ``max_seqlen`` the longest example (a Python int, so no host sync is needed).
     """
 
-    cu_seqlens: torch.Tensor
+    cu_seqlens: torch.Tensor  # [0, l0, l0+l1, ..., T]: every token, a trailing pad segment included
     max_seqlen: int
-    lengths: tuple[int, ...] = ()  # segment lengths on the host (incl. a trailing pad segment)
+    lengths: tuple[int, ...] = ()  # the same segment lengths, on the host
 
     def block_causal_mask(self, total: int) -> torch.Tensor:
         """[1, 1, T, T] bool: query i sees key j iff same example and j <= i."""
@@ -65,7 +72,7 @@ def padded_view_attention(q, k, v, lengths: tuple[int, ...]) -> torch.Tensor:
         # The CPU flash kernel's bf16 backward is ~3x slower than its fp32 one (measured on
         # [8, 9, 100, 64]: 29 ms vs 10 ms a layer); the casts cost far less.
         q, k, v = q.float(), k.float(), v.float()
-    with torch.autocast(q.device.type, enabled=False):  # else autocast casts back to bf16
+    with torch.autocast(q.device.type, enabled=False), sdpa_kernel(SDPA_BACKENDS):  # no autocast back to bf16
         out = F.scaled_dot_product_attention(to_padded(q), to_padded(k), to_padded(v), is_causal=True).to(dtype)
     out = out.transpose(0, 1).reshape(q.shape[1], e * width, q.shape[3]).index_select(1, scatter)
     return out[None]
@@ -94,27 +101,89 @@ def _padded_indices(lengths: tuple[int, ...], device):
     return hit
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout=None) -> torch.Tensor:
-    """q: [B, H, Q, D]; k, v: [B, KVH, K, D] with H a multiple of KVH (GQA). Returns [B, H, Q, D]."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout=None, cache=None,
+                     layer: int = 0) -> torch.Tensor:
+    """q: [B, T, H, D]; k, v: [B, T, KVH, D] with H a multiple of KVH (GQA). Returns [B, T, H, D].
+
+    Packed rows on a GPU with flash varlen attention go to it directly (no padding, no copies);
+    everything else takes the SDPA reference path in [B, H, T, D].
+    """
+    if isinstance(layout, Packed) and cache is None and varlen_supported(q):
+        return varlen_causal(q, k, v, layout)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if cache is not None:
+        k, v = cache.append(layer, k, v)
+    return sdpa_causal(q, k, v, layout).transpose(1, 2)
+
+
+def sdpa_causal(q, k, v, layout) -> torch.Tensor:
+    """The reference path: q [B, H, Q, D], k, v [B, KVH, K, D] -> [B, H, Q, D]."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
-        # enable_gqa avoids materialising repeated K/V on the kernels that support it; the
-        # math path on CPU does the same repeat internally, so the result is identical.
+        # Repeat K/V heads explicitly: SDPA's enable_gqa is not taken by every kernel and the
+        # result is identical.
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    if layout is None:
-        q_len, k_len = q.shape[2], k.shape[2]
-        if q_len == k_len or q_len == 1:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1)
-        # Queries are the last q_len positions of k_len (a chunk on top of a KV cache): SDPA's
-        # is_causal aligns the mask top-left, so build the bottom-right aligned one here.
-        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if isinstance(layout, Packed):
-        if layout.lengths and sum(layout.lengths) == q.shape[2]:
-            return padded_view_attention(q, k, v, layout.lengths)
-        mask = layout.block_causal_mask(q.shape[2])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if isinstance(layout, Masked):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask)
+    with sdpa_kernel(SDPA_BACKENDS):
+        if layout is None:
+            q_len, k_len = q.shape[2], k.shape[2]
+            if q_len == k_len or q_len == 1:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1)
+            # Queries are the last q_len positions of k_len (a chunk on top of a KV cache): SDPA's
+            # is_causal aligns the mask top-left, so build the bottom-right aligned one here.
+            mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if isinstance(layout, Packed):
+            if layout.lengths and sum(layout.lengths) == q.shape[2]:
+                return padded_view_attention(q, k, v, layout.lengths)
+            mask = layout.block_causal_mask(q.shape[2])
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if isinstance(layout, Masked):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask)
     raise TypeError(f"unknown attention layout {type(layout).__name__}")
+
+
+_VARLEN = None
+
+
+def _varlen_fn():
+    """torch.nn.attention.varlen.varlen_attn and how to ask it for causal + GQA, or None."""
+    global _VARLEN
+    if _VARLEN is None:
+        try:
+            import inspect
+
+            from torch.nn.attention.varlen import varlen_attn
+
+            params = inspect.signature(varlen_attn).parameters
+            _VARLEN = (varlen_attn, "is_causal" in params, "enable_gqa" in params)
+        except Exception:
+            _VARLEN = (None, False, False)
+    return _VARLEN
+
+
+def varlen_supported(q: torch.Tensor) -> bool:
+    if os.environ.get("HIVETUNE_ATTENTION") == "sdpa":  # force the reference path (tests, A/B)
+        return False
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[0] == 1
+            and _varlen_fn()[0] is not None)
+
+
+def varlen_causal(q, k, v, layout: Packed) -> torch.Tensor:
+    """Flash varlen attention over the examples of one packed row: [1, T, H, D] -> same."""
+    fn, has_is_causal, has_gqa = _varlen_fn()
+    q0, k0, v0 = q[0], k[0], v[0]
+    groups = q0.shape[1] // k0.shape[1]
+    kwargs = {}
+    if groups > 1:
+        if has_gqa:
+            kwargs["enable_gqa"] = True
+        else:
+            k0, v0 = k0.repeat_interleave(groups, dim=1), v0.repeat_interleave(groups, dim=1)
+    if has_is_causal:
+        kwargs["is_causal"] = True
+    else:
+        kwargs["window_size"] = (-1, 0)
+    cu = layout.cu_seqlens  # covers every token of the row, a trailing pad segment included
+    out = fn(q0, k0, v0, cu, cu, layout.max_seqlen, layout.max_seqlen, **kwargs)
+    return out[None]
