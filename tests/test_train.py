@@ -171,3 +171,13 @@ def test_existing_run_folder_is_refused_untouched(tiny_model_dir, alpaca_file, t
     assert capsys.readouterr().err.strip() == (
         f"hivetune: error: output_dir: {out} already exists and is not empty; choose another")
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_fused_loss_trains_like_reference_loss(tiny_model_dir, alpaca_file, tmp_path):
+    adapters = []
+    for fused in (True, False):
+        run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / f"run-{fused}", fused_loss=fused))
+        fit(run, progress=False)
+        adapters.append(lora_state_dict(run.model))
+    for key, value in adapters[0].items():
+        assert torch.allclose(value, adapters[1][key], atol=1e-6, rtol=1e-5), key

@@ -90,6 +90,9 @@ class TrainConfig:
     """bf16, fp16 (with loss scaling), fp32, or auto: bf16 where the device runs it fast."""
     gradient_checkpointing: bool = False
     """Recompute layer activations in backward to save memory."""
+    fused_loss: bool = True
+    """Chunked LM head + cross-entropy with the gradient taken in forward (one chunk of logits
+    alive at a time); false: the plain reference path."""
     seed: int = 0
     """Seeds LoRA init, dropout and the data order."""
     device: str = "auto"

@@ -30,6 +30,7 @@ from hivetune.model.decoder import CausalLM
 from hivetune.model.load import load_args, load_model
 from hivetune.model.lora import LoRASpec, apply_lora, lora_parameters, save_adapter
 from hivetune.model.tokenizer import load_tokenizer
+from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.ops.loss import target_loss_sum
 
 
@@ -176,6 +177,7 @@ def fit(run: Run, progress: bool = True) -> TrainResult:
     """The training loop: forward, loss, backward, clip, step, log, checkpoint."""
     cfg, model, device = run.cfg, run.model, run.device
     params = lora_parameters(model)
+    loss_fn = fused_target_loss_sum if cfg.fused_loss else target_loss_sum
     metrics_file = open(run.folder / "metrics.jsonl", "a")
     model.train()
     bar = _progress_bar(len(run.steps), progress)
@@ -195,7 +197,7 @@ def fit(run: Run, progress: bool = True) -> TrainResult:
             batch = batch.to(device)
             with autocast(run):
                 hidden = model(batch.input_ids, batch.position_ids, batch.layout)
-                loss_sum = target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+                loss_sum = loss_fn(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
             loss = loss_sum / n_targets
             (run.scaler.scale(loss) if run.scaler else loss).backward()
             step_loss += loss.detach()
