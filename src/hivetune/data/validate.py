@@ -1,0 +1,153 @@
+"""`hivetune data validate`: every problem of a data file in one streaming pass.
+
+Problems, each reported as ``file:line: what``:
+
+- schema: malformed JSON, not an object, unknown format, a field missing or of the wrong type
+  (the same checks training makes, ``formats.check_record``);
+- empty: a required text field (or a chat message) that is only whitespace;
+- duplicate: the same normalised prompt + response as an earlier record (``scan.exact_key``);
+- near duplicate: a prompt whose word 3-gram shingles are >= 0.8 Jaccard-similar to an earlier
+  prompt's (synth's measure), within the bounded window of ``dedupe.NearDuplicateIndex``;
+- too long: more than max_length tokens with the model's tokenizer and chat template (only when
+  a model or a max_length is given: loading a tokenizer costs seconds).
+
+Memory: one line at a time, TOKENIZE_BATCH records waiting for the tokenizer, 16 bytes a record
+for exact duplicates and the fixed near-duplicate index (about 27 MiB at most).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hivetune.data.dedupe import WINDOW, FirstSeen, NearDuplicateIndex
+from hivetune.data.formats import FORMAT_NAMES, check_record, detect_format
+from hivetune.data.scan import (DEFAULT_MAX_LENGTH, TOKENIZE_BATCH, check_format_name, empty_fields, exact_key,
+                                prompt_text, resolve_model, stream_lines, token_lengths)
+from hivetune.data.synth import NEAR_DUPLICATE_THRESHOLD
+from hivetune.errors import UserError
+
+KINDS = ("schema", "empty", "duplicate", "near_duplicate", "too_long")
+KIND_TITLES = {
+    "schema": "schema errors",
+    "empty": "empty fields",
+    "duplicate": "exact duplicates (normalised prompt + response)",
+    "near_duplicate": (f"near duplicates (prompt word 3-gram Jaccard >= {NEAR_DUPLICATE_THRESHOLD}, "
+                       f"among the last {WINDOW:,} prompts)"),
+    "too_long": "longer than max_length",
+}
+# Problems listed per kind; beyond this they are only counted.
+LISTED_PER_KIND = 20
+
+
+@dataclass
+class ValidationReport:
+    path: Path
+    format: str | None = None
+    records: int = 0
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    listed: dict[str, list[str]] = field(default_factory=lambda: {k: [] for k in KINDS})
+    model: str | None = None  # tokenizer used for the length check, None when not checked
+    max_length: int | None = None
+
+    @property
+    def problems(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.problems else 0
+
+    def add(self, kind: str, line: int, message: str) -> None:
+        self.counts[kind] += 1
+        if len(self.listed[kind]) < LISTED_PER_KIND:
+            self.listed[kind].append(f"{self.path}:{line}: {message}")
+
+
+def validate_file(path: str | Path, model: str | None = None, max_length: int | None = None,
+                  fmt: str = "auto") -> ValidationReport:
+    """Check every record of `path`; the length check runs when `model` or `max_length` is given
+    (the other defaults to the embedded model / 1024). Raises UserError for unusable input."""
+    path = Path(path)
+    chosen = check_format_name(fmt)
+    tokenizer = None
+    if model or max_length is not None:
+        if max_length is None:
+            max_length = DEFAULT_MAX_LENGTH
+        if max_length <= 0:
+            raise UserError(f"--max-length: must be > 0, got {max_length}")
+        from hivetune.model.tokenizer import load_tokenizer
+
+        model = resolve_model(model)
+        tokenizer = load_tokenizer(model)
+    report = ValidationReport(path, chosen, model=model if tokenizer else None, max_length=max_length)
+    seen = FirstSeen()
+    near = NearDuplicateIndex()
+    pending: list[tuple[int, dict]] = []  # records waiting to be tokenised
+
+    for line in stream_lines(path):
+        report.records += 1
+        where = f"{path}:{line.number}"
+        if line.error:
+            report.add("schema", line.number, line.error)
+            continue
+        record = line.record
+        if report.format is None:
+            report.format = detect_format(record)
+            if report.format is None:
+                report.add("schema", line.number, "cannot tell the format (expected 'messages', "
+                           f"'instruction'+'output' or 'text'); set --format to one of {', '.join(FORMAT_NAMES)}")
+                continue
+        try:
+            check_record(record, report.format, where)
+        except UserError as e:
+            empty = empty_fields(record, report.format)
+            if empty:
+                report.add("empty", line.number, f"empty {', '.join(empty)}")
+            else:
+                report.add("schema", line.number, str(e).removeprefix(f"{where}: "))
+            continue
+        empty = empty_fields(record, report.format)
+        if empty:
+            report.add("empty", line.number, f"empty {', '.join(empty)}")
+            continue
+        earlier = seen.add(exact_key(record, report.format), line.number)
+        if earlier is not None:
+            report.add("duplicate", line.number, f"duplicate of line {earlier}")
+        match = near.check_and_add(prompt_text(record, report.format), line.number)
+        if match is not None and earlier is None:
+            report.add("near_duplicate", line.number,
+                       f"prompt is a near duplicate of line {match[0]}'s (similarity {match[1]:.2f})")
+        if tokenizer is not None:
+            pending.append((line.number, record))
+            if len(pending) >= TOKENIZE_BATCH:
+                _check_lengths(report, pending, tokenizer)
+    if tokenizer is not None and pending:
+        _check_lengths(report, pending, tokenizer)
+    return report
+
+
+def _check_lengths(report: ValidationReport, pending: list[tuple[int, dict]], tokenizer) -> None:
+    lengths = token_lengths([record for _, record in pending], report.format, tokenizer)
+    for (number, _), (prompt, response) in zip(pending, lengths):
+        if prompt + response > report.max_length:
+            report.add("too_long", number, f"{prompt + response} tokens ({prompt} prompt + {response} response) "
+                                           f"> max_length {report.max_length}")
+    pending.clear()
+
+
+def format_report(report: ValidationReport) -> str:
+    lines = [f"{report.path}: {report.records:,} records, format {report.format or 'unknown'}"]
+    for kind in KINDS:
+        title = KIND_TITLES[kind]
+        if kind == "too_long":
+            if report.model is None:
+                lines.append("  token lengths: not checked (give --model or --max-length)")
+                continue
+            title = f"longer than max_length {report.max_length} with {report.model}"
+        lines.append(f"  {title}: {report.counts[kind]:,}")
+        lines += [f"    {item}" for item in report.listed[kind]]
+        if report.counts[kind] > len(report.listed[kind]):
+            lines.append(f"    ... and {report.counts[kind] - len(report.listed[kind]):,} more")
+    lines.append(f"{report.problems:,} problems" if report.problems else "clean")
+    return "\n".join(lines)
