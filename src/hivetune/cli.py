@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench/results", help="folder for the JSON results")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="training config override, e.g. --set packing=false")
+    doctor = sub.add_parser("doctor", help="check the torch / GPU stack, self-test it, and name known fixes",
+                            description="Report torch's build, drivers, GPUs and attention back-ends, run a short "
+                                        "self-test, and list known problems with their fixes. Exits 1 when any "
+                                        "finding is an error.")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     add_data_parser(sub)
     return parser
 
@@ -148,6 +153,12 @@ def run_bench(ns) -> int:
     return 0
 
 
+def run_doctor(ns) -> int:
+    from hivetune.doctor import doctor
+
+    return 0 if doctor(json_output=ns.json)["ok"] else 1
+
+
 def add_data_parser(sub) -> None:
     data = sub.add_parser("data", help="make, check, measure, split and collect training data",
                           description="Tools for training data files (JSONL, or a JSON array). Each streams "
@@ -217,7 +228,7 @@ def run_data(ns) -> int:
     return 0
 
 
-COMMANDS = {"train": run_train, "generate": run_generate, "bench": run_bench, "data": run_data}
+COMMANDS = {"train": run_train, "generate": run_generate, "bench": run_bench, "doctor": run_doctor, "data": run_data}
 
 
 def main(argv: list[str] | None = None) -> int:
