@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (_, value, help_text) in TRAIN_SWITCHES.items():
         train.add_argument(flag, action="store_const", const=value, default=None, help=help_text)
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument("--resume", metavar="RUN", help="go on from RUN's newest valid checkpoint with RUN's "
+                                                       "config (flags that would change it are refused)")
 
     gen = sub.add_parser("generate", help="greedy generation from a model, optionally with an adapter")
     gen.add_argument("prompt", help="the prompt (chat template applied when the model has one)")
@@ -108,11 +110,17 @@ def train_overrides(ns: argparse.Namespace) -> dict:
 
 
 def run_train(ns) -> int:
+    from hivetune.checkpoint import resume_config
     from hivetune.config import load_config
-    from hivetune.train import train
+    from hivetune.train import TrainingStopped, train
 
-    cfg = load_config(ns.config, train_overrides(ns))
-    result = train(cfg, progress=not ns.quiet)
+    overrides = train_overrides(ns)
+    cfg = resume_config(ns.resume, ns.config, overrides) if ns.resume else load_config(ns.config, overrides)
+    try:
+        result = train(cfg, progress=not ns.quiet)
+    except TrainingStopped as e:  # SIGINT / SIGTERM: the step finished and was checkpointed
+        print(f"hivetune: stopped at step {e.step}; resume with: hivetune train --resume {e.folder}", file=sys.stderr)
+        return 128 + (e.signum or 2)  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
     print_train_summary(result)
     return 0
 

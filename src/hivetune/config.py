@@ -65,7 +65,8 @@ class TrainConfig:
     packing: bool = True
     """Pack the examples of a micro-batch into one row with per-example attention (no padding)."""
     output_dir: str = ""
-    """Run folder; empty: runs/<date>-<time>. An existing non-empty folder is refused."""
+    """Run folder; empty: runs/<date>-<time>. An existing run folder of the same config is
+    resumed from its newest valid checkpoint; any other non-empty folder is refused."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     epochs: float = 1.0
     """Passes over the data (fractions allowed); ignored when max_steps > 0."""
@@ -102,9 +103,13 @@ class TrainConfig:
     log_every: int = 1
     """Write a metrics.jsonl line every this many optimizer steps."""
     save_every: int = 0
-    """Checkpoint every this many optimizer steps; 0: only the final adapter."""
+    """Checkpoint (adapter, optimizer, RNG...) every this many optimizer steps and at the end,
+    in checkpoints/step-N/; 0: only the final adapter (and a checkpoint on SIGINT / SIGTERM)."""
     keep_checkpoints: int = 2
     """How many step checkpoints to keep."""
+    max_bad_steps: int = 5
+    """A step whose loss or gradients are not finite is skipped (no update); this many in a row
+    stop the run with an error, leaving the last checkpoint as it was."""
     eval_prompts: int = 1
     """Held-out questions answered by the base and the tuned model at the end (0: none)."""
     max_new_tokens: int = 96
@@ -300,7 +305,8 @@ def validate(cfg: TrainConfig) -> list[str]:
     choice("precision", cfg.precision, PRECISIONS)
     choice("schedule", cfg.schedule, SCHEDULES)
     choice("device", cfg.device, DEVICES)
-    for key in ("max_length", "batch_size", "grad_accum", "lora.r", "log_every", "keep_checkpoints"):
+    for key in ("max_length", "batch_size", "grad_accum", "lora.r", "log_every", "keep_checkpoints",
+                "max_bad_steps"):
         value = cfg.lora.r if key == "lora.r" else getattr(cfg, key)
         if value <= 0:
             errors.append(f"{key}: must be > 0, got {value}")

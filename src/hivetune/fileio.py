@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Callable
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
+    """fsync a folder, so a rename or a new file in it survives a power loss."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
@@ -30,7 +31,7 @@ def atomic_write_with(path: Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import signal
 import sys
+import threading
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -19,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from hivetune.checkpoint import resume_point, resume_run, save_checkpoint
 from hivetune.config import TrainConfig, save_config
 from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset, plan_steps
@@ -53,6 +58,8 @@ class Run:
     scaler: torch.amp.GradScaler | None
     val_path: Path | None = None
     notes: list[str] = field(default_factory=list)
+    start_step: int = 0  # > 0 when resumed from a checkpoint: the step plan's position
+    counters: dict = field(default_factory=dict)  # loop totals restored with it (skipped_steps...)
 
     @property
     def pad_id(self) -> int:
@@ -88,9 +95,11 @@ def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
 
 
 def new_run_folder(cfg: TrainConfig) -> Path:
+    """The run folder: new, empty, or a run folder (config.yaml) to resume (checked in setup)."""
     if cfg.output_dir:
         folder = Path(cfg.output_dir)
-        if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        if (folder.exists() and (not folder.is_dir() or any(folder.iterdir()))
+                and not (folder / "config.yaml").is_file()):
             raise UserError(f"output_dir: {folder} already exists and is not empty; choose another")
         return folder
     return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -110,6 +119,8 @@ def setup(cfg: TrainConfig) -> Run:
     if val_path is not None and not val_path.exists():
         raise UserError(f"val_data: {val_path} not found")
     folder = new_run_folder(cfg)
+    resuming = (folder / "config.yaml").is_file()
+    checkpoint = resume_point(folder, cfg) if resuming else None  # refuses another config
     args = load_args(model_path)  # architecture only: cheap, catches a bad model early
     if cfg.max_length > args.max_position_embeddings:
         raise UserError(f"max_length: {cfg.max_length} exceeds the model's context "
@@ -130,6 +141,8 @@ def setup(cfg: TrainConfig) -> Run:
         run.notes.append(f"{data.truncated} examples truncated to max_length={cfg.max_length}")
     if data.skipped_no_target:
         run.notes.append(f"{data.skipped_no_target} examples skipped: no response token within max_length")
+    if resuming:
+        resume_run(run, checkpoint)  # last: it restores the RNG states the loop goes on with
     return run
 
 
@@ -152,7 +165,8 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
     folder.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, folder / "config.yaml")
+    if not (folder / "config.yaml").exists():  # a resumed run's stays as written: checkpoints hash it
+        save_config(cfg, folder / "config.yaml")
     return Run(cfg, folder, model_path, device, precision, tokenizer, data, model, spec, steps,
                optimizer, scheduler, scaler)
 
@@ -173,104 +187,160 @@ def autocast(run: Run):
     return torch.autocast(run.device.type, dtype=DTYPES[run.precision])
 
 
-def fit(run: Run, progress: bool = True) -> TrainResult:
-    """The training loop: forward, loss, backward, clip, step, log, checkpoint."""
+class TrainingStopped(Exception):
+    """fit stopped early: by SIGINT / SIGTERM after checkpointing the step it finished
+    (`signum` set), or by `stop_after` in tests with no checkpoint, as a kill would."""
+
+    def __init__(self, step: int, signum: int | None, folder: Path):
+        super().__init__(f"stopped at step {step}")
+        self.step, self.signum, self.folder = step, signum, folder
+
+
+def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> TrainResult:
+    """The training loop: forward, loss, backward, clip, step, log, checkpoint.
+
+    Starts at run.start_step (resumed runs). SIGINT / SIGTERM finish the current step, write a
+    checkpoint and raise TrainingStopped; so does `stop_after=N` after step N, minus the
+    checkpoint (tests: a crash at a chosen step).
+    """
     cfg, model, device = run.cfg, run.model, run.device
     params = lora_parameters(model)
     loss_fn = fused_target_loss_sum if cfg.fused_loss else target_loss_sum
-    metrics_file = open(run.folder / "metrics.jsonl", "a")
+    counters = {"skipped_steps": 0, "bad_in_a_row": 0, "last_loss": float("nan"), **run.counters}
     model.train()
     bar = _progress_bar(len(run.steps), progress)
-    tokens_done, samples_done, loss_ema = 0, 0, None
+    tokens_done, loss_ema = 0, None
+    samples_done = run.start_step * cfg.batch_size * cfg.grad_accum  # every step sees that many
     t_start = t_log = time.perf_counter()
     tokens_since_log = samples_since_log = 0
     total_examples = len(run.data)
-    final_loss = float("nan")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    for step, example_ids in enumerate(run.steps):
-        n_targets = sum(run.data.n_targets[i] for i in example_ids)
-        step_loss = torch.zeros((), device=device)
-        step_tokens = 0
-        for batch in micro_batches(run, example_ids):
-            batch = batch.to(device)
-            with autocast(run):
-                hidden = model(batch.input_ids, batch.position_ids, batch.layout)
-                loss_sum = loss_fn(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
-            loss = loss_sum / n_targets
-            (run.scaler.scale(loss) if run.scaler else loss).backward()
-            step_loss += loss.detach()
-            step_tokens += batch.n_tokens
+    with open(run.folder / "metrics.jsonl", "a") as metrics_file, _stop_signals() as stop:
+        for step in range(run.start_step, len(run.steps)):
+            example_ids = run.steps[step]
+            n_targets = sum(run.data.n_targets[i] for i in example_ids)
+            step_loss = torch.zeros((), device=device)
+            step_tokens = 0
+            for batch in micro_batches(run, example_ids):
+                batch = batch.to(device)
+                with autocast(run):
+                    hidden = model(batch.input_ids, batch.position_ids, batch.layout)
+                    loss_sum = loss_fn(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+                loss = loss_sum / n_targets
+                (run.scaler.scale(loss) if run.scaler else loss).backward()
+                step_loss += loss.detach()
+                step_tokens += batch.n_tokens
 
-        if run.scaler:
-            run.scaler.unscale_(run.optimizer)
-        if cfg.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        else:
-            grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
-        lr = run.scheduler.get_last_lr()[0]
-        if run.scaler:
-            run.scaler.step(run.optimizer)
-            run.scaler.update()
-        else:
-            run.optimizer.step()
-        run.scheduler.step()
-        run.optimizer.zero_grad(set_to_none=True)
+            if run.scaler:
+                run.scaler.unscale_(run.optimizer)
+            if cfg.max_grad_norm > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            else:
+                grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+            lr = run.scheduler.get_last_lr()[0]
+            # A non-finite loss or gradient would poison the weights and Adam's moments for good:
+            # skip the update; the data position and the lr schedule move on. (fp16: overflowing
+            # gradients are the grad scaler's to skip and back off from; only the loss counts.)
+            finite = torch.isfinite(step_loss)
+            if not run.scaler:
+                finite &= torch.isfinite(grad_norm)
+            if bool(finite):  # one host sync per step
+                if run.scaler:
+                    run.scaler.step(run.optimizer)
+                else:
+                    run.optimizer.step()
+                counters["bad_in_a_row"] = 0
+            else:
+                counters["skipped_steps"] += 1
+                counters["bad_in_a_row"] += 1
+            if run.scaler:
+                run.scaler.update()
+            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()" after a skip
+                warnings.simplefilter("ignore", UserWarning)
+                run.scheduler.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            done = step + 1
 
-        tokens_done += step_tokens
-        samples_done += len(example_ids)
-        tokens_since_log += step_tokens
-        samples_since_log += len(example_ids)
-        if (step + 1) % cfg.log_every == 0 or step + 1 == len(run.steps):
-            final_loss = float(step_loss)
-            now = time.perf_counter()
-            elapsed = max(now - t_log, 1e-9)
-            record = {
-                "step": step + 1,
-                "epoch": round(samples_done / total_examples, 4),
-                "loss": round(final_loss, 6),
-                "lr": lr,
-                "grad_norm": round(float(grad_norm), 6),
-                "tokens_per_s": round(tokens_since_log / elapsed, 1),
-                "samples_per_s": round(samples_since_log / elapsed, 3),
-                "peak_memory_bytes": peak_memory_bytes(device),
-                "elapsed_s": round(now - t_start, 3),
-            }
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-            loss_ema = final_loss if loss_ema is None else 0.9 * loss_ema + 0.1 * final_loss
-            bar.update(step + 1, loss_ema, record["tokens_per_s"])
-            t_log, tokens_since_log, samples_since_log = now, 0, 0
-        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < len(run.steps):
-            save_checkpoint(run, step + 1)
+            tokens_done += step_tokens
+            samples_done += len(example_ids)
+            tokens_since_log += step_tokens
+            samples_since_log += len(example_ids)
+            if done % cfg.log_every == 0 or done == len(run.steps):
+                loss_value = float(step_loss)
+                counters["last_loss"] = loss_value
+                now = time.perf_counter()
+                elapsed = max(now - t_log, 1e-9)
+                record = {
+                    "step": done,
+                    "epoch": round(samples_done / total_examples, 4),
+                    "loss": round(loss_value, 6) if math.isfinite(loss_value) else None,
+                    "lr": lr,
+                    "grad_norm": round(float(grad_norm), 6) if math.isfinite(float(grad_norm)) else None,
+                    "tokens_per_s": round(tokens_since_log / elapsed, 1),
+                    "samples_per_s": round(samples_since_log / elapsed, 3),
+                    "peak_memory_bytes": peak_memory_bytes(device),
+                    "elapsed_s": round(now - t_start, 3),
+                    "skipped_steps": counters["skipped_steps"],
+                }
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+                if math.isfinite(loss_value):
+                    loss_ema = loss_value if loss_ema is None else 0.9 * loss_ema + 0.1 * loss_value
+                bar.update(done, loss_ema if loss_ema is not None else loss_value, record["tokens_per_s"])
+                t_log, tokens_since_log, samples_since_log = now, 0, 0
+            if counters["bad_in_a_row"] >= cfg.max_bad_steps:
+                bar.close()
+                raise UserError(_bad_steps_message(run, done, counters["bad_in_a_row"]))
+            signum = stop.signum  # read once: a signal landing in between waits for the next step
+            if signum or (cfg.save_every and (done % cfg.save_every == 0 or done == len(run.steps))):
+                save_checkpoint(run, done, counters)
+            if signum or done == stop_after:
+                bar.close()
+                raise TrainingStopped(done, signum or None, run.folder)
 
     seconds = time.perf_counter() - t_start
     bar.close()
-    metrics_file.close()
     adapter = run.folder / "adapter"
     save_adapter(model, run.spec, adapter, str(run.model_path))
-    return TrainResult(run.folder, adapter, len(run.steps), final_loss, tokens_done / max(seconds, 1e-9),
+    return TrainResult(run.folder, adapter, len(run.steps), counters["last_loss"], tokens_done / max(seconds, 1e-9),
                        seconds, peak_memory_bytes(device))
 
 
-def save_checkpoint(run: Run, step: int) -> Path:
-    """checkpoints/step-N/: the adapter plus optimizer and scheduler state; keeps the last K."""
-    root = run.folder / "checkpoints"
-    folder = root / f"step-{step:06d}"
-    save_adapter(run.model, run.spec, folder, str(run.model_path))
-    state = {"step": step, "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict()}
-    import io
+def _bad_steps_message(run: Run, step: int, bad: int) -> str:
+    from hivetune.checkpoint import checkpoint_folders
 
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    atomic_write_bytes(folder / "trainer_state.pt", buffer.getvalue())
-    old = sorted(p for p in root.iterdir() if p.name.startswith("step-"))
-    for stale in old[: max(0, len(old) - run.cfg.keep_checkpoints)]:
-        for f in stale.iterdir():
-            f.unlink()
-        stale.rmdir()
-    return folder
+    saved = checkpoint_folders(run.folder / "checkpoints")
+    last = f"the last checkpoint, {saved[-1]}, is intact" if saved else "no checkpoint was written"
+    return (f"step {step}: loss or gradients not finite in {bad} steps in a row (max_bad_steps), so training "
+            f"stopped; {last}. Try a lower lr than {run.cfg.lr:g} (e.g. --lr {run.cfg.lr / 4:g}) in a new run")
+
+
+class _stop_signals:
+    """SIGINT / SIGTERM during fit: note the first, so the loop finishes its step, checkpoints
+    and stops; a second one interrupts at once (KeyboardInterrupt; the last checkpoint stays)."""
+
+    def __init__(self):
+        self.signum, self.previous = 0, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # signal() works only there
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        # os.write, not print: the handler may run while the loop is inside a print to stderr
+        os.write(2, b"\nhivetune: finishing this step, then writing a checkpoint (again to stop now)\n")
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        return False
 
 
 class _progress_bar:

@@ -1,0 +1,306 @@
+"""Checkpoints a crash cannot corrupt, and resuming a run from its newest good one.
+
+A checkpoint is ``RUN/checkpoints/step-NNNNNN/``::
+
+    adapter_config.json, adapter_model.safetensors   the LoRA weights (PEFT format)
+    trainer_state.pt   optimizer, scheduler, grad scaler, RNG states, step, plan, counters
+    manifest.json      sha256 and size of every file above, the step, the config hash
+
+Writing: everything goes into ``.step-NNNNNN.tmp-PID/``, each file fsynced, the manifest last;
+then the folder is renamed into place and the parent fsynced. A kill at any moment leaves
+either no ``step-NNNNNN`` or a complete one. A checkpoint without a manifest, or whose files do
+not match it (a disk error, a copy cut short), is never loaded: the previous one is used.
+
+The step number is the data position: the step plan is a pure function of the config
+(``plan_steps``), so resuming at step N rebuilds the plan and starts at its N-th entry; the
+plan's length and hash are stored to catch a changed data file.
+
+``trainer_state.pt`` holds only tensors, dicts, lists, numbers and None, so it loads with
+``torch.load(weights_only=True)``: loading a checkpoint never runs pickled code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hivetune.config import to_dict
+from hivetune.errors import UserError
+from hivetune.fileio import atomic_write_bytes, fsync_dir
+from hivetune.model.lora import ADAPTER_WEIGHTS, lora_modules, save_adapter
+
+MANIFEST = "manifest.json"
+STATE = "trainer_state.pt"
+FORMAT = 1
+# Tests set this to a number of seconds to sleep between the files of a checkpoint, so that a
+# SIGKILL at a random moment often lands in the middle of writing one.
+SLOW_ENV = "HIVETUNE_TEST_SLOW_CHECKPOINT"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def config_hash(run_folder: Path) -> str:
+    """sha256 of RUN/config.yaml as written: ties a checkpoint to its run's config, and stays
+    valid when a later hivetune adds config fields (the file is not rewritten on resume)."""
+    return sha256_file(Path(run_folder) / "config.yaml")
+
+
+def plan_hash(steps: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(steps, separators=(",", ":")).encode()).hexdigest()
+
+
+def capture_rng() -> dict:
+    """Python, torch CPU and CUDA generator states as integer tensors."""
+    version, internal, gauss = random.getstate()
+    state = {"python": torch.tensor(internal, dtype=torch.int64), "python_version": version,
+             "python_gauss": gauss, "torch": torch.get_rng_state(), "cuda": []}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate((state["python_version"], tuple(int(x) for x in state["python"].tolist()),
+                     state["python_gauss"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        for i, s in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
+
+
+def _pause() -> None:
+    seconds = float(os.environ.get(SLOW_ENV) or 0)
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+def save_checkpoint(run, step: int, counters: dict) -> Path:
+    """Write checkpoints/step-NNNNNN/ atomically (see the module docstring); keep the last
+    cfg.keep_checkpoints. `counters`: loop totals to restore with the step (skipped steps...)."""
+    root = run.folder / "checkpoints"
+    name = f"step-{step:06d}"
+    final = root / name
+    tmp = root / f".{name}.tmp-{os.getpid()}"
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_adapter(run.model, run.spec, tmp, str(run.model_path))  # each file fsynced
+    _pause()
+    state = {
+        "format": FORMAT, "step": step, "plan_length": len(run.steps), "plan_sha256": plan_hash(run.steps),
+        "examples": len(run.data), "config_sha256": config_hash(run.folder),
+        "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
+        "scaler": run.scaler.state_dict() if run.scaler is not None else {},
+        "rng": capture_rng(), "counters": dict(counters),
+    }
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    atomic_write_bytes(tmp / STATE, buffer.getvalue())
+    _pause()
+    files = sorted(p.name for p in tmp.iterdir())
+    manifest = {"format": FORMAT, "step": step, "config_sha256": state["config_sha256"],
+                "files": {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in files}}
+    atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks it complete
+    fsync_dir(tmp)
+    _pause()
+    if final.exists():  # a bad checkpoint of this step from before a crash: move it out of the way
+        _discard(final)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    prune_checkpoints(root, run.cfg.keep_checkpoints)
+    return final
+
+
+def _discard(folder: Path) -> None:
+    """Rename out of sight first (atomic), then delete: a kill mid-delete leaves only a .trash."""
+    trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(folder, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def checkpoint_folders(root: Path) -> list[Path]:
+    """step-NNNNNN folders, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    folders = checkpoint_folders(root)
+    for stale in folders[: max(0, len(folders) - keep)]:
+        _discard(stale)
+
+
+def remove_leftovers(root: Path) -> None:
+    """Temp and trash folders of killed processes (never loaded; safe to delete)."""
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith((".step-", ".trash-")):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def verify_checkpoint(folder: Path) -> str:
+    """Why `folder` must not be loaded, or "" when its manifest and every checksum match."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest.json (written last, so the checkpoint is incomplete)"
+    except (OSError, ValueError) as e:
+        return f"unreadable manifest.json ({e})"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or STATE not in files or ADAPTER_WEIGHTS not in files:
+        return "manifest.json does not list the checkpoint's files"
+    if manifest.get("step") != int(folder.name[5:]):
+        return f"manifest.json names step {manifest.get('step')}"
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != expected.get("bytes") or sha256_file(path) != expected.get("sha256"):
+            return f"{name} does not match its sha256 in manifest.json"
+    return ""
+
+
+def newest_valid_checkpoint(run_folder: Path) -> Path | None:
+    """The newest checkpoint that verifies; each bad newer one gets a warning line on stderr."""
+    for folder in reversed(checkpoint_folders(Path(run_folder) / "checkpoints")):
+        reason = verify_checkpoint(folder)
+        if not reason:
+            return folder
+        print(f"hivetune: warning: {folder}: {reason}; using the previous checkpoint", file=sys.stderr)
+    return None
+
+
+def load_checkpoint(run, folder: Path) -> dict:
+    """Restore LoRA weights, optimizer, scheduler, scaler and RNG from `folder` into `run`;
+    return the state's step and counters. Call it last before the loop: it sets the RNG."""
+    from safetensors.torch import load_file
+
+    state = torch.load(folder / STATE, map_location="cpu", weights_only=True)
+    where = f"{folder}"
+    if state.get("format") != FORMAT:
+        raise UserError(f"{where}: checkpoint format {state.get('format')!r}; this hivetune reads {FORMAT}")
+    if state["config_sha256"] != config_hash(run.folder):
+        raise UserError(f"{where}: written for a different config.yaml than {run.folder / 'config.yaml'}")
+    if state["plan_length"] != len(run.steps) or state["plan_sha256"] != plan_hash(run.steps):
+        raise UserError(f"{where}: written for a plan of {state['plan_length']} steps over {state['examples']} "
+                        f"examples; the config now plans {len(run.steps)} steps over {len(run.data)} examples "
+                        f"(did the data file change?)")
+    tensors = load_file(str(folder / ADAPTER_WEIGHTS))
+    with torch.no_grad():
+        for name, m in lora_modules(run.model):
+            for part in ("lora_A", "lora_B"):
+                p = getattr(m, part).weight
+                t = tensors.get(f"base_model.model.{name}.{part}.weight")
+                if t is None or t.shape != p.shape:
+                    raise UserError(f"{folder / ADAPTER_WEIGHTS}: no tensor of shape {tuple(p.shape)} for {name}.{part}")
+                p.copy_(t)
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    if run.scaler is not None and state["scaler"]:
+        run.scaler.load_state_dict(state["scaler"])
+    restore_rng(state["rng"])
+    return {"step": state["step"], **state["counters"]}
+
+
+def flat_config(cfg) -> dict:
+    """{"lora.r": 16, "lr": 0.0002, ...}; output_dir left out (a run folder may be moved)."""
+    out = {}
+    for key, value in to_dict(cfg).items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        elif key != "output_dir":
+            out[key] = value
+    return out
+
+
+def config_diff(old, new) -> list[str]:
+    """'key: old -> new' for every config key whose value differs."""
+    a, b = flat_config(old), flat_config(new)
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the metrics.jsonl lines of steps <= `step`: the steps after it are trained again.
+    A line cut short by a kill does not parse and goes too."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line + "\n")
+    atomic_write_bytes(path, "".join(kept).encode())
+
+
+def resume_point(folder: Path, cfg) -> Path | None:
+    """For an output folder that already holds a run (config.yaml): refuse when its config
+    differs from `cfg`, else return its newest valid checkpoint (None: start again at step 0)."""
+    from hivetune.config import load_config
+
+    diff = config_diff(load_config(folder / "config.yaml"), cfg)
+    if diff:
+        raise UserError(f"output_dir: {folder} holds a run with another config ({'; '.join(diff)}); "
+                        f"choose another output, or resume it as it was with --resume {folder}")
+    checkpoint = newest_valid_checkpoint(folder)
+    if checkpoint is None and (folder / "summary.json").exists():
+        raise UserError(f"output_dir: {folder} holds a finished run with no checkpoint to resume; "
+                        f"choose another output")
+    return checkpoint
+
+
+def resume_run(run, checkpoint: Path | None) -> None:
+    """Put `run` at the checkpoint's step (weights, optimizer, RNG...) and cut metrics.jsonl
+    back to it; with no checkpoint, start again at step 0 in the same folder."""
+    remove_leftovers(run.folder / "checkpoints")
+    if checkpoint is None:
+        print(f"hivetune: warning: {run.folder} has no valid checkpoint; starting again at step 0", file=sys.stderr)
+        truncate_metrics(run.folder / "metrics.jsonl", 0)
+        return
+    counters = load_checkpoint(run, checkpoint)
+    run.start_step = counters.pop("step")
+    run.counters = counters
+    truncate_metrics(run.folder / "metrics.jsonl", run.start_step)
+    run.notes.append(f"resuming from {checkpoint} (step {run.start_step} of {len(run.steps)})")
+
+
+def resume_config(run_folder: str | Path, config_path: str | None, overrides: dict):
+    """`hivetune train --resume RUN`: RUN's saved config. Flags or a --config that would change
+    it are refused with the keys they change: a resumed run continues the run it was."""
+    from hivetune.config import load_config
+
+    folder = Path(run_folder)
+    path = folder / "config.yaml"
+    if not path.is_file():
+        raise UserError(f"--resume: {folder} is not a run folder (no config.yaml)")
+    saved = load_config(path)
+    output = overrides.get("output_dir")
+    if output and Path(output).resolve() != folder.resolve():
+        raise UserError(f"--output: {output} is not the resumed run {folder}; leave --output out")
+    if config_path or overrides:
+        diff = config_diff(saved, load_config(config_path or path, overrides))
+        if diff:
+            raise UserError(f"--resume: a resumed run keeps its config; these flags change it: {'; '.join(diff)}")
+    saved.output_dir = str(folder)
+    return saved
