@@ -25,6 +25,8 @@ def main() -> None:
     parser.add_argument("workload", default="W1", nargs="?")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--compile", action="store_true", help="experiment: torch.compile each decoder layer")
+    parser.add_argument("--no-profile", action="store_true", help="only time the steps")
     opts = parser.parse_args()
     w = WORKLOADS[opts.workload]
     device = torch.device("cuda")
@@ -36,10 +38,25 @@ def main() -> None:
     examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))
     model = random_model(w.args, device, torch.bfloat16)
     run = assemble(cfg, model, examples, None, device, "bf16", Path(f"/tmp/prof-{time.time()}"), Path("random"))
+    if opts.compile:
+        torch._dynamo.config.cache_size_limit = 64
+        for layer in model.model.layers:
+            layer.compile(dynamic=True)
+    t_warm = time.perf_counter()
     warm = run.steps[:3]
     run.steps, rest = warm, run.steps[3:]
     fit(run, progress=False)
+    torch.cuda.synchronize()
+    print(f"warm-up (3 steps{', compile' if opts.compile else ''}): {time.perf_counter() - t_warm:.1f} s")
     run.steps = rest
+    if opts.no_profile:
+        t0 = time.perf_counter()
+        fit(run, progress=False)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        print(f"{len(rest)} steps in {seconds:.3f} s ({1000 * seconds / len(rest):.1f} ms/step), "
+              f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+        return
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
