@@ -30,31 +30,42 @@ class Encoded:
         return sum(self.mask[1:])
 
 
-def iter_records(path: str | Path):
-    """Yield (line_number, byte_offset, record) from JSONL, or (item, None, record) from a JSON array."""
+def open_data_file(path: str | Path, what: str = "data file"):
+    """Open for binary reading, or raise the one-line UserError the CLI turns into exit 2."""
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{path}: is a directory, expected a JSONL or JSON file")
     try:
-        f = open(path, "rb")
+        return open(path, "rb")
     except FileNotFoundError:
-        raise UserError(f"{path}: data file not found") from None
+        raise UserError(f"{path}: {what} not found") from None
     except OSError as e:
-        raise UserError(f"{path}: unreadable data file ({e.strerror})") from None
-    with f:
-        head = b""
-        while not head:  # the first non-blank bytes tell JSONL from a JSON array
-            chunk = f.read(1 << 16)
-            if not chunk:
-                break
-            head = chunk.lstrip()
-        f.seek(0)
-        if not head:
-            raise UserError(f"{path}: data file is empty")
-        if head.startswith(b"["):
+        raise UserError(f"{path}: unreadable {what} ({e.strerror})") from None
+
+
+def is_json_array(f, path: Path, what: str = "data file") -> bool:
+    """True when the first non-blank byte is '[' (a JSON array), False for JSONL; the file is
+    rewound. An all-blank file is an error."""
+    head = b""
+    while not head:
+        chunk = f.read(1 << 16)
+        if not chunk:
+            break
+        head = chunk.lstrip()
+    f.seek(0)
+    if not head:
+        raise UserError(f"{path}: {what} is empty")
+    return head.startswith(b"[")
+
+
+def iter_records(path: str | Path):
+    """Yield (line_number, byte_offset, record) from JSONL, or (item, None, record) from a JSON array."""
+    path = Path(path)
+    with open_data_file(path) as f:
+        if is_json_array(f, path):
             yield from _iter_json_array(path, f.read())
             return
-        count, offset = 0, 0
+        offset = 0
         for lineno, raw in enumerate(f, start=1):
             start, offset = offset, offset + len(raw)
             if not raw.strip():
@@ -67,10 +78,7 @@ def iter_records(path: str | Path):
                 raise UserError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(record, dict):
                 raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            count += 1
             yield lineno, start, record
-        if count == 0:
-            raise UserError(f"{path}: data file has no records")
 
 
 def _iter_json_array(path: Path, raw: bytes):

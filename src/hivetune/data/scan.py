@@ -16,7 +16,8 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
 
-from hivetune.data.formats import ALPACA_PROMPT, ALPACA_PROMPT_INPUT, FORMAT_NAMES, chat_spans, encode_record
+from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, FORMAT_NAMES, chat_spans, encode_record,
+                                   is_json_array, open_data_file)
 from hivetune.errors import UserError
 
 # Records tokenised per call of the Rust tokenizer (it spreads a batch over the cores).
@@ -36,19 +37,6 @@ class Line:
     error: str | None = None  # what is wrong with it, without the file:line prefix
 
 
-def open_data_file(path: str | Path, what: str = "data file"):
-    """Open for binary reading, or raise the one-line UserError the CLI turns into exit 2."""
-    path = Path(path)
-    if path.is_dir():
-        raise UserError(f"{path}: is a directory, expected a JSONL or JSON file")
-    try:
-        return open(path, "rb")
-    except FileNotFoundError:
-        raise UserError(f"{path}: {what} not found") from None
-    except OSError as e:
-        raise UserError(f"{path}: unreadable {what} ({e.strerror})") from None
-
-
 def stream_lines(path: str | Path, what: str = "data file"):
     """Yield a Line per non-blank line; bad lines carry an error instead of stopping the scan.
 
@@ -57,16 +45,7 @@ def stream_lines(path: str | Path, what: str = "data file"):
     """
     path = Path(path)
     with open_data_file(path, what) as f:
-        head = b""
-        while not head:
-            chunk = f.read(1 << 16)
-            if not chunk:
-                break
-            head = chunk.lstrip()
-        f.seek(0)
-        if not head:
-            raise UserError(f"{path}: {what} is empty")
-        if head.startswith(b"["):
+        if is_json_array(f, path, what):
             yield from _array_lines(path, f.read())
             return
         for number, raw in enumerate(f, start=1):
