@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "finding is an error.")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     add_data_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 
@@ -236,7 +237,39 @@ def run_data(ns) -> int:
     return 0
 
 
-COMMANDS = {"train": run_train, "generate": run_generate, "bench": run_bench, "doctor": run_doctor, "data": run_data}
+def add_eval_parser(sub) -> None:
+    ev = sub.add_parser("eval", help="base vs tuned on held-out data: loss, perplexity, answers, scores",
+                        description="Score the base model (LoRA off) and the tuned one (adapter on) on prompt/"
+                                    "response data: response loss and perplexity, greedy answers with exact "
+                                    "match, token F1, ROUGE-L and command hits. Writes eval.json and eval.md.")
+    ev.add_argument("--adapter", required=True, metavar="RUN", help="run folder or adapter folder")
+    ev.add_argument("--model", default="", metavar="PATH",
+                    help="base model (default: the one the adapter names, else the embedded model)")
+    ev.add_argument("--data", default="", metavar="FILE", help="alpaca / chat JSONL (default: the shipped held-out set)")
+    ev.add_argument("--max-new-tokens", type=int, default=96)
+    ev.add_argument("--limit", type=int, default=0, metavar="K", help="first K examples only (0: all)")
+    ev.add_argument("--out", default="", metavar="DIR", help="folder for eval.json and eval.md (default: RUN/eval)")
+    ev.add_argument("--force", action="store_true", help="overwrite an existing eval.json / eval.md")
+    ev.add_argument("--batch-size", type=int, default=32, help="most prompts generated together")
+    ev.add_argument("--max-length", type=int, default=1024, help="token limit for the loss (as in training)")
+    ev.add_argument("--device", default="auto")
+    ev.add_argument("--precision", default="auto")
+
+
+def run_eval(ns) -> int:
+    from hivetune.evaluate import evaluate, means_table
+
+    report = evaluate(model=ns.model, adapter=ns.adapter, data=ns.data, max_new_tokens=ns.max_new_tokens,
+                      limit=ns.limit, out=ns.out, force=ns.force, batch_size=ns.batch_size,
+                      max_length=ns.max_length, device=ns.device, precision=ns.precision)
+    print(means_table(report))
+    print(f"\n{report['examples']} examples in {report['seconds']['total']:.1f} s; "
+          f"wrote {report['out']}/eval.json and eval.md")
+    return 0
+
+
+COMMANDS = {"train": run_train, "generate": run_generate, "bench": run_bench, "doctor": run_doctor, "data": run_data,
+            "eval": run_eval}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,417 @@
+"""`hivetune eval`: the base model (LoRA off) against the tuned one (adapter on) on held-out data.
+
+For each prompt/response example, and for each of base and tuned:
+- response loss: summed -log p over the response tokens / their count, with training's own
+  encoding and mask (``encode_record``) and loss op (``target_loss_sum``); the mean over the
+  file is token-weighted, sum(loss sums) / sum(token counts), and perplexity = exp(mean loss);
+- a greedy answer (KV cache, left-padded batches of prompts of similar length), scored
+  against the reference by exact match, token F1 and ROUGE-L (all on SQuAD-normalised
+  whitespace tokens), and by a command hit (``command_hit``).
+
+Results go to ``eval.json`` (every row and the means) and ``eval.md`` (the means, base vs tuned,
+and a few examples side by side), by default in the run folder's ``eval/``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import string
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, FORMAT_NAMES, Encoded, alpaca_messages,
+                                   check_record, detect_format, encode_record, iter_records, render_chat)
+from hivetune.errors import UserError
+from hivetune.generate import greedy_ids, resolve_adapter_folder
+from hivetune.model.decoder import CausalLM
+from hivetune.ops.loss import target_loss_sum
+
+SIDES = ("base", "tuned")
+
+
+# ---------------------------------------------------------------- text metrics
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD's normalisation: lower case, drop punctuation, drop a/an/the, collapse whitespace."""
+    return " ".join(_ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION)).split())
+
+
+def exact_match(prediction: str, reference: str) -> float:
+    return float(normalize_answer(prediction) == normalize_answer(reference))
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    """SQuAD token F1: overlap = multiset intersection of normalised tokens,
+    P = overlap / |pred|, R = overlap / |ref|, F1 = 2PR / (P + R); both empty counts as 1."""
+    pred, ref = normalize_answer(prediction).split(), normalize_answer(reference).split()
+    if not pred or not ref:
+        return float(pred == ref)
+    overlap = sum((Counter(pred) & Counter(ref)).values())
+    if overlap == 0:
+        return 0.0
+    p, r = overlap / len(pred), overlap / len(ref)
+    return 2 * p * r / (p + r)
+
+
+def lcs_length(a: list[str], b: list[str]) -> int:
+    """Longest common subsequence, dynamic programming over two rows: O(|a| |b|) time."""
+    if len(a) < len(b):
+        a, b = b, a
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def rouge_l(prediction: str, reference: str) -> float:
+    """ROUGE-L F-measure (beta = 1) on normalised tokens: P = LCS / |pred|, R = LCS / |ref|,
+    F = 2PR / (P + R); both empty counts as 1, one empty as 0."""
+    pred, ref = normalize_answer(prediction).split(), normalize_answer(reference).split()
+    if not pred or not ref:
+        return float(pred == ref)
+    lcs = lcs_length(pred, ref)
+    if lcs == 0:
+        return 0.0
+    p, r = lcs / len(pred), lcs / len(ref)
+    return 2 * p * r / (p + r)
+
+
+def command_hit(generation: str, commands: list[str]) -> bool | None:
+    """True when every command appears verbatim in the generation once runs of whitespace are
+    collapsed to one space in both (case and quoting count: a command is exact text). A
+    ``$ sudo cmd`` line or an inline `cmd` both contain ``cmd``. None: nothing to check."""
+    if not commands:
+        return None
+    text = " ".join(generation.split())
+    return all(" ".join(c.split()) in text for c in commands)
+
+
+# ---------------------------------------------------------------- examples
+
+
+@dataclass
+class EvalExample:
+    where: str  # file:line, for the report
+    question: str  # the last user message
+    reference: str  # the last assistant message
+    commands: list[str]  # what a command hit looks for (see reference_commands)
+    prompt_ids: list[int]  # the prompt as training renders it, ending where the answer starts
+    encoded: Encoded  # the training encoding: ids and loss mask
+
+
+def reference_commands(record: dict, reference: str, where: str) -> list[str]:
+    """The record's ``command`` field (a string or a list of strings) when present, else the
+    ``$ `` / ``>>> `` lines of the reference (``hivetune.data.synth.extract_commands``)."""
+    from hivetune.data.synth import extract_commands
+
+    value = record.get("command")
+    if value is None:
+        return extract_commands(reference)
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) and v.strip() for v in values):
+        raise UserError(f"{where}: field 'command' must be a non-empty string or a list of them")
+    return values
+
+
+def prompt_text(record: dict, fmt: str, tokenizer) -> tuple[str, str, str]:
+    """(prompt as the model sees it, last user message, reference answer), rendered as
+    ``encode_record`` renders the part before the (last) answer."""
+    if fmt == "alpaca" and not getattr(tokenizer, "chat_template", None):
+        template = ALPACA_PROMPT_INPUT if record.get("input") else ALPACA_PROMPT
+        prompt = template.format(instruction=record["instruction"], input=record.get("input", ""))
+        return prompt, alpaca_messages(record)[0]["content"], record["output"]
+    messages = alpaca_messages(record) if fmt == "alpaca" else record["messages"]
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    question = next((m["content"] for m in reversed(messages[:last]) if m["role"] == "user"), "")
+    return render_chat(tokenizer, messages[:last], add_generation_prompt=True), question, messages[last]["content"]
+
+
+def read_examples(path: Path, tokenizer, max_length: int, limit: int = 0) -> list[EvalExample]:
+    """Check and encode the first `limit` (0: all) records; errors name file:line."""
+    fmt, examples = None, []
+    for line, _, record in iter_records(path):
+        where = f"{path}:{line}"
+        if fmt is None:
+            fmt = detect_format(record)
+            if fmt is None:
+                raise UserError(f"{where}: cannot tell the format (expected 'messages' or "
+                                f"'instruction'+'output'; one of {', '.join(FORMAT_NAMES)})")
+            if fmt == "text":
+                raise UserError(f"{where}: eval needs prompt/response records (alpaca or chat), not text")
+        check_record(record, fmt, where)
+        prompt, question, reference = prompt_text(record, fmt, tokenizer)
+        try:
+            encoded = encode_record(record, fmt, tokenizer, max_length, train_on_inputs=False)
+        except UserError as e:
+            raise UserError(f"{where}: {e}") from None
+        examples.append(EvalExample(where, question, reference, reference_commands(record, reference, where),
+                                    tokenizer(prompt, add_special_tokens=False)["input_ids"], encoded))
+        if len(examples) == limit:
+            break
+    return examples
+
+
+# ---------------------------------------------------------------- model passes
+
+
+@torch.no_grad()
+def response_losses(model: CausalLM, examples: list[Encoded], pad_id: int,
+                    batch_size: int) -> list[tuple[float, int]]:
+    """(sum of -log p over the response tokens, their count) per example.
+
+    Rows are right-padded batches (training's ``collate_padded``) of similar length; each row's
+    loss is ``target_loss_sum`` over its own target positions, index // width picking the row.
+    """
+    from hivetune.data.batch import collate_padded
+
+    device = model.lm_head.weight.device
+    out: list[tuple[float, int]] = [(0.0, 0)] * len(examples)
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        batch = collate_padded([examples[i] for i in chunk], pad_id).to(device)
+        hidden = model(batch.input_ids, batch.position_ids, batch.layout)
+        row_of = batch.target_index // batch.input_ids.shape[1]
+        for row, i in enumerate(chunk):
+            sel = row_of == row
+            total = target_loss_sum(hidden, model.lm_head.weight, batch.target_index[sel], batch.target_ids[sel])
+            out[i] = (float(total), int(sel.sum()))
+    return out
+
+
+def generate_sorted(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+                    pad_id: int, batch_size: int) -> list[list[int]]:
+    """Greedy continuations in batches of prompts of similar length (sorted by length, so left
+    padding stays short), returned in input order. Each batch stops when every row has hit a
+    stop token; a finished row's later tokens are dropped (``greedy_ids``).
+
+    Batches are as even as `batch_size` allows (40 prompts at 32: 20 + 20, not 32 + 8). Bigger
+    batches pay on the CPU because a decode step's cost is mostly per-step overhead and weight
+    reads, not rows: SmolLM2-135M in bf16 on 2 AMX cores, 40 prompts x 96 tokens, took 19-25 s
+    in one batch of 40 against 31-38 s in batches of 16 (``evaluate``'s default is 32).
+    """
+    out: list[list[int]] = [[] for _ in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    size = math.ceil(len(order) / math.ceil(len(order) / batch_size)) if order else 1
+    for start in range(0, len(order), size):
+        chunk = order[start:start + size]
+        for i, ids in zip(chunk, greedy_ids(model, [prompts[i] for i in chunk], max_new_tokens, stop_ids, pad_id)):
+            out[i] = ids
+    return out
+
+
+def score_model(model: CausalLM, tokenizer, examples: list[EvalExample], max_new_tokens: int,
+                batch_size: int, seconds: dict | None = None) -> list[dict]:
+    """One row per example: response loss, greedy answer and its scores against the reference.
+    `seconds`, if given, receives the time of the loss and of the generation pass."""
+    from hivetune.model.tokenizer import eos_ids
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    t0 = time.perf_counter()
+    losses = response_losses(model, [e.encoded for e in examples], pad, batch_size)
+    t1 = time.perf_counter()
+    answers = generate_sorted(model, [e.prompt_ids for e in examples], max_new_tokens,
+                              eos_ids(tokenizer, model.args), pad, batch_size)
+    if seconds is not None:
+        seconds.update(loss=t1 - t0, generate=time.perf_counter() - t1)
+    rows = []
+    for e, (loss_sum, n), ids in zip(examples, losses, answers):
+        text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+        loss = loss_sum / n if n else None
+        rows.append({
+            "loss": loss, "perplexity": math.exp(loss) if loss is not None else None,
+            "loss_sum": loss_sum, "response_tokens": n,
+            "generation": text, "generated_tokens": len(ids),
+            "exact_match": exact_match(text, e.reference), "f1": token_f1(text, e.reference),
+            "rouge_l": rouge_l(text, e.reference), "command_hit": command_hit(text, e.commands),
+        })
+    return rows
+
+
+def mean_metrics(rows: list[dict]) -> dict:
+    """Token-weighted loss (and its perplexity); plain means of the text scores; command hit
+    rate over the examples that have commands (None when none has)."""
+    tokens = sum(r["response_tokens"] for r in rows)
+    loss = sum(r["loss_sum"] for r in rows) / tokens if tokens else None
+    hits = [r["command_hit"] for r in rows if r["command_hit"] is not None]
+    n = len(rows)
+    return {
+        "loss": loss, "perplexity": math.exp(loss) if loss is not None else None, "response_tokens": tokens,
+        "exact_match": sum(r["exact_match"] for r in rows) / n, "f1": sum(r["f1"] for r in rows) / n,
+        "rouge_l": sum(r["rouge_l"] for r in rows) / n,
+        "command_hit": sum(hits) / len(hits) if hits else None, "command_hits": sum(hits),
+        "command_examples": len(hits), "generated_tokens": sum(r["generated_tokens"] for r in rows) / n,
+    }
+
+
+# ---------------------------------------------------------------- the command
+
+
+def default_out_dir(adapter_arg: str | Path, adapter_folder: Path) -> Path:
+    """RUN/eval for a run folder (or its adapter/ folder); ADAPTER/eval for any other adapter
+    folder (a checkpoint's step-N/, say), so results sit beside what they measured."""
+    if Path(adapter_arg).resolve() != adapter_folder.resolve() or adapter_folder.name == "adapter":
+        return adapter_folder.parent / "eval"
+    return adapter_folder / "eval"
+
+
+def base_model_path(model: str, adapter_folder: Path) -> Path:
+    """--model, else the base the adapter names (base_model_name_or_path), else the embedded model."""
+    from hivetune.embedded import embedded_model_path
+
+    if model:
+        return Path(model)
+    config = adapter_folder / "adapter_config.json"
+    try:
+        named = json.loads(config.read_text()).get("base_model_name_or_path")
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{config}: unreadable adapter config ({e})") from None
+    if not named:
+        return embedded_model_path()
+    if not Path(named).exists():
+        raise UserError(f"{config}: base model {named} not found; pass --model PATH")
+    return Path(named)
+
+
+def evaluate(model: str = "", adapter: str = "", data: str = "", max_new_tokens: int = 96, limit: int = 0,
+             out: str = "", force: bool = False, batch_size: int = 32, max_length: int = 1024,
+             device: str = "auto", precision: str = "auto", report_examples: int = 3) -> dict:
+    """`hivetune eval`: score base and tuned on `data`; write eval.json and eval.md; return the
+    eval.json content. Everything is checked before a weight is loaded."""
+    from hivetune.device import DTYPES, resolve_device, resolve_precision
+    from hivetune.embedded import default_heldout_data
+    from hivetune.fileio import atomic_write_bytes
+    from hivetune.model.load import load_model
+    from hivetune.model.lora import load_adapter, lora_enabled
+    from hivetune.model.tokenizer import load_tokenizer
+
+    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("limit", limit, 0),
+                             ("batch_size", batch_size, 1), ("max_length", max_length, 2)):
+        if value < low:
+            raise UserError(f"--{name.replace('_', '-')}: must be >= {low}, got {value}")
+    if not adapter:
+        raise UserError("eval: give --adapter RUN (a run folder or an adapter folder)")
+    t_start = time.perf_counter()
+    adapter_folder = resolve_adapter_folder(adapter)
+    model_path = base_model_path(model, adapter_folder)
+    data_path = Path(data) if data else default_heldout_data()
+    out_dir = Path(out) if out else default_out_dir(adapter, adapter_folder)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out: {out_dir} is a file, expected a folder")
+    existing = [p.name for p in (out_dir / "eval.json", out_dir / "eval.md") if p.exists()]
+    if existing and not force:
+        raise UserError(f"--out: {out_dir} already holds {' and '.join(existing)}; pass --force to overwrite")
+    dev = resolve_device(device)
+    prec = resolve_precision(precision, dev)
+    tokenizer = load_tokenizer(str(model_path))
+    examples = read_examples(data_path, tokenizer, max_length, limit)
+
+    net = load_model(model_path, dtype=DTYPES[prec], device=dev)
+    load_adapter(net, adapter_folder, param_dtype=DTYPES[prec])
+    net.eval()
+    seconds = {"load": time.perf_counter() - t_start}
+    rows = {}
+    for side in SIDES:
+        parts: dict = {}
+        with lora_enabled(net, side == "tuned"):
+            rows[side] = score_model(net, tokenizer, examples, max_new_tokens, batch_size, parts)
+        seconds.update({f"{side}_{k}": v for k, v in parts.items()})
+    seconds["total"] = time.perf_counter() - t_start
+
+    report = {
+        "model": str(model_path), "adapter": str(adapter_folder), "data": str(data_path),
+        "device": str(dev), "precision": prec, "max_new_tokens": max_new_tokens, "max_length": max_length,
+        "batch_size": batch_size, "examples": len(examples),
+        "seconds": {k: round(v, 2) for k, v in seconds.items()},
+        "means": {side: mean_metrics(rows[side]) for side in SIDES},
+        "rows": [{"where": e.where, "question": e.question, "reference": e.reference, "commands": e.commands,
+                  "truncated": e.encoded.truncated, "base": b, "tuned": t}
+                 for e, b, t in zip(examples, rows["base"], rows["tuned"])],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out_dir / "eval.json", (json.dumps(report, indent=2) + "\n").encode())
+    atomic_write_bytes(out_dir / "eval.md", markdown_report(report, report_examples).encode())
+    report["out"] = str(out_dir)
+    return report
+
+
+# ---------------------------------------------------------------- eval.md
+
+
+def _fmt(value, kind: str) -> str:
+    if value is None:
+        return "n/a"
+    return f"{100 * value:.1f}%" if kind == "pct" else f"{value:.4f}"
+
+
+def means_table(report: dict) -> str:
+    """The means as a Markdown table: metric | base | tuned | change."""
+    base, tuned = report["means"]["base"], report["means"]["tuned"]
+    metrics = [("response loss", "loss", "num"), ("perplexity", "perplexity", "num"),
+               ("exact match", "exact_match", "pct"), ("token F1", "f1", "pct"), ("ROUGE-L", "rouge_l", "pct")]
+    lines = ["| metric | base | tuned | change |", "|---|---:|---:|---:|"]
+    for label, key, kind in metrics:
+        b, t = base[key], tuned[key]
+        change = "n/a" if b is None or t is None else (
+            f"{100 * (t - b):+.1f} pts" if kind == "pct" else f"{t - b:+.4f}")
+        lines.append(f"| {label} | {_fmt(b, kind)} | {_fmt(t, kind)} | {change} |")
+    n = base["command_examples"]
+    if n:
+        lines.append(f"| command hit | {_fmt(base['command_hit'], 'pct')} ({base['command_hits']}/{n}) | "
+                     f"{_fmt(tuned['command_hit'], 'pct')} ({tuned['command_hits']}/{n}) | "
+                     f"{100 * (tuned['command_hit'] - base['command_hit']):+.1f} pts |")
+    return "\n".join(lines)
+
+
+def _fenced(text: str) -> str:
+    """A code block whose fence is longer than any backtick run inside the text."""
+    longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}text\n{text}\n{fence}"
+
+
+def _cell(text: str) -> str:
+    """Text as one Markdown table cell: markup characters escaped, line breaks as <br>."""
+    text = re.sub(r"([\\`*_\[\]<>|#])", r"\\\1", text)
+    return "<br>".join(text.splitlines()) or " "
+
+
+def markdown_report(report: dict, n_examples: int) -> str:
+    s = report["seconds"]
+    parts = [
+        "# hivetune eval: base vs tuned", "",
+        f"- model: `{report['model']}`", f"- adapter: `{report['adapter']}`",
+        f"- data: `{report['data']}`, {report['examples']} examples",
+        f"- greedy, at most {report['max_new_tokens']} new tokens; {report['device']}, {report['precision']}; "
+        f"{s['total']:.1f} s (generation: base {s['base_generate']:.1f} s, tuned {s['tuned_generate']:.1f} s)", "",
+        means_table(report), "",
+        "Response loss: mean -log p over the response tokens (training's mask), token-weighted over the "
+        "file; perplexity = exp(loss). Exact match, token F1 and ROUGE-L compare SQuAD-normalised "
+        "tokens (lower case, no punctuation or articles) with the reference. Command hit: every "
+        "reference command appears in the answer, whitespace collapsed.",
+    ]
+    for row in report["rows"][:n_examples]:
+        b, t = row["base"], row["tuned"]
+        hit = {None: "n/a", True: "yes", False: "no"}
+        parts += ["", f"## {row['where']}", "", "**Question**", "", _fenced(row["question"]), "",
+                  "**Reference**", "", _fenced(row["reference"]), "",
+                  "| | base | tuned |", "|---|---|---|",
+                  f"| answer | {_cell(b['generation'])} | {_cell(t['generation'])} |",
+                  f"| loss | {_fmt(b['loss'], 'num')} | {_fmt(t['loss'], 'num')} |",
+                  f"| token F1 | {_fmt(b['f1'], 'pct')} | {_fmt(t['f1'], 'pct')} |",
+                  f"| ROUGE-L | {_fmt(b['rouge_l'], 'pct')} | {_fmt(t['rouge_l'], 'pct')} |",
+                  f"| command hit | {hit[b['command_hit']]} | {hit[t['command_hit']]} |"]
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,249 @@
+"""hivetune eval on the tiny model: metric values, loss parity with training, batched generation,
+base == LoRA off, eval.json / eval.md, overwrite and bad-input handling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import ops_records, write_jsonl
+from hivetune.cli import main
+from hivetune.errors import UserError
+from hivetune.evaluate import (command_hit, exact_match, generate_sorted, lcs_length, normalize_answer,
+                               read_examples, reference_commands, rouge_l, score_model, token_f1)
+
+EVAL_ARGS = ["--max-new-tokens", "8", "--batch-size", "4", "--precision", "fp32", "--device", "cpu"]
+
+
+def eval_records() -> list[dict]:
+    """Prompts of different lengths; commands from the field, from `$ ` lines, or none."""
+    records = []
+    for i, r in enumerate(ops_records(7)):
+        svc = r["output"].split("`")[1].split()[-1]
+        r["instruction"] = r["instruction"] + " Please explain." * (i % 4)
+        r["output"] = f"Restart it:\n$ sudo systemctl restart {svc}\nThen check it."
+        if i % 3 == 1:
+            r["command"] = f"systemctl restart {svc}"
+        elif i % 3 == 2:
+            r["output"] = "Ask the administrator."
+        records.append(r)
+    return records
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory):
+    """A run folder whose adapter has random B ~ N(0, 1): the tiny model's greedy answers vary
+    token to token (with B = 0, or after a few training steps, they repeat one token)."""
+    from hivetune.model.load import load_model
+    from hivetune.model.lora import LoRASpec, apply_lora, lora_modules, save_adapter
+
+    root = tmp_path_factory.mktemp("eval")
+    model = load_model(tiny_model_dir)
+    spec = LoRASpec(r=4, alpha=8, dropout=0.0)
+    torch.manual_seed(0)
+    apply_lora(model, spec)
+    with torch.no_grad():
+        for _, m in lora_modules(model):
+            m.lora_B.weight.normal_(0, 1.0)
+    save_adapter(model, spec, root / "run" / "adapter", str(tiny_model_dir))
+    return root / "run", write_jsonl(root / "heldout.jsonl", eval_records())
+
+
+@pytest.fixture(scope="module")
+def report(trained, tiny_model_dir):
+    from hivetune.evaluate import evaluate
+
+    run, data = trained
+    return evaluate(model=str(tiny_model_dir), adapter=str(run), data=str(data), max_new_tokens=8,
+                    batch_size=4, precision="fp32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tuned_model(trained, tiny_model_dir):
+    from hivetune.model.load import load_model
+    from hivetune.model.lora import load_adapter
+    from hivetune.model.tokenizer import load_tokenizer
+
+    model = load_model(tiny_model_dir)
+    load_adapter(model, trained[0] / "adapter")
+    return model.eval(), load_tokenizer(str(tiny_model_dir))
+
+
+def test_text_metrics_exact_values():
+    assert normalize_answer("The  Quick, brown\tfox!") == "quick brown fox"
+    assert exact_match("The cat.", "cat") == 1.0 and exact_match("cat", "dog") == 0.0
+    # pred "cat sat on mat" (4), ref "cat sat" (2): overlap 2, P 1/2, R 1 -> F1 2/3
+    assert token_f1("the cat sat on the mat", "a cat sat") == pytest.approx(2 / 3)
+    assert token_f1("x x y", "x y y") == pytest.approx(2 / 3)  # multiset overlap: 1 x + 1 y
+    assert token_f1("", "") == 1.0 and token_f1("x", "") == 0.0 and token_f1("x", "y") == 0.0
+    assert lcs_length(list("ABCBDAB"), list("BDCABA")) == 4
+    assert rouge_l("police killed the gunman", "police kill the gunman") == pytest.approx(2 / 3)
+    assert rouge_l("x y z w", "x z") == pytest.approx(2 / 3)  # LCS 2: P 1/2, R 1
+    # order matters for ROUGE-L, not for F1: LCS 1 of 4 tokens -> 1/4
+    assert token_f1("d c b x", "x b c d") == 1.0
+    assert rouge_l("d c b x", "x b c d") == pytest.approx(0.25)
+    assert rouge_l("same words here", "Same words, here.") == 1.0
+
+
+def test_command_hit_rule():
+    answer = "Run this:\n$ sudo  systemctl restart\tnginx\nthen `journalctl -u nginx`"
+    assert command_hit(answer, ["systemctl restart nginx"]) is True
+    assert command_hit(answer, ["systemctl restart nginx", "journalctl -u nginx"]) is True
+    assert command_hit(answer, ["systemctl restart nginx", "systemctl status nginx"]) is False
+    assert command_hit(answer, ["Systemctl restart nginx"]) is False  # commands are case-sensitive
+    assert command_hit(answer, []) is None
+    reference = "First:\n$ dnf  upgrade\nthen\n$ reboot\n  $ not a command line"
+    assert reference_commands({}, reference, "f:1") == ["dnf  upgrade", "reboot"]
+    assert reference_commands({"command": "dnf upgrade"}, reference, "f:1") == ["dnf upgrade"]
+    assert reference_commands({"command": ["a", "b"]}, reference, "f:1") == ["a", "b"]
+    with pytest.raises(UserError, match="^f:3: field 'command'"):
+        reference_commands({"command": 3}, reference, "f:3")
+
+
+def test_loss_equals_training_loss(report, trained, tuned_model):
+    """Per-example and mean loss come from training's encoding, batching and loss op."""
+    from hivetune.data.batch import collate_packed
+    from hivetune.data.dataset import index_dataset
+    from hivetune.model.lora import lora_enabled
+    from hivetune.ops.loss import target_loss_sum
+
+    model, tokenizer = tuned_model
+    data = index_dataset(trained[1], "auto", tokenizer, 1024, False)
+    examples = [data.example(i) for i in range(len(data))]
+    assert len(examples) == report["examples"] == 7
+    for side in ("base", "tuned"):
+        with torch.no_grad(), lora_enabled(model, side == "tuned"):
+            for e, row in zip(examples, report["rows"]):
+                b = collate_packed([e])
+                total = target_loss_sum(model(b.input_ids, b.position_ids, b.layout), model.lm_head.weight,
+                                        b.target_index, b.target_ids)
+                assert row[side]["response_tokens"] == e.n_targets
+                assert row[side]["loss"] == pytest.approx(float(total) / e.n_targets, rel=1e-5)
+            b = collate_packed(examples)  # one optimizer step's loss: sum over targets / target count
+            step_loss = target_loss_sum(model(b.input_ids, b.position_ids, b.layout), model.lm_head.weight,
+                                        b.target_index, b.target_ids) / sum(e.n_targets for e in examples)
+        means = report["means"][side]
+        assert means["loss"] == pytest.approx(float(step_loss), rel=1e-5)
+        assert means["perplexity"] == pytest.approx(float(step_loss.exp()), rel=1e-5)
+    assert report["means"]["tuned"]["loss"] != pytest.approx(report["means"]["base"]["loss"], rel=1e-4)
+
+
+def test_batched_generation_equals_one_by_one(trained, tuned_model):
+    from hivetune.generate import encode_prompt, greedy_ids
+
+    model, tokenizer = tuned_model
+    examples = read_examples(trained[1], tokenizer, 1024)
+    prompts = [e.prompt_ids for e in examples]
+    assert len({len(p) for p in prompts}) >= 3
+    # alpaca prompts are what `hivetune generate` sends for the same question
+    assert prompts[0] == encode_prompt(tokenizer, examples[0].question, chat=True)
+    single = [greedy_ids(model, [p], 10, set())[0] for p in prompts]
+    assert generate_sorted(model, prompts, 10, set(), 0, batch_size=4) == single
+    # a stop token mid-answer ends that row only; other rows run on, and its later tokens are dropped
+    stop = single[0][4]
+    expected = [s[:s.index(stop)] if stop in s else s for s in single]
+    assert any(len(x) < 10 for x in expected) and any(len(x) == 10 for x in expected)
+    assert generate_sorted(model, prompts, 10, {stop}, 0, batch_size=4) == expected
+    assert generate_sorted(model, prompts, 10, {stop}, 0, batch_size=1) == expected
+
+
+def test_base_equals_model_without_lora(report, trained, tiny_model_dir):
+    """Base rows (LoRA switched off) equal the plain base model's, which has no LoRA at all."""
+    from hivetune.model.load import load_model
+    from hivetune.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    plain = load_model(tiny_model_dir).eval()
+    rows = score_model(plain, tokenizer, read_examples(trained[1], tokenizer, 1024), 8, batch_size=4)
+    for row, got in zip(rows, report["rows"]):
+        assert got["base"]["generation"] == row["generation"]
+        assert got["base"]["loss"] == pytest.approx(row["loss"], rel=1e-6)
+        assert got["base"]["f1"] == row["f1"] and got["base"]["command_hit"] == row["command_hit"]
+    assert [r["tuned"]["loss"] for r in report["rows"]] != [r["loss"] for r in rows]
+
+
+def test_eval_json_and_md(report, trained):
+    run, data = trained
+    out = run / "eval"
+    assert report["out"] == str(out)
+    saved = json.loads((out / "eval.json").read_text())
+    assert saved == {k: v for k, v in report.items() if k != "out"}
+    assert set(saved) >= {"model", "adapter", "data", "device", "precision", "max_new_tokens", "examples",
+                          "seconds", "means", "rows"}
+    assert saved["adapter"] == str(run / "adapter") and saved["precision"] == "fp32"
+    assert len(saved["rows"]) == 7 and saved["rows"][1]["where"] == f"{data}:2"
+    row_keys = {"loss", "perplexity", "loss_sum", "response_tokens", "generation", "generated_tokens",
+                "exact_match", "f1", "rouge_l", "command_hit"}
+    for row in saved["rows"]:
+        assert set(row["base"]) == set(row["tuned"]) == row_keys
+        assert 0 < row["tuned"]["generated_tokens"] <= 8 or row["tuned"]["generation"] == ""
+    # commands: field (i % 3 == 1), `$ ` lines (i % 3 == 0), none (i % 3 == 2)
+    assert saved["rows"][0]["commands"] == ["sudo systemctl restart nginx"]
+    assert saved["rows"][1]["commands"] == ["systemctl restart sshd"]
+    assert saved["rows"][2]["commands"] == [] and saved["rows"][2]["base"]["command_hit"] is None
+    for side in ("base", "tuned"):
+        means, rows = saved["means"][side], [r[side] for r in saved["rows"]]
+        assert means["f1"] == pytest.approx(sum(r["f1"] for r in rows) / 7)
+        assert means["rouge_l"] == pytest.approx(sum(r["rouge_l"] for r in rows) / 7)
+        assert means["command_examples"] == 5 and means["command_hits"] == sum(bool(r["command_hit"]) for r in rows)
+        assert means["response_tokens"] == sum(r["response_tokens"] for r in rows)
+    md = (out / "eval.md").read_text()
+    assert "| metric | base | tuned | change |" in md and "| command hit |" in md
+    assert f"## {data}:1" in md and f"## {data}:4" not in md  # three examples side by side
+    assert md.count("| answer | ") == 3
+
+
+def test_cli_refuses_overwrite_unless_force(trained, tiny_model_dir, tmp_path, capsys):
+    run, data = trained
+    out = tmp_path / "out"
+    # no --model: the base the adapter names (base_model_name_or_path)
+    args = ["eval", "--adapter", str(run / "adapter"), "--data", str(data), "--out", str(out), *EVAL_ARGS]
+    assert main(args + ["--limit", "1"]) == 0
+    assert "| response loss |" in capsys.readouterr().out
+    before = (out / "eval.json").read_bytes()
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"hivetune: error: --out: {out} already holds eval.json and eval.md; pass --force to overwrite")
+    assert (out / "eval.json").read_bytes() == before
+    assert main(args + ["--force", "--limit", "2"]) == 0
+    saved = json.loads((out / "eval.json").read_text())
+    assert saved["examples"] == 2 and saved["model"] == str(tiny_model_dir)
+    assert sorted(p.name for p in out.iterdir()) == ["eval.json", "eval.md"]  # no temporary files left
+
+
+@pytest.mark.parametrize("case", ["missing_run", "not_a_run", "bad_json", "text_format", "bad_command", "no_limit"])
+def test_bad_input_is_one_line_exit_2_nothing_written(case, trained, tiny_model_dir, tmp_path, capsys):
+    run, _ = trained
+    data = write_jsonl(tmp_path / "d.jsonl", eval_records())
+    out = tmp_path / "out"
+    args = ["eval", "--model", str(tiny_model_dir), "--adapter", str(run), "--data", str(data), "--out", str(out),
+            *EVAL_ARGS]
+    expected = {
+        "missing_run": f"{tmp_path / 'nope'}: adapter or run folder not found",
+        "not_a_run": f"{tmp_path}: no finished adapter (adapter_config.json) in this folder",
+        "bad_json": f"{data}:3: malformed JSON (Expecting property name enclosed in double quotes at column 2)",
+        "text_format": f"{data}:1: eval needs prompt/response records (alpaca or chat), not text",
+        "bad_command": f"{data}:2: field 'command' must be a non-empty string or a list of them",
+        "no_limit": "--limit: must be >= 0, got -1",
+    }[case]
+    if case == "missing_run":
+        args[4] = str(tmp_path / "nope")
+    elif case == "not_a_run":
+        args[4] = str(tmp_path)
+    elif case == "bad_json":
+        lines = data.read_text().splitlines()
+        lines[2] = "{oops"
+        data.write_text("\n".join(lines) + "\n")
+    elif case == "text_format":
+        write_jsonl(data, [{"text": "just text"}])
+    elif case == "bad_command":
+        records = eval_records()
+        records[1]["command"] = ""
+        write_jsonl(data, records)
+    elif case == "no_limit":
+        args += ["--limit", "-1"]
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"hivetune: error: {expected}"]
+    assert not out.exists()
