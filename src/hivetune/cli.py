@@ -250,7 +250,7 @@ def add_eval_parser(sub) -> None:
     ev.add_argument("--limit", type=int, default=0, metavar="K", help="first K examples only (0: all)")
     ev.add_argument("--out", default="", metavar="DIR", help="folder for eval.json and eval.md (default: RUN/eval)")
     ev.add_argument("--force", action="store_true", help="overwrite an existing eval.json / eval.md")
-    ev.add_argument("--batch-size", type=int, default=32, help="most prompts generated together")
+    ev.add_argument("--batch-size", type=int, default=48, help="most prompts generated together")
     ev.add_argument("--max-length", type=int, default=1024, help="token limit for the loss (as in training)")
     ev.add_argument("--device", default="auto")
     ev.add_argument("--precision", default="auto")
