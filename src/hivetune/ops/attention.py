@@ -119,6 +119,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout=N
 def sdpa_causal(q, k, v, layout) -> torch.Tensor:
     """The reference path: q [B, H, Q, D], k, v [B, KVH, K, D] -> [B, H, Q, D]."""
     groups = q.shape[1] // k.shape[1]
+    if groups > 1 and isinstance(layout, Masked):
+        return grouped_masked_attention(q, k, v, layout.mask, groups)
     if groups > 1:
         # Repeat K/V heads explicitly: SDPA's enable_gqa is not taken by every kernel and the
         # result is identical.
@@ -141,6 +143,21 @@ def sdpa_causal(q, k, v, layout) -> torch.Tensor:
         if isinstance(layout, Masked):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask)
     raise TypeError(f"unknown attention layout {type(layout).__name__}")
+
+
+def grouped_masked_attention(q, k, v, mask, groups: int) -> torch.Tensor:
+    """GQA without copying K/V: the G query heads sharing a K/V head become G*Q query rows.
+
+    q [B, KVH*G, Q, D] -> [B, KVH, G*Q, D]; mask [B, 1, Q, K] -> [B, 1, G*Q, K]. Decoding on
+    top of a KV cache otherwise copies the whole cache G times per step (SmolLM2: G = 3).
+    """
+    b, h, q_len, d = q.shape
+    kv = k.shape[1]
+    qg = q.reshape(b, kv, groups * q_len, d)
+    mask = mask[:, :, None].expand(b, 1, groups, q_len, mask.shape[-1]).reshape(b, 1, groups * q_len, -1)
+    with sdpa_kernel(SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+    return out.reshape(b, h, q_len, d)
 
 
 _VARLEN = None
