@@ -54,27 +54,31 @@ class Masked:
 
 
 def padded_view_attention(q, k, v, lengths: tuple[int, ...]) -> torch.Tensor:
-    """Packed [1, H, T, D] -> [E, H, Lmax, D] padded view -> causal SDPA -> back to packed.
+    """Packed [1, T, H, D] -> [E, H, Lmax, D] padded view -> causal SDPA -> back to [1, T, H, D].
 
     The linear layers keep the packed row (no pad tokens through the matmuls); attention runs
     as one batched causal call, which on the CPU beats both a block-diagonal mask ((sum L)^2
     work) and one call per example (E small kernels). Pads sit after each example's last
-    token, so the causal mask already hides them from every real query.
+    token, so the causal mask already hides them from every real query. Rows are gathered on
+    the token axis of the contiguous [T, H, D] tensors (cheaper than gathering a transposed view).
     """
     gather, scatter = _padded_indices(lengths, q.device)
     e, width = len(lengths), max(lengths)
-
-    def to_padded(x):  # [1, H, T, D] -> [E, H, Lmax, D]
-        return x[0].index_select(1, gather).view(x.shape[1], e, width, x.shape[3]).transpose(0, 1)
-
+    groups = q.shape[2] // k.shape[2]
     dtype = q.dtype
     if q.device.type == "cpu" and dtype != torch.float32:
         # The CPU flash kernel's bf16 backward is ~3x slower than its fp32 one (measured on
         # [8, 9, 100, 64]: 29 ms vs 10 ms a layer); the casts cost far less.
         q, k, v = q.float(), k.float(), v.float()
+
+    def to_padded(x, repeat=1):  # [1, T, h, D] -> [E, h * repeat, Lmax, D]
+        x = x[0].index_select(0, gather).view(e, width, x.shape[2], x.shape[3]).transpose(1, 2)
+        return x.repeat_interleave(repeat, dim=1) if repeat > 1 else x
+
     with torch.autocast(q.device.type, enabled=False), sdpa_kernel(SDPA_BACKENDS):  # no autocast back to bf16
-        out = F.scaled_dot_product_attention(to_padded(q), to_padded(k), to_padded(v), is_causal=True).to(dtype)
-    out = out.transpose(0, 1).reshape(q.shape[1], e * width, q.shape[3]).index_select(1, scatter)
+        out = F.scaled_dot_product_attention(to_padded(q), to_padded(k, groups), to_padded(v, groups),
+                                             is_causal=True).to(dtype)
+    out = out.transpose(1, 2).reshape(e * width, q.shape[2], q.shape[3]).index_select(0, scatter)
     return out[None]
 
 
@@ -110,6 +114,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout=N
     """
     if isinstance(layout, Packed) and cache is None and varlen_supported(q):
         return varlen_causal(q, k, v, layout)
+    if isinstance(layout, Packed) and cache is None and layout.lengths and sum(layout.lengths) == q.shape[1]:
+        return padded_view_attention(q, k, v, layout.lengths)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if cache is not None:
         k, v = cache.append(layer, k, v)
@@ -136,8 +142,6 @@ def sdpa_causal(q, k, v, layout) -> torch.Tensor:
             mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         if isinstance(layout, Packed):
-            if layout.lengths and sum(layout.lengths) == q.shape[2]:
-                return padded_view_attention(q, k, v, layout.lengths)
             mask = layout.block_causal_mask(q.shape[2])
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         if isinstance(layout, Masked):
