@@ -81,13 +81,18 @@ def iter_records(path: str | Path):
             yield lineno, start, record
 
 
-def _iter_json_array(path: Path, raw: bytes):
+def decode_json_file(path: Path, raw: bytes):
+    """A whole JSON document (a JSON array data file), or a file:line UserError."""
     try:
-        data = json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not valid UTF-8 (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+
+
+def _iter_json_array(path: Path, raw: bytes):
+    data = decode_json_file(path, raw)
     if not isinstance(data, list) or not data:
         raise UserError(f"{path}: expected a non-empty JSON array of objects")
     for i, record in enumerate(data, start=1):

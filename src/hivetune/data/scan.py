@@ -16,8 +16,8 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
 
-from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, FORMAT_NAMES, chat_spans, encode_record,
-                                   is_json_array, open_data_file)
+from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, FORMAT_NAMES, chat_spans, decode_json_file,
+                                   encode_record, is_json_array, open_data_file)
 from hivetune.errors import UserError
 
 # Records tokenised per call of the Rust tokenizer (it spreads a batch over the cores).
@@ -67,12 +67,7 @@ def parse_line(number: int, raw: bytes) -> Line:
 
 
 def _array_lines(path: Path, raw: bytes):
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not valid UTF-8 (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+    data = decode_json_file(path, raw)
     if not isinstance(data, list):
         raise UserError(f"{path}: expected a JSON array of objects")
     for i, record in enumerate(data, start=1):
