@@ -187,6 +187,18 @@ def autocast(run: Run):
     return torch.autocast(run.device.type, dtype=DTYPES[run.precision])
 
 
+def forward_backward(run: Run, batch, n_targets: int, loss_fn) -> torch.Tensor:
+    """One micro-batch: forward, loss over its targets divided by the step's target count,
+    backward (gradients accumulate in the LoRA parameters). Returns the detached loss."""
+    model = run.model
+    with autocast(run):
+        hidden = model(batch.input_ids, batch.position_ids, batch.layout)
+        loss_sum = loss_fn(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+    loss = loss_sum / n_targets
+    (run.scaler.scale(loss) if run.scaler else loss).backward()
+    return loss.detach()
+
+
 class TrainingStopped(Exception):
     """fit stopped early: by SIGINT / SIGTERM after checkpointing the step it finished
     (`signum` set), or by `stop_after` in tests with no checkpoint, as a kill would."""
@@ -224,13 +236,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
             step_loss = torch.zeros((), device=device)
             step_tokens = 0
             for batch in micro_batches(run, example_ids):
-                batch = batch.to(device)
-                with autocast(run):
-                    hidden = model(batch.input_ids, batch.position_ids, batch.layout)
-                    loss_sum = loss_fn(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
-                loss = loss_sum / n_targets
-                (run.scaler.scale(loss) if run.scaler else loss).backward()
-                step_loss += loss.detach()
+                step_loss += forward_backward(run, batch.to(device), n_targets, loss_fn)
                 step_tokens += batch.n_tokens
 
             if run.scaler:
