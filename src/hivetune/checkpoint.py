@@ -22,6 +22,7 @@ plan's length and hash are stored to catch a changed data file.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import random
@@ -34,7 +35,7 @@ import torch
 
 from hivetune.config import to_dict
 from hivetune.errors import UserError
-from hivetune.fileio import atomic_write_bytes, fsync_dir
+from hivetune.fileio import atomic_write_bytes, confined, disk_error_message, fsync_dir, is_disk_error
 from hivetune.model.lora import ADAPTER_WEIGHTS, lora_modules, save_adapter
 
 MANIFEST = "manifest.json"
@@ -90,11 +91,37 @@ def _pause() -> None:
 
 def save_checkpoint(run, step: int, counters: dict) -> Path:
     """Write checkpoints/step-NNNNNN/ atomically (see the module docstring); keep the last
-    cfg.keep_checkpoints. `counters`: loop totals to restore with the step (skipped steps...)."""
+    cfg.keep_checkpoints. `counters`: loop totals to restore with the step (skipped steps...).
+
+    A full or read-only disk (ENOSPC, EDQUOT, EROFS, EACCES) stops with a one-line UserError: the
+    temp folder is removed, so no half-written checkpoint stays, and the earlier ones are untouched."""
     root = run.folder / "checkpoints"
     name = f"step-{step:06d}"
     final = root / name
     tmp = root / f".{name}.tmp-{os.getpid()}"
+    try:
+        _write_checkpoint(run, step, counters, root, tmp)
+        if final.exists():  # a bad checkpoint of this step from before a crash: move it out of the way
+            _discard(final)
+        os.rename(tmp, final)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not is_disk_error(e):
+            raise
+        saved = checkpoint_folders(root)
+        last = (f"the last checkpoint, {saved[-1]}, is intact; make room, then resume with "
+                f"hivetune train --resume {run.folder}") if saved else "no earlier checkpoint exists"
+        raise UserError(f"{disk_error_message(e, f'checkpoint of step {step}')}; {last}") from None
+    try:
+        fsync_dir(root)
+        prune_checkpoints(root, run.cfg.keep_checkpoints)
+    except OSError as e:  # the new checkpoint is in place: old ones staying is not worth stopping for
+        print(f"hivetune: warning: could not remove old checkpoints ({e})", file=sys.stderr)
+    return final
+
+
+def _write_checkpoint(run, step: int, counters: dict, root: Path, tmp: Path) -> None:
+    """Everything into `tmp`, each file fsynced, the manifest last."""
     root.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -107,8 +134,6 @@ def save_checkpoint(run, step: int, counters: dict) -> Path:
         "scaler": run.scaler.state_dict() if run.scaler is not None else {},
         "rng": capture_rng(), "counters": dict(counters),
     }
-    import io
-
     buffer = io.BytesIO()
     torch.save(state, buffer)
     atomic_write_bytes(tmp / STATE, buffer.getvalue())
@@ -119,12 +144,6 @@ def save_checkpoint(run, step: int, counters: dict) -> Path:
     atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks it complete
     fsync_dir(tmp)
     _pause()
-    if final.exists():  # a bad checkpoint of this step from before a crash: move it out of the way
-        _discard(final)
-    os.rename(tmp, final)
-    fsync_dir(root)
-    prune_checkpoints(root, run.cfg.keep_checkpoints)
-    return final
 
 
 def _discard(folder: Path) -> None:
@@ -171,7 +190,12 @@ def verify_checkpoint(folder: Path) -> str:
     if manifest.get("step") != int(folder.name[5:]):
         return f"manifest.json names step {manifest.get('step')}"
     for name, expected in files.items():
-        path = folder / name
+        try:
+            path = confined(folder, name, "manifest.json names")
+        except UserError as e:
+            return str(e).partition(": ")[2]
+        if not isinstance(expected, dict):
+            return f"manifest.json entry {name!r} is not an object"
         if not path.is_file():
             return f"{name} is missing"
         if path.stat().st_size != expected.get("bytes") or sha256_file(path) != expected.get("sha256"):
@@ -232,10 +256,15 @@ def flat_config(cfg) -> dict:
     return out
 
 
+# Keys a resumed run may change: where and how fast it runs, not what it computes.
+RUNTIME_KEYS = ("threads", "device", "skip_doctor")
+
+
 def config_diff(old, new) -> list[str]:
-    """'key: old -> new' for every config key whose value differs."""
+    """'key: old -> new' for every config key whose value differs, RUNTIME_KEYS left out."""
     a, b = flat_config(old), flat_config(new)
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and k not in RUNTIME_KEYS]
 
 
 def truncate_metrics(path: Path, step: int) -> None:
@@ -287,7 +316,8 @@ def resume_run(run, checkpoint: Path | None) -> None:
 
 def resume_config(run_folder: str | Path, config_path: str | None, overrides: dict):
     """`hivetune train --resume RUN`: RUN's saved config. Flags or a --config that would change
-    it are refused with the keys they change: a resumed run continues the run it was."""
+    it are refused with the keys they change: a resumed run continues the run it was. Only
+    RUNTIME_KEYS (threads, device, skip_doctor) may be given anew; config.yaml stays as written."""
     from hivetune.config import load_config
 
     folder = Path(run_folder)
@@ -299,8 +329,11 @@ def resume_config(run_folder: str | Path, config_path: str | None, overrides: di
     if output and Path(output).resolve() != folder.resolve():
         raise UserError(f"--output: {output} is not the resumed run {folder}; leave --output out")
     if config_path or overrides:
-        diff = config_diff(saved, load_config(config_path or path, overrides))
+        wanted = load_config(config_path or path, overrides)
+        diff = config_diff(saved, wanted)
         if diff:
             raise UserError(f"--resume: a resumed run keeps its config; these flags change it: {'; '.join(diff)}")
+        for key in RUNTIME_KEYS:
+            setattr(saved, key, getattr(wanted, key))
     saved.output_dir = str(folder)
     return saved

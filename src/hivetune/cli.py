@@ -41,6 +41,7 @@ TRAIN_SWITCHES = {
     "--no-packing": ("packing", False, "pad each micro-batch instead of packing it"),
     "--gradient-checkpointing": ("gradient_checkpointing", True, "recompute activations in backward"),
     "--rslora": ("lora.rslora", True, "rank-stabilised LoRA scaling"),
+    "--no-doctor": ("skip_doctor", True, "start even on a stack the doctor's quick checks call broken"),
 }
 
 
@@ -284,6 +285,13 @@ def main(argv: list[str] | None = None) -> int:
         if ns.debug:
             raise
         print(f"hivetune: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full or read-only disk under any command: one line too
+        from hivetune.fileio import disk_error_message, is_disk_error
+
+        if ns.debug or not is_disk_error(e):
+            raise
+        print(f"hivetune: error: {disk_error_message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("hivetune: interrupted", file=sys.stderr)

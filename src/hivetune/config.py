@@ -100,6 +100,9 @@ class TrainConfig:
     """cuda when available, else cpu."""
     threads: int = 0
     """CPU threads for torch; 0: all cores."""
+    skip_doctor: bool = False
+    """Start even when the doctor's quick checks find a stack known to fail (a driver older than
+    torch's CUDA, a GPU missing from the build, a wrong HSA_OVERRIDE_GFX_VERSION...)."""
     log_every: int = 1
     """Write a metrics.jsonl line every this many optimizer steps."""
     save_every: int = 0

@@ -1,10 +1,20 @@
-"""Atomic file writes: temp file in the same folder, fsync, rename; a crash leaves old or new."""
+"""Writing files safely: atomic writes (temp file in the same folder, fsync, rename: a crash leaves old
+or new), clear errors for a full or read-only disk, names from data kept inside their folder, and
+the lock that keeps two trainers out of one run folder."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Callable
+
+try:
+    import fcntl
+except ImportError:  # not on Linux / macOS: run folders are not locked
+    fcntl = None
+
+from hivetune.errors import UserError
 
 
 def fsync_dir(folder: Path) -> None:
@@ -36,3 +46,123 @@ def atomic_write_with(path: Path, write: Callable[[Path], None]) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write_with(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+# ---- errors of a full or read-only disk ----------------------------------------------------------
+
+# No space, no quota left, a read-only file system, no permission: the output cannot be written.
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def is_disk_error(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in DISK_ERRNOS
+
+
+def disk_error_message(e: OSError, what: str = "") -> str:
+    """'checkpoint: cannot write runs/x/...: No space left on device (ENOSPC)'."""
+    name = errno.errorcode.get(e.errno, str(e.errno))
+    where = f" {e.filename}" if e.filename else ""
+    return f"{what + ': ' if what else ''}cannot write{where}: {e.strerror or e} ({name})"
+
+
+def check_writable(folder: Path, key: str = "output_dir") -> None:
+    """Refuse an output folder that cannot be created or written in (read-only file system, no
+    permission), before anything is computed. Checks the folder, or its nearest existing parent."""
+    folder = Path(folder)
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise UserError(f"{key}: {probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        why = "a read-only file system" if _read_only_fs(probe) else "no write permission"
+        raise UserError(f"{key}: cannot write in {probe} ({why})")
+
+
+def _read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
+
+# ---- paths named by data -------------------------------------------------------------------------
+
+def confined(folder: Path, name: str, what: str = "file name") -> Path:
+    """folder / name, refused when `name` (read from a file: a manifest, a config) would leave the
+    folder: an absolute path, '..', a path separator, or a NUL byte."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+            or "\0" in name or os.path.isabs(name)):
+        raise UserError(f"{folder}: {what} {name!r} is not a plain name inside the folder")
+    return Path(folder) / name
+
+
+# ---- one trainer per run folder ------------------------------------------------------------------
+
+LOCK_NAME = ".hivetune.lock"
+_HELD: dict[str, tuple[int, int]] = {}  # resolved run folder -> (pid, fd of its lock file)
+
+
+def hold_run_lock(folder: Path) -> int | None:
+    """Make this process the only trainer of `folder`, or raise a UserError naming the pid of the
+    one that is. Idempotent within a process. Returns the pid of a dead holder taken over, if any.
+
+    The lock is a kernel lock (fcntl.lockf) on folder/.hivetune.lock, so it dies with its process:
+    the lock of a crashed, killed or powered-off trainer is free without any clean-up, and a stale
+    file (the pid of a process that is gone) is simply taken over. The pid in the file names the
+    holder in the message. Where the file system has no locks (ENOLCK), the pid is checked instead.
+    """
+    key = str(Path(folder).resolve())
+    if _HELD.get(key, (0, 0))[0] == os.getpid():
+        return None
+    path = Path(folder) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UserError(f"output_dir: cannot create the run lock {path} ({e.strerror})") from None
+    previous = _pid_in(fd)
+    try:
+        if fcntl is None:
+            raise OSError(errno.ENOLCK, "no fcntl")
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            os.close(fd)
+            raise UserError(_busy_message(folder, previous)) from None
+        if previous and previous != os.getpid() and pid_alive(previous):  # no locking here: trust the pid
+            os.close(fd)
+            raise UserError(_busy_message(folder, previous)) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _HELD[key] = (os.getpid(), fd)
+    return previous if previous and previous != os.getpid() else None
+
+
+def release_run_lock(folder: Path) -> None:
+    pid, fd = _HELD.pop(str(Path(folder).resolve()), (0, 0))
+    if pid == os.getpid():
+        os.close(fd)  # closing releases the lock; the file stays (unlinking it would race)
+
+
+def _busy_message(folder: Path, pid: int | None) -> str:
+    holder = f"pid {pid}" if pid else "another process"
+    return (f"output_dir: {folder} is in use by another hivetune train ({holder}); wait for it to finish or "
+            f"stop it, or choose another output")
+
+
+def _pid_in(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True

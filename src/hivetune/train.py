@@ -28,9 +28,10 @@ from hivetune.config import TrainConfig, save_config
 from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset, plan_steps
 from hivetune.device import DTYPES, peak_memory_bytes, resolve_device, resolve_precision, set_threads
+from hivetune.doctor.preflight import check_stack
 from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.errors import UserError
-from hivetune.fileio import atomic_write_bytes
+from hivetune.fileio import atomic_write_bytes, check_writable, hold_run_lock
 from hivetune.model.decoder import CausalLM
 from hivetune.model.load import load_args, load_model
 from hivetune.model.lora import LoRASpec, apply_lora, lora_parameters, save_adapter
@@ -101,8 +102,12 @@ def new_run_folder(cfg: TrainConfig) -> Path:
         if (folder.exists() and (not folder.is_dir() or any(folder.iterdir()))
                 and not (folder / "config.yaml").is_file()):
             raise UserError(f"output_dir: {folder} already exists and is not empty; choose another")
-        return folder
-    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    else:
+        folder = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    check_writable(folder)
+    if (folder / "config.yaml").is_file():
+        hold_run_lock(folder)  # before reading its checkpoints: one trainer per run folder
+    return folder
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -113,6 +118,8 @@ def setup(cfg: TrainConfig) -> Run:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     set_threads(cfg.threads)
+    if not cfg.skip_doctor:
+        check_stack(cfg.device, cfg.precision)  # the doctor's quick checks: a known-bad stack stops here
     model_path = Path(cfg.model) if cfg.model else embedded_model_path()
     data_path = Path(cfg.data) if cfg.data else default_train_data()
     val_path = Path(cfg.val_data) if cfg.val_data else (default_heldout_data() if not cfg.data else None)
@@ -136,6 +143,7 @@ def setup(cfg: TrainConfig) -> Run:
     # fp16 / bf16 runs keep the frozen base in half precision; only LoRA is fp32.
     model = load_model(model_path, dtype=DTYPES[precision], device=device)
     run = assemble(cfg, model, data, tokenizer, device, precision, folder, model_path)
+    hold_run_lock(folder)  # a new folder: locked as soon as it exists
     run.val_path = val_path
     if data.truncated:
         run.notes.append(f"{data.truncated} examples truncated to max_length={cfg.max_length}")

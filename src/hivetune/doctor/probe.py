@@ -18,9 +18,10 @@ import torch
 from hivetune.doctor.environment import ENV_VARS, PACKAGES, CPUInfo, Environment, GPUInfo, first_line
 
 
-def gather_environment(selftest: bool = True) -> Environment:
+def gather_environment(selftest: bool = True, triton: bool = True) -> Environment:
     """Probe this machine. With ``selftest``, also run the attention probes and the self-test
-    (a few seconds on a GPU, about two on a small CPU)."""
+    (a few seconds on a GPU, about two on a small CPU); without it, about 30 ms on a CPU.
+    ``triton=False`` skips importing Triton (up to a second; only the liger-kernel warning needs it)."""
     from hivetune.device import cpu_has_fast_bf16
     from hivetune.doctor.attention_probes import probe_attention
     from hivetune.doctor.selftest import correctness_checks, measure_speed
@@ -43,7 +44,8 @@ def gather_environment(selftest: bool = True) -> Environment:
     env.amdgpu_driver = _read("/sys/module/amdgpu/version")
     env.kfd_archs = kfd_archs()
     env.gpus, env.gpu_error = _gpus(env.build)
-    env.triton_version, env.triton_error = _triton()
+    if triton:
+        env.triton_version, env.triton_error = _triton()
     if selftest:
         device = torch.device("cuda", 0) if env.gpus else torch.device("cpu")
         env.attention = probe_attention(device, torch.float32 if device.type == "cpu" else half_dtype(device, env))
