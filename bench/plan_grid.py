@@ -1,0 +1,233 @@
+"""Planner accuracy on the GPU: predicted peak vs torch.cuda.max_memory_reserved().
+
+Usage (one device call):  python bench/plan_grid.py --out "$OUT"
+Each grid point runs in a fresh subprocess (a clean caching allocator): a random-init Qwen2.5
+shape built straight in the training dtype, one micro-batch of `batch_size` equal-length
+examples packed in one row, a few optimizer steps through hivetune's own loop (train.fit),
+then the peak reserved memory is compared with hivetune.plan's prediction. Afterwards one more
+forward / backward records the phases (allocated after forward = weights + saved activations)
+so a miss can be traced to a term. Writes plan-grid-<commit>-<device>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {  # vocab, hidden, intermediate, layers, heads, kv heads, tied (config.json of each)
+    "0.5B": (151936, 896, 4864, 24, 14, 2, True),
+    "1.5B": (151936, 1536, 8960, 28, 12, 2, True),
+    "7B": (152064, 3584, 18944, 28, 28, 4, False),
+}
+QV = ["q_proj", "v_proj"]
+# model, precision, examples x length (the micro-batch), checkpointing, r, dropout, targets
+GRID = [
+    ("0.5B", "bf16", 4, 512, False, 8, 0.0, None),
+    ("0.5B", "bf16", 8, 1024, False, 64, 0.0, None),
+    ("0.5B", "bf16", 16, 1024, True, 16, 0.0, None),
+    ("0.5B", "fp32", 8, 512, False, 16, 0.0, None),
+    ("0.5B", "fp32", 8, 512, True, 8, 0.05, None),
+    ("1.5B", "bf16", 8, 512, False, 16, 0.05, None),
+    ("1.5B", "bf16", 16, 1024, True, 32, 0.0, None),
+    ("1.5B", "fp32", 4, 512, False, 16, 0.0, None),
+    ("1.5B", "fp32", 8, 1024, True, 64, 0.0, None),
+    ("1.5B", "bf16", 8, 1024, False, 8, 0.0, QV),
+    ("7B", "bf16", 4, 512, False, 16, 0.0, None),
+    ("7B", "bf16", 8, 512, False, 32, 0.05, None),
+    ("7B", "bf16", 16, 1024, True, 64, 0.0, None),
+    ("7B", "bf16", 8, 1024, True, 8, 0.0, None),
+    ("7B", "fp32", 4, 512, False, 16, 0.0, None),
+    ("7B", "fp32", 8, 1024, True, 16, 0.0, None),
+]
+
+
+def point_dict(row) -> dict:
+    model, precision, batch, length, ckpt, r, dropout, targets = row
+    return {"model": model, "precision": precision, "batch_size": batch, "length": length,
+            "gradient_checkpointing": ckpt, "r": r, "dropout": dropout, "targets": targets}
+
+
+def predict(p: dict) -> dict:
+    from hivetune.bench import qwen25_shape
+    from hivetune.plan.memory import MemoryConfig, breakdown
+
+    args = qwen25_shape(*SHAPES[p["model"]])
+    tokens = p["batch_size"] * p["length"]
+    targets = p["batch_size"] * (p["length"] - p["length"] // 4)  # every response token is a target
+    kw = {"targets": tuple(p["targets"])} if p["targets"] else {}
+    attention = "varlen" if p["precision"] != "fp32" and os.environ.get("HIVETUNE_ATTENTION") != "sdpa" else "sdpa"
+    mc = MemoryConfig(precision=p["precision"], r=p["r"], dropout=p["dropout"],
+                      gradient_checkpointing=p["gradient_checkpointing"], attention=attention, **kw)
+    b = breakdown(args, mc, tokens, targets)
+    return {"predicted_reserved_bytes": b.reserved, "peak_phase": b.peak_phase,
+            "parts": {k: v for k, v in b.parts.items()}}
+
+
+def run_point(p: dict) -> dict:
+    """In this (fresh) process: build, train a few steps, measure."""
+    import torch
+
+    from hivetune.bench import qwen25_shape
+    from hivetune.config import load_config
+    from hivetune.data.dataset import TokenizedExamples
+    from hivetune.data.formats import Encoded
+    from hivetune.device import DTYPES
+    from hivetune.model.decoder import CausalLM
+    from hivetune.ops.attention import _varlen_fn
+    from hivetune.ops.fused_ce import fused_target_loss_sum
+    from hivetune.train import assemble, autocast, fit, micro_batches
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a smoke test only
+    mem = torch.cuda if device.type == "cuda" else _NoCuda()
+    args = qwen25_shape(*SHAPES[p["model"]])
+    dtype = DTYPES[p["precision"]]
+    torch.manual_seed(0)
+    torch.set_default_dtype(dtype)  # parameters born in the training dtype: no fp32 detour
+    with torch.device(device):
+        model = CausalLM(args)
+    torch.set_default_dtype(torch.float32)
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if name.endswith("norm.weight"):
+                prm.fill_(1.0)
+            elif name.endswith(".bias"):
+                prm.zero_()
+            else:
+                prm.normal_(0.0, 0.02)
+            prm.requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    n, length = p["batch_size"], p["length"]
+    examples = []
+    for _ in range(n * 4):
+        ids = torch.randint(args.vocab_size // 8, args.vocab_size - 1, (length,), generator=gen).tolist()
+        examples.append(Encoded(ids, [False] * (length // 4) + [True] * (length - length // 4), False))
+    data = TokenizedExamples(examples)
+    steps = 2 if p["precision"] == "fp32" and p["model"] == "7B" else 3
+    lora = {"r": p["r"], "alpha": 2 * p["r"], "dropout": p["dropout"]}
+    if p["targets"]:
+        lora["targets"] = p["targets"]
+    cfg = load_config(None, {"model": "random", "data": "generator", "precision": p["precision"], "device": device.type,
+                             "batch_size": n, "grad_accum": 1, "max_steps": steps, "max_length": length,
+                             "lora": lora, "gradient_checkpointing": p["gradient_checkpointing"],
+                             "eval_prompts": 0, "log_every": 1, "lr": 1e-4})
+    with tempfile.TemporaryDirectory() as tmp:
+        run = assemble(cfg, model, data, None, device, p["precision"], Path(tmp) / "run", Path("random"))
+        mem.synchronize()
+        mem.empty_cache()
+        mem.reset_peak_memory_stats(device)
+        before = mem.memory_allocated(device)
+        t0 = time.perf_counter()
+        fit(run, progress=False)
+        mem.synchronize()
+        seconds = time.perf_counter() - t0
+        reserved = mem.max_memory_reserved(device)
+        allocated = mem.max_memory_allocated(device)
+        metrics = [json.loads(x) for x in (run.folder / "metrics.jsonl").read_text().splitlines()]
+        # Phases of one more step: what forward leaves saved, the peaks of forward+loss and backward.
+        batch = next(micro_batches(run, run.steps[0])).to(device)
+        mem.synchronize()
+        mem.reset_peak_memory_stats(device)
+        start = mem.memory_allocated(device)
+        with autocast(run):
+            hidden = model(batch.input_ids, batch.position_ids, batch.layout)
+            loss = fused_target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+        mem.synchronize()
+        after_forward = mem.memory_allocated(device)
+        peak_forward = mem.max_memory_allocated(device)
+        mem.reset_peak_memory_stats(device)
+        loss.backward()
+        mem.synchronize()
+        peak_backward = mem.max_memory_allocated(device)
+    step_times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(metrics, metrics[1:])]
+    return {"max_memory_reserved": reserved, "max_memory_allocated": allocated, "allocated_before_fit": before,
+            "phase_start_allocated": start, "phase_after_forward_allocated": after_forward,
+            "phase_forward_peak": peak_forward, "phase_backward_peak": peak_backward,
+            "tokens": batch.input_ids.numel(), "targets": int(batch.target_ids.numel()),
+            "fit_seconds": round(seconds, 3), "step_seconds": step_times,
+            "varlen": _varlen_fn()[0] is not None, "varlen_gqa": _varlen_fn()[2]}
+
+
+class _NoCuda:
+    """Stands in for torch.cuda on a CPU smoke run: every figure reads 0."""
+
+    def __getattr__(self, name):
+        return lambda *a, **k: 0
+
+
+def markdown(record: dict) -> str:
+    lines = ["| model | precision | micro-batch tokens | checkpointing | r | dropout | targets | predicted GiB "
+             "| measured reserved GiB | error |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for pt in record["points"]:
+        p, m = pt["point"], pt.get("measured")
+        pred = pt["predicted_reserved_bytes"] / 2**30
+        if not m:
+            lines.append(f"| {p['model']} | {p['precision']} | {p['batch_size'] * p['length']} | ... | failed: "
+                         f"{pt.get('error', '')[:80]} |")
+            continue
+        meas = m["max_memory_reserved"] / 2**30
+        lines.append(f"| {p['model']} | {p['precision']} | {p['batch_size']} x {p['length']} = "
+                     f"{p['batch_size'] * p['length']:,} | {'on' if p['gradient_checkpointing'] else 'off'} | {p['r']} "
+                     f"| {p['dropout']} | {'q,v' if p['targets'] else 'all 7'} | {pred:.2f} | {meas:.2f} "
+                     f"| {pt['error_pct']:+.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--point", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--only", type=int, nargs="*", default=None, help="grid indices to run")
+    ap.add_argument("--timeout", type=int, default=120)
+    ns = ap.parse_args()
+    if ns.point:
+        print("RESULT " + json.dumps(run_point(json.loads(ns.point))), flush=True)
+        return 0
+    import torch
+
+    from hivetune.bench import environment
+
+    env = environment(torch.device("cuda"))
+    points = []
+    for i, row in enumerate(GRID):
+        if ns.only is not None and i not in ns.only:
+            continue
+        p = point_dict(row)
+        entry = {"point": p, **predict(p)}
+        t0 = time.time()
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--point", json.dumps(p)], capture_output=True,
+                                  text=True, timeout=ns.timeout)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                entry["error"] = (proc.stderr or proc.stdout)[-2000:]
+            else:
+                m = json.loads(line[7:])
+                entry["measured"] = m
+                entry["error_pct"] = round(100 * (entry["predicted_reserved_bytes"] / m["max_memory_reserved"] - 1), 2)
+        except subprocess.TimeoutExpired:
+            entry["error"] = f"timeout after {ns.timeout} s"
+        entry["wall_s"] = round(time.time() - t0, 1)
+        points.append(entry)
+        print(json.dumps({k: v for k, v in entry.items() if k != "parts"}), flush=True)
+    errors = [abs(pt["error_pct"]) for pt in points if "error_pct" in pt]
+    record = {"environment": env, "points": points,
+              "max_abs_error_pct": max(errors) if errors else None, "measured_points": len(errors)}
+    gpu = (env.get("gpu") or "cpu").replace("NVIDIA ", "").replace(" ", "-").lower()
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"plan-grid-{env['commit']}-{gpu}"
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(markdown(record))
+    print(markdown(record))
+    print(f"max |error| {record['max_abs_error_pct']}% over {len(errors)} points -> {out / stem}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Measure what autograd keeps for backward: the ground truth for the activation model.
+
+``saved_activation_bytes`` runs one real forward pass of our decoder + loss under
+``torch.autograd.graph.saved_tensors_hooks`` and adds up the distinct storages autograd saves,
+leaving out parameters (already counted as weights). On the CPU the packed layout takes the
+padded-view SDPA path, not the flash varlen kernel of CUDA; ``varlen_standin`` swaps in an
+autograd Function that saves exactly what ``torch.nn.attention.varlen.varlen_attn`` saves
+(q, k, v, out and a [H, T] fp32 log-sum-exp), so a CPU measurement describes the GPU run.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from hivetune.ops.attention import Packed
+
+
+class _VarlenStandIn(torch.autograd.Function):
+    """Forward and backward of causal attention per packed example, saving what flash varlen saves."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu):
+        with torch.no_grad():
+            out = _reference(q, k, v, cu)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, cu, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, cu, _, _ = ctx.saved_tensors
+        with torch.enable_grad():
+            q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+            out = _reference(q_, k_, v_, cu)
+            gq, gk, gv = torch.autograd.grad(out, (q_, k_, v_), grad_out)
+        return gq, gk, gv, None
+
+
+def _reference(q, k, v, cu):
+    """[T, H, D] per example through causal SDPA (GQA by repeating K/V inside)."""
+    groups = q.shape[1] // k.shape[1]
+    outs = []
+    bounds = cu.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        qi, ki, vi = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        ki, vi = ki.repeat_interleave(groups, 0), vi.repeat_interleave(groups, 0)
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _standin_attention(q, k, v, layout=None, cache=None, layer: int = 0):
+    assert isinstance(layout, Packed) and cache is None and q.shape[0] == 1
+    return _VarlenStandIn.apply(q[0], k[0], v[0], layout.cu_seqlens)[None]
+
+
+@contextmanager
+def varlen_standin():
+    """Route the decoder's packed attention through the varlen stand-in (CPU measurements)."""
+    import hivetune.model.decoder as decoder
+
+    before = decoder.causal_attention
+    decoder.causal_attention = _standin_attention
+    try:
+        yield
+    finally:
+        decoder.causal_attention = before
+
+
+def saved_activation_bytes(model, batch, precision: str, fused_loss: bool = True) -> int:
+    """Bytes of distinct non-parameter storages saved for backward by one forward + loss."""
+    from hivetune.device import DTYPES
+    from hivetune.ops.fused_ce import fused_target_loss_sum
+    from hivetune.ops.loss import target_loss_sum
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    seen: dict[int, int] = {}
+    keep = []  # hold every saved tensor so no storage address is reused during the pass
+
+    def pack(t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params and t.device.type != "meta":
+            seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
+        keep.append(t)
+        return t
+
+    device = batch.input_ids.device
+    cast = (nullcontext() if precision == "fp32"
+            else torch.autocast(device.type, dtype=DTYPES[precision]))
+    loss_fn = fused_target_loss_sum if fused_loss else target_loss_sum
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
+        hidden = model(batch.input_ids, batch.position_ids, batch.layout)
+        loss = loss_fn(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+    del loss, hidden, keep
+    return sum(seen.values())

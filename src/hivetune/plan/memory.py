@@ -1,0 +1,231 @@
+"""GPU memory of one hivetune training step, term by term, from the architecture alone.
+
+The model describes OUR implementation (train.fit, model/decoder.py, model/lora.py,
+ops/fused_ce.py, ops/attention.py), not transformers'. Per token and per decoder layer, what
+autograd saves for backward (measured op by op with saved_tensors_hooks, see plan/measure.py;
+s = bytes of the compute dtype, 2 under bf16/fp16 autocast, 4 in fp32):
+
+    RMSNorm x2           2 * (4h + 4)          fp32 copy of x and the [T, 1] rsqrt, each norm
+    attention (varlen)   s(2q + 2kv) + 4H       q, k after RoPE, v, the output, fp32 log-sum-exp
+    attention (SDPA)     4 s q + 4H             padded q, K/V repeated to H heads, output,
+                                                (+ s q: the un-padded copy o_proj reads)
+    MLP                  3 s I                  gate, silu(gate), up
+    LoRA, per group      s * dim (dropout 0: the shared input; its dropout mask and dropped
+                         copy otherwise) + s * r per adapted layer (the rank-r activations)
+
+The first layer's input norm saves nothing (no gradient flows into the frozen embedding).
+With gradient checkpointing a layer keeps only its input (s h per token) and one layer is
+recomputed at a time in backward. The fused LM-head loss keeps d loss/d hidden for the N
+target rows (N h s) and holds one chunk of fp32 logits (256 MiB) plus its bf16 copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hivetune.model.config import ModelArgs
+from hivetune.ops.fused_ce import chunk_rows_for
+
+GIB = 1 << 30
+MIB = 1 << 20
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+# Calibrated on an H200 (bench/plan_grid.py, bench/results/plan-grid-*.json): the backward pass
+# of the last layer holds about BACKWARD_I buffers of [T, intermediate] in the compute dtype
+# (gradients of down's input, of silu(gate) and of up) and BACKWARD_H fp32 [T, hidden] ones
+# (RMSNorm backward), on top of everything saved.
+BACKWARD_I = 3.0
+BACKWARD_H = 2.0
+# cuBLAS / cuBLASLt workspaces and the allocator's 2 MiB pages (expandable segments).
+ALLOCATOR_SLACK_BYTES = 96 * MIB
+ALLOCATOR_SLACK_FRACTION = 0.02
+CUDA_CONTEXT_BYTES = 512 * MIB  # driver context + kernels; outside torch's allocator
+
+
+@dataclass
+class MemoryConfig:
+    """The training settings that change memory."""
+
+    precision: str = "bf16"  # bf16 | fp16 | fp32
+    r: int = 16
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    dropout: float = 0.0
+    gradient_checkpointing: bool = False
+    fused_loss: bool = True
+    packing: bool = True
+    attention: str = "varlen"  # varlen (flash, packed bf16/fp16 on CUDA) | sdpa (everything else)
+    mask_bytes: int = 1  # dropout mask element: bool on CUDA, the input dtype on the CPU
+
+    @property
+    def s(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+
+@dataclass
+class Breakdown:
+    """Bytes of each part of the peak, and the peak itself."""
+
+    tokens: int
+    targets: int
+    parts: dict = field(default_factory=dict)  # name -> bytes (the rows of the table)
+    peak_phase: str = ""  # "loss" or "backward": where the peak falls
+
+    @property
+    def reserved(self) -> int:
+        """What torch.cuda.max_memory_reserved() should read: everything but the CUDA context."""
+        return sum(v for k, v in self.parts.items() if k != "CUDA context")
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+def dims(args: ModelArgs) -> dict:
+    hd = args.head_dim
+    return {"q_proj": (args.hidden_size, args.num_attention_heads * hd),
+            "k_proj": (args.hidden_size, args.num_key_value_heads * hd),
+            "v_proj": (args.hidden_size, args.num_key_value_heads * hd),
+            "o_proj": (args.num_attention_heads * hd, args.hidden_size),
+            "gate_proj": (args.hidden_size, args.intermediate_size),
+            "up_proj": (args.hidden_size, args.intermediate_size),
+            "down_proj": (args.intermediate_size, args.hidden_size)}
+
+
+def base_parameter_count(args: ModelArgs) -> int:
+    """Every parameter of CausalLM(args), the tied head counted once."""
+    h, hd, layers = args.hidden_size, args.head_dim, args.num_hidden_layers
+    q, kv = args.num_attention_heads * hd, args.num_key_value_heads * hd
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * args.intermediate_size + 2 * h
+    if args.attention_bias:
+        per_layer += q + 2 * kv + (h if args.model_type != "qwen2" else 0)
+    if args.qk_norm:
+        per_layer += 2 * hd
+    embed = args.vocab_size * h
+    return layers * per_layer + embed + (0 if args.tie_word_embeddings else embed) + h
+
+
+def lora_parameter_count(args: ModelArgs, r: int, targets) -> int:
+    d = dims(args)
+    return args.num_hidden_layers * sum(r * (d[t][0] + d[t][1]) for t in targets if t in d)
+
+
+def layer_saved_bytes_per_token(args: ModelArgs, mc: MemoryConfig) -> float:
+    """Bytes autograd saves per token in one decoder layer (not the first: see module doc)."""
+    s, h, hd = mc.s, args.hidden_size, args.head_dim
+    q, kv, heads, inter = args.num_attention_heads * hd, args.num_key_value_heads * hd, args.num_attention_heads, args.intermediate_size
+    total = 2 * (4 * h + 4)
+    if mc.attention == "varlen":
+        total += s * (2 * q + 2 * kv) + 4 * heads
+    else:
+        total += 4 * s * q + 4 * heads
+    total += 3 * s * inter
+    d = dims(args)
+    for group in GROUPS:
+        adapted = [t for t in group if t in mc.targets]
+        if not adapted:
+            continue
+        dim = d[group[0]][0]
+        shared = len(adapted) == len(group)  # project_shared_input: one dropout draw for the group
+        draws = 1 if shared else len(adapted)
+        if mc.dropout > 0:
+            total += draws * (mc.mask_bytes + s) * dim
+        elif group != ("o_proj",) or mc.attention != "varlen":
+            total += s * dim  # varlen: o_proj's input is the attention output, saved already
+        total += s * mc.r * len(adapted)
+    return total
+
+
+def first_layer_saving(args: ModelArgs, mc: MemoryConfig) -> int:
+    """Per token, what the first layer does not save: its input norm (no gradient flows into
+    the frozen embedding), and the dropout masks of q/k/v (needed only for d loss / d input)."""
+    saving = 4 * args.hidden_size + 4
+    if mc.dropout > 0:
+        adapted = [t for t in GROUPS[0] if t in mc.targets]
+        draws = 1 if len(adapted) == len(GROUPS[0]) else len(adapted)
+        saving += draws * mc.mask_bytes * args.hidden_size
+    return saving
+
+
+def lora_cast_bytes(args: ModelArgs, mc: MemoryConfig) -> int:
+    """Autocast's cached low-precision copies of the fp32 LoRA weights (held through backward),
+    or in fp32 the concatenated A of each shared group."""
+    if mc.s == 2:
+        return 2 * lora_parameter_count(args, mc.r, mc.targets)
+    d = dims(args)
+    per_layer = sum(4 * mc.r * d[g[0]][0] * len(g) for g in GROUPS
+                    if len(g) > 1 and all(t in mc.targets for t in g))
+    return args.num_hidden_layers * per_layer
+
+
+def breakdown(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | None = None,
+              padded_tokens: int | None = None) -> Breakdown:
+    """Peak memory of a training step whose largest micro-batch holds `tokens` tokens
+    (`targets` of them with a loss; default all) in one packed row."""
+    n = tokens if targets is None else targets
+    t_attn = padded_tokens or tokens  # the SDPA paths pad each example to the longest
+    s, h, layers = mc.s, args.hidden_size, args.num_hidden_layers
+    n_lora = lora_parameter_count(args, mc.r, mc.targets)
+    parts = {
+        "base weights": base_parameter_count(args) * s + args.head_dim // 2 * 4,
+        "LoRA params": 4 * n_lora,
+        "LoRA grads": 4 * n_lora,
+        "optimizer state": 8 * n_lora,
+        "LoRA casts": lora_cast_bytes(args, mc),
+    }
+    per_layer = layer_saved_bytes_per_token(args, mc)
+    if mc.attention != "varlen":  # the attention part scales with the padded token count
+        per_layer_real = per_layer - 4 * s * args.num_attention_heads * args.head_dim
+        attn = 4 * s * args.num_attention_heads * args.head_dim
+    else:
+        per_layer_real, attn = per_layer, 0
+    rope = 2 * args.head_dim * s
+    final_norm = 4 * h + 4
+    loss_saved = n * h * s if mc.fused_loss else n * args.vocab_size * 4
+    if mc.gradient_checkpointing:
+        kept = layers * s * h * tokens
+        recompute = per_layer_real * tokens + attn * t_attn  # one layer, in backward
+    else:
+        kept = (layers * per_layer_real - first_layer_saving(args, mc)) * tokens + layers * attn * t_attn
+        recompute = 0
+    parts["activations"] = int(kept + (rope + final_norm) * tokens + loss_saved)
+    hidden = s * h * tokens  # fit's `hidden` (final norm output) lives through backward
+    chunk = min(n, chunk_rows_for(args.vocab_size)) if mc.fused_loss else 0
+    loss_transient = hidden + n * h * s + chunk * args.vocab_size * (6 if s == 2 else 4)
+    if not mc.fused_loss:
+        loss_transient = hidden + min(n, 4096) * args.vocab_size * (2 + 4)
+    backward = hidden + recompute + (BACKWARD_I * s * args.intermediate_size + BACKWARD_H * 4 * h) * tokens
+    parts["logits / loss buffers"] = int(loss_transient if loss_transient >= backward else 0)
+    parts["backward buffers"] = int(backward if backward > loss_transient else 0)
+    if mc.gradient_checkpointing and backward > loss_transient:
+        parts["backward buffers"] = int(backward - recompute)
+        parts["recomputed layer"] = int(recompute)
+    torch_bytes = sum(parts.values())
+    parts["allocator slack"] = int(ALLOCATOR_SLACK_BYTES + ALLOCATOR_SLACK_FRACTION * torch_bytes)
+    parts["CUDA context"] = CUDA_CONTEXT_BYTES
+    return Breakdown(tokens, n, parts, "loss" if loss_transient >= backward else "backward")
+
+
+def activation_bytes(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | None = None) -> int:
+    """Saved-for-backward bytes of one micro-batch (no checkpointing), LoRA casts included:
+    what plan/measure.saved_activation_bytes measures."""
+    b = breakdown(args, MemoryConfig(**{**mc.__dict__, "gradient_checkpointing": False}), tokens, targets)
+    return b.parts["activations"] + b.parts["LoRA casts"]
+
+
+def largest_micro_batch(args: ModelArgs, mc: MemoryConfig, memory_bytes: int, target_fraction: float = 1.0,
+                        limit: int = 1 << 22) -> int:
+    """The most tokens one micro-batch can hold with the predicted total within memory_bytes (0: none)."""
+    def fits(t):
+        return breakdown(args, mc, t, max(1, int(t * target_fraction))).total <= memory_bytes
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi < limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi >= limit and fits(limit):
+        return limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
