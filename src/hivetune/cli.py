@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     add_data_parser(sub)
     add_eval_parser(sub)
+    add_report_parser(sub)
     return parser
 
 
@@ -269,8 +270,25 @@ def run_eval(ns) -> int:
     return 0
 
 
+def add_report_parser(sub) -> None:
+    rep = sub.add_parser("report", help="one self-contained HTML page with the run's charts, A/B table and config",
+                         description="Draw a run folder's loss / validation loss, learning rate, grad norm, "
+                                     "tokens/s and memory, the planner's memory breakdown (plan.json) and the "
+                                     "A/B table (eval/eval.json) into report.html (images inlined) and PNGs.")
+    rep.add_argument("run", metavar="RUN", help="run folder")
+    rep.add_argument("--out", default="", metavar="DIR", help="folder for report.html and the PNGs (default: RUN/report)")
+
+
+def run_report(ns) -> int:
+    from hivetune.report import report
+
+    result = report(ns.run, ns.out)
+    print(f"wrote {result['html']} and {len(result['pngs'])} PNGs ({', '.join(result['pngs'])})")
+    return 0
+
+
 COMMANDS = {"train": run_train, "generate": run_generate, "bench": run_bench, "doctor": run_doctor, "data": run_data,
-            "eval": run_eval}
+            "eval": run_eval, "report": run_report}
 
 
 def main(argv: list[str] | None = None) -> int:
