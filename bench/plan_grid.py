@@ -47,10 +47,14 @@ GRID = [
 ]
 
 
-def point_dict(row) -> dict:
+# The same bf16 packed points with CUDA graphs on (train.cuda_graphs, where the tree has it).
+GRAPHED = [0, 1, 5, 9, 10, 11]
+
+
+def point_dict(row, graphs: bool = False) -> dict:
     model, precision, batch, length, ckpt, r, dropout, targets = row
     return {"model": model, "precision": precision, "batch_size": batch, "length": length,
-            "gradient_checkpointing": ckpt, "r": r, "dropout": dropout, "targets": targets}
+            "gradient_checkpointing": ckpt, "r": r, "dropout": dropout, "targets": targets, "cuda_graphs": graphs}
 
 
 def predict(p: dict) -> dict:
@@ -112,7 +116,11 @@ def run_point(p: dict) -> dict:
     lora = {"r": p["r"], "alpha": 2 * p["r"], "dropout": p["dropout"]}
     if p["targets"]:
         lora["targets"] = p["targets"]
-    cfg = load_config(None, {"model": "random", "data": "generator", "precision": p["precision"], "device": device.type,
+    extra = {}
+    from hivetune.config import TrainConfig
+    if "cuda_graphs" in TrainConfig.__dataclass_fields__:
+        extra["cuda_graphs"] = p["cuda_graphs"]
+    cfg = load_config(None, {**extra, "model": "random", "data": "generator", "precision": p["precision"], "device": device.type,
                              "batch_size": n, "grad_accum": 1, "max_steps": steps, "max_length": length,
                              "lora": lora, "gradient_checkpointing": p["gradient_checkpointing"],
                              "eval_prompts": 0, "log_every": 1, "lr": 1e-4})
@@ -150,7 +158,15 @@ def run_point(p: dict) -> dict:
             "phase_forward_peak": peak_forward, "phase_backward_peak": peak_backward,
             "tokens": batch.input_ids.numel(), "targets": int(batch.target_ids.numel()),
             "fit_seconds": round(seconds, 3), "step_seconds": step_times,
-            "varlen": _varlen_fn()[0] is not None, "varlen_gqa": _varlen_fn()[2]}
+            "varlen": _varlen_fn()[0] is not None, "varlen_gqa": _varlen_fn()[2], "graph_stats": _graph_stats()}
+
+
+def _graph_stats():
+    try:
+        from hivetune.ops import graphs
+        return {k: v for k, v in graphs.last_stats.items() if isinstance(v, (int, float, str, bool))}
+    except Exception:
+        return None
 
 
 class _NoCuda:
@@ -173,7 +189,7 @@ def markdown(record: dict) -> str:
         meas = m["max_memory_reserved"] / 2**30
         lines.append(f"| {p['model']} | {p['precision']} | {p['batch_size']} x {p['length']} = "
                      f"{p['batch_size'] * p['length']:,} | {'on' if p['gradient_checkpointing'] else 'off'} | {p['r']} "
-                     f"| {p['dropout']} | {'q,v' if p['targets'] else 'all 7'} | {pred:.2f} | {meas:.2f} "
+                     f"| {p['dropout']} | {'q,v' if p['targets'] else 'all 7'}{' (graphs)' if p['cuda_graphs'] else ''} | {pred:.2f} | {meas:.2f} "
                      f"| {pt['error_pct']:+.1f}% |")
     return "\n".join(lines) + "\n"
 
@@ -194,10 +210,11 @@ def main() -> int:
 
     env = environment(torch.device("cuda"))
     points = []
-    for i, row in enumerate(GRID):
+    todo = [(i, point_dict(row)) for i, row in enumerate(GRID)]
+    todo += [(i, point_dict(GRID[i], graphs=True)) for i in GRAPHED]
+    for i, p in todo:
         if ns.only is not None and i not in ns.only:
             continue
-        p = point_dict(row)
         entry = {"point": p, **predict(p)}
         t0 = time.time()
         try:
@@ -215,7 +232,7 @@ def main() -> int:
         entry["wall_s"] = round(time.time() - t0, 1)
         points.append(entry)
         print(json.dumps({k: v for k, v in entry.items() if k != "parts"}), flush=True)
-    errors = [abs(pt["error_pct"]) for pt in points if "error_pct" in pt]
+    errors = [abs(pt["error_pct"]) for pt in points if "error_pct" in pt and not pt["point"]["cuda_graphs"]]
     record = {"environment": env, "points": points,
               "max_abs_error_pct": max(errors) if errors else None, "measured_points": len(errors)}
     gpu = (env.get("gpu") or "cpu").replace("NVIDIA ", "").replace(" ", "-").lower()
