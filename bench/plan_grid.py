@@ -194,6 +194,18 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_results(env: dict, points: list, out: Path):
+    errors = [abs(pt["error_pct"]) for pt in points if "error_pct" in pt and not pt["point"]["cuda_graphs"]]
+    record = {"environment": env, "points": points,
+              "max_abs_error_pct": max(errors) if errors else None, "measured_points": len(errors)}
+    gpu = (env.get("gpu") or "cpu").replace("NVIDIA ", "").replace(" ", "-").lower()
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"plan-grid-{env['commit']}-{gpu}"
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(markdown(record))
+    return record, stem
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
@@ -232,17 +244,10 @@ def main() -> int:
         entry["wall_s"] = round(time.time() - t0, 1)
         points.append(entry)
         print(json.dumps({k: v for k, v in entry.items() if k != "parts"}), flush=True)
-    errors = [abs(pt["error_pct"]) for pt in points if "error_pct" in pt and not pt["point"]["cuda_graphs"]]
-    record = {"environment": env, "points": points,
-              "max_abs_error_pct": max(errors) if errors else None, "measured_points": len(errors)}
-    gpu = (env.get("gpu") or "cpu").replace("NVIDIA ", "").replace(" ", "-").lower()
-    out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"plan-grid-{env['commit']}-{gpu}"
-    (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(markdown(record))
+        record, stem = write_results(env, points, Path(ns.out))  # after every point: a timeout keeps what ran
     print(markdown(record))
-    print(f"max |error| {record['max_abs_error_pct']}% over {len(errors)} points -> {out / stem}.json")
+    print(f"max |error| {record['max_abs_error_pct']}% over {record['measured_points']} eager points "
+          f"-> {Path(ns.out) / stem}.json")
     return 0
 
 
