@@ -1,11 +1,40 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then the W1 and W2 workloads; everything lands in $OUT.
-# Usage (device tool): bash bench/device_run.sh
+# One device call (under 9 minutes on an H200): GPU tests, W1 and W2 with CUDA graphs and the
+# HF Trainer + PEFT baseline (timed steps, extrapolated), W1 / W2 eager for comparison, W1 step
+# timings for three graph bucket sizes and a profile. The device tool returns at most 8 files, so
+# everything is packed into $OUT/device-run.tgz (results/*.json, logs) plus $OUT/summary.txt.
+# Usage (device tool): HIVETUNE_COMMIT=$(git rev-parse --short HEAD) bash bench/device_run.sh
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 HIVETUNE_CACHE=/tmp/hivetune-cache
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT/results"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-timeout 240 python3 -m pytest tests/gpu -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
-timeout 200 python3 -m hivetune bench W1 --out "$OUT/results" 2>&1 | tee "$OUT/bench-w1.log" | tail -5
-timeout 200 python3 -m hivetune bench W2 --out "$OUT/results" 2>&1 | tee "$OUT/bench-w2.log" | tail -5
+WORK=/tmp/hivetune-device
+rm -rf "$WORK" && mkdir -p "$WORK/results" "$WORK/logs" "$OUT"
+S="$OUT/summary.txt"
+pack() { tar czf "$OUT/device-run.tgz" -C "$WORK" results logs; }
+# Pack after every stage: a run cut off at the time limit still returns what it finished.
+log() { pack; echo "== $* ($(date +%T))" | tee -a "$S"; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$S"
+log "GPU tests"
+timeout 150 python3 -m pytest tests/gpu -p no:cacheprovider -s -q 2>&1 | tee "$WORK/logs/gpu-tests.log" \
+  | grep -E "passed|failed|error|W1 packed|FAILED|Error" | tail -15 | tee -a "$S"
+log "W1 graphs + HF+PEFT baseline (20 timed steps)"
+timeout 130 python3 -m hivetune bench W1 --out "$WORK/results" --baseline hf-peft --baseline-steps 20 2>&1 \
+  | tee "$WORK/logs/bench-w1.log" | grep -vE "Warning|warn" | tail -4 | tee -a "$S"
+log "W1 eager, 100 steps"
+timeout 45 python3 -m hivetune bench W1 --out "$WORK/results" --max-steps 100 --set cuda_graphs=false 2>&1 \
+  | tee "$WORK/logs/bench-w1-eager.log" | tail -2 | tee -a "$S"
+log "W2 graphs + HF+PEFT baseline (6 timed steps)"
+timeout 150 python3 -m hivetune bench W2 --out "$WORK/results" --baseline hf-peft --baseline-steps 6 2>&1 \
+  | tee "$WORK/logs/bench-w2.log" | grep -vE "Warning|warn" | tail -4 | tee -a "$S"
+log "W2 eager"
+timeout 60 python3 -m hivetune bench W2 --out "$WORK/results" --set cuda_graphs=false 2>&1 \
+  | tee "$WORK/logs/bench-w2-eager.log" | tail -2 | tee -a "$S"
+for b in 128 512; do
+  log "W1 step timing, graph bucket $b"
+  timeout 35 python3 bench/profile_step.py W1 --steps 203 --no-profile --bucket $b 2>&1 \
+    | tee "$WORK/logs/w1-bucket-$b.log" | tail -2 | tee -a "$S"
+done
+log "W1 profile with graphs (20 steps)"
+timeout 45 python3 bench/profile_step.py W1 --steps 23 2>&1 | tee "$WORK/logs/profile-w1-graphs.log" | head -3 | tee -a "$S"
+log "done"

@@ -1,11 +1,16 @@
 """Profile a few optimizer steps of a workload on the GPU: top ops by CUDA and CPU time.
 
-    python bench/profile_step.py W1 [--steps 20] [--set packing=false]
+    python bench/profile_step.py W1 [--steps 20] [--set packing=false] [--set cuda_graphs=false]
+    python bench/profile_step.py W1 --steps 203 --no-profile --bucket 512   # time only
+
+With CUDA graphs each fit call captures its buckets again: the timing line gives ms/step with
+and without that capture time.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +25,12 @@ from hivetune.data.dataset import TokenizedExamples  # noqa: E402
 from hivetune.train import assemble, fit  # noqa: E402
 
 
+def capture_seconds() -> float:
+    from hivetune.ops import graphs
+
+    return graphs.last_stats.get("capture_s", 0.0) if graphs.last_stats else 0.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("workload", default="W1", nargs="?")
@@ -27,7 +38,10 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--compile", action="store_true", help="experiment: torch.compile each decoder layer")
     parser.add_argument("--no-profile", action="store_true", help="only time the steps")
+    parser.add_argument("--bucket", type=int, default=0, help="CUDA-graph bucket in tokens (default 256)")
     opts = parser.parse_args()
+    if opts.bucket:
+        os.environ["HIVETUNE_GRAPH_BUCKET"] = str(opts.bucket)
     w = WORKLOADS[opts.workload]
     device = torch.device("cuda")
     values = {"model": "random", "data": "generator", "precision": "bf16", "device": "cuda",
@@ -54,8 +68,13 @@ def main() -> None:
         fit(run, progress=False)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        print(f"{len(rest)} steps in {seconds:.3f} s ({1000 * seconds / len(rest):.1f} ms/step), "
-              f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+        from hivetune.ops import graphs
+
+        cap = capture_seconds()
+        print(f"{len(rest)} steps in {seconds:.3f} s ({1000 * seconds / len(rest):.1f} ms/step; "
+              f"{1000 * (seconds - cap) / len(rest):.1f} ms/step without {cap:.2f} s of graph capture), "
+              f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated, "
+              f"{torch.cuda.max_memory_reserved() / 2**30:.2f} GiB reserved; graphs: {graphs.last_stats or 'off'}")
         return
     from torch.profiler import ProfilerActivity, profile
 

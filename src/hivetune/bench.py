@@ -26,6 +26,7 @@ from hivetune.device import DTYPES
 from hivetune.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM
+from hivetune.ops import graphs
 
 # Dense bf16 tensor-core peak, TFLOP/s, for MFU (vendor datasheets, no sparsity).
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "RTX 4090": 165.0,
@@ -147,6 +148,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
+        graphs.last_stats = {}
         t0 = time.perf_counter()
         result = fit(run, progress=False)
         if device.type == "cuda":
@@ -165,15 +167,111 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
         "peak_memory_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None,
         "peak_memory_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 3) if device.type == "cuda" else None,
         "final_loss": result.final_loss, "losses_logged": losses,
+        "cuda_graphs": dict(graphs.last_stats) if cfg.cuda_graphs and graphs.last_stats else None,
     }
 
 
-def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "bench/results", overrides: dict | None = None) -> dict:
-    """`hivetune bench`: time a workload and write its JSON under bench/results/."""
+def run_hf_peft(w: Workload, device: torch.device, timed_steps: int = 0, warmup_steps: int = 2) -> dict:
+    """HF Trainer + PEFT with the seeds' config (batch 2, gradient accumulation to the workload's
+    examples per step, bf16 on GPUs, SDPA attention, AdamW lr 2e-4, cosine) on the same model
+    shape and examples. timed_steps > 0: run warmup_steps + timed_steps optimizer steps, time the
+    last timed_steps and extrapolate to the workload's step count (labelled in the result)."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    examples = workload_examples(w.n_examples, w.args.vocab_size, w.cap)
+    features = [{"input_ids": e.ids, "labels": [t if m else -100 for t, m in zip(e.ids, e.mask)]} for e in examples]
+    total_steps = max(1, int(w.epochs * w.n_examples) // w.examples_per_step)  # hivetune's plan
+    a = w.args
+    config = transformers.Qwen2Config(
+        vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.num_hidden_layers, num_attention_heads=a.num_attention_heads,
+        num_key_value_heads=a.num_key_value_heads, rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
+        max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings)
+    config._attn_implementation = "sdpa"
+    half = device.type == "cuda"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.Qwen2ForCausalLM(config)
+    if half:
+        model = model.to(torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=w.lora["r"], lora_alpha=w.lora["alpha"], lora_dropout=w.lora["dropout"],
+                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "up_proj", "down_proj"], task_type="CAUSAL_LM"))
+
+    def collate(batch):
+        width = max(len(f["input_ids"]) for f in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, f in enumerate(batch):
+            n = len(f["input_ids"])
+            ids[row, :n] = torch.tensor(f["input_ids"])
+            labels[row, :n] = torch.tensor(f["labels"])
+            mask[row, :n] = 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+    stamps: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            stamps.append(time.perf_counter())
+
+    max_steps = warmup_steps + timed_steps if timed_steps else -1
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(
+            output_dir=tmp, per_device_train_batch_size=2, gradient_accumulation_steps=w.examples_per_step // 2,
+            num_train_epochs=w.epochs, max_steps=max_steps, learning_rate=2e-4, lr_scheduler_type="cosine",
+            warmup_steps=max(1, round(0.03 * total_steps)), bf16=half, use_cpu=not half, logging_steps=10**9,
+            save_strategy="no", report_to=[], disable_tqdm=True, remove_unused_columns=False, seed=0,
+            dataloader_num_workers=0)
+        trainer = Trainer(model=model, args=args, train_dataset=features, data_collator=collate,
+                          callbacks=[Clock()])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        output = trainer.train()
+        seconds = time.perf_counter() - t0
+    steps_done = len(stamps)
+    mean_tokens = sum(len(e.ids) for e in examples) / len(examples)
+    optim = getattr(args.optim, "value", args.optim)
+    record = {"config": f"batch 2 x accum {w.examples_per_step // 2}, {'bf16' if half else 'fp32'}, sdpa, {optim}",
+              "steps_run": steps_done, "train_loss": round(output.training_loss, 6),
+              "peak_memory_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
+              if device.type == "cuda" else None}
+    if timed_steps:
+        timed = stamps[-1] - stamps[warmup_steps - 1] if warmup_steps else stamps[-1] - t0
+        per_step = timed / timed_steps
+        record.update(measured="extrapolated", timed_steps=timed_steps, seconds_per_step=round(per_step, 4),
+                      seconds=round(per_step * total_steps, 1), extrapolated_to_steps=total_steps,
+                      tokens_per_s=round(w.examples_per_step * mean_tokens / per_step, 1),
+                      tokens_per_s_note="steps/s x examples per step x mean example length")
+    else:
+        record.update(measured="full", seconds=round(seconds, 3), seconds_per_step=round(seconds / steps_done, 4),
+                      tokens_per_s=round(w.examples_per_step * steps_done * mean_tokens / seconds, 1))
+    del trainer, model
+    return record
+
+
+BASELINES = ("hf-peft",)
+
+
+def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "bench/results", overrides: dict | None = None,
+          baseline: str = "", baseline_steps: int = 0, table: str | None = "BENCHMARKS.md") -> dict:
+    """`hivetune bench`: time a workload (and, with `baseline`, HF Trainer + PEFT on it in the same
+    process), write its JSON under out_dir, and rewrite the generated table of `table`."""
     names = list(WORKLOADS) if workload == "all" else [workload]
     for name in names:
         if name not in WORKLOADS:
             raise UserError(f"bench: unknown workload {name!r} (W1, W2, all)")
+    if baseline and baseline not in BASELINES:
+        raise UserError(f"--baseline: unknown baseline {baseline!r} ({', '.join(BASELINES)})")
+    if baseline_steps < 0:
+        raise UserError(f"--baseline-steps: must be >= 0, got {baseline_steps}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results = {}
     for name in names:
@@ -181,10 +279,73 @@ def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "bench/result
         record = {"workload": name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "environment": environment(device), "max_steps": max_steps, "overrides": overrides or {},
                   "hivetune": run_hivetune(w, device, overrides, max_steps)}
+        if baseline:
+            _release_memory(device)
+            record["baseline"] = {"name": baseline, **run_hf_peft(w, device, baseline_steps)}
+            if not max_steps:  # the same work on both sides: the full workload
+                record["speedup_vs_baseline"] = round(record["baseline"]["seconds"] / record["hivetune"]["seconds"], 2)
         folder = Path(out_dir)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
         path.write_text(json.dumps(record, indent=2) + "\n")
         record["path"] = str(path)
         results[name] = record
+        _release_memory(device)
+    if table and Path(table).is_file():
+        write_table(Path(table), Path(out_dir))
     return results
+
+
+def _release_memory(device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+TABLE_BEGIN = "<!-- bench-table:begin (generated by `hivetune bench` from bench/results/*.json; do not edit) -->"
+TABLE_END = "<!-- bench-table:end -->"
+
+
+def results_table(folder: Path) -> str:
+    """A markdown table of every W1 / W2 result JSON in `folder`, newest first."""
+    rows = []
+    for path in sorted(folder.glob("W[12]-*.json"), reverse=True):
+        try:
+            r = json.loads(path.read_text())
+            h = r["hivetune"]
+        except (OSError, ValueError, KeyError):
+            continue
+        env = r.get("environment", {})
+        setting = ", ".join(f"{k}={v}" for k, v in (r.get("overrides") or {}).items()) or "defaults"
+        graphs = h.get("cuda_graphs")
+        if graphs:
+            setting += f"; {graphs['graphs']} graphs, capture {graphs['capture_s']} s"
+        steps = f"{h['steps']}" + ("" if not r.get("max_steps") else " (max_steps)")
+        base = r.get("baseline")
+        if base:
+            how = "" if base.get("measured") == "full" else f", extrapolated from {base['timed_steps']} steps"
+            base_txt = f"{base['seconds']:,} s, {base['tokens_per_s']:,.0f} tok/s{how}"
+        else:
+            base_txt = ""
+        ratio = f"{r['speedup_vs_baseline']}x" if r.get("speedup_vs_baseline") else ""
+        mem = lambda key: f"{h[key]:.1f}" if h.get(key) is not None else ""  # noqa: E731
+        mfu = f"{h['mfu']:.1%}" if h.get("mfu") is not None else ""
+        rows.append(f"| {r['workload']} | {env.get('commit', '?')} | {env.get('gpu') or 'cpu'} | {setting} | {steps} | "
+                    f"{h['seconds']:.1f} | {h['tokens_per_s']:,.0f} | {mfu} | {mem('peak_memory_allocated_gib')} | "
+                    f"{mem('peak_memory_reserved_gib')} | {base_txt} | {ratio} | {path.name} |")
+    head = ("| workload | commit | device | settings | steps | seconds | tokens/s | MFU | peak alloc GiB | "
+            "peak reserved GiB | HF + PEFT seed config | speedup | file |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    return "\n".join([head, *rows])
+
+
+def write_table(md: Path, folder: Path) -> None:
+    """Rewrite the generated section of `md` (between the markers) from the JSON in `folder`."""
+    text = md.read_text()
+    if TABLE_BEGIN not in text or TABLE_END not in text:
+        return
+    before, rest = text.split(TABLE_BEGIN, 1)
+    after = rest.split(TABLE_END, 1)[1]
+    md.write_text(f"{before}{TABLE_BEGIN}\n{results_table(folder)}\n{TABLE_END}{after}")

@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench/results", help="folder for the JSON results")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="training config override, e.g. --set packing=false")
+    bench.add_argument("--baseline", default="", choices=["", "hf-peft"],
+                       help="also time HF Trainer + PEFT (the seeds' config) on the same workload")
+    bench.add_argument("--baseline-steps", type=int, default=0, metavar="N",
+                       help="time N baseline steps (after 2 warm-up steps) and extrapolate (0: the full run)")
+    bench.add_argument("--table-only", action="store_true",
+                       help="only rewrite BENCHMARKS.md's generated table from bench/results/*.json")
     doctor = sub.add_parser("doctor", help="check the torch / GPU stack, self-test it, and name known fixes",
                             description="Report torch's build, drivers, GPUs and attention back-ends, run a short "
                                         "self-test, and list known problems with their fixes. Exits 1 when any "
@@ -154,13 +160,25 @@ def run_bench(ns) -> int:
     from hivetune.bench import bench
     from hivetune.config import parse_overrides
 
-    results = bench(ns.workload, ns.max_steps, ns.out, parse_overrides(ns.overrides))
+    if ns.table_only:
+        from pathlib import Path
+
+        from hivetune.bench import write_table
+
+        write_table(Path("BENCHMARKS.md"), Path(ns.out))
+        return 0
+    results = bench(ns.workload, ns.max_steps, ns.out, parse_overrides(ns.overrides), ns.baseline, ns.baseline_steps)
     for name, record in results.items():
         h = record["hivetune"]
         mfu = f", MFU {h['mfu']:.1%}" if h["mfu"] else ""
         mem = f", peak {h['peak_memory_allocated_gib']:.2f} GiB" if h["peak_memory_allocated_gib"] else ""
         print(f"{name}: {h['steps']} steps in {h['seconds']:.1f} s, {h['tokens_per_s']:,.0f} tokens/s{mfu}{mem} "
               f"-> {record['path']}")
+        if "baseline" in record:
+            b = record["baseline"]
+            ratio = f", hivetune {record['speedup_vs_baseline']}x faster" if "speedup_vs_baseline" in record else ""
+            print(f"  {b['name']} ({b['config']}): {b['seconds']:,} s ({b['measured']}), "
+                  f"{b['tokens_per_s']:,.0f} tokens/s{ratio}")
     return 0
 
 

@@ -94,6 +94,9 @@ class TrainConfig:
     fused_loss: bool = True
     """Chunked LM head + cross-entropy with the gradient taken in forward (one chunk of logits
     alive at a time); false: the plain reference path."""
+    cuda_graphs: bool = True
+    """On CUDA (bf16, packing): replay each micro-batch's forward + loss + backward from a CUDA
+    graph, one per token-count bucket (256 tokens), captured on first use; eager otherwise."""
     seed: int = 0
     """Seeds LoRA init, dropout and the data order."""
     device: str = "auto"

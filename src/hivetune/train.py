@@ -37,6 +37,7 @@ from hivetune.model.load import load_args, load_model
 from hivetune.model.lora import LoRASpec, apply_lora, lora_parameters, save_adapter
 from hivetune.model.tokenizer import load_tokenizer
 from hivetune.ops.fused_ce import fused_target_loss_sum
+from hivetune.ops.graphs import micro_step_fn
 from hivetune.ops.loss import target_loss_sum
 
 
@@ -226,6 +227,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     cfg, model, device = run.cfg, run.model, run.device
     params = lora_parameters(model)
     loss_fn = fused_target_loss_sum if cfg.fused_loss else target_loss_sum
+    micro_step = micro_step_fn(run, loss_fn)  # forward_backward, replayed from CUDA graphs when it can be
     counters = {"skipped_steps": 0, "bad_in_a_row": 0, "last_loss": float("nan"), **run.counters}
     model.train()
     bar = _progress_bar(len(run.steps), progress)
@@ -244,7 +246,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
             step_loss = torch.zeros((), device=device)
             step_tokens = 0
             for batch in micro_batches(run, example_ids):
-                step_loss += forward_backward(run, batch.to(device), n_targets, loss_fn)
+                step_loss += micro_step(batch, n_targets)
                 step_tokens += batch.n_tokens
 
             if run.scaler:

@@ -1,0 +1,242 @@
+"""CUDA graphs for a packed micro-batch: forward, loss and backward replayed as one graph.
+
+Why: W1 (a 0.5B model, ~1,600 tokens per step) keeps the GPU busy ~25 ms of a ~133 ms eager
+step; the rest is host time dispatching ~3,300 kernels. A graph replays them all with one launch.
+
+How. A graph fixes every shape and address, so each micro-batch is padded to a bucket:
+
+- tokens: T real tokens -> Tb = ceil((T + 1) / bucket) * bucket. The Tb - T pad tokens form
+  their own segment of ``cu_seqlens`` (attention never crosses a segment), so real tokens see
+  exactly what they saw unpadded; ``max_seqlen`` is Tb (an upper bound; flash skips empty blocks).
+- targets: padded to Tb entries (never fewer than the real ones, as targets < tokens) with id
+  -100, which the loss ignores (no loss, no gradient); their index points at the last pad token.
+- the step's target count (the loss divisor) is a device scalar filled before each replay.
+
+One graph per (Tb, segments) key, captured the first time a key is met: that micro-batch runs
+eagerly (its real work, and the warm-up capture needs), then the same step is captured (capture
+runs nothing). All graphs share one memory pool; each replay's loss is cloned at once, so no
+graph's output is alive while another replays. Gradients accumulate in place into persistent
+.grad tensors: fit may set grads to None between steps, they are re-attached (zeroed) before the
+next micro-batch. Dropout draws from the default CUDA generator, whose offset each replay
+advances (torch registers it with every capture), so every replay gets fresh masks.
+
+Falls back to eager with one line on stderr when the run is on CUDA but cannot be graphed
+(fp16 loss scaling, no flash varlen attention, gradient checkpointing, a failed capture).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+from hivetune.data.batch import MicroBatch
+from hivetune.ops.attention import Packed, varlen_supported
+from hivetune.ops.fused_ce import fused_target_loss_sum
+from hivetune.ops.loss import target_loss_sum
+
+IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index; fused_target_loss_sum takes it too
+# W1: 7 token buckets, 8% pad tokens (128: 13 buckets, 4%; 512: 4, 16%). HIVETUNE_GRAPH_BUCKET
+# overrides it for experiments (bench/profile_step.py --bucket).
+BUCKET_TOKENS = int(os.environ.get("HIVETUNE_GRAPH_BUCKET", "256"))
+MAX_GRAPHS = 48  # keys beyond this many run eagerly
+
+last_stats: dict = {}  # the most recent GraphedForwardBackward's counters (read by the benchmark)
+
+
+def bucket_tokens(n_tokens: int, bucket: int = BUCKET_TOKENS) -> int:
+    """Smallest multiple of `bucket` holding n_tokens plus at least one pad token."""
+    return (n_tokens + 1 + bucket - 1) // bucket * bucket
+
+
+def pad_packed_batch(batch: MicroBatch, tokens: int, pad_id: int = 0) -> MicroBatch:
+    """A packed micro-batch padded to `tokens` tokens and `tokens` targets (CPU tensors).
+
+    Loss and gradients are those of the unpadded batch: the pad tokens are one extra segment
+    (attention stays inside it) and the pad targets carry IGNORE_INDEX.
+    """
+    layout = batch.layout
+    t = batch.input_ids.shape[1]
+    extra = tokens - t
+    n = batch.target_ids.numel()
+    if batch.input_ids.shape[0] != 1 or not isinstance(layout, Packed):
+        raise ValueError("pad_packed_batch takes a packed micro-batch (one row)")
+    if extra < 1:
+        raise ValueError(f"bucket of {tokens} tokens cannot hold {t} tokens and a pad segment")
+    input_ids = torch.cat([batch.input_ids[0], batch.input_ids.new_full((extra,), pad_id)])
+    positions = torch.cat([batch.position_ids[0], torch.arange(extra, dtype=batch.position_ids.dtype)])
+    cu = torch.cat([layout.cu_seqlens, torch.tensor([tokens], dtype=layout.cu_seqlens.dtype)])
+    target_index = torch.cat([batch.target_index, batch.target_index.new_full((tokens - n,), tokens - 1)])
+    target_ids = torch.cat([batch.target_ids, batch.target_ids.new_full((tokens - n,), IGNORE_INDEX)])
+    lengths = tuple(layout.lengths) + (extra,) if layout.lengths else ()
+    return MicroBatch(input_ids[None], positions[None], target_index, target_ids,
+                      Packed(cu, tokens, lengths), batch.n_examples, batch.n_tokens)
+
+
+def ignoring_loss_fn(loss_fn):
+    """The loss function with IGNORE_INDEX targets counting nothing, or None if unknown."""
+    if loss_fn is fused_target_loss_sum:
+        return lambda h, w, index, ids: fused_target_loss_sum(h, w, index, ids, ignore_index=IGNORE_INDEX)
+    if loss_fn is target_loss_sum:  # F.cross_entropy ignores -100 already
+        return target_loss_sum
+    return None
+
+
+def micro_step_fn(run, loss_fn):
+    """fit's per-micro-batch call ``(batch on the host, step target count) -> detached loss``:
+    graphed when run.cfg.cuda_graphs and the run allows it, else train.forward_backward."""
+    from hivetune.train import forward_backward
+
+    def eager(batch, n_targets):
+        return forward_backward(run, batch.to(run.device), n_targets, loss_fn)
+
+    if not getattr(run.cfg, "cuda_graphs", False) or run.device.type != "cuda":
+        return eager
+    reason = graphs_unsupported(run, loss_fn)
+    if reason:
+        print(f"hivetune: CUDA graphs off ({reason}); eager steps", file=sys.stderr)
+        return eager
+    return GraphedForwardBackward(run, loss_fn, eager)
+
+
+def graphs_unsupported(run, loss_fn) -> str | None:
+    """Why this CUDA run cannot be graphed, or None."""
+    if getattr(getattr(run, "parallel", None), "enabled", False):
+        return "distributed training"
+    if run.scaler is not None:
+        return "fp16 loss scaling"
+    if run.precision not in ("bf16", "fp16"):
+        return f"{run.precision}: flash varlen attention needs bf16"
+    if not run.cfg.packing:
+        return "packing is off"
+    if run.cfg.gradient_checkpointing:
+        return "gradient checkpointing"
+    if ignoring_loss_fn(loss_fn) is None:
+        return "unknown loss function"
+    probe = torch.empty(1, 1, 1, 1, dtype=torch.bfloat16, device=run.device)
+    if not varlen_supported(probe):
+        return "flash varlen attention unavailable"
+    return None
+
+
+class _Bucket:
+    """Static device inputs of one graph: one int64 buffer holding input ids, positions, target
+    index, target ids and cu_seqlens (one host-to-device copy per micro-batch)."""
+
+    def __init__(self, tokens: int, segments: int, n_examples: int, device):
+        self.tokens, self.segments = tokens, segments
+        self.flat = torch.zeros(4 * tokens + segments + 1, dtype=torch.long, device=device)
+        t = tokens
+        self.cu_src = self.flat[4 * t:]
+        self.cu = torch.zeros(segments + 1, dtype=torch.int32, device=device)
+        self.n_targets = torch.ones((), dtype=torch.float32, device=device)
+        self.batch = MicroBatch(self.flat[:t].view(1, t), self.flat[t:2 * t].view(1, t), self.flat[2 * t:3 * t],
+                                self.flat[3 * t:4 * t], Packed(self.cu, t, ()), n_examples, 0)
+        self.graph = None
+        self.loss = None
+
+    def load(self, padded: MicroBatch, n_targets: int) -> None:
+        host = torch.cat([padded.input_ids[0], padded.position_ids[0], padded.target_index, padded.target_ids,
+                          padded.layout.cu_seqlens.long()])
+        # Pinned: the copy is asynchronous, and torch's host allocator keeps the block until it is done.
+        self.flat.copy_(host.pin_memory(), non_blocking=True)
+        self.n_targets.fill_(float(n_targets))
+
+
+class GraphedForwardBackward:
+    """Callable ``(batch, n_targets) -> loss``, replaying one CUDA graph per token bucket."""
+
+    def __init__(self, run, loss_fn, eager, bucket: int = BUCKET_TOKENS, max_graphs: int = MAX_GRAPHS):
+        from hivetune.model.lora import lora_parameters
+
+        self.run, self.eager = run, eager
+        self.loss_fn = ignoring_loss_fn(loss_fn)
+        self.bucket, self.max_graphs = bucket, max_graphs
+        self.params = lora_parameters(run.model)
+        self.grads = [torch.zeros_like(p) for p in self.params]
+        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device=run.device)
+        self.off: str | None = None
+        self.stats = {"graphs": 0, "replays": 0, "eager": 0, "capture_s": 0.0, "pad_tokens": 0, "tokens": 0,
+                      "bucket_tokens": bucket, "off": None}
+        global last_stats
+        last_stats = self.stats
+
+    def __call__(self, batch: MicroBatch, n_targets: int) -> torch.Tensor:
+        if self.off or not isinstance(batch.layout, Packed):
+            self.stats["eager"] += 1
+            return self.eager(batch, n_targets)
+        self._attach_grads()
+        tokens = bucket_tokens(batch.input_ids.shape[1], self.bucket)
+        key = (tokens, len(batch.layout.cu_seqlens) + 1)
+        bucket = self.buckets.get(key)
+        if bucket is None and len(self.buckets) >= self.max_graphs:
+            self.stats["eager"] += 1
+            return self.eager(batch, n_targets)
+        padded = pad_packed_batch(batch, tokens, self.run.pad_id)
+        self.stats["tokens"] += batch.input_ids.shape[1]
+        self.stats["pad_tokens"] += tokens - batch.input_ids.shape[1]
+        if bucket is None:
+            return self._warm_up_and_capture(key, padded, n_targets)
+        bucket.load(padded, n_targets)
+        bucket.graph.replay()
+        self.stats["replays"] += 1
+        return bucket.loss.clone()  # now: the next replay of a graph in this pool may overwrite it
+
+    def _attach_grads(self) -> None:
+        """Point every LoRA .grad at its persistent tensor (the graphs accumulate into those)."""
+        fresh = []
+        for p, g in zip(self.params, self.grads):
+            current = p.grad
+            if current is g:
+                continue
+            if current is None:
+                fresh.append(g)
+            else:
+                g.copy_(current)
+            p.grad = g
+        if fresh:
+            torch._foreach_zero_(fresh)
+
+    def _body(self, bucket: _Bucket) -> torch.Tensor:
+        from hivetune.train import forward_backward
+
+        bucket.cu.copy_(bucket.cu_src)
+        return forward_backward(self.run, bucket.batch, bucket.n_targets, self.loss_fn)
+
+    def _warm_up_and_capture(self, key, padded: MicroBatch, n_targets: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        bucket = _Bucket(key[0], key[1] - 1, padded.n_examples, self.run.device)
+        bucket.load(padded, n_targets)
+        main = torch.cuda.current_stream()
+        # Warm-up on the capture stream (cuBLAS workspaces, lazy inits); it is this micro-batch's
+        # real forward / backward, so its gradients count.
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            loss = self._body(bucket)
+        main.wait_stream(self.stream)
+        loss.record_stream(main)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                bucket.loss = self._body(bucket)
+        except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly from now on
+            torch.cuda.synchronize()
+            self.off = f"capture of a {key[0]}-token bucket failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            self.stats["off"] = self.off
+            print(f"hivetune: CUDA graphs off ({self.off}); eager steps", file=sys.stderr)
+            return loss
+        bucket.graph = graph
+        self.buckets[key] = bucket
+        self.stats["graphs"] += 1
+        self.stats["capture_s"] = round(self.stats["capture_s"] + time.perf_counter() - t0, 3)
+        return loss
+
+
+def with_buckets(batch: MicroBatch, bucket: int = BUCKET_TOKENS, pad_id: int = 0) -> MicroBatch:
+    """The padded batch a graph would see (tests: padding must not change loss or gradients)."""
+    return pad_packed_batch(batch, bucket_tokens(batch.input_ids.shape[1], bucket), pad_id)
+

@@ -1,0 +1,137 @@
+"""CUDA-graph bucketing on the CPU: padding a packed micro-batch to its bucket must not change
+the loss or the LoRA gradients (fp32), and the eager fallback is forward_backward itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hivetune.bench import qwen25_shape, random_model, workload_examples
+from hivetune.config import load_config
+from hivetune.data.batch import collate_packed
+from hivetune.data.dataset import TokenizedExamples
+from hivetune.model.lora import lora_parameters
+from hivetune.ops.fused_ce import fused_target_loss_sum
+from hivetune.ops.graphs import (IGNORE_INDEX, bucket_tokens, graphs_unsupported, micro_step_fn,
+                                 pad_packed_batch)
+from hivetune.ops.loss import target_loss_sum
+from hivetune.train import assemble, forward_backward
+
+
+def tiny_run(tmp_path, dropout: float = 0.0, **cfg):
+    """A real Run (train.assemble) of a 2-layer hidden-64 random Qwen2-shaped model on the CPU, fp32."""
+    args = qwen25_shape(vocab=2100, hidden=64, intermediate=128, layers=2, heads=4, kv=2, tied=True)
+    model = random_model(args, "cpu", torch.float32)
+    values = {"model": "random", "data": "generator", "device": "cpu", "precision": "fp32", "eval_prompts": 0,
+              "lora": {"r": 4, "alpha": 8, "dropout": dropout}, **cfg}
+    examples = TokenizedExamples(workload_examples(16, 2100, cap=40, seed=3))
+    run = assemble(load_config(None, values), model, examples, None, torch.device("cpu"), "fp32",
+                   tmp_path / "run", Path("random"))
+    with torch.no_grad():  # B = 0 at init would leave A's gradient zero: give B values
+        for p in lora_parameters(model):
+            p.normal_(0, 0.05)
+    model.train()
+    return run
+
+
+def packed_batch(n: int = 5, seed: int = 3):
+    return collate_packed(workload_examples(n, 2100, cap=40, seed=seed), pad_id=0)
+
+
+def loss_and_grads(run, batch, n_targets, loss_fn):
+    for p in lora_parameters(run.model):
+        p.grad = None
+    loss = forward_backward(run, batch, n_targets, loss_fn)
+    return loss, [p.grad.clone() for p in lora_parameters(run.model)]
+
+
+def test_bucket_tokens_leave_room_for_a_pad_segment():
+    assert bucket_tokens(1, 256) == 256
+    assert bucket_tokens(255, 256) == 256
+    assert bucket_tokens(256, 256) == 512  # a full bucket still needs one pad token
+    assert bucket_tokens(1591, 256) == 1792
+
+
+def test_pad_packed_batch_layout():
+    batch = packed_batch()
+    t, n = batch.input_ids.shape[1], batch.target_ids.numel()
+    padded = pad_packed_batch(batch, 256, pad_id=7)
+    assert padded.input_ids.shape == (1, 256) and padded.position_ids.shape == (1, 256)
+    assert padded.input_ids[0, t:].eq(7).all() and padded.input_ids[0, :t].equal(batch.input_ids[0])
+    assert padded.position_ids[0, t:].tolist() == list(range(256 - t))  # the pad segment restarts at 0
+    assert padded.layout.cu_seqlens.tolist() == batch.layout.cu_seqlens.tolist() + [256]
+    assert padded.layout.lengths == batch.layout.lengths + (256 - t,)
+    assert padded.target_ids.numel() == padded.target_index.numel() == 256
+    assert padded.target_ids[n:].eq(IGNORE_INDEX).all() and padded.target_index[n:].eq(255).all()
+    assert padded.n_tokens == batch.n_tokens
+    with pytest.raises(ValueError, match="cannot hold"):
+        pad_packed_batch(batch, t, pad_id=0)
+
+
+@pytest.mark.parametrize("loss_name", ["fused", "reference"])
+def test_bucket_padding_keeps_loss_and_grads_fp32(loss_name, tmp_path):
+    """What a graph replays (the padded batch, ignored pad targets, a tensor target count) gives
+    the unpadded batch's loss and LoRA gradients."""
+    run = tiny_run(tmp_path)
+    batch = packed_batch()
+    n_targets = batch.target_ids.numel() + 11  # the step's count: other micro-batches share it
+    plain_fn = fused_target_loss_sum if loss_name == "fused" else target_loss_sum
+    ignoring = (lambda h, w, i, t: fused_target_loss_sum(h, w, i, t, ignore_index=IGNORE_INDEX)) \
+        if loss_name == "fused" else target_loss_sum
+    ref_loss, ref_grads = loss_and_grads(run, batch, n_targets, plain_fn)
+    for tokens in (bucket_tokens(batch.input_ids.shape[1], 64), 256):
+        padded = pad_packed_batch(batch, tokens)
+        loss, grads = loss_and_grads(run, padded, torch.tensor(float(n_targets)), ignoring)
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6, abs=1e-7)
+        for g, r in zip(grads, ref_grads):
+            assert torch.allclose(g, r, rtol=1e-6, atol=1e-7), (g - r).abs().max()
+    assert sum(g.abs().sum() for g in ref_grads) > 0
+
+
+def test_fused_loss_ignores_marked_targets():
+    torch.manual_seed(0)
+    hidden = torch.randn(1, 30, 16)
+    weight = torch.randn(101, 16) / 4
+    index = torch.arange(0, 30, 2)
+    ids = torch.randint(0, 101, (15,))
+    ids[[3, 9, 14]] = IGNORE_INDEX
+    keep = ids != IGNORE_INDEX
+    h1 = hidden.clone().requires_grad_(True)
+    fused = fused_target_loss_sum(h1, weight, index, ids, chunk_bytes=4 * 101 * 4, ignore_index=IGNORE_INDEX)
+    fused.backward()
+    h2 = hidden.clone().requires_grad_(True)
+    ref = target_loss_sum(h2, weight, index[keep], ids[keep])
+    ref.backward()
+    assert fused.item() == pytest.approx(ref.item(), rel=1e-6)
+    assert torch.allclose(h1.grad, h2.grad, atol=1e-7)
+    assert h1.grad[0, 2 * 3].abs().sum() == 0  # an ignored target's row gets no gradient
+
+
+def test_cpu_run_takes_the_eager_path(tmp_path):
+    run = tiny_run(tmp_path, cuda_graphs=True)
+    batch = packed_batch()
+    n = batch.target_ids.numel()
+    step = micro_step_fn(run, fused_target_loss_sum)
+    ref_loss, ref_grads = loss_and_grads(run, batch, n, fused_target_loss_sum)
+    for p in lora_parameters(run.model):
+        p.grad = None
+    loss = step(batch, n)
+    assert loss.item() == ref_loss.item()
+    assert all(torch.equal(p.grad, r) for p, r in zip(lora_parameters(run.model), ref_grads))
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"scaler": object()}, "fp16 loss scaling"),
+    ({"precision": "fp32"}, "fp32: flash varlen attention needs bf16"),
+    ({"packing": False}, "packing is off"),
+    ({"gradient_checkpointing": True}, "gradient checkpointing"),
+])
+def test_graphs_unsupported_names_the_reason(change, reason, tmp_path):
+    run = tiny_run(tmp_path, **{k: v for k, v in change.items() if k in ("packing", "gradient_checkpointing")})
+    run.precision = change.get("precision", "bf16")
+    run.scaler = change.get("scaler")
+    assert graphs_unsupported(run, fused_target_loss_sum) == reason
+    run.precision, run.scaler, run.cfg.packing, run.cfg.gradient_checkpointing = "bf16", None, True, False
+    assert graphs_unsupported(run, lambda *a: None) == "unknown loss function"
