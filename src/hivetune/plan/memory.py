@@ -7,6 +7,8 @@ s = bytes of the compute dtype, 2 under bf16/fp16 autocast, 4 in fp32):
 
     RMSNorm x2           2 * (4h + 4)          fp32 copy of x and the [T, 1] rsqrt, each norm
     attention (varlen)   s(2q + 2kv) + 4H       q, k after RoPE, v, the output, fp32 log-sum-exp
+                                                (4 s q + 4H where varlen_attn has no enable_gqa,
+                                                as in torch 2.11: K/V repeated to H heads)
     attention (SDPA)     4 s q + 4H             padded q, K/V repeated to H heads, output,
                                                 (+ s q: the un-padded copy o_proj reads)
     MLP                  3 s I                  gate, silu(gate), up
@@ -15,8 +17,14 @@ s = bytes of the compute dtype, 2 under bf16/fp16 autocast, 4 in fp32):
 
 The first layer's input norm saves nothing (no gradient flows into the frozen embedding).
 With gradient checkpointing a layer keeps only its input (s h per token) and one layer is
-recomputed at a time in backward. The fused LM-head loss keeps d loss/d hidden for the N
-target rows (N h s) and holds one chunk of fp32 logits (256 MiB) plus its bf16 copies.
+recomputed in backward. The fused LM-head loss keeps d loss/d hidden for the N
+target rows (N h s); inside it, a chunk of fp32 logits (256 MiB) is alive with two temporaries
+of its size (logsumexp's x - max and exp of that): 768 MiB for a 152k vocabulary.
+
+Peaks (measured on an H200, bench/results/plan-grid-*.json): without checkpointing at the loss,
+everything saved + the chunk buffers; the backward pass adds less (about 1.7 s I per token).
+With checkpointing, in backward: the recomputed layer + about 1.7 s I per token of gradient
+buffers; or in forward, a layer's gate, up, silu and product (4 s I per token).
 """
 
 from __future__ import annotations
@@ -30,12 +38,13 @@ GIB = 1 << 30
 MIB = 1 << 20
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
-# Calibrated on an H200 (bench/plan_grid.py, bench/results/plan-grid-*.json): the backward pass
-# of the last layer holds about BACKWARD_I buffers of [T, intermediate] in the compute dtype
-# (gradients of down's input, of silu(gate) and of up) and BACKWARD_H fp32 [T, hidden] ones
-# (RMSNorm backward), on top of everything saved.
-BACKWARD_I = 3.0
-BACKWARD_H = 2.0
+# Calibrated on an H200 (bench/plan_grid.py, bench/results/plan-grid-*.json): a layer's backward
+# holds about BACKWARD_I buffers of [T, intermediate] in the compute dtype (gradients of down's
+# input, silu(gate) and up) on top of what is saved; 1.67-1.70 measured over 0.5B / 1.5B / 7B
+# shapes in bf16 and fp32. A checkpointed layer's forward holds FORWARD_I of them.
+BACKWARD_I = 1.75
+FORWARD_I = 4.0
+LOSS_CHUNK_COPIES = 3  # fp32 logits chunk, x - max, exp(x - max) inside torch.logsumexp
 # cuBLAS / cuBLASLt workspaces and the allocator's 2 MiB pages (expandable segments).
 ALLOCATOR_SLACK_BYTES = 96 * MIB
 ALLOCATOR_SLACK_FRACTION = 0.02
@@ -54,6 +63,7 @@ class MemoryConfig:
     fused_loss: bool = True
     packing: bool = True
     attention: str = "varlen"  # varlen (flash, packed bf16/fp16 on CUDA) | sdpa (everything else)
+    gqa_native: bool = True  # varlen_attn takes enable_gqa (else K/V are repeated to every head)
     mask_bytes: int = 1  # dropout mask element: bool on CUDA, the input dtype on the CPU
 
     @property
@@ -114,8 +124,10 @@ def layer_saved_bytes_per_token(args: ModelArgs, mc: MemoryConfig) -> float:
     s, h, hd = mc.s, args.hidden_size, args.head_dim
     q, kv, heads, inter = args.num_attention_heads * hd, args.num_key_value_heads * hd, args.num_attention_heads, args.intermediate_size
     total = 2 * (4 * h + 4)
-    if mc.attention == "varlen":
+    if mc.attention == "varlen" and mc.gqa_native:
         total += s * (2 * q + 2 * kv) + 4 * heads
+    elif mc.attention == "varlen":
+        total += 4 * s * q + 4 * heads
     else:
         total += 4 * s * q + 4 * heads
     total += 3 * s * inter
@@ -190,10 +202,12 @@ def breakdown(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | Non
     parts["activations"] = int(kept + (rope + final_norm) * tokens + loss_saved)
     hidden = s * h * tokens  # fit's `hidden` (final norm output) lives through backward
     chunk = min(n, chunk_rows_for(args.vocab_size)) if mc.fused_loss else 0
-    loss_transient = hidden + n * h * s + chunk * args.vocab_size * (6 if s == 2 else 4)
+    loss_transient = hidden + n * h * s + LOSS_CHUNK_COPIES * 4 * chunk * args.vocab_size
     if not mc.fused_loss:
         loss_transient = hidden + min(n, 4096) * args.vocab_size * (2 + 4)
-    backward = hidden + recompute + (BACKWARD_I * s * args.intermediate_size + BACKWARD_H * 4 * h) * tokens
+    if mc.gradient_checkpointing:  # a layer's forward under checkpoint: its MLP intermediates
+        loss_transient = max(loss_transient, FORWARD_I * s * args.intermediate_size * tokens)
+    backward = hidden + recompute + BACKWARD_I * s * args.intermediate_size * tokens
     parts["logits / loss buffers"] = int(loss_transient if loss_transient >= backward else 0)
     parts["backward buffers"] = int(backward if backward > loss_transient else 0)
     if mc.gradient_checkpointing and backward > loss_transient:
