@@ -237,6 +237,8 @@ def parse_overrides(pairs: list[str]) -> dict:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
+        except RecursionError:
+            raise UserError(f"override {key.strip()}: value nested too deeply") from None
         node = out
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -271,6 +273,8 @@ def read_yaml(path: str | Path) -> dict:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
         raise UserError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    except RecursionError:
+        raise UserError(f"{path}: invalid YAML (nested too deeply)") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

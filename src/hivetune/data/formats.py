@@ -58,6 +58,34 @@ def is_json_array(f, path: Path, what: str = "data file") -> bool:
     return head.startswith(b"[")
 
 
+def parse_jsonl_line(raw: bytes) -> tuple[dict | None, str | None]:
+    """One JSONL line -> (record, None), or (None, what is wrong with it) without a file:line prefix.
+
+    The one parser of JSONL lines: training stops at the first error (``iter_records``), the data
+    tools collect them (``scan.parse_line``). The line break is stripped first, so an error at the
+    end of the line gets this line's column. Hostile input gets a message, never an exception:
+    bytes that are not UTF-8, nesting deeper than Python's recursion limit, integers longer than
+    Python converts (4300 digits)."""
+    try:
+        record = json.loads(raw.rstrip(b"\r\n").decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return None, f"not valid UTF-8 (byte {e.start})"
+    except json.JSONDecodeError as e:
+        return None, f"malformed JSON ({_json_error(e)})"
+    except RecursionError:
+        return None, "malformed JSON (nested too deeply)"
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        return None, f"malformed JSON ({str(e).split(':')[0]})"
+    if not isinstance(record, dict):
+        return None, f"expected a JSON object, got {type(record).__name__}"
+    return record, None
+
+
+def _json_error(e: json.JSONDecodeError) -> str:
+    """'Expecting value at column 32' ('Unterminated string starting at' ends in 'at' already)."""
+    return f"{e.msg.removesuffix(' at')} at column {e.colno}"
+
+
 def iter_records(path: str | Path):
     """Yield (line_number, byte_offset, record) from JSONL, or (item, None, record) from a JSON array."""
     path = Path(path)
@@ -70,14 +98,9 @@ def iter_records(path: str | Path):
             start, offset = offset, offset + len(raw)
             if not raw.strip():
                 continue
-            try:
-                record = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                raise UserError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start})") from None
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            record, error = parse_jsonl_line(raw)
+            if error:
+                raise UserError(f"{path}:{lineno}: {error}")
             yield lineno, start, record
 
 
@@ -88,7 +111,11 @@ def decode_json_file(path: Path, raw: bytes):
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not valid UTF-8 (byte {e.start})") from None
     except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+        raise UserError(f"{path}:{e.lineno}: malformed JSON ({_json_error(e)})") from None
+    except RecursionError:
+        raise UserError(f"{path}: malformed JSON (nested too deeply)") from None
+    except ValueError as e:
+        raise UserError(f"{path}: malformed JSON ({str(e).split(':')[0]})") from None
 
 
 def _iter_json_array(path: Path, raw: bytes):
@@ -107,13 +134,13 @@ def read_line_at(path: Path, lineno: int, offset: int) -> dict:
         with open(path, "rb") as f:
             f.seek(offset)
             raw = f.readline()
-        record = json.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         raise UserError(f"{path}: data file disappeared during the run") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except OSError as e:
         raise UserError(f"{path}:{lineno}: record changed during the run ({e})") from None
-    if not isinstance(record, dict):
-        raise UserError(f"{path}:{lineno}: record changed during the run")
+    record, error = parse_jsonl_line(raw)
+    if error:
+        raise UserError(f"{path}:{lineno}: record changed during the run ({error})")
     return record
 
 
@@ -138,6 +165,7 @@ def check_record(record: dict, fmt: str, where: str) -> None:
             raise UserError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
         if not allow_empty and not value.strip():
             raise UserError(f"{where}: field {key!r} is empty")
+        check_encodable(value, where, f"field {key!r}")
 
     if fmt == "alpaca":
         need_str("instruction")
@@ -158,10 +186,20 @@ def check_record(record: dict, fmt: str, where: str) -> None:
                                 f"(expected {', '.join(ROLES)})")
             if not isinstance(m.get("content"), str):
                 raise UserError(f"{where}: messages[{i}].content must be a string")
+            check_encodable(m["content"], where, f"messages[{i}].content")
         if not any(m["role"] == "assistant" for m in messages):
             raise UserError(f"{where}: no assistant message to learn from")
     else:
         raise UserError(f"{where}: unknown format {fmt!r}")
+
+
+def check_encodable(text: str, where: str, what: str) -> None:
+    """JSON's \\ud800 escapes decode to lone UTF-16 surrogates, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"{where}: {what} holds an unpaired surrogate ({text[e.start]!r} at character "
+                        f"{e.start}), which is not text") from None
 
 
 def alpaca_messages(record: dict) -> list[dict]:
@@ -172,10 +210,19 @@ def alpaca_messages(record: dict) -> list[dict]:
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
-    """The model's chat template (sandboxed Jinja inside transformers), or a plain fallback."""
+    """The model's chat template, or a plain fallback.
+
+    Templates come with the model (tokenizer_config.json, GGUF metadata): untrusted code.
+    transformers renders them in jinja2's ImmutableSandboxedEnvironment, which refuses attribute
+    access such as ``''.__class__`` (tested in tests/test_robust_input.py); anything a template
+    raises (a sandbox violation, a syntax error, its own raise_exception) becomes a UserError."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+        except Exception as e:
+            raise UserError(f"the model's chat template failed ({type(e).__name__}: "
+                            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
     text = "".join(f"### {m['role'].capitalize()}:\n{m['content']}\n\n" for m in messages)
     return text + ("### Assistant:\n" if add_generation_prompt else "")
 

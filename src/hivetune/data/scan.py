@@ -2,14 +2,13 @@
 duplicate checks compare, and token lengths measured in batches.
 
 Training (``formats.iter_records``) stops at the first bad line; the data tools keep going so one
-run reports every problem. JSONL is read one line at a time, so memory does not grow with the
+run reports every problem. Both parse lines with ``formats.parse_jsonl_line``. JSONL is read one line at a time, so memory does not grow with the
 file; a JSON array cannot be streamed with the standard library and is parsed whole.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import unicodedata
 from bisect import bisect_left
@@ -17,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, FORMAT_NAMES, chat_spans, decode_json_file,
-                                   encode_record, is_json_array, open_data_file)
+                                   encode_record, is_json_array, open_data_file,
+                                   parse_jsonl_line)
 from hivetune.errors import UserError
 
 # Records tokenised per call of the Rust tokenizer (it spreads a batch over the cores).
@@ -54,16 +54,8 @@ def stream_lines(path: str | Path, what: str = "data file"):
 
 
 def parse_line(number: int, raw: bytes) -> Line:
-    try:
-        # Without the line break, an error at the end of the line gets this line's column.
-        record = json.loads(raw.rstrip(b"\r\n").decode("utf-8"))
-    except UnicodeDecodeError as e:
-        return Line(number, raw, None, f"not valid UTF-8 (byte {e.start})")
-    except json.JSONDecodeError as e:
-        return Line(number, raw, None, f"malformed JSON ({e.msg} at column {e.colno})")
-    if not isinstance(record, dict):
-        return Line(number, raw, None, f"expected a JSON object, got {type(record).__name__}")
-    return Line(number, raw, record)
+    record, error = parse_jsonl_line(raw)
+    return Line(number, raw, record, error)
 
 
 def _array_lines(path: Path, raw: bytes):
