@@ -44,11 +44,15 @@ GRID = [
     ("7B", "bf16", 8, 1024, True, 8, 0.0, None),
     ("7B", "fp32", 4, 512, False, 16, 0.0, None),
     ("7B", "fp32", 8, 1024, True, 16, 0.0, None),
+    # added after the first run calibrated the model (out of sample for it)
+    ("0.5B", "bf16", 32, 256, True, 32, 0.1, None),
+    ("1.5B", "fp32", 2, 2048, False, 8, 0.0, QV),
+    ("7B", "bf16", 2, 2048, False, 64, 0.0, None),
 ]
 
 
 # The same bf16 packed points with CUDA graphs on (train.cuda_graphs, where the tree has it).
-GRAPHED = [0, 1, 5, 9, 10, 11]
+GRAPHED = [0, 1, 5, 9, 10, 11, 18]
 
 
 def point_dict(row, graphs: bool = False) -> dict:
@@ -58,16 +62,23 @@ def point_dict(row, graphs: bool = False) -> dict:
 
 
 def predict(p: dict) -> dict:
+    """hivetune.plan's prediction for the point, on this machine's torch (varlen GQA or not)."""
     from hivetune.bench import qwen25_shape
+    from hivetune.ops.attention import _varlen_fn
     from hivetune.plan.memory import MemoryConfig, breakdown
+    from hivetune.plan.planner import bucketed
 
     args = qwen25_shape(*SHAPES[p["model"]])
-    tokens = p["batch_size"] * p["length"]
+    tokens = bucketed(p["batch_size"] * p["length"], p["cuda_graphs"])
     targets = p["batch_size"] * (p["length"] - p["length"] // 4)  # every response token is a target
+    if p["cuda_graphs"]:
+        targets = tokens  # the graphed loss runs a bucket of rows, the pad rows ignored
     kw = {"targets": tuple(p["targets"])} if p["targets"] else {}
-    attention = "varlen" if p["precision"] != "fp32" and os.environ.get("HIVETUNE_ATTENTION") != "sdpa" else "sdpa"
+    fn, _, gqa = _varlen_fn()
+    varlen = p["precision"] != "fp32" and fn is not None and os.environ.get("HIVETUNE_ATTENTION") != "sdpa"
     mc = MemoryConfig(precision=p["precision"], r=p["r"], dropout=p["dropout"],
-                      gradient_checkpointing=p["gradient_checkpointing"], attention=attention, **kw)
+                      gradient_checkpointing=p["gradient_checkpointing"], attention="varlen" if varlen else "sdpa",
+                      gqa_native=gqa, **kw)
     b = breakdown(args, mc, tokens, targets)
     return {"predicted_reserved_bytes": b.reserved, "peak_phase": b.peak_phase,
             "parts": {k: v for k, v in b.parts.items()}}

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (_, value, help_text) in TRAIN_SWITCHES.items():
         train.add_argument(flag, action="store_const", const=value, default=None, help=help_text)
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument("--auto", action="store_true",
+                       help="pick batch_size / grad_accum (same product) and checkpointing to fit this GPU "
+                            "(from ./tune.yaml when present, else the planner)")
     train.add_argument("--resume", metavar="RUN", help="go on from RUN's newest valid checkpoint with RUN's "
                                                        "config (flags that would change it are refused)")
 
@@ -91,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     add_data_parser(sub)
     add_eval_parser(sub)
+    add_plan_parser(sub)
+    add_tune_parser(sub)
     add_report_parser(sub)
     return parser
 
@@ -120,11 +125,19 @@ def train_overrides(ns: argparse.Namespace) -> dict:
 
 def run_train(ns) -> int:
     from hivetune.checkpoint import resume_config
-    from hivetune.config import load_config
+    from hivetune.config import TrainConfig, load_config
     from hivetune.train import TrainingStopped, train
 
     overrides = train_overrides(ns)
+    if ns.auto and "auto" in getattr(TrainConfig, "__dataclass_fields__", {}):
+        overrides["auto"] = True  # fit then also retries a CUDA out-of-memory with a smaller micro-batch
     cfg = resume_config(ns.resume, ns.config, overrides) if ns.resume else load_config(ns.config, overrides)
+    if (ns.auto or getattr(cfg, "auto", False)) and not ns.resume:
+        from hivetune.device import resolve_device
+        from hivetune.plan import auto_config
+
+        cfg, explanation = auto_config(cfg, resolve_device(cfg.device))
+        print(explanation, file=sys.stderr)
     try:
         result = train(cfg, progress=not ns.quiet)
     except TrainingStopped as e:  # SIGINT / SIGTERM: the step finished and was checkpointed
@@ -305,8 +318,122 @@ def run_report(ns) -> int:
     return 0
 
 
+def add_config_flags(parser) -> None:
+    """train's config flags (--config, --set, the shortcuts) on another subcommand."""
+    parser.add_argument("--config", metavar="YAML", help="training config file; flags and --set override it")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="any config key, e.g. --set lora.r=8 (repeatable)")
+    for flag, (_, kwargs) in TRAIN_FLAGS.items():
+        parser.add_argument(flag, default=None, **kwargs)
+    for flag, (_, value, help_text) in TRAIN_SWITCHES.items():
+        parser.add_argument(flag, action="store_const", const=value, default=None, help=help_text)
+
+
+def add_plan_parser(sub) -> None:
+    plan = sub.add_parser("plan", help="predict peak GPU memory, the largest micro-batch that fits, and the time",
+                          description="Memory breakdown and time estimate for a training config on a GPU, from the "
+                                      "model's config.json / GGUF metadata (no weights read) and, with --data, the "
+                                      "dataset's token lengths.")
+    add_config_flags(plan)
+    plan.add_argument("--gpu", default=None, metavar="NAME", help="a GPU from the table (H100, 'RTX 4090', MI50...)")
+    plan.add_argument("--memory", type=float, default=None, metavar="GIB", help="GPU memory instead of --gpu")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--png", default=None, metavar="OUT.png", help="also draw the breakdown (needs matplotlib)")
+
+
+def run_plan(ns) -> int:
+    import json
+
+    from hivetune.config import load_config
+    from hivetune.plan import format_plan, plan, plan_dict, plot_plan
+
+    overrides = train_overrides(ns)  # none at all: the embedded default job
+    result = plan(load_config(ns.config, overrides), gpu=ns.gpu, memory_gib=ns.memory)
+    if ns.png:
+        plot_plan(result, ns.png)
+    print(json.dumps(plan_dict(result), indent=2) if ns.json else format_plan(result))
+    return 0
+
+
+def add_tune_parser(sub) -> None:
+    tune = sub.add_parser("tune", help="time short runs of candidate configs here; write the fastest that fits",
+                          description="Runs a few steps of each micro-batch size (dividing batch_size * grad_accum), "
+                                      "checkpointing off / on and attention back-end on a random-init model of the "
+                                      "configured architecture, within a memory cap; prints the table and writes "
+                                      "the fastest config that fits as YAML overrides.")
+    add_config_flags(tune)
+    tune.add_argument("--batch-sizes", default=None, metavar="LIST", help="micro-batch sizes, e.g. 1,2,4,8 "
+                                                                         "(default: every divisor)")
+    tune.add_argument("--steps", type=int, default=3, help="optimizer steps per candidate (default 3)")
+    tune.add_argument("--length", type=int, default=None, help="tokens per example (default: max_length)")
+    tune.add_argument("--cap", type=float, default=None, metavar="GIB", help="memory cap (default: 0.9 x the device)")
+    tune.add_argument("--out", default="tune.yaml", metavar="YAML", help="where to write the overrides")
+    tune.add_argument("--force", action="store_true", help="overwrite an existing --out")
+
+
+def run_tune(ns) -> int:
+    from hivetune.config import load_config
+    from hivetune.tune import format_tune, tune
+
+    sizes = None
+    if ns.batch_sizes:
+        try:
+            sizes = [int(x) for x in ns.batch_sizes.split(",") if x.strip()]
+        except ValueError:
+            raise UserError(f"--batch-sizes: expected integers like 1,2,4, got {ns.batch_sizes!r}") from None
+    result = tune(load_config(ns.config, train_overrides(ns)), batch_sizes=sizes, steps=ns.steps, length=ns.length,
+                  cap_gib=ns.cap, out=ns.out, force=ns.force)
+    print(format_tune(result))
+    return 0 if result.best else 1
+
+
+def add_export_parser(sub) -> None:
+    ex = sub.add_parser("export", help="a run as a PEFT adapter, a merged HF folder, or GGUF for llama.cpp / Ollama",
+                        description="Export a trained run: --format adapter (PEFT files + model card), merged (HF "
+                                    "folder with the LoRA merged in) or gguf (merged model, LoRA-only adapter, Ollama "
+                                    "Modelfile, llama-server command). Written into a temp folder, renamed at the end.")
+    ex.add_argument("run", metavar="RUN", help="run folder (or adapter folder)")
+    ex.add_argument("--format", required=True, help="adapter | merged | gguf")
+    ex.add_argument("--dtype", default=None, help="merged: f32 (default) | f16 | bf16; gguf: f16 (default) | bf16 | q8_0 | f32")
+    ex.add_argument("--out", required=True, metavar="DIR", help="folder to create")
+    ex.add_argument("--force", action="store_true", help="replace an existing --out")
+    ex.add_argument("--model", default="", metavar="PATH", help="base model (default: the one the adapter names)")
+
+
+def run_export(ns) -> int:
+    from hivetune.export import export
+
+    result = export(ns.run, ns.format, ns.out, dtype=ns.dtype, force=ns.force, model=ns.model)
+    dtype = f" ({result.dtype})" if result.dtype else ""
+    print(f"exported {ns.run} as {result.format}{dtype} to {result.out}: {', '.join(result.files)}")
+    if result.commands:
+        print(result.commands)
+    return 0
+
+
+def add_chat_parser(sub) -> None:
+    chat = sub.add_parser("chat", help="talk to a model on stdin / stdout (base, + adapter, merged folder or GGUF)",
+                          description="Each input line is a user message; the conversation is kept and rendered with "
+                                      "the model's chat template. /reset starts over; /exit or end of input ends.")
+    chat.add_argument("--model", default="", metavar="PATH", help="HF folder or .gguf (default: embedded model)")
+    chat.add_argument("--adapter", default="", metavar="RUN", help="run folder or adapter folder")
+    chat.add_argument("--system", default="", help="system message")
+    chat.add_argument("--max-new-tokens", type=int, default=256)
+    chat.add_argument("--device", default="auto")
+    chat.add_argument("--precision", default="auto")
+
+
+def run_chat(ns) -> int:
+    from hivetune.chat import chat
+
+    chat(model=ns.model, adapter=ns.adapter, system=ns.system, max_new_tokens=ns.max_new_tokens,
+         device=ns.device, precision=ns.precision)
+    return 0
+
+
 COMMANDS = {"train": run_train, "generate": run_generate, "bench": run_bench, "doctor": run_doctor, "data": run_data,
-            "eval": run_eval, "report": run_report}
+            "eval": run_eval, "report": run_report,
+            "plan": run_plan, "tune": run_tune}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,101 @@
+"""`train --auto`: a micro-batch that fits, keeping the effective batch; and the OOM fallback."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import yaml
+
+from hivetune.config import TrainConfig
+from hivetune.errors import UserError
+
+TUNE_FILE = "tune.yaml"  # written by `hivetune tune`, read by --auto when present
+
+
+def _with(cfg: TrainConfig, **changes) -> TrainConfig:
+    return dataclasses.replace(cfg, **changes)
+
+
+def _divisors_desc(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def smaller_micro_batch(cfg: TrainConfig) -> TrainConfig | None:
+    """After a CUDA out-of-memory error: fewer examples per micro-batch, the same per step.
+
+    batch_size becomes its largest proper divisor (half when even) and grad_accum grows by the
+    same factor, so batch_size * grad_accum (and the loss normalisation) stays; None when
+    batch_size is already 1.
+    """
+    if cfg.batch_size <= 1:
+        return None
+    smaller = next(d for d in _divisors_desc(cfg.batch_size) if d < cfg.batch_size)
+    return _with(cfg, batch_size=smaller, grad_accum=cfg.grad_accum * (cfg.batch_size // smaller))
+
+
+def read_tune_file(path: str | Path) -> dict:
+    """The overrides a tune run wrote (batch_size, grad_accum, gradient_checkpointing)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"{path}: unreadable tune result ({e})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of config keys")
+    allowed = {"batch_size", "grad_accum", "gradient_checkpointing"}
+    return {k: v for k, v in data.items() if k in allowed}
+
+
+def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
+                memory_gib: float | None = None) -> tuple[TrainConfig, str]:
+    """Pick batch_size / grad_accum (same batch_size * grad_accum) and gradient_checkpointing.
+
+    A tune result (tune_file, or ./tune.yaml) whose effective batch matches wins; otherwise the
+    planner: the largest micro-batch (a divisor of the effective batch) that fits the device's
+    memory without checkpointing, else with it. Micro-batches are sized at max_length tokens an
+    example (the worst case). On a CPU nothing changes.
+    """
+    import torch
+
+    from hivetune.plan.memory import GIB, breakdown
+    from hivetune.plan.planner import _memory_config, bucketed, uses_graphs
+
+    effective = cfg.batch_size * cfg.grad_accum
+    tune_path = Path(tune_file) if tune_file else Path(TUNE_FILE)
+    if tune_path.is_file():
+        found = read_tune_file(tune_path)
+        b, a = found.get("batch_size"), found.get("grad_accum", 1)
+        if isinstance(b, int) and b > 0 and effective % b == 0:
+            ckpt = bool(found.get("gradient_checkpointing", cfg.gradient_checkpointing))
+            new = _with(cfg, batch_size=b, grad_accum=effective // b, gradient_checkpointing=ckpt)
+            return new, (f"auto: from {tune_path}: batch_size {b} x grad_accum {effective // b}, "
+                         f"checkpointing {'on' if ckpt else 'off'} (measured fastest)")
+        if b is not None:
+            _ = a  # its grad_accum was for another effective batch; the planner decides
+    device = torch.device(device) if not isinstance(device, torch.device) else device
+    if device.type != "cuda" and memory_gib is None:
+        return cfg, "auto: CPU run, config unchanged (the planner sizes GPU memory)"
+    from hivetune.embedded import embedded_model_path
+    from hivetune.model.load import load_args
+
+    args = load_args(Path(cfg.model) if cfg.model else embedded_model_path())
+    if memory_gib is None:
+        memory_gib = torch.cuda.get_device_properties(device).total_memory / GIB
+    budget = memory_gib * GIB
+    precision = cfg.precision
+    if precision == "auto":
+        precision = "bf16" if device.type != "cuda" or torch.cuda.is_bf16_supported() else "fp16"
+    for ckpt in (False, True):
+        mc = _memory_config(cfg, precision, ckpt)
+        for b in _divisors_desc(effective):
+            tokens = bucketed(b * cfg.max_length, uses_graphs(cfg, precision, ckpt))
+            peak = breakdown(args, mc, tokens).total
+            if peak <= budget:
+                new = _with(cfg, batch_size=b, grad_accum=effective // b, gradient_checkpointing=ckpt)
+                return new, (f"auto: batch_size {b} x grad_accum {effective // b}, checkpointing "
+                             f"{'on' if ckpt else 'off'}: predicted peak {peak / GIB:.1f} of {memory_gib:.1f} GiB "
+                             f"at {cfg.max_length} tokens an example")
+    new = _with(cfg, batch_size=1, grad_accum=effective, gradient_checkpointing=True)
+    return new, (f"auto: even one example of {cfg.max_length} tokens is predicted not to fit in "
+                 f"{memory_gib:.1f} GiB; trying batch_size 1 with checkpointing (lower max_length?)")

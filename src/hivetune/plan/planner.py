@@ -1,0 +1,288 @@
+"""`hivetune plan`: will this training config fit on that GPU, and how long will it take?
+
+Reads the architecture only (config.json or GGUF metadata, no weights) and, when given, the
+dataset's token lengths; everything else comes from plan/memory.py and plan/timing.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hivetune.config import TrainConfig
+from hivetune.errors import UserError
+from hivetune.model.config import ModelArgs
+from hivetune.plan.gpus import GPU, find_gpu, gpu_for_device_name
+from hivetune.plan.memory import (GIB, MemoryConfig, breakdown, largest_micro_batch, lora_parameter_count,
+                                  base_parameter_count)
+from hivetune.plan.timing import micro_batch_seconds
+
+SCALING_EXAMPLES = (10_000, 50_000, 100_000)
+
+
+@dataclass
+class Plan:
+    model: str
+    gpu: str
+    memory_gib: float
+    precision: str
+    batch_size: int
+    grad_accum: int
+    max_length: int
+    gradient_checkpointing: bool
+    lora_r: int
+    lora_targets: list[str]
+    packing: bool
+    cuda_graphs: bool
+    base_parameters: int
+    lora_parameters: int
+    micro_batch_tokens: int  # the largest micro-batch the run meets (what the peak is for)
+    parts_gib: dict  # breakdown of the predicted peak
+    activations_gib: dict  # {"checkpointing off": ..., "checkpointing on": ...} for this micro-batch
+    peak_gib: float
+    fits: bool
+    largest_micro_batch_tokens: int  # with this config's checkpointing setting
+    largest_micro_batch_tokens_checkpointing: int
+    suggestion: str
+    tokens_source: str  # "data FILE" or "max_length"
+    examples: int | None = None
+    tokens_per_epoch: int | None = None
+    step_seconds: float | None = None
+    epoch_seconds: float | None = None
+    scaling: list[dict] = field(default_factory=list)  # examples, tokens, steps, seconds per epoch
+    notes: list[str] = field(default_factory=list)
+
+
+def _memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: bool = True) -> MemoryConfig:
+    from hivetune.ops.attention import _varlen_fn
+
+    fn, _, has_gqa = _varlen_fn()
+    varlen = (cuda and precision != "fp32" and cfg.packing and fn is not None
+              and os.environ.get("HIVETUNE_ATTENTION") != "sdpa")
+    return MemoryConfig(precision=precision, r=cfg.lora.r, targets=tuple(cfg.lora.targets), dropout=cfg.lora.dropout,
+                        gradient_checkpointing=checkpointing, fused_loss=cfg.fused_loss, packing=cfg.packing,
+                        attention="varlen" if varlen else "sdpa", gqa_native=has_gqa,
+                        mask_bytes=1 if cuda else (4 if precision == "fp32" else 2))
+
+
+def uses_graphs(cfg: TrainConfig, precision: str, checkpointing: bool) -> bool:
+    """train.cuda_graphs applies to bf16 packed runs without checkpointing (where the tree has it)."""
+    return bool(getattr(cfg, "cuda_graphs", False)) and precision == "bf16" and cfg.packing and not checkpointing
+
+
+def bucketed(tokens: int, graphs: bool) -> int:
+    """CUDA graphs pad each micro-batch to a token bucket (hivetune.ops.graphs)."""
+    if not graphs:
+        return tokens
+    try:
+        from hivetune.ops.graphs import bucket_tokens
+    except ImportError:
+        return tokens
+    return bucket_tokens(tokens)
+
+
+def data_lengths(cfg: TrainConfig, model_path: Path) -> tuple[list[int], list[int]]:
+    from hivetune.data.dataset import index_dataset
+    from hivetune.model.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(str(model_path))
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"--data: reading token lengths needs the model's tokenizer ({model_path}: {e}); "
+                        f"give an HF folder or GGUF as --model, or leave out --data") from None
+    index = index_dataset(cfg.data, cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
+    return index.lengths, index.n_targets
+
+
+def resolve_gpu(gpu: str | None, memory_gib: float | None) -> tuple[GPU | None, float, str]:
+    """(table entry or None, memory GiB, label) from --gpu / --memory, else the present GPU."""
+    if memory_gib is not None and memory_gib <= 0:
+        raise UserError(f"--memory: must be > 0 GiB, got {memory_gib:g}")
+    if gpu:
+        entry = find_gpu(gpu)
+        return entry, memory_gib or entry.memory_gib, entry.name
+    if memory_gib:
+        return None, memory_gib, f"{memory_gib:g} GiB"
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        entry = gpu_for_device_name(props.name)
+        return entry, props.total_memory / GIB, props.name
+    raise UserError("plan: name a GPU (--gpu H100, --gpu 'RTX 4090', ...) or a size (--memory 24); "
+                    "no GPU is present here")
+
+
+def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = None,
+         model_args: ModelArgs | None = None) -> Plan:
+    """Predict peak memory, the largest micro-batch that fits and the time per epoch.
+
+    `cfg` is a training config (model, data, batch_size, grad_accum, max_length, precision,
+    gradient_checkpointing, lora.*, packing, fused_loss); `model_args` skips reading cfg.model.
+    """
+    from hivetune.embedded import embedded_model_path
+    from hivetune.model.load import load_args
+
+    model_path = Path(cfg.model) if cfg.model else embedded_model_path()
+    args = model_args or load_args(model_path)
+    entry, mem_gib, label = resolve_gpu(gpu, memory_gib)
+    precision = cfg.precision
+    notes = []
+    if precision == "auto":
+        precision = "bf16" if entry is None or entry.bf16_tflops else "fp16"
+        notes.append(f"precision auto -> {precision}")
+    targets_known = [t for t in cfg.lora.targets if t in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                           "gate_proj", "up_proj", "down_proj")]
+    if len(targets_known) != len(cfg.lora.targets):
+        raise UserError(f"lora.targets: {', '.join(set(cfg.lora.targets) - set(targets_known))} matches no module "
+                        f"(valid: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj)")
+
+    data = cfg.data
+    if not data and not cfg.model:  # the embedded default job trains on the shipped dataset
+        from hivetune.embedded import default_train_data
+
+        data = str(default_train_data())
+        cfg = dataclasses.replace(cfg, data=data)
+    if data:
+        lengths, n_targets = data_lengths(cfg, model_path)
+        ordered = sorted(lengths, reverse=True)
+        b = cfg.batch_size
+        worst = sum(ordered[:b]) if cfg.packing else b * ordered[0]
+        target_fraction = sum(n_targets) / max(1, sum(lengths))
+        source = f"data {cfg.data} ({len(lengths)} examples, longest {ordered[0]} tokens)"
+        avg_len = sum(lengths) / len(lengths)
+        examples, tokens_epoch = len(lengths), sum(lengths)
+    else:
+        worst = cfg.batch_size * cfg.max_length
+        target_fraction = 1.0
+        source = "max_length (every example that long: an upper bound; --data gives real lengths)"
+        avg_len, examples, tokens_epoch = cfg.max_length, None, None
+    worst = min(worst, cfg.batch_size * cfg.max_length)
+
+    ckpt = cfg.gradient_checkpointing
+    graphs = uses_graphs(cfg, precision, ckpt)
+    mc = _memory_config(cfg, precision, ckpt)
+    tokens = bucketed(worst, graphs)
+    b = breakdown(args, mc, tokens, max(1, int(tokens * target_fraction)))
+    other = breakdown(args, _memory_config(cfg, precision, not ckpt), tokens, max(1, int(tokens * target_fraction)))
+    act = {("checkpointing on" if ckpt else "checkpointing off"): b.parts["activations"] / GIB,
+           ("checkpointing off" if ckpt else "checkpointing on"): other.parts["activations"] / GIB}
+    budget = int(mem_gib * GIB)
+    fits = b.total <= budget
+    largest = largest_micro_batch(args, mc, budget, target_fraction)
+    largest_ckpt = largest if ckpt else largest_micro_batch(args, _memory_config(cfg, precision, True), budget,
+                                                            target_fraction)
+    suggestion = _suggest(cfg, fits, ckpt, worst, largest, largest_ckpt, avg_len)
+
+    p = Plan(model=str(model_path), gpu=label, memory_gib=round(mem_gib, 2), precision=precision,
+             batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, max_length=cfg.max_length,
+             gradient_checkpointing=ckpt, lora_r=cfg.lora.r, lora_targets=list(cfg.lora.targets),
+             packing=cfg.packing, cuda_graphs=graphs, base_parameters=base_parameter_count(args),
+             lora_parameters=lora_parameter_count(args, cfg.lora.r, cfg.lora.targets), micro_batch_tokens=tokens,
+             parts_gib={k: v / GIB for k, v in b.parts.items()}, activations_gib=act, peak_gib=b.total / GIB,
+             fits=fits, largest_micro_batch_tokens=largest, largest_micro_batch_tokens_checkpointing=largest_ckpt,
+             suggestion=suggestion, tokens_source=source, examples=examples, tokens_per_epoch=tokens_epoch,
+             notes=notes)
+    if entry is not None:
+        tflops = entry.tflops(precision)
+        micro_tokens = cfg.batch_size * avg_len
+        p.step_seconds = cfg.grad_accum * micro_batch_seconds(args, micro_tokens, avg_len, ckpt, precision, tflops,
+                                                              graphs)
+        per_step = cfg.batch_size * cfg.grad_accum
+        if examples:
+            p.epoch_seconds = examples / per_step * p.step_seconds
+        for n in SCALING_EXAMPLES:
+            p.scaling.append({"examples": n, "tokens": int(n * avg_len), "steps": math.ceil(n / per_step),
+                              "seconds": n / per_step * p.step_seconds})
+    else:
+        p.notes.append("no rates for this GPU: give --gpu NAME for the time estimate")
+    return p
+
+
+def _suggest(cfg, fits, ckpt, worst, largest, largest_ckpt, avg_len) -> str:
+    per_example = max(1, min(cfg.max_length, round(avg_len)))
+    if fits:
+        spare = largest // max(1, per_example)
+        return (f"fits; micro-batches up to {largest:,} tokens fit (about batch_size {spare} "
+                f"at {per_example} tokens an example)")
+    if largest >= per_example:
+        b = max(1, largest // per_example)
+        return (f"does not fit: lower batch_size to {b} (and raise grad_accum to keep "
+                f"{cfg.batch_size * cfg.grad_accum} examples a step)"
+                + ("" if ckpt else f", or turn on gradient_checkpointing (up to {largest_ckpt:,} tokens)"))
+    if not ckpt and largest_ckpt >= per_example:
+        return f"does not fit: turn on gradient_checkpointing (micro-batches up to {largest_ckpt:,} tokens fit)"
+    return "does not fit even one example: use a GPU with more memory, a shorter max_length or bf16"
+
+
+def format_plan(p: Plan) -> str:
+    lines = [f"model      {p.model}: {p.base_parameters / 1e9:.2f}B parameters; LoRA r={p.lora_r} on "
+             f"{','.join(p.lora_targets)}: {p.lora_parameters / 1e6:.1f}M",
+             f"GPU        {p.gpu}, {p.memory_gib:g} GiB; {p.precision}, batch_size {p.batch_size} x grad_accum "
+             f"{p.grad_accum}, max_length {p.max_length}, checkpointing {'on' if p.gradient_checkpointing else 'off'}"
+             + (", CUDA graphs" if p.cuda_graphs else ""),
+             f"micro-batch {p.micro_batch_tokens:,} tokens (from {p.tokens_source})", "",
+             f"{'memory':<26}{'GiB':>8}"]
+    for name, gib in p.parts_gib.items():
+        if gib > 0:
+            lines.append(f"  {name:<24}{gib:>8.2f}")
+    lines.append(f"  {'predicted peak':<24}{p.peak_gib:>8.2f}   of {p.memory_gib:g} GiB: "
+                 f"{'FITS' if p.fits else 'DOES NOT FIT'}")
+    for name, gib in p.activations_gib.items():
+        lines.append(f"  {'activations, ' + name.replace('checkpointing', 'ckpt'):<24}{gib:>8.2f}")
+    lines += ["", f"largest micro-batch that fits: {p.largest_micro_batch_tokens:,} tokens "
+              f"({p.largest_micro_batch_tokens_checkpointing:,} with checkpointing)", p.suggestion]
+    if p.step_seconds is not None:
+        lines += ["", f"time       {p.step_seconds:.3f} s per optimizer step (estimate)"]
+        if p.epoch_seconds is not None:
+            lines.append(f"           {_hms(p.epoch_seconds)} per epoch: {p.examples:,} examples, "
+                         f"{p.tokens_per_epoch:,} tokens")
+        lines.append(f"  {'examples':>9} {'tokens':>13} {'steps':>8} {'per epoch':>10}")
+        for row in p.scaling:
+            lines.append(f"  {row['examples']:>9,} {row['tokens']:>13,} {row['steps']:>8,} {_hms(row['seconds']):>10}")
+    lines += [f"note: {n}" for n in p.notes]
+    return "\n".join(lines)
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def plan_dict(p: Plan) -> dict:
+    return dataclasses.asdict(p)
+
+
+def plot_plan(p: Plan, path: str) -> None:
+    """A horizontal stacked bar of the peak's parts against the GPU's memory."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--png needs matplotlib: pip install 'hivetune[plots]'") from None
+    from hivetune.fileio import atomic_write_with
+
+    fig, ax = plt.subplots(figsize=(9, 2.6))
+    left = 0.0
+    for name, gib in p.parts_gib.items():
+        if gib <= 0:
+            continue
+        ax.barh([0], [gib], left=left, label=f"{name} {gib:.2f}")
+        left += gib
+    ax.axvline(p.memory_gib, color="red", linestyle="--", label=f"{p.gpu} {p.memory_gib:g} GiB")
+    ax.set_yticks([])
+    ax.set_xlabel("GiB")
+    ax.set_title(f"{Path(p.model).name}: predicted peak {p.peak_gib:.1f} GiB "
+                 f"({'fits' if p.fits else 'does not fit'})")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=4)
+    fig.tight_layout()
+    atomic_write_with(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    plt.close(fig)

@@ -1,0 +1,64 @@
+"""Step time from FLOPs and a measured efficiency, or from kernel dispatch when that is slower.
+
+FLOPs per token of LoRA training: the frozen base needs forward (2N) and the gradient of its
+input (2N), no weight gradient: 4N, N = matmul weights incl. the LM head (ModelArgs.
+linear_weight_count); checkpointing recomputes the forward: 6N. Attention adds 2 q L per token
+and layer forward for an example of L tokens (causal), three times that with backward.
+
+A micro-batch takes max(FLOPs / (peak x efficiency), layers x dispatch): small models are bound
+by eager PyTorch launching ~140 kernels a layer, big ones by the matmuls. Constants calibrated
+by ``calibrate`` from the H200 grid (bench/results/plan-grid-5d2d30f-h200.json, step times of
+3-step runs) and checked against it by tests/test_plan.py.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from hivetune.model.config import ModelArgs
+
+EFFICIENCY = {"bf16": 0.37, "fp16": 0.37, "fp32": 0.61}  # of the datasheet dense rate
+DISPATCH_S_PER_LAYER = 0.0058  # eager, per micro-batch (fwd + bwd + the optimizer step's share)
+GRAPHED_DISPATCH_S_PER_LAYER = 0.0016  # CUDA graphs replay (train.cuda_graphs)
+
+
+def flops_per_token(args: ModelArgs, example_tokens: float, checkpointing: bool) -> float:
+    dense = (6 if checkpointing else 4) * args.linear_weight_count
+    attn_fwd = 2 * args.num_attention_heads * args.head_dim * example_tokens * args.num_hidden_layers
+    return dense + attn_fwd * (4 if checkpointing else 3)
+
+
+def micro_batch_seconds(args: ModelArgs, tokens: float, example_tokens: float, checkpointing: bool,
+                        precision: str, tflops: float, graphs: bool = False) -> float:
+    compute = tokens * flops_per_token(args, example_tokens, checkpointing) / (tflops * 1e12 * EFFICIENCY[precision])
+    dispatch = args.num_hidden_layers * (GRAPHED_DISPATCH_S_PER_LAYER if graphs else DISPATCH_S_PER_LAYER)
+    return max(compute, dispatch)
+
+
+def calibrate(path: str | Path, peak_tflops: dict) -> dict:
+    """Efficiency per precision (median over compute-bound points) and the dispatch time per
+    layer (median over points far from compute-bound) from a plan-grid JSON."""
+    from hivetune.bench import qwen25_shape
+
+    record = json.loads(Path(path).read_text())
+    shapes = {"0.5B": (151936, 896, 4864, 24, 14, 2, True), "1.5B": (151936, 1536, 8960, 28, 12, 2, True),
+              "7B": (152064, 3584, 18944, 28, 28, 4, False)}
+    eff: dict = {}
+    dispatch, graphed = [], []
+    for pt in record["points"]:
+        m, p = pt.get("measured"), pt["point"]
+        if not m or not m["step_seconds"]:
+            continue
+        args = qwen25_shape(*shapes[p["model"]])
+        step = statistics.median(m["step_seconds"])
+        flops = m["tokens"] * flops_per_token(args, p["length"], p["gradient_checkpointing"])
+        ideal = flops / (peak_tflops[p["precision"]] * 1e12)
+        if ideal / step > 0.25:  # compute-bound
+            eff.setdefault(p["precision"], []).append(ideal / step)
+        elif ideal / step < 0.15:
+            (graphed if p.get("cuda_graphs") else dispatch).append(step / args.num_hidden_layers)
+    return {"efficiency": {k: statistics.median(v) for k, v in eff.items()},
+            "dispatch_s_per_layer": statistics.median(dispatch) if dispatch else None,
+            "graphed_dispatch_s_per_layer": statistics.median(graphed) if graphed else None}

@@ -1,0 +1,195 @@
+"""`hivetune tune`: time a few steps of each candidate config on this device, keep the fastest that fits.
+
+Candidates: micro-batch sizes (divisors of the effective batch batch_size * grad_accum, so the
+optimisation is unchanged), gradient checkpointing off / on, and on CUDA the attention back-end
+(flash varlen, or the SDPA reference path, HIVETUNE_ATTENTION=sdpa). Each runs `steps` optimizer
+steps of hivetune's own loop (train.assemble + train.fit) on a random-init model of the
+configured architecture (no weights read) over examples of `length` tokens. Candidates the
+planner puts over the memory cap are skipped unmeasured; a CUDA out-of-memory counts as not
+fitting. Writes the fastest fitting config as YAML overrides for `hivetune train --config`
+(and `train --auto`, which reads ./tune.yaml).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from hivetune.config import TrainConfig
+from hivetune.errors import UserError
+
+
+@dataclass
+class TuneRow:
+    batch_size: int
+    grad_accum: int
+    gradient_checkpointing: bool
+    attention: str  # varlen | sdpa (CUDA), reference (CPU)
+    predicted_gib: float
+    status: str = "ok"  # ok | over cap (predicted) | over cap (measured) | out of memory
+    step_seconds: float | None = None
+    tokens_per_s: float | None = None
+    peak_gib: float | None = None  # measured max_memory_reserved (CUDA)
+
+
+@dataclass
+class TuneResult:
+    rows: list[TuneRow]
+    best: TuneRow | None
+    cap_gib: float
+    device: str
+    out: str | None
+    overrides: dict = field(default_factory=dict)
+
+
+@contextmanager
+def _attention_env(value: str | None):
+    before = os.environ.get("HIVETUNE_ATTENTION")
+    if value is None:
+        os.environ.pop("HIVETUNE_ATTENTION", None)
+    else:
+        os.environ["HIVETUNE_ATTENTION"] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HIVETUNE_ATTENTION", None)
+        else:
+            os.environ["HIVETUNE_ATTENTION"] = before
+
+
+def _time_candidate(cfg: TrainConfig, args, device: torch.device, precision: str, length: int,
+                    steps: int) -> tuple[float, float, float | None]:
+    """(median seconds per optimizer step after the first, tokens per step, peak reserved GiB)."""
+    import json
+
+    from hivetune.bench import random_model
+    from hivetune.data.dataset import TokenizedExamples
+    from hivetune.data.formats import Encoded
+    from hivetune.device import DTYPES
+    from hivetune.train import assemble, fit
+
+    per_step = cfg.batch_size * cfg.grad_accum
+    gen = torch.Generator().manual_seed(0)
+    examples = [Encoded(torch.randint(0, args.vocab_size, (length,), generator=gen).tolist(),
+                        [False] * (length // 4) + [True] * (length - length // 4), False)
+                for _ in range(per_step * (steps + 1))]
+    model = random_model(args, device, DTYPES[precision])
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = assemble(cfg, model, TokenizedExamples(examples), None, device, precision, Path(tmp) / "run",
+                       Path("random"))
+        fit(run, progress=False)
+        times = [json.loads(x)["elapsed_s"] for x in (run.folder / "metrics.jsonl").read_text().splitlines()]
+    deltas = [b - a for a, b in zip(times, times[1:])] or times
+    peak = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+    del run, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return statistics.median(deltas), per_step * length, peak
+
+
+def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3, length: int | None = None,
+         cap_gib: float | None = None, out: str | None = "tune.yaml", attention: list[str] | None = None,
+         force: bool = False) -> TuneResult:
+    """Measure the candidates and write the fastest that fits the cap to `out` (None: no file)."""
+    from hivetune.config import load_config, to_dict
+    from hivetune.device import resolve_device, resolve_precision, set_threads
+    from hivetune.embedded import embedded_model_path
+    from hivetune.fileio import atomic_write_bytes
+    from hivetune.model.load import load_args
+    from hivetune.plan.memory import GIB, breakdown
+    from hivetune.plan.planner import _memory_config
+
+    if steps < 2:
+        raise UserError(f"--steps: at least 2 (the first step warms up), got {steps}")
+    if out and Path(out).exists() and not force:
+        raise UserError(f"{out}: already exists (--force to overwrite)")
+    set_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    precision = resolve_precision(cfg.precision, device)
+    args = load_args(Path(cfg.model) if cfg.model else embedded_model_path())
+    length = length or cfg.max_length
+    if length > cfg.max_length or length < 2:
+        raise UserError(f"--length: must be in [2, max_length={cfg.max_length}], got {length}")
+    effective = cfg.batch_size * cfg.grad_accum
+    sizes = batch_sizes or [d for d in range(1, effective + 1) if effective % d == 0]
+    bad = [b for b in sizes if b <= 0 or effective % b]
+    if bad:
+        raise UserError(f"--batch-sizes: {bad[0]} does not divide the effective batch "
+                        f"batch_size*grad_accum = {effective}")
+    if cap_gib is None:
+        if device.type == "cuda":
+            cap_gib = 0.9 * torch.cuda.get_device_properties(device).total_memory / GIB
+        else:
+            cap_gib = 0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    backends = attention or (["varlen", "sdpa"] if device.type == "cuda" else ["reference"])
+
+    rows = []
+    for backend in backends:
+        for ckpt in (False, True):
+            for b in sorted(sizes):
+                values = {**to_dict(cfg), "batch_size": b, "grad_accum": effective // b, "gradient_checkpointing": ckpt,
+                          "max_steps": steps, "eval_prompts": 0, "save_every": 0, "log_every": 1,
+                          "output_dir": "", "device": device.type, "precision": precision}
+                c = load_config(None, values)
+                mc = _memory_config(c, precision, ckpt, cuda=device.type == "cuda")
+                if backend == "sdpa":
+                    mc = dataclasses.replace(mc, attention="sdpa")
+                predicted = breakdown(args, mc, b * length).total / GIB
+                row = TuneRow(b, effective // b, ckpt, backend, round(predicted, 2))
+                rows.append(row)
+                if predicted > cap_gib:
+                    row.status = "over cap (predicted)"
+                    continue
+                try:
+                    with _attention_env("sdpa" if backend == "sdpa" else None):
+                        seconds, tokens, peak = _time_candidate(c, args, device, precision, length, steps)
+                except torch.cuda.OutOfMemoryError:
+                    row.status = "out of memory"
+                    torch.cuda.empty_cache()
+                    continue
+                row.step_seconds, row.tokens_per_s = round(seconds, 4), round(tokens / seconds, 1)
+                row.peak_gib = round(peak, 2) if peak is not None else None
+                if peak is not None and peak > cap_gib:
+                    row.status = "over cap (measured)"
+    fitting = [r for r in rows if r.status == "ok"]
+    best = min(fitting, key=lambda r: r.step_seconds) if fitting else None
+    result = TuneResult(rows, best, round(cap_gib, 2), str(device), out)
+    if best is not None:
+        result.overrides = {"batch_size": best.batch_size, "grad_accum": best.grad_accum,
+                            "gradient_checkpointing": best.gradient_checkpointing}
+        if out:
+            text = (f"# hivetune tune: fastest of {len(rows)} candidates on {device} within {cap_gib:.1f} GiB "
+                    f"({best.tokens_per_s:,.0f} tokens/s at {length} tokens an example)\n")
+            if best.attention == "sdpa":
+                text += "# attention: the SDPA path was fastest: export HIVETUNE_ATTENTION=sdpa\n"
+            text += yaml.safe_dump(result.overrides, sort_keys=False)
+            atomic_write_bytes(Path(out), text.encode())
+    return result
+
+
+def format_tune(result: TuneResult) -> str:
+    lines = [f"{'batch':>5} {'accum':>5} {'ckpt':>4} {'attention':>9} {'pred GiB':>8} {'peak GiB':>8} "
+             f"{'s/step':>8} {'tokens/s':>10}  status"]
+    for r in result.rows:
+        mark = " <- fastest" if r is result.best else ""
+        lines.append(f"{r.batch_size:>5} {r.grad_accum:>5} {'on' if r.gradient_checkpointing else 'off':>4} "
+                     f"{r.attention:>9} {r.predicted_gib:>8.2f} {r.peak_gib if r.peak_gib is not None else '-':>8} "
+                     f"{r.step_seconds if r.step_seconds is not None else '-':>8} "
+                     f"{f'{r.tokens_per_s:,.0f}' if r.tokens_per_s else '-':>10}  {r.status}{mark}")
+    if result.best is None:
+        lines.append(f"no candidate fits within {result.cap_gib} GiB on {result.device}")
+    elif result.out:
+        lines.append(f"wrote {result.out}: {result.overrides}  (hivetune train --config {result.out}, or --auto)")
+    return "\n".join(lines)

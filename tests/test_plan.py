@@ -1,0 +1,196 @@
+"""The planner: activation bytes against autograd's saved tensors, the seeds' fit questions,
+the OOM fallback, auto_config and the CLI. Everything from config dicts; no weights."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from hivetune.bench import qwen25_shape, random_model
+from hivetune.cli import main
+from hivetune.config import load_config
+from hivetune.data.batch import collate_packed
+from hivetune.data.formats import Encoded
+from hivetune.model.lora import LoRASpec, apply_lora
+from hivetune.plan import auto_config, plan, smaller_micro_batch
+from hivetune.plan.measure import saved_activation_bytes, varlen_standin
+from hivetune.plan.memory import (GIB, MemoryConfig, activation_bytes, base_parameter_count, breakdown,
+                                  largest_micro_batch)
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QWEN25_3B = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 11008,
+             "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 2,
+             "tie_word_embeddings": True, "max_position_embeddings": 32768}
+QWEN25_7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+             "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+             "tie_word_embeddings": False, "max_position_embeddings": 32768}
+
+
+def write_config(tmp_path: Path, cfg: dict, name: str) -> Path:
+    path = tmp_path / name / "config.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def train_config(model: Path, **values):
+    cfg = load_config(None, {"model": str(model), **values})
+    if hasattr(cfg, "cuda_graphs"):
+        cfg.cuda_graphs = False  # verdicts for the eager loop; graphs pad to 256-token buckets
+    return cfg
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("targets", [ALL, ("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "down_proj")])
+def test_activation_bytes_match_saved_tensors(precision, dropout, targets):
+    """The per-token formula against the distinct storages autograd saves in a real forward
+    pass (varlen attention's saved set stood in on the CPU; CPU dropout keeps a mask in the
+    input dtype, CUDA a bool one: mask_bytes)."""
+    args = qwen25_shape(300, 64, 176, 3, 4, 2, False)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    model = random_model(args, "cpu", dtype)
+    assert base_parameter_count(args) == sum(p.numel() for p in model.parameters())
+    apply_lora(model, LoRASpec(8, 16, dropout, targets))
+    model.train()
+    rng = random.Random(0)
+    examples = [Encoded([rng.randrange(300) for _ in range(n)], [False] * (n // 3) + [True] * (n - n // 3), False)
+                for n in (37, 60, 23)]
+    batch = collate_packed(examples)
+    with varlen_standin():
+        measured = saved_activation_bytes(model, batch, precision)
+    mc = MemoryConfig(precision=precision, r=8, targets=targets, dropout=dropout,
+                      mask_bytes=2 if precision == "bf16" else 4)
+    predicted = activation_bytes(args, mc, batch.input_ids.shape[1], len(batch.target_ids))
+    assert abs(predicted / measured - 1) < 0.01, (predicted, measured)
+
+
+def test_parameter_count_llama_and_qwen3():
+    from hivetune.model.config import ModelArgs
+    from hivetune.model.decoder import CausalLM
+
+    for cfg in ({"model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 48,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+                {"model_type": "qwen3", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 48,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                 "tie_word_embeddings": True}):
+        args = ModelArgs.from_hf_dict(cfg)
+        with torch.device("meta"):
+            model = CausalLM(args)
+        assert base_parameter_count(args) == sum(p.numel() for p in model.parameters())
+
+
+def test_seed_qwen25_3b_fp32_on_mi50(tmp_path):
+    """3B in fp32: 11.5 GiB of weights, ~8.6 MB of saved activations per token (sdpa path), so
+    a 32 GB MI50 holds a micro-batch of about 2,100 tokens: one 1,024-token example fits, the
+    default 8 x 1,024 (~84 GiB) does not, and with checkpointing (~0.3 MB a token) it does."""
+    model = write_config(tmp_path, QWEN25_3B, "qwen2.5-3b")
+    one = plan(train_config(model, precision="fp32", batch_size=1, max_length=1024), gpu="MI50")
+    assert one.fits and 11.4 < one.parts_gib["base weights"] < 11.6
+    eight = plan(train_config(model, precision="fp32", batch_size=8, max_length=1024), gpu="MI50")
+    assert not eight.fits and eight.peak_gib > 70
+    assert 1800 < eight.largest_micro_batch_tokens < 2500
+    assert "gradient_checkpointing" in eight.suggestion
+    ckpt = plan(train_config(model, precision="fp32", batch_size=8, max_length=1024,
+                             gradient_checkpointing=True), gpu="MI50")
+    assert ckpt.fits and ckpt.peak_gib < 20
+
+
+@pytest.mark.parametrize("gpu, fits_2x1024", [("RTX 4090", False), ("Radeon AI PRO R9700", True)])
+def test_seed_qwen25_7b_bf16_on_24_and_32_gb(tmp_path, gpu, fits_2x1024):
+    """7B in bf16: 14.2 GiB of weights, ~5.6 MB a token saved: 24 GB leaves room for ~1,250
+    tokens a micro-batch, 32 GB for ~2,600; checkpointing makes 8 x 1,024 fit on both."""
+    model = write_config(tmp_path, QWEN25_7B, "qwen2.5-7b")
+    one = plan(train_config(model, precision="bf16", batch_size=1, max_length=1024), gpu=gpu)
+    assert one.fits and 14.1 < one.parts_gib["base weights"] < 14.3
+    two = plan(train_config(model, precision="bf16", batch_size=2, max_length=1024), gpu=gpu)
+    assert two.fits is fits_2x1024
+    eight = plan(train_config(model, precision="bf16", batch_size=8, max_length=1024), gpu=gpu)
+    assert not eight.fits
+    ckpt = plan(train_config(model, precision="bf16", batch_size=8, max_length=1024,
+                             gradient_checkpointing=True), gpu=gpu)
+    assert ckpt.fits
+    assert [row["examples"] for row in ckpt.scaling] == [10_000, 50_000, 100_000]
+    assert ckpt.scaling[2]["seconds"] == pytest.approx(10 * ckpt.scaling[0]["seconds"])
+
+
+def test_largest_micro_batch_is_the_boundary():
+    args = qwen25_shape(152064, 3584, 18944, 28, 28, 4, False)
+    mc = MemoryConfig(precision="bf16", r=16)
+    budget = 24 * GIB
+    t = largest_micro_batch(args, mc, budget)
+    assert breakdown(args, mc, t).total <= budget < breakdown(args, mc, t + 1).total
+
+
+def test_smaller_micro_batch_keeps_the_effective_batch():
+    cfg = load_config(None, {"model": "m", "batch_size": 8, "grad_accum": 1})
+    steps = []
+    while cfg is not None:
+        steps.append((cfg.batch_size, cfg.grad_accum))
+        cfg = smaller_micro_batch(cfg)
+    assert steps == [(8, 1), (4, 2), (2, 4), (1, 8)]
+    odd = smaller_micro_batch(load_config(None, {"model": "m", "batch_size": 6, "grad_accum": 2}))
+    assert (odd.batch_size, odd.grad_accum) == (3, 4)
+    assert smaller_micro_batch(load_config(None, {"model": "m", "batch_size": 3})).batch_size == 1
+    assert smaller_micro_batch(load_config(None, {"model": "m", "batch_size": 1})) is None
+
+
+def test_auto_config_fits_and_keeps_the_effective_batch(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = write_config(tmp_path, QWEN25_7B, "qwen2.5-7b")
+    cfg = train_config(model, precision="bf16", batch_size=8, grad_accum=2, max_length=1024)
+    new, why = auto_config(cfg, "cpu", memory_gib=31.9)
+    assert (new.batch_size, new.grad_accum, new.gradient_checkpointing) == (2, 8, False), why
+    assert "predicted peak" in why
+    one, why = auto_config(cfg, "cpu", memory_gib=23.6)  # 24 GB: one 1,024-token example, no checkpointing
+    assert (one.batch_size, one.grad_accum, one.gradient_checkpointing) == (1, 16, False), why
+    tight, why = auto_config(cfg, "cpu", memory_gib=20)
+    assert tight.batch_size * tight.grad_accum == 16 and tight.gradient_checkpointing, why
+    (tmp_path / "tune.yaml").write_text("batch_size: 4\ngrad_accum: 1\ngradient_checkpointing: true\n")
+    tuned, why = auto_config(cfg, "cpu", memory_gib=31.9)
+    assert (tuned.batch_size, tuned.grad_accum, tuned.gradient_checkpointing) == (4, 4, True)
+    assert "tune.yaml" in why
+    unchanged, why = auto_config(cfg, "cpu", tune_file=tmp_path / "none.yaml")
+    assert unchanged is cfg and "CPU" in why
+
+
+def test_timing_constants_match_the_h200_grid():
+    from hivetune.plan import timing
+
+    grid = Path(__file__).parents[1] / "bench" / "results" / "plan-grid-5d2d30f-h200.json"
+    cal = timing.calibrate(grid, {"bf16": 989.0, "fp32": 67.0})
+    assert cal["efficiency"]["bf16"] == pytest.approx(timing.EFFICIENCY["bf16"], rel=0.1)
+    assert cal["efficiency"]["fp32"] == pytest.approx(timing.EFFICIENCY["fp32"], rel=0.1)
+    assert cal["dispatch_s_per_layer"] == pytest.approx(timing.DISPATCH_S_PER_LAYER, rel=0.1)
+
+
+def test_plan_cli_json_and_errors(tmp_path, capsys):
+    model = write_config(tmp_path, QWEN25_7B, "qwen2.5-7b")
+    assert main(["plan", "--model", str(model), "--gpu", "RTX 4090", "--batch-size", "8",
+                 "--max-length", "1024", "--precision", "bf16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["gpu"] == "RTX 4090" and out["memory_gib"] == 23.6
+    assert out["parts_gib"]["activations"] > 40
+    assert main(["plan", "--model", str(model), "--gpu", "TPU v9"]) == 2
+    assert "--gpu: unknown GPU 'TPU v9'" in capsys.readouterr().err
+    assert main(["plan", "--model", str(tmp_path / "nothing"), "--memory", "24"]) == 2
+    assert "model path not found" in capsys.readouterr().err
+    assert main(["plan", "--model", str(model), "--memory", "24", "--max-length", "512"]) == 0
+    text = capsys.readouterr().out
+    assert "predicted peak" in text and "no rates for this GPU" in text
+
+
+def test_plan_with_data_uses_real_lengths(tiny_model_dir, alpaca_file):
+    from hivetune.data.dataset import index_dataset
+    from hivetune.model.tokenizer import load_tokenizer
+
+    cfg = train_config(tiny_model_dir, data=str(alpaca_file), batch_size=4, max_length=1024, precision="fp32")
+    p = plan(cfg, gpu="H100")
+    lengths = index_dataset(alpaca_file, "auto", load_tokenizer(str(tiny_model_dir)), 1024, False).lengths
+    assert p.micro_batch_tokens == sum(sorted(lengths, reverse=True)[:4])
+    assert p.examples == len(lengths) and p.tokens_per_epoch == sum(lengths)
+    assert p.epoch_seconds == pytest.approx(len(lengths) / 4 * p.step_seconds)

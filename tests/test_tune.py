@@ -1,0 +1,41 @@
+"""hivetune tune on a tiny model on the CPU: the measured table, the choice, the YAML it writes."""
+
+from __future__ import annotations
+
+import yaml
+
+from hivetune.cli import main
+from hivetune.config import load_config
+from hivetune.tune import format_tune, tune
+
+
+def test_tune_picks_the_fastest_fitting_candidate(tiny_model_dir, tmp_path):
+    cfg = load_config(None, {"model": str(tiny_model_dir), "batch_size": 4, "grad_accum": 1, "precision": "fp32",
+                             "device": "cpu", "threads": 1, "max_length": 64, "lora": {"r": 4}})
+    out = tmp_path / "tune.yaml"
+    result = tune(cfg, batch_sizes=[1, 2, 4], steps=2, length=32, out=str(out))
+    # 3 micro-batch sizes x checkpointing off / on x one back-end on the CPU
+    assert [(r.batch_size, r.grad_accum, r.gradient_checkpointing) for r in result.rows] == [
+        (1, 4, False), (2, 2, False), (4, 1, False), (1, 4, True), (2, 2, True), (4, 1, True)]
+    assert all(r.status == "ok" and r.step_seconds > 0 and r.attention == "reference" for r in result.rows)
+    assert result.best is min(result.rows, key=lambda r: r.step_seconds)
+    written = yaml.safe_load(out.read_text())
+    assert written == {"batch_size": result.best.batch_size, "grad_accum": result.best.grad_accum,
+                       "gradient_checkpointing": result.best.gradient_checkpointing}
+    reloaded = load_config(str(out), {"model": str(tiny_model_dir)})
+    assert reloaded.batch_size * reloaded.grad_accum == 4
+    assert "<- fastest" in format_tune(result)
+
+
+def test_tune_cap_skips_and_errors(tiny_model_dir, tmp_path, capsys):
+    cfg = load_config(None, {"model": str(tiny_model_dir), "batch_size": 2, "precision": "fp32", "device": "cpu",
+                             "threads": 1, "max_length": 64, "lora": {"r": 4}})
+    result = tune(cfg, batch_sizes=[1, 2], steps=2, length=16, cap_gib=1e-6, out=None)
+    assert result.best is None and {r.status for r in result.rows} == {"over cap (predicted)"}
+    out = tmp_path / "t.yaml"
+    out.write_text("batch_size: 1\n")
+    args = ["tune", "--model", str(tiny_model_dir), "--device", "cpu", "--batch-size", "2", "--max-length", "64",
+            "--out", str(out)]
+    assert main(args) == 2 and "already exists (--force to overwrite)" in capsys.readouterr().err
+    assert main(args[:-2] + ["--batch-sizes", "3", "--out", str(tmp_path / "u.yaml")]) == 2
+    assert "--batch-sizes: 3 does not divide the effective batch" in capsys.readouterr().err
