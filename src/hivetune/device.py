@@ -8,6 +8,7 @@ from functools import lru_cache
 import torch
 
 from hivetune.errors import UserError
+from hivetune.fastpath import FORCE_ENV, forced, note_fallback
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -38,8 +39,16 @@ def resolve_precision(name: str, device: torch.device) -> str:
             raise UserError("precision: bf16 is not supported by this GPU; use fp16 or fp32")
         return name
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "bf16" if cpu_has_fast_bf16() else "fp32"
+        if torch.cuda.is_bf16_supported() and not forced("gpu_bf16"):
+            return "bf16"
+        why = f"{FORCE_ENV} asks for the reference" if forced("gpu_bf16") else "this GPU has no bf16"
+        note_fallback("gpu_bf16", "bf16", why, "fp16 with loss scaling")
+        return "fp16"
+    if cpu_has_fast_bf16() and not forced("cpu_bf16"):
+        return "bf16"
+    why = f"{FORCE_ENV} asks for the reference" if forced("cpu_bf16") else "this CPU has no AMX or AVX512-BF16"
+    note_fallback("cpu_bf16", "fast bf16 autocast", why, "fp32")
+    return "fp32"
 
 
 def set_threads(n: int) -> None:

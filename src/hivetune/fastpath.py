@@ -1,0 +1,123 @@
+"""Fast paths chosen by what this machine can do (never by vendor name), each with its reference
+fallback and one log line when it falls back.
+
+    fast path                    chosen when                                   reference (fallback)
+    flash varlen attention       varlen_attn runs forward + backward on a      SDPA over a padded view
+      (ops.attention)              tiny packed input on this device and dtype    (ops.attention)
+                                   and matches the float32 result
+    fused AdamW (train)          torch builds a fused AdamW for the params     foreach AdamW
+    bf16 autocast on the CPU     the CPU has AMX or AVX512-BF16                fp32
+      (device.resolve_precision)
+    bf16 on a GPU                torch.cuda.is_bf16_supported()                fp16 with loss scaling
+    CUDA graphs (ops.graphs)     ops.graphs.graphs_unsupported is None         eager steps (its own line)
+    fused LM-head CE             config fused_loss (plain PyTorch, any device) ops.loss.target_loss_sum
+
+A fallback on a device where the fast path is expected (a GPU for varlen and fused AdamW; a CPU
+asked for auto precision) prints ``hivetune: note: <what> unavailable (<why>); using <reference>``
+once per process. ``HIVETUNE_REFERENCE=varlen,fused_adamw,cpu_bf16,gpu_bf16`` (or ``all``)
+forces the reference paths, for tests and A/B runs; the fast and reference paths are compared in
+tests/test_robust_fallbacks.py (CPU) and tests/gpu/test_fallbacks.py (CUDA).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+FORCE_ENV = "HIVETUNE_REFERENCE"
+PATHS = ("varlen", "fused_adamw", "cpu_bf16", "gpu_bf16")
+NOTED: dict[str, str] = {}  # fast path -> the line printed when it fell back (tests read it)
+_VARLEN_OK: dict[tuple[str, torch.dtype], str] = {}  # (device, dtype) -> "" when it works, else why not
+
+
+def forced(name: str) -> bool:
+    """Whether HIVETUNE_REFERENCE asks for the reference path instead of `name`."""
+    wanted = {w.strip() for w in os.environ.get(FORCE_ENV, "").split(",")}
+    return name in wanted or "all" in wanted
+
+
+def note_fallback(name: str, what: str, reason: str, reference: str) -> None:
+    """One line on stderr, the first time `name` falls back in this process."""
+    if name in NOTED:
+        return
+    NOTED[name] = f"hivetune: note: {what} unavailable ({reason}); using {reference}"
+    print(NOTED[name], file=sys.stderr)
+
+
+# ---- flash varlen attention ------------------------------------------------------------------
+
+def varlen_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Flash varlen attention for packed rows: tried once per device and dtype (forward, backward,
+    against float32 per-example attention); a failure falls back to the SDPA reference."""
+    if forced("varlen"):
+        if device.type == "cuda":
+            note_fallback("varlen", "flash varlen attention", f"{FORCE_ENV} asks for the reference", "SDPA")
+        return False
+    key = (str(device), dtype)
+    if key not in _VARLEN_OK:
+        _VARLEN_OK[key] = probe_varlen(device, dtype)
+        if _VARLEN_OK[key] and device.type == "cuda":
+            note_fallback("varlen", "flash varlen attention", _VARLEN_OK[key], "SDPA over a padded view")
+    return not _VARLEN_OK[key]
+
+
+def probe_varlen(device: torch.device, dtype: torch.dtype) -> str:
+    """'' when varlen attention runs here and agrees with the reference; else why not."""
+    from hivetune.ops.attention import Packed, _varlen_fn, varlen_causal
+
+    if _varlen_fn()[0] is None:
+        return "torch.nn.attention.varlen.varlen_attn is not in this torch"
+    gen = torch.Generator().manual_seed(0)
+    lengths = (5, 11)
+    q, k, v = (torch.randn(1, sum(lengths), h, 64, generator=gen) for h in (4, 2, 2))
+    layout = Packed(torch.tensor([0, 5, 16], dtype=torch.int32, device=device), max(lengths), lengths)
+    try:
+        with torch.enable_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qd, kd, vd = (t.to(device, dtype).requires_grad_() for t in (q, k, v))
+            out = varlen_causal(qd, kd, vd, layout)
+            out.float().square().sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    except Exception as e:  # no kernel for this GPU / dtype / build: the reference path works everywhere
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"{type(e).__name__}: {text}"[:200]
+    ref = _per_example_attention(q, k, v, lengths)
+    err = ((out.detach().float().cpu() - ref).abs().max() / ref.abs().max()).item()
+    if not err <= 3e-2:  # bf16 / fp16 rounding is ~1e-2 at most here
+        return f"wrong result on a tiny input (relative error {err:.3g})"
+    if not all(torch.isfinite(t.grad).all() for t in (qd, kd, vd)):
+        return "non-finite gradients on a tiny input"
+    return ""
+
+
+def _per_example_attention(q, k, v, lengths) -> torch.Tensor:
+    """float32 causal attention of each example alone: q [1, T, H, D], k / v [1, T, KVH, D]."""
+    groups = q.shape[2] // k.shape[2]
+    outs, start = [], 0
+    for n in lengths:
+        qs, ks, vs = (t[0, start:start + n].transpose(0, 1) for t in (q, k, v))  # [H, n, D]
+        ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+        start += n
+    return torch.cat(outs)[None]
+
+
+# ---- fused AdamW -----------------------------------------------------------------------------
+
+def adamw(params, lr: float, weight_decay: float, fused: bool) -> torch.optim.AdamW:
+    """AdamW, fused (one kernel for all parameters) when asked for and torch builds it for these
+    parameters' device and dtype; else torch's default (foreach) implementation, with one line."""
+    params = list(params)
+    if fused and forced("fused_adamw"):
+        note_fallback("fused_adamw", "fused AdamW", f"{FORCE_ENV} asks for the reference", "foreach AdamW")
+    elif fused:
+        try:
+            return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+        except (RuntimeError, ValueError, TypeError) as e:  # unsupported device / dtype / old torch
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            note_fallback("fused_adamw", "fused AdamW", text[:160], "foreach AdamW")
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)

@@ -1,0 +1,160 @@
+"""Fast paths chosen by capability with a logged fallback (hivetune.fastpath), forced and compared on
+the CPU: the varlen-attention probe (working, raising, wrong), fused vs foreach AdamW, and fp32 in
+place of CPU bf16 autocast. The CUDA side is tests/gpu/test_fallbacks.py. About 5 s."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hivetune.ops.attention as attention
+from hivetune import device as device_module
+from hivetune import fastpath
+from hivetune.device import resolve_precision
+from hivetune.fastpath import FORCE_ENV, adamw, probe_varlen, varlen_usable
+from hivetune.train import fit, setup
+from test_train import tiny_config
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    """Each test starts with no fallback noted and no probe cached."""
+    monkeypatch.setattr(fastpath, "NOTED", {})
+    monkeypatch.setattr(fastpath, "_VARLEN_OK", {})
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+
+
+def fake_varlen(wrong: bool = False):
+    """A CPU stand-in for torch's varlen_attn: causal attention per cu_seqlens segment."""
+    def run(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        groups = q.shape[1] // k.shape[1]
+        bounds = cu_q.tolist()
+        outs = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            qs, ks, vs = (t[a:b].transpose(0, 1).float() for t in (q, k, v))
+            ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
+            outs.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+        out = torch.cat(outs).to(q.dtype)
+        return out * 1.5 if wrong else out
+    return run
+
+
+def test_varlen_probe_on_this_cpu_names_why_it_is_off(capsys):
+    reason = probe_varlen(CPU, torch.bfloat16)
+    assert reason.startswith("NotImplementedError: Could not run 'aten::_flash_attention_forward'")
+    assert varlen_usable(CPU, torch.bfloat16) is False
+    assert capsys.readouterr().err == ""  # the CPU's designed path is the reference: nothing to note
+    q = torch.zeros(1, 4, 2, 8)
+    assert attention.varlen_supported(q) is False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_probe_accepts_a_working_kernel_and_refuses_a_wrong_one(dtype, monkeypatch):
+    monkeypatch.setattr(attention, "_varlen_fn", lambda: (fake_varlen(), False, True))
+    assert probe_varlen(CPU, dtype) == ""
+    monkeypatch.setattr(attention, "_varlen_fn", lambda: (fake_varlen(wrong=True), False, True))
+    assert probe_varlen(CPU, dtype) in ("wrong result on a tiny input (relative error 0.5)",
+                                        "wrong result on a tiny input (relative error 0.504)")  # bf16 rounding
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore text")
+
+    monkeypatch.setattr(attention, "_varlen_fn", lambda: (broken, False, True))
+    assert probe_varlen(CPU, dtype) == "RuntimeError: FlashAttention only supports Ampere GPUs or newer."
+    monkeypatch.setattr(attention, "_varlen_fn", lambda: (None, False, False))
+    assert probe_varlen(CPU, dtype) == "torch.nn.attention.varlen.varlen_attn is not in this torch"
+
+
+def test_varlen_fallback_on_a_gpu_is_one_line_once(monkeypatch, capsys):
+    """Faked: the probe fails on 'cuda' -> one note line, cached, however often attention asks."""
+    monkeypatch.setattr(fastpath, "probe_varlen", lambda device, dtype: "RuntimeError: no kernel image")
+    gpu = torch.device("cuda", 0)
+    assert [varlen_usable(gpu, torch.bfloat16) for _ in range(3)] == [False] * 3
+    assert capsys.readouterr().err.splitlines() == [
+        "hivetune: note: flash varlen attention unavailable (RuntimeError: no kernel image); using SDPA over a "
+        "padded view"]
+    monkeypatch.setattr(fastpath, "NOTED", {})
+    monkeypatch.setenv(FORCE_ENV, "varlen")
+    assert varlen_usable(gpu, torch.float16) is False
+    assert capsys.readouterr().err.splitlines() == [
+        "hivetune: note: flash varlen attention unavailable (HIVETUNE_REFERENCE asks for the reference); using SDPA"]
+
+
+def adam_steps(optimizer, params, steps=4):
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        optimizer.step()
+    return [p.detach().clone() for p in params]
+
+
+def make_params():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(16, 8, generator=gen)), torch.nn.Parameter(torch.randn(8, generator=gen))]
+
+
+def test_fused_adamw_matches_foreach_and_falls_back_with_one_line(monkeypatch, capsys):
+    fast_params, ref_params = make_params(), make_params()
+    fast = adamw(fast_params, 1e-2, 0.01, fused=True)  # torch fuses AdamW on the CPU too
+    ref = adamw(ref_params, 1e-2, 0.01, fused=False)
+    assert fast.defaults["fused"] is True and not ref.defaults["fused"]
+    for a, b in zip(adam_steps(fast, fast_params), adam_steps(ref, ref_params)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert capsys.readouterr().err == ""
+
+    real = torch.optim.AdamW
+
+    def no_fused(params, **kw):
+        if kw.get("fused"):
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported "
+                               "devices: ['cuda', 'xpu']")
+        return real(params, **kw)
+
+    monkeypatch.setattr(torch.optim, "AdamW", no_fused)
+    params = make_params()
+    fallback = adamw(params, 1e-2, 0.01, fused=True)
+    assert not fallback.defaults["fused"]
+    plain_params = make_params()
+    plain = real(plain_params, lr=1e-2, weight_decay=0.01)
+    for a, b in zip(adam_steps(fallback, params), adam_steps(plain, plain_params)):
+        assert torch.equal(a, b)
+    assert capsys.readouterr().err.splitlines() == [
+        "hivetune: note: fused AdamW unavailable (`fused=True` requires all the params to be floating point Tensors "
+        "of supported devices: ['cuda', 'xpu']); using foreach AdamW"]
+    monkeypatch.setattr(torch.optim, "AdamW", real)
+    monkeypatch.setattr(fastpath, "NOTED", {})
+    monkeypatch.setenv(FORCE_ENV, "fused_adamw")
+    assert not adamw(make_params(), 1e-2, 0.0, fused=True).defaults["fused"]
+    assert "HIVETUNE_REFERENCE asks for the reference" in capsys.readouterr().err
+
+
+def test_cpu_without_fast_bf16_trains_in_fp32_with_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(device_module, "cpu_has_fast_bf16", lambda: False)
+    assert [resolve_precision("auto", CPU) for _ in range(2)] == ["fp32", "fp32"]
+    assert capsys.readouterr().err.splitlines() == [
+        "hivetune: note: fast bf16 autocast unavailable (this CPU has no AMX or AVX512-BF16); using fp32"]
+    assert resolve_precision("bf16", CPU) == "bf16"  # asked for explicitly: no fallback
+    monkeypatch.setattr(device_module, "cpu_has_fast_bf16", lambda: True)
+    assert resolve_precision("auto", CPU) == "bf16"
+    monkeypatch.setenv(FORCE_ENV, "all")
+    assert resolve_precision("auto", CPU) == "fp32"
+
+
+def test_cpu_bf16_autocast_tracks_its_fp32_fallback(tiny_model_dir, alpaca_file, tmp_path, monkeypatch):
+    """The same 4 steps with bf16 autocast (the fast path, forced on) and with the fp32 fallback."""
+    losses = {}
+    for name, force in (("bf16", False), ("fp32", True)):
+        monkeypatch.setattr(device_module, "cpu_has_fast_bf16", lambda: True)
+        if force:
+            monkeypatch.setenv(FORCE_ENV, "cpu_bf16")
+        run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / name, precision="auto", max_steps=4))
+        assert run.precision == name
+        fit(run, progress=False)
+        losses[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=2e-2)
+    assert losses["bf16"] != losses["fp32"]  # really two paths
