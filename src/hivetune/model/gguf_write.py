@@ -1,0 +1,335 @@
+"""Write a decoder (and a LoRA adapter) as GGUF files that llama.cpp, Ollama and transformers read.
+
+The layout is the inverse of ``hivetune.model.load``'s reader: llama.cpp tensor names
+(``blk.N.attn_q.weight`` ...), q/k rows permuted for llama.cpp's interleaved RoPE in the llama
+family (Qwen uses NEOX RoPE and stays in HF order), norms and biases in f32, hyperparameters
+under ``<arch>.*`` and the tokenizer (gpt2 BPE) plus chat template under ``tokenizer.*``.
+
+Tensors are streamed: all tensor infos first, then one tensor at a time is computed (LoRA merged
+in fp32), converted and written, so memory holds the model once, not twice.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from hivetune.errors import UserError
+from hivetune.model.config import ModelArgs
+from hivetune.model.decoder import CausalLM, rope_inv_freq
+from hivetune.model.load import GGUF_LAYER_NAMES, GGUF_TOP_NAMES, permute_rope_rows
+
+# Our model_type -> llama.cpp architecture. llama.cpp's converter writes Mistral as "llama".
+GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
+HF_TO_GGUF_LAYER = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}
+HF_TO_GGUF_TOP = {hf: g for g, hf in GGUF_TOP_NAMES.items()}
+
+# gguf.TokenType values (llama.cpp's llama_token_type)
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+
+
+def gguf_arch(args: ModelArgs, source: str) -> str:
+    arch = GGUF_ARCHS.get(args.model_type)
+    if arch is None:
+        raise UserError(f"{source}: GGUF export supports {', '.join(GGUF_ARCHS)} models, not {args.model_type!r}")
+    return arch
+
+
+def hf_to_gguf_name(name: str) -> str:
+    """model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight"""
+    if name in HF_TO_GGUF_TOP:
+        return HF_TO_GGUF_TOP[name]
+    parts = name.split(".")  # model, layers, N, <module...>, weight|bias
+    module = ".".join(parts[3:-1])
+    return f"blk.{parts[2]}.{HF_TO_GGUF_LAYER[module]}.{parts[-1]}"
+
+
+def qtype_for(dtype: str, shape: tuple[int, ...]):
+    """The ggml type of one tensor: 1-D tensors (norms, biases) stay f32 as llama.cpp's
+    converter keeps them; q8_0 needs rows that are a multiple of its 32-value block, else f16."""
+    from gguf import GGMLQuantizationType as Q
+
+    if len(shape) == 1 or dtype == "f32":
+        return Q.F32
+    if dtype == "q8_0" and shape[-1] % 32 != 0:
+        return Q.F16
+    return {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[dtype]
+
+
+def file_type(dtype: str):
+    from gguf import LlamaFileType as F
+
+    return {"f32": F.ALL_F32, "f16": F.MOSTLY_F16, "bf16": F.MOSTLY_BF16, "q8_0": F.MOSTLY_Q8_0}[dtype]
+
+
+def tensor_nbytes(shape: tuple[int, ...], qtype) -> int:
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    return int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block) * size
+
+
+def estimate_gguf_bytes(args: ModelArgs, dtype: str) -> int:
+    """Bytes of the tensor data of a model GGUF in `dtype` (metadata not counted)."""
+    with torch.device("meta"):
+        model = CausalLM(args)
+    total = 0
+    for name, p in model.named_parameters():  # tied lm_head is one parameter: counted once
+        shape = tuple(p.shape)
+        total += tensor_nbytes(shape, qtype_for(dtype, shape))
+    return total
+
+
+@dataclass
+class PlannedTensor:
+    name: str  # GGUF name
+    shape: tuple[int, ...]  # numpy (row-major, PyTorch) shape
+    qtype: object  # gguf.GGMLQuantizationType
+    produce: Callable[[], np.ndarray]  # fp32 array in `shape`, computed when written
+
+
+def permute_for_llamacpp(args: ModelArgs, hf_name: str, t: torch.Tensor) -> torch.Tensor:
+    """The inverse of the loader's unpermute: HF rotate-half rows -> llama.cpp interleaved rows."""
+    if GGUF_ARCHS[args.model_type] != "llama":
+        return t
+    if ".self_attn.q_proj." in hf_name:
+        return permute_rope_rows(t, args.num_attention_heads)
+    if ".self_attn.k_proj." in hf_name:
+        return permute_rope_rows(t, args.num_key_value_heads)
+    return t
+
+
+def model_tensors(model: CausalLM) -> Iterator[tuple[str, Callable[[], torch.Tensor], tuple[int, ...]]]:
+    """(HF name, fp32 producer, shape) of every weight, LoRA merged in (W + scale * B A)."""
+    from hivetune.model.lora import LoRALinear
+
+    args = model.args
+    seen = set()
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            seen.add(f"{name}.base_layer.weight")
+            yield f"{name}.weight", (lambda m=module: m.merged_weight()), tuple(module.base_layer.weight.shape)
+            if module.base_layer.bias is not None:
+                seen.add(f"{name}.base_layer.bias")
+                yield f"{name}.bias", (lambda m=module: m.base_layer.bias.float()), tuple(module.base_layer.bias.shape)
+    for name, p in model.named_parameters():
+        if name in seen or ".lora_A." in name or ".lora_B." in name:
+            continue
+        if name == "lm_head.weight" and args.tie_word_embeddings:
+            continue
+        yield name, (lambda p=p: p.detach().float()), tuple(p.shape)
+
+
+def plan_model_tensors(model: CausalLM, dtype: str) -> list[PlannedTensor]:
+    args = model.args
+    plan = []
+    for hf_name, produce, shape in model_tensors(model):
+        def to_numpy(hf_name=hf_name, produce=produce):
+            with torch.no_grad():
+                return permute_for_llamacpp(args, hf_name, produce()).contiguous().numpy()
+        plan.append(PlannedTensor(hf_to_gguf_name(hf_name), shape, qtype_for(dtype, shape), to_numpy))
+    plan.sort(key=lambda t: _tensor_order(t.name))
+    if args.model_type in ("llama", "mistral") and (args.rope_scaling or args.rope_freq_factors):
+        # Llama 3 long-context scaling travels as rope_freqs = plain inv_freq / scaled inv_freq.
+        factors = (rope_inv_freq(args.replace(rope_scaling=None, rope_freq_factors=None))
+                   / rope_inv_freq(args)).numpy().astype(np.float32)
+        from gguf import GGMLQuantizationType as Q
+        plan.insert(0, PlannedTensor("rope_freqs.weight", factors.shape, Q.F32, lambda f=factors: f))
+    return plan
+
+
+def _tensor_order(name: str):
+    if name.startswith("blk."):
+        return (1, int(name.split(".")[1]), name)
+    return (0 if name == "token_embd.weight" else 2, 0, name)
+
+
+def encode_tensor(array: np.ndarray, qtype) -> np.ndarray:
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if qtype == Q.F32:
+        return array
+    if qtype == Q.F16:
+        return array.astype(np.float16)
+    return quantize(array, qtype)  # uint8 blocks (bf16, q8_0)
+
+
+def write_tensors(writer, plan: list[PlannedTensor]) -> None:
+    """Declare every tensor, write header / metadata / tensor infos, then stream the data."""
+    from gguf import GGMLQuantizationType as Q
+
+    for t in plan:
+        nbytes = tensor_nbytes(t.shape, t.qtype)
+        if t.qtype in (Q.F32, Q.F16):
+            writer.add_tensor_info(t.name, t.shape, np.float32 if t.qtype == Q.F32 else np.float16, nbytes)
+        else:
+            writer.add_tensor_info(t.name, t.shape, np.float32, nbytes, raw_dtype=t.qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in plan:
+        data = encode_tensor(t.produce(), t.qtype)
+        if tuple(data.shape[:-1]) != t.shape[:-1]:
+            raise AssertionError(f"{t.name}: produced {data.shape}, planned {t.shape}")
+        writer.write_tensor_data(data)
+    writer.close()
+
+
+def add_hparams(writer, args: ModelArgs, name: str) -> None:
+    writer.add_name(name)
+    writer.add_type("model")
+    writer.add_vocab_size(args.vocab_size)
+    writer.add_context_length(args.max_position_embeddings)
+    writer.add_embedding_length(args.hidden_size)
+    writer.add_block_count(args.num_hidden_layers)
+    writer.add_feed_forward_length(args.intermediate_size)
+    writer.add_head_count(args.num_attention_heads)
+    writer.add_head_count_kv(args.num_key_value_heads)
+    writer.add_key_length(args.head_dim)
+    writer.add_value_length(args.head_dim)
+    writer.add_rope_dimension_count(args.head_dim)
+    writer.add_rope_freq_base(args.rope_theta)
+    writer.add_layer_norm_rms_eps(args.rms_norm_eps)
+
+
+# ------------------------------------------------------------------------------ tokenizer
+
+
+def copy_gguf_tokenizer(writer, source: Path) -> None:
+    """Every tokenizer.* key of a source GGUF, as is (vocab, merges, types, ids, template)."""
+    from gguf import GGUFValueType
+
+    from hivetune.model.load import open_gguf
+
+    reader = open_gguf(source)
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub)
+
+
+def pre_tokenizer_name(args: ModelArgs, spec: dict) -> str:
+    """llama.cpp's name for the pre-tokenizer regex (tokenizer.ggml.pre) of common families."""
+    if args.model_type in ("qwen2", "qwen3"):
+        return "qwen2"
+    pre = json.dumps(spec.get("pre_tokenizer"))
+    if '"individual_digits": true' in pre:
+        return "smollm"  # digits split one by one, then byte-level: SmolLM / SmolLM2
+    if args.vocab_size >= 128000:
+        return "llama-bpe"  # Llama 3
+    return "gpt2"
+
+
+def add_hf_tokenizer(writer, tokenizer, args: ModelArgs, source: str) -> None:
+    """tokenizer.* keys from a transformers fast tokenizer (byte-level BPE only)."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(spec.get("pre_tokenizer")):
+        raise UserError(f"{source}: GGUF export writes byte-level BPE (gpt2) tokenizers only; "
+                        f"this one is {model.get('type')!r} without a ByteLevel pre-tokenizer")
+    vocab = tokenizer.get_vocab()
+    by_id = {i: t for t, i in vocab.items()}
+    added = tokenizer.added_tokens_decoder  # id -> AddedToken
+    tokens, types = [], []
+    for i in range(args.vocab_size):
+        if i in by_id:
+            tokens.append(by_id[i])
+            if i in added:
+                types.append(TOKEN_CONTROL if added[i].special else TOKEN_USER_DEFINED)
+            else:
+                types.append(TOKEN_NORMAL)
+        else:  # embedding rows past the tokenizer (padded vocab), as llama.cpp's converter names them
+            tokens.append(f"[PAD{i}]")
+            types.append(TOKEN_UNUSED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre_tokenizer_name(args, spec))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    ids = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id,
+           "pad": tokenizer.pad_token_id, "unk": tokenizer.unk_token_id}
+    if ids["eos"] is None and args.eos_token_id is not None:
+        e = args.eos_token_id
+        ids["eos"] = e[0] if isinstance(e, list) else e
+    if ids["bos"] is not None:
+        writer.add_bos_token_id(ids["bos"])
+    if ids["eos"] is not None:
+        writer.add_eos_token_id(ids["eos"])
+    if ids["pad"] is not None:
+        writer.add_pad_token_id(ids["pad"])
+    if ids["unk"] is not None:
+        writer.add_unk_token_id(ids["unk"])
+    probe = tokenizer("a", add_special_tokens=True)["input_ids"]
+    writer.add_add_bos_token(bool(ids["bos"] is not None and probe and probe[0] == ids["bos"]))
+    writer.add_add_eos_token(bool(ids["eos"] is not None and probe and probe[-1] == ids["eos"]))
+    if getattr(tokenizer, "chat_template", None):
+        writer.add_chat_template(tokenizer.chat_template)
+
+
+# ------------------------------------------------------------------------------ files
+
+
+def write_model_gguf(path: Path, model: CausalLM, dtype: str, name: str, tokenizer, source_model: Path) -> None:
+    """The whole model (LoRA merged) as one GGUF file in `dtype`."""
+    import gguf
+
+    from hivetune.model.load import is_gguf
+
+    args = model.args
+    writer = gguf.GGUFWriter(str(path), gguf_arch(args, str(source_model)))
+    add_hparams(writer, args, name)
+    writer.add_file_type(file_type(dtype))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if is_gguf(source_model):
+        copy_gguf_tokenizer(writer, source_model)
+    else:
+        add_hf_tokenizer(writer, tokenizer, args, str(source_model))
+    write_tensors(writer, plan_model_tensors(model, dtype))
+
+
+def write_lora_gguf(path: Path, model: CausalLM, name: str, source: str) -> int:
+    """The LoRA update alone, for ``llama-server --lora``: per target ``<tensor>.lora_a`` [r, in]
+    and ``.lora_b`` [out, r]. llama.cpp scales by alpha / r, so rsLoRA's alpha / sqrt(r) is
+    written as alpha * sqrt(r). B's rows get the q/k permutation (P W = P B A). Returns the count."""
+    import math
+
+    import gguf
+
+    from hivetune.model.lora import lora_modules
+
+    args = model.args
+    modules = lora_modules(model)
+    if not modules:
+        raise UserError(f"{source}: the model has no LoRA modules to write")
+    first = modules[0][1]
+    r = first.lora_A.out_features
+    if any(m.lora_A.out_features != r or not math.isclose(m.scaling, first.scaling) for _, m in modules):
+        raise UserError(f"{source}: LoRA modules differ in rank or scale; a GGUF adapter holds one alpha")
+    writer = gguf.GGUFWriter(str(path), gguf_arch(args, source))
+    writer.add_name(name)
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(first.scaling * r))
+    plan = []
+    for mod_name, m in modules:
+        base = hf_to_gguf_name(f"{mod_name}.weight")
+        a, b = m.lora_A.weight, m.lora_B.weight
+        plan.append(PlannedTensor(f"{base}.lora_a", tuple(a.shape), gguf.GGMLQuantizationType.F32,
+                                  lambda a=a: a.detach().float().numpy()))
+        plan.append(PlannedTensor(
+            f"{base}.lora_b", tuple(b.shape), gguf.GGMLQuantizationType.F32,
+            lambda b=b, n=mod_name: permute_for_llamacpp(args, n + ".weight", b.detach().float()).contiguous().numpy()))
+    plan.sort(key=lambda t: _tensor_order(t.name))
+    write_tensors(writer, plan)
+    return len(modules)
