@@ -69,7 +69,7 @@ def predict(p: dict) -> dict:
     from hivetune.plan.planner import bucketed
 
     args = qwen25_shape(*SHAPES[p["model"]])
-    tokens = bucketed(p["batch_size"] * p["length"], p["cuda_graphs"])
+    tokens = bucketed(p["batch_size"] * p["length"], p["cuda_graphs"], args)
     targets = p["batch_size"] * (p["length"] - p["length"] // 4)  # every response token is a target
     if p["cuda_graphs"]:
         targets = tokens  # the graphed loss runs a bucket of rows, the pad rows ignored

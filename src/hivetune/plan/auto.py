@@ -89,7 +89,7 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
     for ckpt in (False, True):
         mc = _memory_config(cfg, precision, ckpt)
         for b in _divisors_desc(effective):
-            tokens = bucketed(b * cfg.max_length, uses_graphs(cfg, precision, ckpt))
+            tokens = bucketed(b * cfg.max_length, uses_graphs(cfg, precision, ckpt), args)
             peak = breakdown(args, mc, tokens).total
             if peak <= budget:
                 new = _with(cfg, batch_size=b, grad_accum=effective // b, gradient_checkpointing=ckpt)

@@ -73,15 +73,20 @@ def uses_graphs(cfg: TrainConfig, precision: str, checkpointing: bool) -> bool:
     return bool(getattr(cfg, "cuda_graphs", False)) and precision == "bf16" and cfg.packing and not checkpointing
 
 
-def bucketed(tokens: int, graphs: bool) -> int:
-    """CUDA graphs pad each micro-batch to a token bucket (hivetune.ops.graphs)."""
+def bucketed(tokens: int, graphs: bool, args: ModelArgs | None = None) -> int:
+    """CUDA graphs pad each micro-batch to a token bucket (hivetune.ops.graphs); they switch
+    themselves off for compute-bound micro-batches (MAX_TFLOP_PER_MICRO_BATCH, where the tree
+    has it), which then run eagerly at their own size."""
     if not graphs:
         return tokens
     try:
-        from hivetune.ops.graphs import bucket_tokens
+        from hivetune.ops import graphs as ops_graphs
     except ImportError:
         return tokens
-    return bucket_tokens(tokens)
+    cap = getattr(ops_graphs, "MAX_TFLOP_PER_MICRO_BATCH", None)
+    if cap is not None and args is not None and 4 * args.linear_weight_count * tokens / 1e12 > cap:
+        return tokens
+    return ops_graphs.bucket_tokens(tokens)
 
 
 def data_lengths(cfg: TrainConfig, model_path: Path) -> tuple[list[int], list[int]]:
@@ -167,7 +172,8 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     ckpt = cfg.gradient_checkpointing
     graphs = uses_graphs(cfg, precision, ckpt)
     mc = _memory_config(cfg, precision, ckpt)
-    tokens = bucketed(worst, graphs)
+    tokens = bucketed(worst, graphs, args)
+    graphs = graphs and tokens != worst
     b = breakdown(args, mc, tokens, max(1, int(tokens * target_fraction)))
     other = breakdown(args, _memory_config(cfg, precision, not ckpt), tokens, max(1, int(tokens * target_fraction)))
     act = {("checkpointing on" if ckpt else "checkpointing off"): b.parts["activations"] / GIB,
