@@ -158,3 +158,24 @@ def test_cpu_bf16_autocast_tracks_its_fp32_fallback(tiny_model_dir, alpaca_file,
         losses[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     assert losses["bf16"] == pytest.approx(losses["fp32"], rel=2e-2)
     assert losses["bf16"] != losses["fp32"]  # really two paths
+
+
+def test_the_varlen_probe_runs_clean_inside_a_checkpointed_forward(monkeypatch):
+    """attention asks first from inside a forward: under autocast, no_grad or a checkpointed
+    layer's saved-tensor hooks, where a backward fails; the probe runs in its own thread."""
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setattr(attention, "_varlen_fn", lambda: (fake_varlen(), False, True))
+    seen = []
+
+    def layer(x):
+        seen.append(varlen_usable(torch.device("cuda", 0), torch.bfloat16))  # faked GPU: the probe runs on the CPU
+        return x * 2
+
+    monkeypatch.setattr(fastpath, "probe_varlen", lambda device, dtype: probe_varlen(CPU, dtype))
+    x = torch.ones(3, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert seen[0] is True and fastpath.NOTED == {}
+    with torch.no_grad():
+        assert fastpath.isolated(probe_varlen, CPU, torch.float32) == ""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import warnings
 
 import torch
@@ -58,10 +59,28 @@ def varlen_usable(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     key = (str(device), dtype)
     if key not in _VARLEN_OK:
-        _VARLEN_OK[key] = probe_varlen(device, dtype)
+        _VARLEN_OK[key] = isolated(probe_varlen, device, dtype)
         if _VARLEN_OK[key] and device.type == "cuda":
             note_fallback("varlen", "flash varlen attention", _VARLEN_OK[key], "SDPA over a padded view")
     return not _VARLEN_OK[key]
+
+
+def isolated(probe, *args) -> str:
+    """Run a probe in a fresh thread. It is first called from inside a model's forward, which may
+    be under autocast, no_grad or a checkpointed layer's saved-tensor hooks (a backward there
+    fails); all three are thread-local, so a new thread starts clean."""
+    result = []
+
+    def run():
+        try:
+            result.append(probe(*args))
+        except BaseException as e:  # the probe catches what it expects; anything else is a no
+            result.append(f"{type(e).__name__}: {e}"[:200])
+
+    thread = threading.Thread(target=run, name="hivetune-probe")
+    thread.start()
+    thread.join()
+    return result[0]
 
 
 def probe_varlen(device: torch.device, dtype: torch.dtype) -> str:
