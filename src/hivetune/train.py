@@ -29,6 +29,7 @@ from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset, plan_steps
 from hivetune.device import DTYPES, peak_memory_bytes, resolve_device, resolve_precision, set_threads
 from hivetune.doctor.preflight import check_stack
+from hivetune.fastpath import adamw
 from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.errors import UserError
 from hivetune.fileio import atomic_write_bytes, check_writable, hold_run_lock
@@ -166,8 +167,7 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     per_step = cfg.batch_size * cfg.grad_accum
     steps = plan_steps(len(data), per_step, cfg.epochs, cfg.max_steps, cfg.seed)
     params = lora_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  fused=device.type == "cuda")
+    optimizer = adamw(params, cfg.lr, cfg.weight_decay, fused=device.type == "cuda")
     warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, round(0.03 * len(steps)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.schedule, warmup, len(steps), cfg.min_lr_ratio))
