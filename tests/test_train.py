@@ -82,7 +82,9 @@ def test_train_writes_run_folder(tiny_model_dir, alpaca_file, tmp_path):
     assert sorted(p.name for p in (out / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001", "step-000002"]  # and the end
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 2]  # the last: validation loss on val_data at the end
+    assert set(rows[2]) == {"step", "val_loss", "val_tokens", "best_val_loss"}
+    assert result.best_val_loss == pytest.approx(rows[2]["val_loss"], abs=1e-6)
     assert set(rows[0]) >= {"step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s",
                             "peak_memory_bytes"}
     assert rows[1]["epoch"] == round(8 / 24, 4)

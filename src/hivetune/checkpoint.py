@@ -89,9 +89,10 @@ def _pause() -> None:
         time.sleep(seconds)
 
 
-def save_checkpoint(run, step: int, counters: dict) -> Path:
+def save_checkpoint(run, step: int, counters: dict, gathered: tuple | None = None) -> Path:
     """Write checkpoints/step-NNNNNN/ atomically (see the module docstring); keep the last
     cfg.keep_checkpoints. `counters`: loop totals to restore with the step (skipped steps...).
+    `gathered`: (LoRA tensors, optimizer state dict) already collected from every rank (FSDP).
 
     A full or read-only disk (ENOSPC, EDQUOT, EROFS, EACCES) stops with a one-line UserError: the
     temp folder is removed, so no half-written checkpoint stays, and the earlier ones are untouched."""
@@ -100,7 +101,7 @@ def save_checkpoint(run, step: int, counters: dict) -> Path:
     final = root / name
     tmp = root / f".{name}.tmp-{os.getpid()}"
     try:
-        _write_checkpoint(run, step, counters, root, tmp)
+        _write_checkpoint(run, step, counters, root, tmp, gathered)
         if final.exists():  # a bad checkpoint of this step from before a crash: move it out of the way
             _discard(final)
         os.rename(tmp, final)
@@ -120,17 +121,18 @@ def save_checkpoint(run, step: int, counters: dict) -> Path:
     return final
 
 
-def _write_checkpoint(run, step: int, counters: dict, root: Path, tmp: Path) -> None:
+def _write_checkpoint(run, step: int, counters: dict, root: Path, tmp: Path, gathered: tuple | None = None) -> None:
     """Everything into `tmp`, each file fsynced, the manifest last."""
+    tensors, optimizer_state = gathered or (None, run.optimizer.state_dict())
     root.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_adapter(run.model, run.spec, tmp, str(run.model_path))  # each file fsynced
+    save_adapter(run.model, run.spec, tmp, str(run.model_path), tensors=tensors)  # each file fsynced
     _pause()
     state = {
         "format": FORMAT, "step": step, "plan_length": len(run.steps), "plan_sha256": plan_hash(run.steps),
         "examples": len(run.data), "config_sha256": config_hash(run.folder),
-        "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
+        "optimizer": optimizer_state, "scheduler": run.scheduler.state_dict(),
         "scaler": run.scaler.state_dict() if run.scaler is not None else {},
         "rng": capture_rng(), "counters": dict(counters),
     }
@@ -224,6 +226,11 @@ def load_checkpoint(run, folder: Path) -> dict:
         raise UserError(f"{where}: checkpoint format {state.get('format')!r}; this hivetune reads {FORMAT}")
     if state["config_sha256"] != config_hash(run.folder):
         raise UserError(f"{where}: written for a different config.yaml than {run.folder / 'config.yaml'}")
+    world, now = state["counters"].get("world", 1), getattr(getattr(run, "parallel", None), "world", 1)
+    if world != now and state["plan_sha256"] != plan_hash(run.steps):
+        raise UserError(f"{where}: written by {world} processes (global batch {world} x batch_size x grad_accum); "
+                        f"this run has {now}: resume with --nproc-per-node {world}, or change grad_accum in a "
+                        f"new run")
     if state["plan_length"] != len(run.steps) or state["plan_sha256"] != plan_hash(run.steps):
         raise UserError(f"{where}: written for a plan of {state['plan_length']} steps over {state['examples']} "
                         f"examples; the config now plans {len(run.steps)} steps over {len(run.data)} examples "
@@ -236,8 +243,18 @@ def load_checkpoint(run, folder: Path) -> dict:
                 t = tensors.get(f"base_model.model.{name}.{part}.weight")
                 if t is None or t.shape != p.shape:
                     raise UserError(f"{folder / ADAPTER_WEIGHTS}: no tensor of shape {tuple(p.shape)} for {name}.{part}")
+                if hasattr(p, "device_mesh"):  # an FSDP2 shard: keep this rank's part
+                    from torch.distributed.tensor import distribute_tensor
+
+                    t = distribute_tensor(t.to(p.device), p.device_mesh, p.placements)
                 p.copy_(t)
-    run.optimizer.load_state_dict(state["optimizer"])
+    if getattr(run, "strategy", "none") == "fsdp":  # saved as a full (unsharded) state dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(run.module, run.optimizer, state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+    else:
+        run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     if run.scaler is not None and state["scaler"]:
         run.scaler.load_state_dict(state["scaler"])

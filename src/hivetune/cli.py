@@ -7,6 +7,7 @@ the traceback instead.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hivetune.errors import UserError
@@ -15,7 +16,12 @@ from hivetune.errors import UserError
 TRAIN_FLAGS = {
     "--model": ("model", {"metavar": "PATH", "help": "HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)"}),
     "--data": ("data", {"metavar": "FILE", "help": "JSONL/JSON training data (default: the shipped ops dataset)"}),
-    "--val-data": ("val_data", {"metavar": "FILE", "help": "held-out data for the end-of-run A/B"}),
+    "--val-data": ("val_data", {"metavar": "FILE", "help": "held-out data: validation loss and the end-of-run A/B"}),
+    "--val-split": ("val_split", {"type": float, "metavar": "FRACTION",
+                                  "help": "hold out this fraction of --data for validation loss"}),
+    "--eval-every": ("eval_every", {"type": int, "metavar": "STEPS", "help": "validation loss every N steps"}),
+    "--early-stopping": ("early_stopping_patience", {"type": int, "metavar": "EVALS",
+                                                     "help": "stop after N validations without improvement"}),
     "--output": ("output_dir", {"metavar": "DIR", "help": "run folder (default: runs/<date>-<time>)"}),
     "--format": ("format", {"help": "alpaca | chat | text | auto"}),
     "--max-length": ("max_length", {"type": int}),
@@ -64,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--auto", action="store_true",
                        help="pick batch_size / grad_accum (same product) and checkpointing to fit this GPU "
                             "(from ./tune.yaml when present, else the planner)")
+    train.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
+                       help="train on N local processes (GPUs) through torchrun; multi-node: "
+                            "torchrun --nnodes ... -m hivetune train ...")
     train.add_argument("--resume", metavar="RUN", help="go on from RUN's newest valid checkpoint with RUN's "
                                                        "config (flags that would change it are refused)")
 
@@ -128,6 +137,12 @@ def run_train(ns) -> int:
     from hivetune.config import TrainConfig, load_config
     from hivetune.train import TrainingStopped, train
 
+    if ns.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
+        import subprocess
+
+        from hivetune.distributed import torchrun_argv
+
+        return subprocess.call(torchrun_argv(ns.nproc_per_node, ns.argv))
     overrides = train_overrides(ns)
     if ns.auto and "auto" in getattr(TrainConfig, "__dataclass_fields__", {}):
         overrides["auto"] = True  # fit then also retries a CUDA out-of-memory with a smaller micro-batch
@@ -143,7 +158,8 @@ def run_train(ns) -> int:
     except TrainingStopped as e:  # SIGINT / SIGTERM: the step finished and was checkpointed
         print(f"hivetune: stopped at step {e.step}; resume with: hivetune train --resume {e.folder}", file=sys.stderr)
         return 128 + (e.signum or 2)  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
-    print_train_summary(result)
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        print_train_summary(result)
     return 0
 
 
@@ -439,6 +455,7 @@ COMMANDS = {"train": run_train, "generate": run_generate, "bench": run_bench, "d
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    ns.argv = list(sys.argv[1:] if argv is None else argv)
     if ns.command is None:
         parser.print_help()
         return 2

@@ -56,6 +56,14 @@ class TrainConfig:
     """Training JSONL / JSON file; empty: the shipped Linux / GPU ops dataset."""
     val_data: str = ""
     """Held-out file for the end-of-run A/B; empty with the default data: the shipped held-out split."""
+    val_split: float = 0.0
+    """Fraction of the training data held out (deterministically, by seed) for validation loss; 0: none."""
+    eval_every: int = 0
+    """Validation loss every this many optimizer steps and at the end, when there is a validation
+    set (val_split, or val_data given explicitly); 0: at the end only."""
+    early_stopping_patience: int = 0
+    """Stop when the validation loss has not improved for this many evaluations in a row, and keep
+    the adapter of the best evaluation; 0: off."""
     format: str = "auto"
     """alpaca (instruction/input/output), chat (messages), text, or auto-detected per file."""
     max_length: int = 1024
@@ -114,8 +122,21 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """How many step checkpoints to keep."""
     max_bad_steps: int = 5
-    """A step whose loss or gradients are not finite is skipped (no update); this many in a row
-    stop the run with an error, leaving the last checkpoint as it was."""
+    """A step whose loss or gradients are not finite is skipped (no update); after this many in a
+    row, on_bad_steps decides."""
+    on_bad_steps: str = "stop"
+    """stop: end the run with an error, the last checkpoint intact; rollback: go back to the last
+    checkpoint and go on with the learning rate times rollback_lr_factor (at most max_rollbacks times)."""
+    rollback_lr_factor: float = 0.5
+    """Learning-rate multiplier applied at each rollback."""
+    max_rollbacks: int = 3
+    """Rollbacks allowed before the run stops with an error."""
+    distributed: str = "auto"
+    """Under torchrun with several processes: ddp (LoRA replicated, base on every GPU), fsdp (FSDP2
+    shards the base too), or auto: ddp when the base takes at most half a GPU, else fsdp."""
+    auto: bool = False
+    """Micro-batch from the planner; on a CUDA out-of-memory error, halve the micro-batch (the
+    examples per optimizer step stay the same) and retry the step instead of stopping."""
     eval_prompts: int = 1
     """Held-out questions answered by the base and the tuned model at the end (0: none)."""
     max_new_tokens: int = 96
@@ -315,14 +336,27 @@ def validate(cfg: TrainConfig) -> list[str]:
     choice("precision", cfg.precision, PRECISIONS)
     choice("schedule", cfg.schedule, SCHEDULES)
     choice("device", cfg.device, DEVICES)
+    choice("on_bad_steps", cfg.on_bad_steps, ("stop", "rollback"))
+    choice("distributed", cfg.distributed, ("auto", "ddp", "fsdp"))
+    if not 0 < cfg.rollback_lr_factor <= 1:
+        errors.append(f"rollback_lr_factor: must be in (0, 1], got {cfg.rollback_lr_factor}")
+    if cfg.max_rollbacks < 0:
+        errors.append(f"max_rollbacks: must be >= 0, got {cfg.max_rollbacks}")
     for key in ("max_length", "batch_size", "grad_accum", "lora.r", "log_every", "keep_checkpoints",
                 "max_bad_steps"):
         value = cfg.lora.r if key == "lora.r" else getattr(cfg, key)
         if value <= 0:
             errors.append(f"{key}: must be > 0, got {value}")
-    for key in ("max_steps", "save_every", "threads", "eval_prompts", "max_new_tokens"):
+    for key in ("max_steps", "save_every", "threads", "eval_prompts", "max_new_tokens", "eval_every",
+                "early_stopping_patience"):
         if getattr(cfg, key) < 0:
             errors.append(f"{key}: must be >= 0, got {getattr(cfg, key)}")
+    if not 0 <= cfg.val_split < 1:
+        errors.append(f"val_split: must be in [0, 1), got {cfg.val_split}")
+    if cfg.val_split > 0 and cfg.val_data:
+        errors.append("val_split: give either val_split or val_data, not both")
+    if cfg.early_stopping_patience > 0 and not (cfg.val_split > 0 or cfg.val_data):
+        errors.append("early_stopping_patience: needs a validation set (val_split or val_data)")
     if cfg.lr <= 0:
         errors.append(f"lr: must be > 0, got {cfg.lr}")
     if cfg.epochs <= 0 and cfg.max_steps == 0:

@@ -27,9 +27,9 @@ from hivetune.checkpoint import resume_point, resume_run, save_checkpoint
 from hivetune.config import TrainConfig, save_config
 from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset, plan_steps
+from hivetune import distributed
 from hivetune.device import DTYPES, peak_memory_bytes, resolve_device, resolve_precision, set_threads
 from hivetune.doctor.preflight import check_stack
-from hivetune.fastpath import adamw
 from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.errors import UserError
 from hivetune.fileio import atomic_write_bytes, check_writable, hold_run_lock
@@ -60,6 +60,11 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler | None
     val_path: Path | None = None
+    val: tuple | None = None  # (dataset, example ids) for validation loss, or None
+    parallel: distributed.Dist = field(default_factory=distributed.Dist)  # this rank under torchrun
+    strategy: str = "none"  # none (one process), ddp or fsdp
+    module: torch.nn.Module | None = None  # what forward is called on: the model, or DDP around it
+    train_examples: int = 0  # examples the step plan draws from (the data minus a val_split)
     notes: list[str] = field(default_factory=list)
     start_step: int = 0  # > 0 when resumed from a checkpoint: the step plan's position
     counters: dict = field(default_factory=dict)  # loop totals restored with it (skipped_steps...)
@@ -80,6 +85,8 @@ class TrainResult:
     seconds: float
     peak_memory_bytes: int
     samples: list[dict] = field(default_factory=list)  # held-out answers, base vs tuned
+    best_val_loss: float | None = None
+    stopped_early: bool = False
 
 
 def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
@@ -120,6 +127,7 @@ def setup(cfg: TrainConfig) -> Run:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     set_threads(cfg.threads)
+    parallel = distributed.init(cfg.device)
     if not cfg.skip_doctor:
         check_stack(cfg.device, cfg.precision)  # the doctor's quick checks: a known-bad stack stops here
     model_path = Path(cfg.model) if cfg.model else embedded_model_path()
@@ -127,14 +135,14 @@ def setup(cfg: TrainConfig) -> Run:
     val_path = Path(cfg.val_data) if cfg.val_data else (default_heldout_data() if not cfg.data else None)
     if val_path is not None and not val_path.exists():
         raise UserError(f"val_data: {val_path} not found")
-    folder = new_run_folder(cfg)
+    folder = distributed.on_main(parallel, new_run_folder, cfg)  # rank 0 names (and locks) it
     resuming = (folder / "config.yaml").is_file()
     checkpoint = resume_point(folder, cfg) if resuming else None  # refuses another config
     args = load_args(model_path)  # architecture only: cheap, catches a bad model early
     if cfg.max_length > args.max_position_embeddings:
         raise UserError(f"max_length: {cfg.max_length} exceeds the model's context "
                         f"({args.max_position_embeddings})")
-    device = resolve_device(cfg.device)
+    device = distributed.device_for(parallel, resolve_device(cfg.device))
     precision = resolve_precision(cfg.precision, device)
     tokenizer = load_tokenizer(str(model_path))
     if len(tokenizer) > args.vocab_size:
@@ -144,49 +152,97 @@ def setup(cfg: TrainConfig) -> Run:
 
     # fp16 / bf16 runs keep the frozen base in half precision; only LoRA is fp32.
     model = load_model(model_path, dtype=DTYPES[precision], device=device)
-    run = assemble(cfg, model, data, tokenizer, device, precision, folder, model_path)
-    hold_run_lock(folder)  # a new folder: locked as soon as it exists
+    run = assemble(cfg, model, data, tokenizer, device, precision, folder, model_path, parallel)
+    if parallel.is_main:
+        hold_run_lock(folder)  # a new folder: locked as soon as it exists
     run.val_path = val_path
+    if cfg.val_data:
+        val_index = index_dataset(val_path, cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
+        run.val = (val_index, list(range(len(val_index))))
     if data.truncated:
         run.notes.append(f"{data.truncated} examples truncated to max_length={cfg.max_length}")
     if data.skipped_no_target:
         run.notes.append(f"{data.skipped_no_target} examples skipped: no response token within max_length")
     if resuming:
         resume_run(run, checkpoint)  # last: it restores the RNG states the loop goes on with
+        restore_rank_rng(run)
     return run
 
 
 def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.device, precision: str,
-             folder: Path, model_path: Path) -> Run:
-    """Add LoRA, plan the steps, build optimizer and schedule, create the run folder."""
+             folder: Path, model_path: Path, parallel: distributed.Dist = distributed.Dist()) -> Run:
+    """Add LoRA, wrap for several processes, plan the steps, build optimizer and schedule,
+    create the run folder."""
     spec = LoRASpec(cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.targets), cfg.lora.rslora)
-    torch.manual_seed(cfg.seed)  # LoRA init independent of anything loaded before
+    torch.manual_seed(cfg.seed)  # LoRA init independent of anything loaded before (and alike on every rank)
     apply_lora(model, spec, param_dtype=torch.float32)
     model.gradient_checkpointing = cfg.gradient_checkpointing
+    strategy, module = "none", model
+    if parallel.enabled:
+        base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+        strategy = distributed.choose_strategy(cfg.distributed, base_bytes, device)
+        module = distributed.wrap(model, strategy, parallel, device)
 
-    per_step = cfg.batch_size * cfg.grad_accum
-    steps = plan_steps(len(data), per_step, cfg.epochs, cfg.max_steps, cfg.seed)
+    per_step = cfg.batch_size * cfg.grad_accum * parallel.world  # the global batch
+    train_ids, val_ids = split_validation(len(data), cfg.val_split, cfg.seed)
+    steps = [[train_ids[i] for i in step]
+             for step in plan_steps(len(train_ids), per_step, cfg.epochs, cfg.max_steps, cfg.seed)]
     params = lora_parameters(model)
-    optimizer = adamw(params, cfg.lr, cfg.weight_decay, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  fused=device.type == "cuda" and strategy != "fsdp")
     warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, round(0.03 * len(steps)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.schedule, warmup, len(steps), cfg.min_lr_ratio))
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
-    folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / "config.yaml").exists():  # a resumed run's stays as written: checkpoints hash it
-        save_config(cfg, folder / "config.yaml")
+    if parallel.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not (folder / "config.yaml").exists():  # a resumed run's stays as written: checkpoints hash it
+            save_config(cfg, folder / "config.yaml")
+    distributed.barrier(parallel)
+    if parallel.enabled:
+        torch.manual_seed(cfg.seed + 1_000_003 * parallel.rank)  # each rank its own dropout masks
     return Run(cfg, folder, model_path, device, precision, tokenizer, data, model, spec, steps,
-               optimizer, scheduler, scaler)
+               optimizer, scheduler, scaler, val=(data, val_ids) if val_ids else None,
+               train_examples=len(train_ids), parallel=parallel, strategy=strategy, module=module)
 
 
-def micro_batches(run: Run, example_ids: list[int]):
-    """Tokenise the step's examples and cut them into grad_accum micro-batches."""
+def restore_rank_rng(run: Run) -> None:
+    """A checkpoint of several processes holds every rank's RNG state: each rank takes its own
+    when the process count is the same (the data plan already checked the global batch)."""
+    from hivetune.checkpoint import restore_rng
+
+    world = run.counters.pop("world", 1)
+    states = run.counters.pop("rank_rng", None)
+    if run.parallel.enabled and states and world == run.parallel.world:
+        restore_rng(states[run.parallel.rank])
+    elif run.parallel.enabled:
+        torch.manual_seed(run.cfg.seed + 1_000_003 * run.parallel.rank + run.start_step)
+        run.notes.append(f"resumed on {run.parallel.world} processes from a checkpoint of {world}: "
+                         f"dropout masks are drawn afresh")
+
+
+def split_validation(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train ids, validation ids): a seeded random `fraction` of range(n) held out, at least one."""
+    if fraction <= 0:
+        return list(range(n)), []
+    k = max(1, round(fraction * n))
+    if k >= n:
+        raise UserError(f"val_split: {fraction:g} of {n} examples leaves none to train on")
+    order = list(range(n))
+    random.Random(seed * 1_000_003 + 7919).shuffle(order)
+    return sorted(order[k:]), sorted(order[:k])
+
+
+def micro_batches(run: Run, example_ids: list[int], size: int = 0):
+    """Tokenise the step's examples and cut them into micro-batches of `size` examples
+    (default batch_size: grad_accum micro-batches)."""
     cfg = run.cfg
+    size = size or cfg.batch_size
     examples = [run.data.example(i) for i in example_ids]
     pad = run.pad_id
-    for start in range(0, len(examples), cfg.batch_size):
-        chunk = examples[start:start + cfg.batch_size]
+    for start in range(0, len(examples), size):
+        chunk = examples[start:start + size]
         yield collate_packed(chunk, pad_id=pad) if cfg.packing else collate_padded(chunk, pad)
 
 
@@ -201,10 +257,13 @@ def forward_backward(run: Run, batch, n_targets: int, loss_fn) -> torch.Tensor:
     backward (gradients accumulate in the LoRA parameters). Returns the detached loss."""
     model = run.model
     with autocast(run):
-        hidden = model(batch.input_ids, batch.position_ids, batch.layout)
+        hidden = (run.module or model)(batch.input_ids, batch.position_ids, batch.layout)
         loss_sum = loss_fn(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
     loss = loss_sum / n_targets
-    (run.scaler.scale(loss) if run.scaler else loss).backward()
+    # DDP / FSDP average the gradients over ranks; times world makes that the sum over ranks
+    # of sum(token losses) / (the step's target tokens), the one-process gradient.
+    scaled = loss * run.parallel.world if run.parallel.enabled else loss
+    (run.scaler.scale(scaled) if run.scaler else scaled).backward()
     return loss.detach()
 
 
@@ -218,36 +277,38 @@ class TrainingStopped(Exception):
 
 
 def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> TrainResult:
-    """The training loop: forward, loss, backward, clip, step, log, checkpoint.
+    """The training loop: forward, loss, backward, clip, step, log, validate, checkpoint.
 
     Starts at run.start_step (resumed runs). SIGINT / SIGTERM finish the current step, write a
     checkpoint and raise TrainingStopped; so does `stop_after=N` after step N, minus the
-    checkpoint (tests: a crash at a chosen step).
+    checkpoint (tests: a crash at a chosen step). Under torchrun every rank runs this loop on
+    its share of each step; rank 0 alone writes files.
     """
-    cfg, model, device = run.cfg, run.model, run.device
+    cfg, model, device, parallel = run.cfg, run.model, run.device, run.parallel
     params = lora_parameters(model)
     loss_fn = fused_target_loss_sum if cfg.fused_loss else target_loss_sum
     micro_step = micro_step_fn(run, loss_fn)  # forward_backward, replayed from CUDA graphs when it can be
-    counters = {"skipped_steps": 0, "bad_in_a_row": 0, "last_loss": float("nan"), **run.counters}
+    counters = {"skipped_steps": 0, "bad_in_a_row": 0, "last_loss": float("nan"), "best_val_loss": None,
+                "best_step": 0, "evals_since_best": 0, "rollbacks": 0, "micro_batch": cfg.batch_size,
+                **run.counters}
     model.train()
-    bar = _progress_bar(len(run.steps), progress)
+    bar = _progress_bar(len(run.steps), progress and parallel.is_main)
     tokens_done, loss_ema = 0, None
-    samples_done = run.start_step * cfg.batch_size * cfg.grad_accum  # every step sees that many
     t_start = t_log = time.perf_counter()
     tokens_since_log = samples_since_log = 0
-    total_examples = len(run.data)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    with open(run.folder / "metrics.jsonl", "a") as metrics_file, _stop_signals() as stop:
-        for step in range(run.start_step, len(run.steps)):
+    step = run.start_step
+    with _stop_signals() as stop:
+        while step < len(run.steps):
             example_ids = run.steps[step]
-            n_targets = sum(run.data.n_targets[i] for i in example_ids)
-            step_loss = torch.zeros((), device=device)
-            step_tokens = 0
-            for batch in micro_batches(run, example_ids):
-                step_loss += micro_step(batch, n_targets)
-                step_tokens += batch.n_tokens
+            n_targets = sum(run.data.n_targets[i] for i in example_ids)  # the whole step's, all ranks
+            step_loss, step_tokens = accumulate_step(run, parallel.shard(example_ids), n_targets, micro_step,
+                                                     counters)
+            # One collective per step: loss and tokens summed over ranks, and whether any rank
+            # got SIGINT / SIGTERM (all ranks must stop at the same step).
+            step_loss, step_tokens, signalled = reduce_step(parallel, step_loss, step_tokens, stop.signum)
 
             if run.scaler:
                 run.scaler.unscale_(run.optimizer)
@@ -255,7 +316,9 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             else:
                 grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
-            lr = run.scheduler.get_last_lr()[0]
+            if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+                grad_norm = grad_norm.full_tensor()
+            lr = run.optimizer.param_groups[0]["lr"]
             # A non-finite loss or gradient would poison the weights and Adam's moments for good:
             # skip the update; the data position and the lr schedule move on. (fp16: overflowing
             # gradients are the grad scaler's to skip and back off from; only the loss counts.)
@@ -280,7 +343,6 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
             done = step + 1
 
             tokens_done += step_tokens
-            samples_done += len(example_ids)
             tokens_since_log += step_tokens
             samples_since_log += len(example_ids)
             if done % cfg.log_every == 0 or done == len(run.steps):
@@ -290,8 +352,8 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
                 elapsed = max(now - t_log, 1e-9)
                 record = {
                     "step": done,
-                    "epoch": round(samples_done / total_examples, 4),
-                    "loss": round(loss_value, 6) if math.isfinite(loss_value) else None,
+                    "epoch": round(done * len(example_ids) / run.train_examples, 4),
+                    "loss": loss_value if math.isfinite(loss_value) else None,
                     "lr": lr,
                     "grad_norm": round(float(grad_norm), 6) if math.isfinite(float(grad_norm)) else None,
                     "tokens_per_s": round(tokens_since_log / elapsed, 1),
@@ -300,35 +362,234 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
                     "elapsed_s": round(now - t_start, 3),
                     "skipped_steps": counters["skipped_steps"],
                 }
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
+                write_metrics(run, record)
                 if math.isfinite(loss_value):
                     loss_ema = loss_value if loss_ema is None else 0.9 * loss_ema + 0.1 * loss_value
                 bar.update(done, loss_ema if loss_ema is not None else loss_value, record["tokens_per_s"])
                 t_log, tokens_since_log, samples_since_log = now, 0, 0
             if counters["bad_in_a_row"] >= cfg.max_bad_steps:
+                step = roll_back(run, done, counters, bar)  # or raise UserError
+                continue
+            stop_early = False
+            if run.val is not None and (done == len(run.steps) or (cfg.eval_every and done % cfg.eval_every == 0)):
+                write_metrics(run, validate_step(run, done, counters))
+                stop_early = 0 < cfg.early_stopping_patience <= counters["evals_since_best"]
+            if signalled or (cfg.save_every and (done % cfg.save_every == 0 or done == len(run.steps) or stop_early)):
+                save_all_ranks(run, done, counters)
+            if signalled or done == stop_after:
                 bar.close()
-                raise UserError(_bad_steps_message(run, done, counters["bad_in_a_row"]))
-            signum = stop.signum  # read once: a signal landing in between waits for the next step
-            if signum or (cfg.save_every and (done % cfg.save_every == 0 or done == len(run.steps))):
-                save_checkpoint(run, done, counters)
-            if signum or done == stop_after:
-                bar.close()
-                raise TrainingStopped(done, signum or None, run.folder)
+                raise TrainingStopped(done, (stop.signum or signal.SIGTERM) if signalled else None, run.folder)
+            if stop_early:
+                if parallel.is_main:
+                    print(f"hivetune: early stopping at step {done}: validation loss has not improved for "
+                          f"{counters['evals_since_best']} evaluations; keeping the adapter of step "
+                          f"{counters['best_step']} (val_loss {counters['best_val_loss']:.4f})", file=sys.stderr)
+                break
+            step = done
 
     seconds = time.perf_counter() - t_start
     bar.close()
+    if cfg.early_stopping_patience and (run.folder / BEST_ADAPTER).is_dir():
+        load_lora_weights(model, run.folder / BEST_ADAPTER)  # the adapter of the best validation loss
     adapter = run.folder / "adapter"
-    save_adapter(model, run.spec, adapter, str(run.model_path))
-    return TrainResult(run.folder, adapter, len(run.steps), counters["last_loss"], tokens_done / max(seconds, 1e-9),
-                       seconds, peak_memory_bytes(device))
+    save_adapter_all_ranks(run, adapter)
+    return TrainResult(run.folder, adapter, done, counters["last_loss"], tokens_done / max(seconds, 1e-9),
+                       seconds, peak_memory_bytes(device), best_val_loss=counters["best_val_loss"],
+                       stopped_early=done < len(run.steps))
 
 
-def _bad_steps_message(run: Run, step: int, bad: int) -> str:
+def accumulate_step(run: Run, example_ids: list[int], n_targets: int, micro_step, counters: dict):
+    """Forward + backward of this rank's examples of one step, counters["micro_batch"] examples
+    per micro-batch; returns (summed loss, tokens). On a CUDA out-of-memory error: with `auto`,
+    halve the micro-batch and redo the step (same examples, same gradient); else stop with a
+    message that says what would fit."""
+    while True:
+        size = counters["micro_batch"]
+        step_loss = torch.zeros((), device=run.device)
+        step_tokens = 0
+        batches = []
+        try:
+            batches = list(micro_batches(run, example_ids, size))
+            for k, batch in enumerate(batches):
+                # DDP / FSDP: the gradient collective runs once, after the last micro-batch.
+                with distributed.gradient_sync(run.module, run.strategy, k == len(batches) - 1):
+                    step_loss += micro_step(batch, n_targets)
+                step_tokens += batch.n_tokens
+            return step_loss, step_tokens
+        except torch.OutOfMemoryError:
+            pass  # handled below, outside the except block: its traceback holds the step's tensors
+        del step_loss
+        run.optimizer.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        counters["micro_batch"] = out_of_memory(run, size, max((b.n_tokens for b in batches), default=0))
+
+
+def out_of_memory(run: Run, size: int, tokens: int) -> int:
+    """The smaller micro-batch to retry with (auto), or a UserError naming the way out."""
     from hivetune.checkpoint import checkpoint_folders
 
     saved = checkpoint_folders(run.folder / "checkpoints")
-    last = f"the last checkpoint, {saved[-1]}, is intact" if saved else "no checkpoint was written"
+    last = f"the last checkpoint, {saved[-1]}, is intact" if saved else "no checkpoint was written yet"
+    smaller = size // 2
+    if run.cfg.auto and smaller >= 1 and not run.parallel.enabled:
+        print(f"hivetune: CUDA out of memory with {size} examples ({tokens} tokens) per micro-batch; "
+              f"retrying the step with {smaller} (the step's examples and gradient stay the same)", file=sys.stderr)
+        return smaller
+    per_step = run.cfg.batch_size * run.cfg.grad_accum
+    hint = (f"--batch-size {max(1, size // 2)} --grad-accum {per_step // max(1, size // 2)}"
+            if size > 1 else "--gradient-checkpointing or a smaller --max-length")
+    raise UserError(f"CUDA out of memory with {size} examples ({tokens} tokens) per micro-batch; {last}. "
+                    f"`hivetune plan` predicts what fits; try {hint}, or --auto to shrink the micro-batch "
+                    f"when this happens")
+
+
+def reduce_step(parallel: distributed.Dist, step_loss: torch.Tensor, step_tokens: int, signum):
+    """(loss summed over ranks, tokens summed over ranks, whether any rank was signalled)."""
+    if not parallel.enabled:
+        return step_loss, step_tokens, bool(signum)
+    stats = torch.stack([step_loss.float(), step_loss.new_tensor(float(step_tokens)),
+                         step_loss.new_tensor(1.0 if signum else 0.0)])
+    distributed.sum_across(parallel, stats)
+    return stats[0], int(stats[1]), bool(stats[2] > 0)
+
+
+def write_metrics(run: Run, record: dict) -> None:
+    """Append one record to metrics.jsonl (rank 0 only). Opened per record: a rollback
+    rewrites the file."""
+    if run.parallel.is_main:
+        with open(run.folder / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def save_all_ranks(run: Run, step: int, counters: dict) -> None:
+    """Checkpoint: every rank hands its RNG state to rank 0, which writes the folder."""
+    from hivetune.checkpoint import capture_rng
+
+    rngs = distributed.all_gather_objects(run.parallel, capture_rng())
+    gathered = None
+    if run.strategy == "fsdp":  # collectives: every rank gathers, rank 0 keeps the full tensors
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        from hivetune.model.lora import lora_state_dict
+
+        gathered = (lora_state_dict(run.model),
+                    get_optimizer_state_dict(run.module, run.optimizer,
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+    if run.parallel.is_main:
+        extra = {"world": run.parallel.world, "rank_rng": rngs} if run.parallel.enabled else {"world": 1}
+        save_checkpoint(run, step, {**counters, **extra}, gathered)
+    distributed.barrier(run.parallel)
+
+
+def save_adapter_all_ranks(run: Run, folder: Path) -> None:
+    """The final adapter, written by rank 0 (FSDP: every rank joins gathering the shards)."""
+    from hivetune.model.lora import lora_state_dict
+
+    tensors = lora_state_dict(run.model)  # a collective under FSDP: all ranks call it
+    if run.parallel.is_main:
+        save_adapter(run.model, run.spec, folder, str(run.model_path), tensors=tensors)
+    distributed.barrier(run.parallel)
+
+
+def roll_back(run: Run, done: int, counters: dict, bar) -> int:
+    """max_bad_steps non-finite steps in a row: stop (on_bad_steps=stop), or go back to the
+    last checkpoint with the learning rate times rollback_lr_factor. Returns the step to redo."""
+    from hivetune.checkpoint import checkpoint_folders, load_checkpoint, newest_valid_checkpoint, truncate_metrics
+
+    cfg = run.cfg
+    checkpoint = newest_valid_checkpoint(run.folder) if checkpoint_folders(run.folder / "checkpoints") else None
+    if cfg.on_bad_steps != "rollback" or checkpoint is None or counters["rollbacks"] >= cfg.max_rollbacks:
+        bar.close()
+        message = _bad_steps_message(run, done, counters["bad_in_a_row"], checkpoint)
+        if cfg.on_bad_steps == "rollback" and checkpoint is not None:
+            message += f" (after {counters['rollbacks']} rollbacks, max_rollbacks)"
+        raise UserError(message)
+    rollbacks = counters["rollbacks"] + 1
+    restored = load_checkpoint(run, checkpoint)
+    back_to = restored.pop("step")
+    restored.pop("world", None)
+    restored.pop("rank_rng", None)
+    counters.update(restored, rollbacks=rollbacks, bad_in_a_row=0)
+    # LambdaLR multiplies base_lrs by the schedule: scaling them lowers every later step's lr,
+    # and the next checkpoints carry the scaled values.
+    run.scheduler.base_lrs = [lr * cfg.rollback_lr_factor for lr in run.scheduler.base_lrs]
+    sched = run.scheduler
+    for group, base, factor in zip(run.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * factor(sched.last_epoch)
+    if run.parallel.is_main:
+        truncate_metrics(run.folder / "metrics.jsonl", back_to)
+        write_metrics(run, {"step": back_to, "event": "rollback", "from_step": done,
+                            "lr_scale": cfg.rollback_lr_factor ** rollbacks})
+        print(f"hivetune: {cfg.max_bad_steps} non-finite steps in a row; rolled back from step {done} to "
+              f"{checkpoint} with the learning rate x{cfg.rollback_lr_factor:g} (rollback {rollbacks} of "
+              f"{cfg.max_rollbacks})", file=sys.stderr)
+    return back_to
+
+
+BEST_ADAPTER = "best_adapter"
+
+
+@torch.no_grad()
+def validation_loss(run: Run) -> tuple[float, int]:
+    """Mean loss over the validation set's target tokens (dropout off), and their count."""
+    cfg, model = run.cfg, run.model
+    data, ids = run.val
+    ids = run.parallel.shard(ids)
+    forward = run.module if run.strategy == "fsdp" else model  # FSDP: the root gathers the shards
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=run.device)
+    n_targets = 0
+    for start in range(0, len(ids), cfg.batch_size):
+        chunk = [data.example(i) for i in ids[start:start + cfg.batch_size]]
+        batch = (collate_packed(chunk, pad_id=run.pad_id) if cfg.packing else collate_padded(chunk, run.pad_id))
+        batch = batch.to(run.device)
+        with autocast(run):
+            hidden = forward(batch.input_ids, batch.position_ids, batch.layout)
+            total += fused_target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+        n_targets += int(batch.target_ids.numel())
+    model.train(was_training)
+    if run.parallel.enabled:
+        both = distributed.sum_across(run.parallel, torch.stack([total, total.new_tensor(float(n_targets))]))
+        total, n_targets = both[0], int(both[1])
+    return float(total) / max(n_targets, 1), n_targets
+
+
+def validate_step(run: Run, step: int, counters: dict) -> dict:
+    """Validation loss at `step`; track the best one (saving its adapter when early stopping is on)."""
+    val_loss, val_tokens = validation_loss(run)
+    best = counters["best_val_loss"]
+    if best is None or val_loss < best:
+        counters.update(best_val_loss=val_loss, best_step=step, evals_since_best=0)
+        if run.cfg.early_stopping_patience:
+            save_adapter_all_ranks(run, run.folder / BEST_ADAPTER)
+    else:
+        counters["evals_since_best"] += 1
+    return {"step": step, "val_loss": val_loss, "val_tokens": val_tokens,
+            "best_val_loss": counters["best_val_loss"]}
+
+
+def load_lora_weights(model: CausalLM, folder: Path) -> None:
+    """Copy an adapter's saved LoRA weights (PEFT names) into the model's LoRA parameters."""
+    from safetensors.torch import load_file
+
+    from hivetune.model.lora import ADAPTER_WEIGHTS, lora_modules
+
+    tensors = load_file(str(folder / ADAPTER_WEIGHTS))
+    with torch.no_grad():
+        for name, m in lora_modules(model):
+            for part in ("lora_A", "lora_B"):
+                p = getattr(m, part).weight
+                t = tensors[f"base_model.model.{name}.{part}.weight"].to(p.device)
+                if hasattr(p, "device_mesh"):  # an FSDP2 shard: keep this rank's part
+                    from torch.distributed.tensor import distribute_tensor
+
+                    t = distribute_tensor(t, p.device_mesh, p.placements)
+                p.copy_(t)
+
+
+def _bad_steps_message(run: Run, step: int, bad: int, checkpoint: Path | None) -> str:
+    last = f"the last checkpoint, {checkpoint}, is intact" if checkpoint else "no checkpoint was written"
     return (f"step {step}: loss or gradients not finite in {bad} steps in a row (max_bad_steps), so training "
             f"stopped; {last}. Try a lower lr than {run.cfg.lr:g} (e.g. --lr {run.cfg.lr / 4:g}) in a new run")
 
@@ -431,6 +692,12 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     for note in run.notes:
         print(f"note: {note}", file=sys.stderr)
     result = fit(run, progress)
+    if run.parallel.enabled:  # rank 0 goes on alone: held-out answers, summary
+        distributed.shutdown(run.parallel)
+        if not run.parallel.is_main:
+            return result
+        if run.strategy == "fsdp":  # the sharded model cannot run on one rank
+            cfg.eval_prompts = 0
     result.samples = answer_heldout(run, cfg.eval_prompts, cfg.max_new_tokens)
     summary = {
         "adapter": str(result.adapter), "steps": result.steps, "final_loss": result.final_loss,

@@ -167,8 +167,11 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """PEFT key names: base_model.model.<module>.lora_A.weight."""
     out = {}
     for name, m in lora_modules(model):
-        out[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.weight.detach().contiguous().cpu()
-        out[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.weight.detach().contiguous().cpu()
+        for part in ("lora_A", "lora_B"):
+            weight = getattr(m, part).weight.detach()
+            if hasattr(weight, "full_tensor"):  # an FSDP2 shard (DTensor): gathered, a collective
+                weight = weight.full_tensor()
+            out[f"base_model.model.{name}.{part}.weight"] = weight.contiguous().cpu()
     return out
 
 
@@ -191,7 +194,8 @@ def peft_config(spec: LoRASpec, base_model_path: str) -> dict:
     }
 
 
-def save_adapter(model: nn.Module, spec: LoRASpec, folder: Path, base_model_path: str) -> None:
+def save_adapter(model: nn.Module, spec: LoRASpec, folder: Path, base_model_path: str,
+                 tensors: dict[str, torch.Tensor] | None = None) -> None:
     """Write adapter_config.json + adapter_model.safetensors (PEFT format) into `folder`.
 
     Each file goes to a temporary name first and is renamed into place, so a crash never
@@ -202,7 +206,7 @@ def save_adapter(model: nn.Module, spec: LoRASpec, folder: Path, base_model_path
     from hivetune.fileio import atomic_write_bytes, atomic_write_with
 
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = lora_state_dict(model)
+    tensors = lora_state_dict(model) if tensors is None else tensors
     atomic_write_with(folder / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, str(tmp), {"format": "pt"}))
     cfg = peft_config(spec, base_model_path)
     atomic_write_bytes(folder / ADAPTER_CONFIG, json.dumps(cfg, indent=2).encode())

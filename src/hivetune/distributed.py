@@ -1,0 +1,184 @@
+"""Several processes, one run: torch.distributed under torchrun (DDP or FSDP2).
+
+torchrun sets RANK / LOCAL_RANK / WORLD_SIZE; `init` joins the process group (NCCL on CUDA,
+gloo on the CPU). The global batch of an optimizer step is batch_size * grad_accum * world
+examples: every rank knows the whole step (the same seeded plan), trains on its share
+(ids[rank::world]), and the gradient is the sum over ranks of sum(token losses) / (the
+step's target tokens over all ranks), so it equals the one-process gradient of that step.
+
+- ddp: the LoRA parameters are replicated; DistributedDataParallel all-reduces their
+  gradients (it averages, so each rank's loss is multiplied by world to get the sum).
+- fsdp: FSDP2 (`fully_shard`) shards each decoder layer's parameters, the frozen base
+  included, for models whose base does not fit on one GPU; gradients are reduce-scattered
+  (averaged, the same factor world applies).
+
+Rank 0 alone writes files (config, metrics, checkpoints, adapter); the others wait at barriers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hivetune.errors import UserError
+
+STRATEGIES = ("auto", "ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, ids: list) -> list:
+        """This rank's share of a step's examples: every world-th one, from its rank."""
+        return ids[self.rank::self.world] if self.enabled else ids
+
+
+def env_world() -> Dist:
+    """The rank layout torchrun gave this process (one process without torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return Dist()
+    return Dist(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def init(device_name: str) -> Dist:
+    """Join the process group when launched by torchrun with more than one process."""
+    d = env_world()
+    if not d.enabled or (dist.is_available() and dist.is_initialized()):
+        return d
+    if not dist.is_available():
+        raise UserError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+    use_cuda = device_name != "cpu" and torch.cuda.is_available()
+    if use_cuda:
+        if d.local_rank >= torch.cuda.device_count():
+            raise UserError(f"LOCAL_RANK {d.local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
+                            f"use --nproc-per-node {torch.cuda.device_count()} or fewer")
+        torch.cuda.set_device(d.local_rank)
+    dist.init_process_group("nccl" if use_cuda else "gloo",
+                            device_id=torch.device("cuda", d.local_rank) if use_cuda else None)
+    return d
+
+
+def device_for(d: Dist, device: torch.device) -> torch.device:
+    """cuda -> cuda:LOCAL_RANK under torchrun."""
+    if d.enabled and device.type == "cuda":
+        return torch.device("cuda", d.local_rank)
+    return device
+
+
+def on_main(d: Dist, fn, *args):
+    """Run fn on rank 0 only and hand its result (or its UserError) to every rank, so a
+    refusal on rank 0 stops all ranks with the same message instead of hanging them."""
+    if not d.enabled:
+        return fn(*args)
+    box = [None, None]
+    if d.is_main:
+        try:
+            box[0] = fn(*args)
+        except UserError as e:
+            box[1] = str(e)
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise UserError(box[1])
+    return box[0]
+
+
+def barrier(d: Dist) -> None:
+    if d.enabled:
+        dist.barrier()
+
+
+def all_gather_objects(d: Dist, obj) -> list:
+    if not d.enabled:
+        return [obj]
+    out = [None] * d.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def sum_across(d: Dist, tensor: torch.Tensor) -> torch.Tensor:
+    """In-place sum over ranks (one collective); returns the tensor."""
+    if d.enabled:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def choose_strategy(strategy: str, base_bytes: int, device: torch.device) -> str:
+    """auto: DDP when the frozen base takes at most half of one GPU (activations need the
+    rest), FSDP2 otherwise; on the CPU always DDP."""
+    if strategy != "auto":
+        return strategy
+    if device.type != "cuda":
+        return "ddp"
+    total = torch.cuda.get_device_properties(device).total_memory
+    return "ddp" if base_bytes <= total // 2 else "fsdp"
+
+
+def wrap(model: torch.nn.Module, strategy: str, d: Dist, device: torch.device) -> torch.nn.Module:
+    """The module the loop calls forward on: DDP around the model, or the model itself after
+    FSDP2 has sharded it in place (its layers first, then the root)."""
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        # The frozen base is the same on every rank (loaded from the same files): skip the
+        # start-up broadcast of every weight; LoRA init is seeded alike on every rank.
+        with warnings.catch_warnings():  # broadcast_buffers' rename warning (torch 2.13); 2.11 has no other name
+            warnings.simplefilter("ignore", FutureWarning)
+            return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                           broadcast_buffers=False, init_sync=False)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def gradient_sync(module: torch.nn.Module, strategy: str, enabled: bool):
+    """Context for one micro-batch: skip the gradient collective on all but the last one."""
+    from contextlib import nullcontext
+
+    if strategy == "ddp" and not enabled:
+        return module.no_sync()
+    if strategy == "fsdp":
+        module.set_requires_gradient_sync(enabled)
+    return nullcontext()
+
+
+def shutdown(d: Dist) -> None:
+    if d.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def torchrun_argv(nproc: int, argv: list[str]) -> list[str]:
+    """`hivetune train --nproc-per-node N ...` -> the torchrun command that runs the same
+    train on N local processes (single node; multi-node: call torchrun yourself)."""
+    rest, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc-per-node":
+            skip = True
+            continue
+        if a.startswith("--nproc-per-node="):
+            continue
+        rest.append(a)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "hivetune", *rest]

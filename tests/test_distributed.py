@@ -1,0 +1,108 @@
+"""Several processes (torchrun, gloo on the CPU) give the one-process run of the same global batch."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hivetune.distributed import Dist, torchrun_argv
+from hivetune.errors import UserError
+from hivetune.train import setup, train
+
+from test_train import tiny_config
+
+FLAGS = ["--precision", "fp32", "--device", "cpu", "--threads", "1", "--max-steps", "4", "--lr", "1e-2",
+         "--set", "lora.r=4", "--set", "lora.alpha=8", "--set", "lora.dropout=0", "--set", "eval_prompts=0",
+         "--set", "warmup_steps=0", "--val-split", "0.25", "--eval-every", "2", "--save-every", "2", "--quiet"]
+
+
+def rows(folder):
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_shard_and_torchrun_argv():
+    ids = list(range(10))
+    assert Dist(0, 2).shard(ids) == [0, 2, 4, 6, 8] and Dist(1, 2).shard(ids) == [1, 3, 5, 7, 9]
+    assert Dist().shard(ids) == ids
+    argv = torchrun_argv(2, ["train", "--nproc-per-node", "2", "--data", "x.jsonl", "--nproc-per-node=3"])
+    assert argv == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                    "-m", "hivetune", "train", "--data", "x.jsonl"]
+
+
+def test_two_gloo_processes_match_one_process(tiny_model_dir, alpaca_file, tmp_path):
+    # One process: 4 examples per micro-batch x 2 micro-batches = 8 per step.
+    one = tmp_path / "one"
+    cfg = tiny_config(tiny_model_dir, alpaca_file, one, max_steps=4, batch_size=4, grad_accum=2, lr=1e-2,
+                      val_split=0.25, eval_every=2, save_every=2)
+    train(cfg, progress=False)
+    # Two processes: 4 examples each x 1 micro-batch = the same 8 per step.
+    two = tmp_path / "two"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "hivetune", "train", "--nproc-per-node", "2",
+                           "--model", str(tiny_model_dir), "--data", str(alpaca_file), "--output", str(two),
+                           "--batch-size", "4", "--grad-accum", "1", *FLAGS],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("trained 4 steps") == 1  # rank 0 alone prints
+    a, b = rows(one), rows(two)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 2, 3, 4, 4]
+    for ra, rb in zip(a, b):
+        key = "val_loss" if "val_loss" in ra else "loss"
+        assert rb[key] == pytest.approx(ra[key], abs=1e-6), (ra, rb)
+        assert ra.get("epoch") == rb.get("epoch")
+    wa = load_file(str(one / "adapter" / "adapter_model.safetensors"))
+    wb = load_file(str(two / "adapter" / "adapter_model.safetensors"))
+    assert wa.keys() == wb.keys()
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-6
+    assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    state = torch.load(two / "checkpoints" / "step-000002" / "trainer_state.pt", weights_only=True)
+    assert state["counters"]["world"] == 2 and len(state["counters"]["rank_rng"]) == 2
+
+    # The 2-process checkpoint resumed by one process with the same config: the global batch
+    # would change, so it is refused with the way out.
+    cfg2 = tiny_config(tiny_model_dir, alpaca_file, two, max_steps=4, batch_size=4, grad_accum=1, lr=1e-2,
+                       val_split=0.25, eval_every=2, save_every=2)
+    with pytest.raises(UserError, match=r"written by 2 processes .*this run has 1: resume with --nproc-per-node 2"):
+        setup(cfg2)
+
+
+def torchrun_train(args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "hivetune", "train", "--nproc-per-node", "2", *args],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_fsdp2_two_processes_checkpoint_and_resume(tiny_model_dir, alpaca_file, tmp_path):
+    # FSDP2 shards base and LoRA over 2 gloo processes; same global batch as one process.
+    one = tmp_path / "one"
+    train(tiny_config(tiny_model_dir, alpaca_file, one, max_steps=4, batch_size=4, grad_accum=2, lr=1e-2,
+                      val_split=0.25, eval_every=2, save_every=2), progress=False)
+    run = tmp_path / "fsdp"
+    common = ["--model", str(tiny_model_dir), "--data", str(alpaca_file), "--batch-size", "4", "--grad-accum", "1",
+              *FLAGS, "--set", "distributed=fsdp"]
+    torchrun_train([*common, "--output", str(run)])
+    a, b = rows(one), rows(run)
+    for ra, rb in zip(a, b):
+        key = "val_loss" if "val_loss" in ra else "loss"
+        assert rb[key] == pytest.approx(ra[key], abs=1e-6), (ra, rb)
+    final = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    ref = load_file(str(one / "adapter" / "adapter_model.safetensors"))
+    assert max(float((final[k] - ref[k]).abs().max()) for k in ref) < 1e-6
+
+    # Crash after step 2: drop what came later, resume on 2 processes, get the same adapter.
+    import shutil
+    shutil.rmtree(run / "checkpoints" / "step-000004")
+    shutil.rmtree(run / "adapter")
+    (run / "summary.json").unlink()
+    torchrun_train(["--resume", str(run), "--quiet"])
+    resumed = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    assert all(torch.equal(resumed[k], final[k]) for k in final)
+    assert [r["step"] for r in rows(run)] == [1, 2, 2, 3, 4, 4]

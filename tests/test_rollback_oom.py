@@ -1,0 +1,100 @@
+"""Non-finite steps roll back to the last checkpoint with a lower lr; CUDA OOM shrinks the
+micro-batch (auto) or stops with the planner's way out."""
+
+import json
+
+import pytest
+import torch
+
+import hivetune.train as train_module
+from hivetune.checkpoint import checkpoint_folders
+from hivetune.errors import UserError
+from hivetune.train import fit, setup
+
+from test_resume import poison
+from test_train import tiny_config
+
+
+def rows(folder):
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rollback_to_last_checkpoint_with_lower_lr(tiny_model_dir, alpaca_file, tmp_path, monkeypatch):
+    poison(monkeypatch, {3, 4, 5}, "loss")  # forward calls 3-5: steps 3, 4, 5 (one micro-batch each)
+    out = tmp_path / "run"
+    cfg = tiny_config(tiny_model_dir, alpaca_file, out, max_steps=6, save_every=2, max_bad_steps=3,
+                      on_bad_steps="rollback", rollback_lr_factor=0.5, lr=1e-2, schedule="constant",
+                      keep_checkpoints=5)
+    result = fit(setup(cfg), progress=False)
+    log = rows(out)
+    # steps 1-2 good, 3-5 bad: back to the checkpoint of step 4, then 5 and 6 again at half the lr
+    assert [(r["step"], r.get("event")) for r in log] == [(1, None), (2, None), (3, None), (4, None),
+                                                         (4, "rollback"), (5, None), (6, None)]
+    assert log[4] == {"step": 4, "event": "rollback", "from_step": 5, "lr_scale": 0.5}
+    assert [r["lr"] for r in log if "lr" in r] == pytest.approx([1e-2] * 4 + [5e-3] * 2)
+    assert log[5]["loss"] is not None and log[6]["loss"] is not None
+    assert result.steps == 6 and result.final_loss == pytest.approx(log[6]["loss"])
+    state = torch.load(out / "checkpoints" / "step-000006" / "trainer_state.pt", weights_only=True)
+    assert state["scheduler"]["base_lrs"] == pytest.approx([5e-3])  # a resume keeps the lower lr
+    assert state["counters"]["rollbacks"] == 1
+
+
+def test_rollbacks_exhausted_stop_with_a_message(tiny_model_dir, alpaca_file, tmp_path, monkeypatch):
+    poison(monkeypatch, set(range(3, 100)), "loss")
+    out = tmp_path / "run"
+    cfg = tiny_config(tiny_model_dir, alpaca_file, out, max_steps=8, save_every=2, max_bad_steps=2,
+                      on_bad_steps="rollback", max_rollbacks=2, lr=1e-2, keep_checkpoints=5)
+    with pytest.raises(UserError) as e:
+        fit(setup(cfg), progress=False)
+    last = checkpoint_folders(out / "checkpoints")[-1]
+    assert str(e.value) == (
+        f"step 4: loss or gradients not finite in 2 steps in a row (max_bad_steps), so training stopped; "
+        f"the last checkpoint, {last}, is intact. Try a lower lr than 0.01 (e.g. --lr 0.0025) in a new run "
+        f"(after 2 rollbacks, max_rollbacks)")
+    assert [r["from_step"] for r in rows(out) if r.get("event") == "rollback"] == [4, 4]
+
+
+def fake_oom_above(monkeypatch, limit: int, sizes: list):
+    """Micro-batches of more than `limit` examples raise CUDA's out-of-memory error."""
+    real = train_module.micro_step_fn
+
+    def micro_step_fn(run, loss_fn):
+        step = real(run, loss_fn)
+
+        def guarded(batch, n_targets):
+            n = len(batch.layout.lengths) if hasattr(batch.layout, "lengths") else batch.input_ids.shape[0]
+            sizes.append(n)
+            if n > limit:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return step(batch, n_targets)
+        return guarded
+
+    monkeypatch.setattr(train_module, "micro_step_fn", micro_step_fn)
+
+
+def test_auto_halves_the_micro_batch_on_oom_and_keeps_the_curve(tiny_model_dir, alpaca_file, tmp_path, monkeypatch):
+    ref = tmp_path / "ref"
+    fit(setup(tiny_config(tiny_model_dir, alpaca_file, ref, batch_size=2, grad_accum=4, max_steps=3)), progress=False)
+    sizes = []
+    fake_oom_above(monkeypatch, 2, sizes)
+    out = tmp_path / "auto"
+    result = fit(setup(tiny_config(tiny_model_dir, alpaca_file, out, batch_size=8, max_steps=3, auto=True,
+                                   save_every=3)), progress=False)
+    assert sizes[:3] == [8, 4, 2]  # 8 fails, 4 fails, 2 fits: then 2 for every micro-batch
+    assert set(sizes[2:]) == {2} and len(sizes) == 2 + 3 * 4
+    got, want = rows(out), rows(ref)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], abs=1e-6)
+    assert result.steps == 3
+    state = torch.load(out / "checkpoints" / "step-000003" / "trainer_state.pt", weights_only=True)
+    assert state["counters"]["micro_batch"] == 2  # a resume keeps the size that fits
+
+
+def test_oom_without_auto_stops_with_the_way_out(tiny_model_dir, alpaca_file, tmp_path, monkeypatch):
+    fake_oom_above(monkeypatch, 2, [])
+    out = tmp_path / "run"
+    with pytest.raises(UserError) as e:
+        fit(setup(tiny_config(tiny_model_dir, alpaca_file, out, batch_size=8, max_steps=3)), progress=False)
+    assert str(e.value).startswith("CUDA out of memory with 8 examples (")
+    assert str(e.value).endswith("tokens) per micro-batch; no checkpoint was written yet. `hivetune plan` "
+                                 "predicts what fits; try --batch-size 4 --grad-accum 2, or --auto to shrink "
+                                 "the micro-batch when this happens")

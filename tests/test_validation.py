@@ -1,0 +1,107 @@
+"""Validation during training: val_split, validation loss in metrics.jsonl, early stopping."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hivetune.config import load_config
+from hivetune.data.batch import collate_padded
+from hivetune.errors import UserError
+from hivetune.ops.loss import target_loss_sum
+from hivetune.train import fit, setup, split_validation, validation_loss
+
+from test_train import tiny_config
+
+
+def metrics(folder):
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_split_validation_is_seeded_disjoint_and_complete():
+    train_ids, val_ids = split_validation(100, 0.05, seed=3)
+    assert len(val_ids) == 5 and len(train_ids) == 95
+    assert sorted(train_ids + val_ids) == list(range(100))
+    assert split_validation(100, 0.05, seed=3) == (train_ids, val_ids)
+    assert split_validation(100, 0.05, seed=4)[1] != val_ids
+    assert split_validation(10, 0.0, seed=0) == (list(range(10)), [])
+    assert split_validation(10, 0.01, seed=0)[1].__len__() == 1  # at least one
+    with pytest.raises(UserError, match=r"val_split: 0.95 of 2 examples leaves none to train on"):
+        split_validation(2, 0.95, seed=0)
+
+
+def test_val_split_steps_never_draw_validation_examples(tiny_model_dir, alpaca_file, tmp_path):
+    run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "run", val_split=0.25, max_steps=0, epochs=3))
+    data, val_ids = run.val
+    assert len(val_ids) == 6 and run.train_examples == 18
+    drawn = {i for step in run.steps for i in step}
+    assert drawn.isdisjoint(val_ids) and len(drawn) == 18
+    assert len(run.steps) == 3 * 18 // 4
+
+
+def test_validation_loss_equals_padded_reference(tiny_model_dir, alpaca_file, tmp_path):
+    run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "run", val_split=0.25))
+    data, ids = run.val
+    loss, n = validation_loss(run)
+    batch = collate_padded([data.example(i) for i in ids], run.pad_id)
+    run.model.eval()
+    with torch.no_grad():
+        hidden = run.model(batch.input_ids, batch.position_ids, batch.layout)
+        ref = target_loss_sum(hidden, run.model.lm_head.weight, batch.target_index, batch.target_ids)
+    assert n == sum(data.n_targets[i] for i in ids)
+    assert loss == pytest.approx(float(ref) / n, rel=1e-5)
+    run.model.train()
+    validation_loss(run)
+    assert run.model.training
+
+
+def test_eval_every_writes_validation_records(tiny_model_dir, alpaca_file, tmp_path):
+    out = tmp_path / "run"
+    result = fit(setup(tiny_config(tiny_model_dir, alpaca_file, out, val_split=0.25, max_steps=5, eval_every=2)),
+                 progress=False)
+    val = [r for r in metrics(out) if "val_loss" in r]
+    assert [r["step"] for r in val] == [2, 4, 5]
+    assert [r["best_val_loss"] for r in val] == [min(v["val_loss"] for v in val[:k + 1]) for k in range(3)]
+    assert result.best_val_loss == pytest.approx(min(r["val_loss"] for r in val), abs=1e-6)
+    assert not result.stopped_early and result.steps == 5
+
+
+def test_early_stopping_keeps_the_best_adapter(tiny_model_dir, alpaca_file, tmp_path):
+    # lr 30 without clipping makes the validation loss bounce: it fails to improve twice in a row
+    # within a few steps, so the run stops there and keeps the best evaluation's adapter.
+    out = tmp_path / "run"
+    cfg = tiny_config(tiny_model_dir, alpaca_file, out, val_split=0.25, max_steps=40, eval_every=1,
+                      early_stopping_patience=2, lr=30.0, max_grad_norm=0.0)
+    result = fit(setup(cfg), progress=False)
+    val = [r for r in metrics(out) if "val_loss" in r]
+    best, since, expected_stop = None, 0, None
+    for r in val:  # the rule, replayed on the recorded curve
+        if best is None or r["val_loss"] < best["val_loss"]:
+            best, since = r, 0
+        else:
+            since += 1
+        if since == 2:
+            expected_stop = r["step"]
+            break
+    assert expected_stop is not None and expected_stop < 40
+    assert result.stopped_early and result.steps == expected_stop == val[-1]["step"]
+    assert result.best_val_loss == pytest.approx(best["val_loss"], abs=1e-6)
+    assert max(r["step"] for r in metrics(out)) == expected_stop
+    final = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    kept = load_file(str(out / "best_adapter" / "adapter_model.safetensors"))
+    assert final.keys() == kept.keys() and all(torch.equal(final[k], kept[k]) for k in final)
+    # and the final adapter really scores the best validation loss
+    run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "check", val_split=0.25))
+    from hivetune.train import load_lora_weights
+    load_lora_weights(run.model, out / "adapter")
+    assert validation_loss(run)[0] == pytest.approx(best["val_loss"], abs=1e-5)
+
+
+def test_validation_config_errors(tiny_model_dir, alpaca_file, tmp_path):
+    with pytest.raises(UserError, match="val_split: give either val_split or val_data, not both"):
+        tiny_config(tiny_model_dir, alpaca_file, tmp_path / "r", val_split=0.1, val_data=str(alpaca_file))
+    with pytest.raises(UserError, match=r"early_stopping_patience: needs a validation set \(val_split or val_data\)"):
+        tiny_config(tiny_model_dir, alpaca_file, tmp_path / "r", early_stopping_patience=2)
+    with pytest.raises(UserError, match=r"val_split: must be in \[0, 1\), got 1.5"):
+        load_config(None, {"data": "x.jsonl", "val_split": 1.5})
