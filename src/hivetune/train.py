@@ -32,6 +32,7 @@ from hivetune.device import DTYPES, peak_memory_bytes, resolve_device, resolve_p
 from hivetune.doctor.preflight import check_stack
 from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.errors import UserError
+from hivetune.fastpath import adamw
 from hivetune.fileio import atomic_write_bytes, check_writable, hold_run_lock
 from hivetune.model.decoder import CausalLM
 from hivetune.model.load import load_args, load_model
@@ -188,8 +189,7 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     steps = [[train_ids[i] for i in step]
              for step in plan_steps(len(train_ids), per_step, cfg.epochs, cfg.max_steps, cfg.seed)]
     params = lora_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  fused=device.type == "cuda" and strategy != "fsdp")
+    optimizer = adamw(params, cfg.lr, cfg.weight_decay, fused=device.type == "cuda" and strategy != "fsdp")
     warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, round(0.03 * len(steps)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.schedule, warmup, len(steps), cfg.min_lr_ratio))
