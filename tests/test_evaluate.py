@@ -247,3 +247,33 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case, trained, tiny_model_
     assert main(args) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"hivetune: error: {expected}"]
     assert not out.exists()
+
+
+def test_train_ends_with_the_ab_that_eval_gives(tiny_model_dir, tmp_path, capsys):
+    """`hivetune train` with a held-out file scores base vs tuned on the model in memory into
+    RUN/eval/; `hivetune eval` on the saved adapter gives the same rows."""
+    data = write_jsonl(tmp_path / "train.jsonl", eval_records() * 2)  # the held-out answers: the loss must drop
+    heldout = write_jsonl(tmp_path / "heldout.jsonl", eval_records())
+    run = tmp_path / "run"
+    assert main(["train", "--model", str(tiny_model_dir), "--data", str(data), "--val-data", str(heldout),
+                 "--output", str(run), "--max-steps", "3", "--batch-size", "4", "--lr", "1e-2", "--precision", "fp32",
+                 "--device", "cpu", "--quiet", "--set", "lora.r=4", "--set", "max_new_tokens=6",
+                 "--set", "eval_examples=5", "--set", "eval_prompts=2"]) == 0
+    out = capsys.readouterr().out
+    assert f"base vs tuned on 5 held-out examples of {heldout}" in out and "| response loss |" in out
+    assert out.count("held-out question:") == 2
+    in_run = json.loads((run / "eval" / "eval.json").read_text())
+    assert in_run["examples"] == 5 and in_run["max_new_tokens"] == 6 and (run / "eval" / "eval.md").is_file()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["eval"]["means"] == in_run["means"] and summary["eval"]["out"] == str(run / "eval")
+    assert summary["samples"][1]["tuned"] == in_run["rows"][1]["tuned"]["generation"]
+    assert {"python", "torch", "hivetune", "cpu"} <= set(summary["environment"])
+
+    assert main(["eval", "--adapter", str(run), "--data", str(heldout), "--out", str(tmp_path / "again"),
+                 "--limit", "5", "--max-new-tokens", "6", *EVAL_ARGS[2:]]) == 0
+    again = json.loads((tmp_path / "again" / "eval.json").read_text())
+    for a, b in zip(in_run["rows"], again["rows"]):
+        for side in ("base", "tuned"):
+            assert a[side]["generation"] == b[side]["generation"]
+            assert a[side]["loss"] == pytest.approx(b[side]["loss"], rel=1e-6)
+    assert in_run["means"]["tuned"]["loss"] < in_run["means"]["base"]["loss"] - 0.1

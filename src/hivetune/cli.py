@@ -47,6 +47,7 @@ TRAIN_SWITCHES = {
     "--no-packing": ("packing", False, "pad each micro-batch instead of packing it"),
     "--gradient-checkpointing": ("gradient_checkpointing", True, "recompute activations in backward"),
     "--rslora": ("lora.rslora", True, "rank-stabilised LoRA scaling"),
+    "--tensorboard": ("tensorboard", True, "also write TensorBoard event files (RUN/tensorboard/)"),
     "--no-doctor": ("skip_doctor", True, "start even on a stack the doctor's quick checks call broken"),
 }
 

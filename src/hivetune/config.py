@@ -116,6 +116,9 @@ class TrainConfig:
     torch's CUDA, a GPU missing from the build, a wrong HSA_OVERRIDE_GFX_VERSION...)."""
     log_every: int = 1
     """Write a metrics.jsonl line every this many optimizer steps."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard event files in RUN/tensorboard/ (needs the
+    tensorboard package: pip install 'hivetune[tensorboard]')."""
     save_every: int = 0
     """Checkpoint (adapter, optimizer, RNG...) every this many optimizer steps and at the end,
     in checkpoints/step-N/; 0: only the final adapter (and a checkpoint on SIGINT / SIGTERM)."""
@@ -141,6 +144,10 @@ class TrainConfig:
     """Held-out questions answered by the base and the tuned model at the end (0: none)."""
     max_new_tokens: int = 96
     """Generation length for those answers."""
+    eval_examples: int = 200
+    """End of run, with a held-out file (val_data, or the shipped split with the default data):
+    base vs tuned on its first this many examples as `hivetune eval` scores them (response
+    loss, answers, F1 / ROUGE-L / command hits), written to RUN/eval/; 0: only eval_prompts answers."""
 
 
 def field_doc(cls, name: str) -> str:
@@ -357,6 +364,8 @@ def validate(cfg: TrainConfig) -> list[str]:
         errors.append("val_split: give either val_split or val_data, not both")
     if cfg.early_stopping_patience > 0 and not (cfg.val_split > 0 or cfg.val_data):
         errors.append("early_stopping_patience: needs a validation set (val_split or val_data)")
+    if cfg.eval_examples < 0:
+        errors.append(f"eval_examples: must be >= 0, got {cfg.eval_examples}")
     if cfg.lr <= 0:
         errors.append(f"lr: must be > 0, got {cfg.lr}")
     if cfg.epochs <= 0 and cfg.max_steps == 0:

@@ -28,8 +28,9 @@ import torch
 from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, FORMAT_NAMES, Encoded, alpaca_messages,
                                    check_record, detect_format, encode_record, iter_records, render_chat)
 from hivetune.errors import UserError
-from hivetune.generate import greedy_ids, resolve_adapter_folder
-from hivetune.model.decoder import CausalLM
+from hivetune.generate import resolve_adapter_folder
+from hivetune.model.decoder import CausalLM, KVCache
+from hivetune.ops.attention import Masked
 from hivetune.ops.loss import target_loss_sum
 
 SIDES = ("base", "tuned")
@@ -192,24 +193,75 @@ def response_losses(model: CausalLM, examples: list[Encoded], pad_id: int,
     return out
 
 
+@torch.no_grad()
+def greedy_answers(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+                   pad_id: int) -> list[list[int]]:
+    """Greedy continuations (stop token excluded) of a batch of prompts, left-padded, on a KV
+    cache; the same tokens as ``hivetune.generate.greedy_ids`` row by row.
+
+    Rows that have reached a stop token leave the batch: once at least an eighth of the live
+    rows (and at least one) are done, the live rows' KV cache, mask and tokens are gathered
+    into a smaller batch. A decode step's cost grows with its rows, and answers end at very
+    different lengths (SmolLM2 on the shipped held-out set: 12 to 96 tokens), so without this
+    the batch runs at full width until its longest answer ends. One host sync per step.
+    """
+    device = model.lm_head.weight.device
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
+    valid = torch.zeros((batch, width + max_new_tokens), dtype=torch.bool, device=device)
+    for row, p in enumerate(prompts):  # left padding keeps every prompt's last token aligned
+        ids[row, width - len(p):] = torch.tensor(p, device=device)
+        valid[row, width - len(p):] = True
+    cache = KVCache(model.args, batch, width + max_new_tokens, device, model.lm_head.weight.dtype)
+    stop = torch.tensor(sorted(stop_ids) or [-1], device=device)
+    outputs: list[list[int]] = [[] for _ in range(batch)]
+    rows = list(range(batch))  # the prompt index of each live row
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    step_ids = ids
+    for _ in range(max_new_tokens):
+        start, q = cache.length, step_ids.shape[1]
+        total = start + q
+        positions = (valid[:, :total].long().cumsum(-1) - 1).clamp(min=0)[:, start:total]
+        keys = torch.arange(total, device=device)
+        query_pos = (start + torch.arange(q, device=device))[:, None]
+        # A pad query may see only itself: a row with no visible key would make SDPA return NaN.
+        mask = ((keys[None, :] <= query_pos)[None] & valid[:, None, :total]) | (keys[None, :] == query_pos)[None]
+        hidden = model(step_ids, positions, Masked(mask[:, None]), cache)
+        next_ids = model.logits(hidden[:, -1]).argmax(-1)
+        done |= torch.isin(next_ids, stop)
+        for row, token, finished in zip(rows, next_ids.tolist(), done.tolist()):
+            if not finished:
+                outputs[row].append(token)
+        n_done = int(done.sum())
+        if n_done == len(rows):
+            break
+        valid[:, total] = True
+        step_ids = next_ids[:, None]
+        if n_done >= max(1, len(rows) // 8):
+            keep = (~done).nonzero().squeeze(1)
+            rows = [rows[i] for i in keep.tolist()]
+            valid, step_ids, done = valid[keep], step_ids[keep], done[keep]
+            for layer in range(len(cache.k)):
+                cache.k[layer] = cache.k[layer].index_select(0, keep)
+                cache.v[layer] = cache.v[layer].index_select(0, keep)
+    return outputs
+
+
 def generate_sorted(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
                     pad_id: int, batch_size: int) -> list[list[int]]:
     """Greedy continuations in batches of prompts of similar length (sorted by length, so left
-    padding stays short), returned in input order. Each batch stops when every row has hit a
-    stop token; a finished row's later tokens are dropped (``greedy_ids``).
+    padding stays short), returned in input order (see ``greedy_answers``).
 
     Batches are as even as `batch_size` allows (200 prompts at 48: 5 x 40, not 4 x 48 + 8).
     Big batches pay on the CPU because a decode step's cost is mostly per-step overhead and
-    weight reads, not rows: SmolLM2-135M in bf16 on 2 AMX cores, the base model answering 40
-    prompts with up to 96 tokens, took 19-24 s in one batch of 40, 29 s in two of 20 and
-    31-38 s in batches of 16.
+    weight reads, not rows.
     """
     out: list[list[int]] = [[] for _ in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     size = math.ceil(len(order) / math.ceil(len(order) / batch_size)) if order else 1
     for start in range(0, len(order), size):
         chunk = order[start:start + size]
-        for i, ids in zip(chunk, greedy_ids(model, [prompts[i] for i in chunk], max_new_tokens, stop_ids, pad_id)):
+        for i, ids in zip(chunk, greedy_answers(model, [prompts[i] for i in chunk], max_new_tokens, stop_ids, pad_id)):
             out[i] = ids
     return out
 
@@ -294,9 +346,8 @@ def evaluate(model: str = "", adapter: str = "", data: str = "", max_new_tokens:
     eval.json content. Everything is checked before a weight is loaded."""
     from hivetune.device import DTYPES, resolve_device, resolve_precision
     from hivetune.embedded import default_heldout_data
-    from hivetune.fileio import atomic_write_bytes
     from hivetune.model.load import load_model
-    from hivetune.model.lora import load_adapter, lora_enabled
+    from hivetune.model.lora import load_adapter
     from hivetune.model.tokenizer import load_tokenizer
 
     for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("limit", limit, 0),
@@ -322,29 +373,73 @@ def evaluate(model: str = "", adapter: str = "", data: str = "", max_new_tokens:
 
     net = load_model(model_path, dtype=DTYPES[prec], device=dev)
     load_adapter(net, adapter_folder, param_dtype=DTYPES[prec])
+    load_seconds = time.perf_counter() - t_start
+    report = score_base_and_tuned(net, tokenizer, examples, max_new_tokens, batch_size)
+    report["seconds"] = {"load": round(load_seconds, 2), **report["seconds"],
+                         "total": round(time.perf_counter() - t_start, 2)}
+    report = {"model": str(model_path), "adapter": str(adapter_folder), "data": str(data_path), "device": str(dev),
+              "precision": prec, "max_new_tokens": max_new_tokens, "max_length": max_length,
+              "batch_size": batch_size, **report}
+    write_eval(report, out_dir, report_examples)
+    report["out"] = str(out_dir)
+    return report
+
+
+def score_base_and_tuned(net: CausalLM, tokenizer, examples: list[EvalExample], max_new_tokens: int,
+                         batch_size: int) -> dict:
+    """Both sides on a model carrying LoRA (switched off for the base): the examples count, the
+    seconds of each pass, the means and every row."""
+    from hivetune.model.lora import lora_enabled
+
+    was_training = net.training
     net.eval()
-    seconds = {"load": time.perf_counter() - t_start}
-    rows = {}
+    seconds, rows = {}, {}
+    t0 = time.perf_counter()
     for side in SIDES:
         parts: dict = {}
         with lora_enabled(net, side == "tuned"):
             rows[side] = score_model(net, tokenizer, examples, max_new_tokens, batch_size, parts)
-        seconds.update({f"{side}_{k}": v for k, v in parts.items()})
-    seconds["total"] = time.perf_counter() - t_start
-
-    report = {
-        "model": str(model_path), "adapter": str(adapter_folder), "data": str(data_path),
-        "device": str(dev), "precision": prec, "max_new_tokens": max_new_tokens, "max_length": max_length,
-        "batch_size": batch_size, "examples": len(examples),
-        "seconds": {k: round(v, 2) for k, v in seconds.items()},
+        seconds.update({f"{side}_{k}": round(v, 2) for k, v in parts.items()})
+    seconds["scoring"] = round(time.perf_counter() - t0, 2)
+    net.train(was_training)
+    return {
+        "examples": len(examples), "seconds": seconds,
         "means": {side: mean_metrics(rows[side]) for side in SIDES},
         "rows": [{"where": e.where, "question": e.question, "reference": e.reference, "commands": e.commands,
                   "truncated": e.encoded.truncated, "base": b, "tuned": t}
                  for e, b, t in zip(examples, rows["base"], rows["tuned"])],
     }
+
+
+def write_eval(report: dict, out_dir: Path, report_examples: int = 3) -> None:
+    """eval.json (the report) and eval.md (means and a few examples), each written atomically."""
+    from hivetune.fileio import atomic_write_bytes
+
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "eval.json", (json.dumps(report, indent=2) + "\n").encode())
     atomic_write_bytes(out_dir / "eval.md", markdown_report(report, report_examples).encode())
+
+
+def heldout_ab(net: CausalLM, tokenizer, data_path: Path, out_dir: Path, *, model_path: Path, adapter_folder: Path,
+               device: torch.device, precision: str, max_new_tokens: int = 96, limit: int = 200,
+               batch_size: int = 48, max_length: int = 1024) -> dict:
+    """The end of `hivetune train`: `hivetune eval` on the model still in memory (no reload),
+    into out_dir (RUN/eval). The LoRA weights are cast to the base's dtype first, as
+    `hivetune eval` loads them, so both give the same numbers for the same run."""
+    from hivetune.model.lora import lora_modules
+
+    t_start = time.perf_counter()
+    dtype = net.lm_head.weight.dtype
+    for _, module in lora_modules(net):
+        module.lora_A.to(dtype)
+        module.lora_B.to(dtype)
+    examples = read_examples(data_path, tokenizer, max_length, limit)
+    report = score_base_and_tuned(net, tokenizer, examples, max_new_tokens, batch_size)
+    report["seconds"]["total"] = round(time.perf_counter() - t_start, 2)
+    report = {"model": str(model_path), "adapter": str(adapter_folder), "data": str(data_path), "device": str(device),
+              "precision": precision, "max_new_tokens": max_new_tokens, "max_length": max_length,
+              "batch_size": batch_size, **report}
+    write_eval(report, out_dir)
     report["out"] = str(out_dir)
     return report
 
