@@ -1,0 +1,157 @@
+"""Multi-GPU benchmark (issue 10), one device call on 2 GPUs:
+
+    python bench/multi_gpu.py all --out DIR      # orchestrates the runs below, writes one JSON
+
+- single W2: the W2 workload on one GPU (global batch 16 examples per step).
+- ddp W2:    the same workload on 2 GPUs through torchrun + DDP, 8 examples per GPU per step
+             (the same global batch of 16), the same seeded step plan.
+- fsdp 14B:  a Qwen2.5-14B-shape model (random init) trained with FSDP2 on 2 GPUs
+             (20 steps of W2-style examples, 4 per GPU), per-GPU peak memory recorded.
+
+Each run prints one JSON line (rank 0); `all` collects them with the device, versions, commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hivetune import distributed
+from hivetune.bench import WORKLOADS, environment, git_commit, qwen25_shape, random_model, workload_examples
+from hivetune.config import load_config
+from hivetune.data.dataset import TokenizedExamples
+from hivetune.model.decoder import CausalLM
+from hivetune.train import assemble, fit
+
+QWEN25_14B = qwen25_shape(152064, 5120, 13824, 48, 40, 8, False)
+
+
+def random_model_bf16(args, device) -> CausalLM:
+    """HF-style random init made directly in bf16 on the GPU (no fp32 copy: a 14B model would
+    take 59 GB in fp32); the same seed gives the same weights on every rank."""
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = CausalLM(args)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02)
+            p.requires_grad_(False)
+    return model
+
+
+def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
+    parallel = distributed.init(device_name)
+    device = distributed.device_for(parallel, torch.device(device_name))
+    if workload == "tiny":  # a CPU smoke test of this script (gloo)
+        args, n_examples, cap, per_step, lora, max_steps = qwen25_shape(2048, 64, 128, 2, 4, 2, False), 64, 64, 8, {"r": 4, "alpha": 8, "dropout": 0.0}, 3
+    elif workload == "14B":
+        args, n_examples, cap, per_step, lora, max_steps = QWEN25_14B, 400, 256, 8, {"r": 16, "alpha": 32, "dropout": 0.05}, 20
+    else:
+        w = WORKLOADS[workload]
+        args, n_examples, cap, per_step, lora, max_steps = w.args, w.n_examples, w.cap, w.examples_per_step, w.lora, 0
+    examples = TokenizedExamples(workload_examples(n_examples, args.vocab_size, cap))
+    cfg = load_config(None, {
+        "model": "random", "data": "generator", "precision": "bf16" if device.type == "cuda" else "fp32",
+        "device": device.type, "epochs": 1.0,
+        "max_steps": max_steps, "batch_size": per_step // parallel.world, "lr": 2e-4, "lora": lora,
+        "eval_prompts": 0, "max_length": 4096, "log_every": 10,
+        "distributed": "fsdp" if mode == "fsdp" else "ddp"})
+    model = random_model_bf16(args, device) if device.type == "cuda" else random_model(args, device, torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(distributed.on_main(parallel, lambda: tmp)) / "run"
+        run = assemble(cfg, model, examples, None, device, cfg.precision, folder, Path("random"), parallel)
+        del model
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+        distributed.barrier(parallel)
+        t0 = time.perf_counter()
+        result = fit(run, progress=False)
+        if cuda:
+            torch.cuda.synchronize()
+        distributed.barrier(parallel)
+        seconds = time.perf_counter() - t0
+        losses = ([json.loads(line)["loss"] for line in (run.folder / "metrics.jsonl").read_text().splitlines()]
+                  if parallel.is_main else [])
+    peaks = distributed.all_gather_objects(parallel, (torch.cuda.max_memory_allocated(device),
+                                                       torch.cuda.max_memory_reserved(device)) if cuda else (0, 0))
+    tokens = sum(examples.lengths[i] for step in run.steps for i in step)
+    out = {"mode": mode, "workload": workload, "gpus": parallel.world, "strategy": run.strategy,
+           "steps": len(run.steps), "global_batch": per_step, "per_gpu_micro_batch": cfg.batch_size,
+           "seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
+           "peak_allocated_gib_per_gpu": [round(a / 2**30, 2) for a, _ in peaks],
+           "peak_reserved_gib_per_gpu": [round(r / 2**30, 2) for _, r in peaks],
+           "final_loss": result.final_loss, "losses_logged": losses,
+           "params_billion": round(n_params / 1e9, 3)}
+    distributed.shutdown(parallel)
+    return out
+
+
+def run_all(out_dir: Path) -> dict:
+    here = Path(__file__).resolve()
+    env = {**os.environ, "OMP_NUM_THREADS": "4"}
+    runs = {}
+    commands = {
+        "single_W2": [sys.executable, str(here), "single", "W2"],
+        "ddp_W2": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(here),
+                   "ddp", "W2"],
+        "fsdp_14B": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(here),
+                     "fsdp", "14B"],
+    }
+    for name, command in commands.items():
+        t0 = time.perf_counter()
+        proc = subprocess.run(command, capture_output=True, text=True, env=env)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        runs[name] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {
+            "error": proc.stderr[-4000:], "returncode": proc.returncode}
+        runs[name]["wall_s"] = round(time.perf_counter() - t0, 1)
+        print(name, json.dumps(runs[name])[:400], flush=True)
+    single, ddp = runs.get("single_W2", {}), runs.get("ddp_W2", {})
+    result = {"environment": environment(torch.device("cuda")), "commit": git_commit(),
+              "gpus_visible": torch.cuda.device_count(), "runs": runs,
+              "ddp_speedup_W2": round(ddp["tokens_per_s"] / single["tokens_per_s"], 3)
+              if "tokens_per_s" in single and "tokens_per_s" in ddp else None}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"multigpu-{result['commit']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}; W2 speedup on 2 GPUs: {result['ddp_speedup_W2']}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["all", "single", "ddp", "fsdp"])
+    parser.add_argument("workload", nargs="?", default="W2")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--device", default="cuda")
+    ns = parser.parse_args()
+    if ns.mode == "all":
+        run_all(Path(ns.out))
+        return
+    result = train_once(ns.mode, ns.workload, ns.device)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Two GPUs through torchrun + NCCL (DDP and FSDP2) give the one-GPU run of the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                reason="needs 2 CUDA GPUs")
+
+FLAGS = ["--precision", "fp32", "--device", "cuda", "--max-steps", "6", "--lr", "5e-3", "--set", "lora.r=4",
+         "--set", "lora.alpha=8", "--set", "lora.dropout=0", "--set", "eval_prompts=0", "--set", "warmup_steps=0",
+         "--set", "cuda_graphs=false", "--quiet"]
+
+
+def train_cli(args, nproc):
+    env = {**os.environ}
+    env.pop("WORLD_SIZE", None)
+    extra = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
+    proc = subprocess.run([sys.executable, "-m", "hivetune", "train", *extra, *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def losses(folder):
+    return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_gpus_match_one_gpu(strategy, tiny_model_dir, alpaca_file, tmp_path):
+    common = ["--model", str(tiny_model_dir), "--data", str(alpaca_file), *FLAGS]
+    train_cli([*common, "--output", str(tmp_path / "one"), "--batch-size", "4", "--grad-accum", "2"], 1)
+    train_cli([*common, "--output", str(tmp_path / "two"), "--batch-size", "4", "--grad-accum", "1",
+               "--set", f"distributed={strategy}"], 2)
+    # fp32 on GPUs: TF32 is off by default in torch; sums over ranks in another order than one
+    # process adds them, so the tolerance is fp32 rounding, not bitwise.
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
+    a = load_file(str(tmp_path / "one" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "two" / "adapter" / "adapter_model.safetensors"))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
