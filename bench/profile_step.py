@@ -42,6 +42,7 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.bucket:
         os.environ["HIVETUNE_GRAPH_BUCKET"] = str(opts.bucket)
+    os.environ["HIVETUNE_GRAPH_TIMING"] = "1"  # GPU time of each graph replay (CUDA events)
     w = WORKLOADS[opts.workload]
     device = torch.device("cuda")
     values = {"model": "random", "data": "generator", "precision": "bf16", "device": "cuda",
@@ -75,6 +76,9 @@ def main() -> None:
               f"{1000 * (seconds - cap) / len(rest):.1f} ms/step without {cap:.2f} s of graph capture), "
               f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated, "
               f"{torch.cuda.max_memory_reserved() / 2**30:.2f} GiB reserved; graphs: {graphs.last_stats or 'off'}")
+        if graphs.last_graphed is not None:
+            print(f"GPU ms per graph replay (forward + loss + backward of one micro-batch), by bucket: "
+                  f"{graphs.last_graphed.replay_ms()}")
         return
     from torch.profiler import ProfilerActivity, profile
 

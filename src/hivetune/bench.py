@@ -112,7 +112,10 @@ def git_commit() -> str:
 
 
 def environment(device) -> dict:
-    env = {"python": platform.python_version(), "torch": torch.__version__, "commit": git_commit()}
+    from hivetune.ops import elementwise
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "commit": git_commit(),
+           "fused_ops": elementwise.triton is not None and os.environ.get("HIVETUNE_FUSED_OPS", "1") != "0"}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
@@ -319,9 +322,13 @@ def results_table(folder: Path) -> str:
             continue
         env = r.get("environment", {})
         setting = ", ".join(f"{k}={v}" for k, v in (r.get("overrides") or {}).items()) or "defaults"
+        if env.get("gpu") and env.get("fused_ops") is False:
+            setting += "; PyTorch RMSNorm / RoPE / SwiGLU"
         graphs = h.get("cuda_graphs")
-        if graphs:
-            setting += f"; {graphs['graphs']} graphs, capture {graphs['capture_s']} s"
+        if graphs and graphs.get("off"):
+            setting += f"; CUDA graphs off: {graphs['off']}"
+        elif graphs:
+            setting += f"; {graphs['graphs']} CUDA graphs, capture {graphs['capture_s']} s"
         steps = f"{h['steps']}" + ("" if not r.get("max_steps") else " (max_steps)")
         base = r.get("baseline")
         if base:

@@ -14,19 +14,19 @@ from hivetune.data.batch import collate_packed
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.model.lora import lora_parameters
 from hivetune.ops.fused_ce import fused_target_loss_sum
-from hivetune.ops.graphs import (IGNORE_INDEX, bucket_tokens, graphs_unsupported, micro_step_fn,
-                                 pad_packed_batch)
+from hivetune.ops.graphs import (IGNORE_INDEX, batch_key, bucket_tokens, graphs_unsupported, micro_step_fn,
+                                 pad_packed_batch, planned_keys)
 from hivetune.ops.loss import target_loss_sum
-from hivetune.train import assemble, forward_backward
+from hivetune.train import assemble, forward_backward, micro_batches
 
 
-def tiny_run(tmp_path, dropout: float = 0.0, **cfg):
+def tiny_run(tmp_path, dropout: float = 0.0, cap: int = 40, **cfg):
     """A real Run (train.assemble) of a 2-layer hidden-64 random Qwen2-shaped model on the CPU, fp32."""
     args = qwen25_shape(vocab=2100, hidden=64, intermediate=128, layers=2, heads=4, kv=2, tied=True)
     model = random_model(args, "cpu", torch.float32)
     values = {"model": "random", "data": "generator", "device": "cpu", "precision": "fp32", "eval_prompts": 0,
               "lora": {"r": 4, "alpha": 8, "dropout": dropout}, **cfg}
-    examples = TokenizedExamples(workload_examples(16, 2100, cap=40, seed=3))
+    examples = TokenizedExamples(workload_examples(16, 2100, cap=cap, seed=3))
     run = assemble(load_config(None, values), model, examples, None, torch.device("cpu"), "fp32",
                    tmp_path / "run", Path("random"))
     with torch.no_grad():  # B = 0 at init would leave A's gradient zero: give B values
@@ -135,3 +135,11 @@ def test_graphs_unsupported_names_the_reason(change, reason, tmp_path):
     assert graphs_unsupported(run, fused_target_loss_sum) == reason
     run.precision, run.scaler, run.cfg.packing, run.cfg.gradient_checkpointing = "bf16", None, True, False
     assert graphs_unsupported(run, lambda *a: None) == "unknown loss function"
+
+
+def test_planned_keys_are_the_keys_the_loop_meets(tmp_path):
+    """The graphs captured up front (from example lengths) are those the micro-batches ask for."""
+    run = tiny_run(tmp_path, cap=0, batch_size=3, grad_accum=2, max_steps=5)
+    met = {batch_key(b, 32) for step in run.steps for b in micro_batches(run, step)}
+    assert planned_keys(run, 32) == sorted(met)
+    assert len(met) > 2

@@ -12,11 +12,11 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from hivetune.model.config import ModelArgs
 from hivetune.model.lora import project_shared_input
+from hivetune.ops import elementwise
 from hivetune.ops.attention import causal_attention
 
 
@@ -29,10 +29,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # one Triton kernel each way on GPUs (ops.elementwise), saving only x and 1/rms
+        return elementwise.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -65,10 +63,8 @@ def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torc
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D]; rotate-half form: x*cos + [-x2, x1]*sin."""
-    cos, sin = cos[:, :, None], sin[:, :, None]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    """x: [B, T, H, D]; rotate-half form: x*cos + [-x2, x1]*sin (one Triton kernel on GPUs)."""
+    return elementwise.apply_rope(x, cos, sin)
 
 
 class Attention(nn.Module):
@@ -112,7 +108,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = project_shared_input(x, self.gate_proj, self.up_proj)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(elementwise.swiglu(gate, up))  # saves gate and up only
 
 
 class DecoderLayer(nn.Module):

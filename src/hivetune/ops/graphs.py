@@ -40,10 +40,15 @@ from hivetune.ops.loss import target_loss_sum
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index; fused_target_loss_sum takes it too
 # W1: 7 token buckets, 8% pad tokens (128: 13 buckets, 4%; 512: 4, 16%). HIVETUNE_GRAPH_BUCKET
 # overrides it for experiments (bench/profile_step.py --bucket).
-BUCKET_TOKENS = int(os.environ.get("HIVETUNE_GRAPH_BUCKET", "256"))
+BUCKET_TOKENS = 256
 MAX_GRAPHS = 48  # keys beyond this many run eagerly
+# Above this many matmul TFLOP per micro-batch (4 x linear weights x tokens; ~30 ms on an H100 /
+# H200) the GPU outruns the host's dispatch anyway: W2 (7B, ~2,900 tokens: ~82 TFLOP) measured
+# 23.8 s with graphs against 21.4 s eager (capture time, padding) and 65 against 40 GiB reserved.
+MAX_TFLOP_PER_MICRO_BATCH = 16.0
 
 last_stats: dict = {}  # the most recent GraphedForwardBackward's counters (read by the benchmark)
+last_graphed = None  # the most recent one, kept only with HIVETUNE_GRAPH_TIMING=1 (profiling)
 
 
 def bucket_tokens(n_tokens: int, bucket: int = BUCKET_TOKENS) -> int:
@@ -73,6 +78,26 @@ def pad_packed_batch(batch: MicroBatch, tokens: int, pad_id: int = 0) -> MicroBa
     lengths = tuple(layout.lengths) + (extra,) if layout.lengths else ()
     return MicroBatch(input_ids[None], positions[None], target_index, target_ids,
                       Packed(cu, tokens, lengths), batch.n_examples, batch.n_tokens)
+
+
+def batch_key(batch: MicroBatch, bucket: int = BUCKET_TOKENS) -> tuple[int, int]:
+    """A packed micro-batch's graph: (bucket tokens, cu_seqlens entries once padded)."""
+    return bucket_tokens(batch.input_ids.shape[1], bucket), len(batch.layout.cu_seqlens) + 1
+
+
+def planned_keys(run, bucket: int = BUCKET_TOKENS) -> list[tuple[int, int]]:
+    """batch_key of every micro-batch left in the run's step plan, from the example lengths
+    (collate_packed: one segment per example, no padding)."""
+    lengths = getattr(run.data, "lengths", None)
+    if lengths is None:
+        return []
+    size = run.cfg.batch_size
+    keys = set()
+    for step in run.steps[run.start_step:]:
+        for i in range(0, len(step), size):
+            chunk = step[i:i + size]
+            keys.add((bucket_tokens(sum(lengths[j] for j in chunk), bucket), len(chunk) + 2))
+    return sorted(keys)
 
 
 def ignoring_loss_fn(loss_fn):
@@ -148,30 +173,37 @@ class _Bucket:
 class GraphedForwardBackward:
     """Callable ``(batch, n_targets) -> loss``, replaying one CUDA graph per token bucket."""
 
-    def __init__(self, run, loss_fn, eager, bucket: int = BUCKET_TOKENS, max_graphs: int = MAX_GRAPHS):
+    def __init__(self, run, loss_fn, eager, bucket: int = 0, max_graphs: int = MAX_GRAPHS):
         from hivetune.model.lora import lora_parameters
 
         self.run, self.eager = run, eager
         self.loss_fn = ignoring_loss_fn(loss_fn)
-        self.bucket, self.max_graphs = bucket, max_graphs
+        self.bucket = bucket or int(os.environ.get("HIVETUNE_GRAPH_BUCKET", BUCKET_TOKENS))
+        self.max_graphs = max_graphs
         self.params = lora_parameters(run.model)
         self.grads = [torch.zeros_like(p) for p in self.params]
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=run.device)
+        self.warmed = False
         self.off: str | None = None
+        self.flops_per_token = 4 * run.model.args.linear_weight_count
+        self.replay_events: list | None = [] if os.environ.get("HIVETUNE_GRAPH_TIMING") else None
         self.stats = {"graphs": 0, "replays": 0, "eager": 0, "capture_s": 0.0, "pad_tokens": 0, "tokens": 0,
-                      "bucket_tokens": bucket, "off": None}
-        global last_stats
+                      "bucket_tokens": self.bucket, "off": None}
+        global last_stats, last_graphed
         last_stats = self.stats
+        last_graphed = self if self.replay_events is not None else None
 
     def __call__(self, batch: MicroBatch, n_targets: int) -> torch.Tensor:
+        if not self.off and not self.buckets and not self.warmed:
+            self._check_launch_bound(batch)
         if self.off or not isinstance(batch.layout, Packed):
             self.stats["eager"] += 1
             return self.eager(batch, n_targets)
         self._attach_grads()
-        tokens = bucket_tokens(batch.input_ids.shape[1], self.bucket)
-        key = (tokens, len(batch.layout.cu_seqlens) + 1)
+        key = batch_key(batch, self.bucket)
+        tokens = key[0]
         bucket = self.buckets.get(key)
         if bucket is None and len(self.buckets) >= self.max_graphs:
             self.stats["eager"] += 1
@@ -180,11 +212,40 @@ class GraphedForwardBackward:
         self.stats["tokens"] += batch.input_ids.shape[1]
         self.stats["pad_tokens"] += tokens - batch.input_ids.shape[1]
         if bucket is None:
-            return self._warm_up_and_capture(key, padded, n_targets)
+            return self._capture(key, batch, padded, n_targets)
         bucket.load(padded, n_targets)
-        bucket.graph.replay()
-        self.stats["replays"] += 1
+        self._replay(bucket)
         return bucket.loss.clone()  # now: the next replay of a graph in this pool may overwrite it
+
+    def _check_launch_bound(self, batch: MicroBatch) -> None:
+        """Graphs remove host dispatch time (~5 ms a layer); a micro-batch whose matmuls alone
+        keep the GPU busier than that gains little and pays capture time and pool memory."""
+        tflop = self.flops_per_token * batch.input_ids.numel() / 1e12
+        if tflop > MAX_TFLOP_PER_MICRO_BATCH:
+            self._turn_off(f"compute-bound micro-batches, ~{tflop:.0f} TFLOP each")
+
+    def _turn_off(self, reason: str) -> None:
+        self.off = self.stats["off"] = reason
+        print(f"hivetune: CUDA graphs off ({reason}); eager steps", file=sys.stderr)
+
+    def _replay(self, bucket: _Bucket) -> None:
+        if self.replay_events is None:
+            bucket.graph.replay()
+        else:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            bucket.graph.replay()
+            end.record()
+            self.replay_events.append((bucket.tokens, start, end))
+        self.stats["replays"] += 1
+
+    def replay_ms(self) -> dict[int, float]:
+        """HIVETUNE_GRAPH_TIMING=1: mean GPU milliseconds of a replay per bucket (after a sync)."""
+        torch.cuda.synchronize()
+        times: dict[int, list[float]] = {}
+        for tokens, start, end in self.replay_events or []:
+            times.setdefault(tokens, []).append(start.elapsed_time(end))
+        return {t: round(sum(v) / len(v), 3) for t, v in sorted(times.items())}
 
     def _attach_grads(self) -> None:
         """Point every LoRA .grad at its persistent tensor (the graphs accumulate into those)."""
@@ -207,36 +268,53 @@ class GraphedForwardBackward:
         bucket.cu.copy_(bucket.cu_src)
         return forward_backward(self.run, bucket.batch, bucket.n_targets, self.loss_fn)
 
-    def _warm_up_and_capture(self, key, padded: MicroBatch, n_targets: int) -> torch.Tensor:
+    def _capture(self, key, batch: MicroBatch, padded: MicroBatch, n_targets: int) -> torch.Tensor:
+        """A key without a graph: returns this micro-batch's loss, having captured what it can.
+
+        The first time, an eager run on the capture stream (cuBLAS workspace, lazy inits) does
+        this micro-batch's real work; then the graphs of every key the step plan will meet are
+        captured, largest first, so that the smaller ones reuse the shared pool's blocks (capture
+        executes nothing, so the static inputs' contents do not matter then). A key the plan did
+        not foresee is captured when met, then replayed."""
         t0 = time.perf_counter()
-        bucket = _Bucket(key[0], key[1] - 1, padded.n_examples, self.run.device)
-        bucket.load(padded, n_targets)
-        main = torch.cuda.current_stream()
-        # Warm-up on the capture stream (cuBLAS workspaces, lazy inits); it is this micro-batch's
-        # real forward / backward, so its gradients count.
-        self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):
-            loss = self._body(bucket)
-        main.wait_stream(self.stream)
-        loss.record_stream(main)
+        loss = None
+        if not self.warmed:
+            bucket = _Bucket(key[0], key[1] - 1, padded.n_examples, self.run.device)
+            bucket.load(padded, n_targets)
+            main = torch.cuda.current_stream()
+            self.stream.wait_stream(main)
+            with torch.cuda.stream(self.stream):
+                loss = self._body(bucket)
+            main.wait_stream(self.stream)
+            loss.record_stream(main)
+            self.warmed = True
+            for planned in sorted(set(planned_keys(self.run, self.bucket)) | {key}, reverse=True)[:self.max_graphs]:
+                if not self._capture_key(planned, bucket if planned == key else None):
+                    break
+        elif self._capture_key(key, None):
+            bucket = self.buckets[key]
+            bucket.load(padded, n_targets)
+            self._replay(bucket)
+            loss = bucket.loss.clone()
+        self.stats["capture_s"] = round(self.stats["capture_s"] + time.perf_counter() - t0, 3)
+        return loss if loss is not None else self.eager(batch, n_targets)
+
+    def _capture_key(self, key, bucket: _Bucket | None) -> bool:
+        bucket = bucket or _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 bucket.loss = self._body(bucket)
         except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly from now on
             torch.cuda.synchronize()
-            self.off = f"capture of a {key[0]}-token bucket failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            self.stats["off"] = self.off
-            print(f"hivetune: CUDA graphs off ({self.off}); eager steps", file=sys.stderr)
-            return loss
+            self._turn_off(f"capture of a {key[0]}-token bucket failed: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200] if str(e) else ''}")
+            return False
         bucket.graph = graph
         self.buckets[key] = bucket
         self.stats["graphs"] += 1
-        self.stats["capture_s"] = round(self.stats["capture_s"] + time.perf_counter() - t0, 3)
-        return loss
-
+        return True
 
 def with_buckets(batch: MicroBatch, bucket: int = BUCKET_TOKENS, pad_id: int = 0) -> MicroBatch:
     """The padded batch a graph would see (tests: padding must not change loss or gradients)."""
     return pad_packed_batch(batch, bucket_tokens(batch.input_ids.shape[1], bucket), pad_id)
-

@@ -1,0 +1,104 @@
+"""Fused RMSNorm / RoPE / SwiGLU (Triton) against float64 references, and the fallbacks.
+
+The Triton tests run on a CUDA GPU, or on the CPU under Triton's interpreter
+(`TRITON_INTERPRET=1 python -m pytest tests/ops/test_elementwise.py`, Triton installed); the
+CPU CI has no Triton and skips them. The oracle is float64 math on the same (rounded) inputs:
+the fused output must be at least about as close to it as the bf16 / fp16 PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hivetune.ops import elementwise as ew
+
+RUNS_TRITON = ew.triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+needs_triton = pytest.mark.skipif(not RUNS_TRITON, reason="needs Triton on a GPU (or TRITON_INTERPRET=1)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def forward_backward(fn, inputs, dy):
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    y = fn(*leaves)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), [t.grad for t in leaves]
+
+
+def check(fused_fn, ref_fn, inputs, dy):
+    """Fused vs float64 no worse than ~the low-precision reference vs float64 (+ slack)."""
+    # Triton's CPU interpreter converts to bf16 by truncation, not round-to-nearest as the GPU
+    # does (measured: half the conversions differ), which doubles the forward error there.
+    slack = 3.0 if inputs[0].dtype == torch.bfloat16 and not inputs[0].is_cuda else 1.5
+    y, grads = forward_backward(fused_fn, inputs, dy)
+    y_ref, grads_ref = forward_backward(ref_fn, inputs, dy)
+    y64, grads64 = forward_backward(ref_fn, [t.double() for t in inputs], dy.double())
+    assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
+    assert torch.isfinite(y).all()
+    assert rel(y, y64) <= slack * rel(y_ref, y64) + 1e-4, (rel(y, y64), rel(y_ref, y64))
+    for g, g_ref, g64 in zip(grads, grads_ref, grads64):
+        if g64 is None:
+            continue
+        assert rel(g, g64) <= slack * rel(g_ref, g64) + 1e-4, (rel(g, g64), rel(g_ref, g64))
+        assert rel(g, g64) < 2e-2
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 37, 96), (2, 5, 896), (1, 3, 7, 64)])  # q_norm-like 4-D too
+def test_rms_norm_matches_float64(dtype, shape):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 3).to(dtype).to(DEVICE)
+    w = (1 + 0.2 * torch.randn(shape[-1])).to(dtype).to(DEVICE)
+    assert ew.fused_ok(x)
+    check(lambda a: ew.rms_norm(a, w, 1e-6), lambda a: ew.rms_norm_reference(a, w.to(a.dtype), 1e-6), [x],
+          torch.randn(shape, device=DEVICE))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 41, 200), (3, 7, 1025)])
+def test_swiglu_matches_float64(dtype, shape):
+    torch.manual_seed(1)
+    gate = (torch.randn(shape) * 2).to(dtype).to(DEVICE)
+    up = torch.randn(shape).to(dtype).to(DEVICE)
+    check(ew.swiglu, ew.swiglu_reference, [gate, up], torch.randn(shape, device=DEVICE))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,dim", [(14, 64), (2, 64), (5, 18)])
+def test_rope_matches_float64(dtype, heads, dim):
+    torch.manual_seed(2)
+    b, t = 2, 11
+    x = torch.randn(b, t, heads, dim).to(dtype).to(DEVICE)
+    pos = torch.randint(0, 500, (b, t))
+    inv = 1.0 / (1e6 ** (torch.arange(0, dim, 2).float() / dim))
+    angles = pos[..., None].float() * inv
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(dtype).to(DEVICE), emb.sin().to(dtype).to(DEVICE)
+    check(lambda a: ew.apply_rope(a, cos, sin), lambda a: ew.rope_reference(a, cos.to(a.dtype), sin.to(a.dtype)),
+          [x], torch.randn(b, t, heads, dim, device=DEVICE))
+
+
+def test_fallbacks_are_the_references(monkeypatch):
+    """fp32, CPU, a trainable norm weight or HIVETUNE_FUSED_OPS=0 take the plain PyTorch path."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 4, 8)
+    w = torch.randn(8)
+    assert not ew.fused_ok(x)  # fp32
+    assert torch.equal(ew.rms_norm(x, w, 1e-5), ew.rms_norm_reference(x, w, 1e-5))
+    assert torch.equal(ew.swiglu(x, x * 2), ew.swiglu_reference(x, x * 2))
+    xb = x.bfloat16()
+    monkeypatch.setenv("HIVETUNE_FUSED_OPS", "0")
+    assert not ew.fused_ok(xb)
+    monkeypatch.delenv("HIVETUNE_FUSED_OPS")
+    trainable = w.bfloat16().requires_grad_(True)
+    out = ew.rms_norm(xb, trainable, 1e-5)
+    assert out.grad_fn is not None and "RMSNormFunction" not in type(out.grad_fn).__name__
