@@ -56,9 +56,10 @@ def make_run(folder: Path, *, val=True, plan=True, ev=True, summary=True) -> Pat
             "precision": "bf16", "peak_memory_bytes": 3 * 2**30,
             "environment": {"torch": "2.13.0", "cpu": "Test CPU", "commit": "abc1234"}}))
     if plan:
-        (folder / "plan.json").write_text(json.dumps({
-            "breakdown": {"base weights": 2**30, "LoRA params": 2**20, "optimizer state": 2 * 2**20,
-                          "activations": 1.5 * 2**30}, "peak_bytes": 2.6 * 2**30}))
+        (folder / "plan.json").write_text(json.dumps({  # `hivetune plan --json`'s fields
+            "gpu": "H200", "memory_gib": 139.8, "fits": True, "suggestion": "fits with room to spare",
+            "parts_gib": {"base weights": 1.0, "LoRA params": 1 / 1024, "optimizer state": 2 / 1024,
+                          "activations": 1.5}, "peak_gib": 2.6}))
     if ev:
         (folder / "eval").mkdir()
         (folder / "eval" / "eval.json").write_text(json.dumps(eval_json()))
@@ -94,7 +95,7 @@ def test_full_report_inlines_every_chart(tmp_path):
     assert "30.0% (12/40)" in page and '<span class="better">+25.0 pts</span>' in page
     # planner table, config and environment; user text is escaped
     assert "<td>activations</td><td class=\"num\">1.500</td>" in page
-    assert "<b>predicted peak</b>" in page and "2.600" in page
+    assert "<b>predicted peak</b>" in page and "2.600" in page and "H200 139.8 GiB: fits. fits with room" in page
     assert "note: &#x27;&lt;not a tag&gt;&#x27;" in page and "<not a tag>" not in page
     assert "How do I &lt;restart&gt; nginx?" in page and "<b>service</b>" not in page
     assert "<td>commit</td><td>abc1234</td>" in page and "as recorded by the run" in page
@@ -107,7 +108,7 @@ def test_missing_sections_say_so(tmp_path):
     result = report(run, tmp_path / "out")
     assert result["pngs"] == CURVES and not result["plan"] and not result["eval"]
     page = (tmp_path / "out" / "report.html").read_text()
-    assert f"No plan.json in {run}: the planner&#x27;s memory breakdown appears here" in page
+    assert f"No plan.json in {run}: the planner&#x27;s memory breakdown appears here when" in page
     assert f"No eval/eval.json in {run}: run `hivetune eval --adapter {run}`." in page
     assert "No validation loss in metrics.jsonl (train with --val-data FILE or --val-split F)." in page
     assert "no summary.json: the run has not finished" in page
@@ -116,10 +117,10 @@ def test_missing_sections_say_so(tmp_path):
 
 
 def test_plan_breakdown_forms():
+    assert plan_breakdown({"parts_gib": {"a": 1, "b": 0.5}}) == [("a", 2.0**30), ("b", 2.0**29)]
     assert plan_breakdown({"breakdown": {"a": 1, "b": 2.5}}) == [("a", 1.0), ("b", 2.5)]
     assert plan_breakdown({"breakdown": [{"name": "w", "bytes": 4}, {"label": "x", "bytes": 5}]}) == [("w", 4.0), ("x", 5.0)]
-    assert plan_breakdown({"memory_breakdown": {"w": {"bytes": 7, "note": "bf16"}}}) == [("w", 7.0)]
-    assert plan_breakdown({"breakdown": {"a": "many", "b": True}}) is None
+    assert plan_breakdown({"breakdown": {"a": "many", "b": True, "c": float("nan")}}) is None
     assert plan_breakdown({"peak": 3}) is None
 
 
@@ -129,7 +130,7 @@ def test_unreadable_plan_is_shown_not_drawn(tmp_path):
     result = report(run)
     assert "plan_memory.png" not in result["pngs"]
     page = (run / "report" / "report.html").read_text()
-    assert "plan.json has no breakdown table" in page and "&quot;peak&quot;: 12345" in page
+    assert "plan.json has no breakdown (hivetune plan --json&#x27;s parts_gib)" in page and "&quot;peak&quot;: 12345" in page
 
 
 def test_metrics_reading(tmp_path):

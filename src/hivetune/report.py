@@ -28,7 +28,6 @@ from hivetune.errors import UserError
 
 REPORT_HTML = "report.html"
 GIB = 2**30
-PLAN_KEYS = ("breakdown", "memory_breakdown", "components")
 
 
 # ---------------------------------------------------------------- reading the run folder
@@ -81,21 +80,30 @@ def read_json(path: Path) -> dict | None:
 
 
 def plan_breakdown(plan: dict) -> list[tuple[str, float]] | None:
-    """(component, bytes) pairs from plan.json: under "breakdown" (or "memory_breakdown",
-    "components"), either a {name: bytes} object or a list of {"name", "bytes"} objects; a
-    nested {"bytes": n} value is read too. None when no such table is there."""
-    for key in PLAN_KEYS:
-        table = plan.get(key)
-        pairs = []
+    """(component, bytes) pairs from plan.json: `hivetune plan --json`'s "parts_gib" ({name:
+    GiB}), or a "breakdown" ({name: bytes} or a list of {"name", "bytes"}). None when neither
+    holds a number."""
+    pairs = []
+    if isinstance(plan.get("parts_gib"), dict):
+        pairs = [(name, v * GIB if _is_number(v) else None) for name, v in plan["parts_gib"].items()]
+    else:
+        table = plan.get("breakdown")
         if isinstance(table, dict):
-            pairs = [(name, value.get("bytes") if isinstance(value, dict) else value) for name, value in table.items()]
+            pairs = list(table.items())
         elif isinstance(table, list):
             pairs = [(item.get("name") or item.get("label"), item.get("bytes")) for item in table if isinstance(item, dict)]
-        pairs = [(str(n), float(v)) for n, v in pairs
-                 if n and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
-        if pairs:
-            return pairs
-    return None
+    pairs = [(str(n), float(v)) for n, v in pairs if n and _is_number(v)]
+    return pairs or None
+
+
+def plan_peak_bytes(plan: dict) -> float | None:
+    if _is_number(plan.get("peak_gib")):
+        return plan["peak_gib"] * GIB
+    return plan.get("peak_bytes") if _is_number(plan.get("peak_bytes")) else None
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 # ---------------------------------------------------------------- drawing
@@ -340,20 +348,23 @@ def curves_section(charts: dict[str, bytes], metrics: RunRecords, run: Path) -> 
 def plan_section(plan: dict | None, charts: dict[str, bytes], run: Path) -> str:
     head = "<h2>Planned memory</h2>"
     if plan is None:
-        return head + _missing(f"No plan.json in {run}: the planner's memory breakdown appears here "
-                               f"when the run folder has one.")
+        return head + _missing(f"No plan.json in {run}: the planner's memory breakdown appears here when the "
+                               f"run folder has one (hivetune plan ... --json > {run / 'plan.json'}).")
     parts = [head]
     breakdown = plan_breakdown(plan)
     if breakdown:
         parts.append(_img("plan_memory.png", charts["plan_memory.png"], "planned memory breakdown"))
         rows = [[html.escape(n), f"{b / GIB:.3f}"] for n, b in breakdown]
-        total = plan.get("peak_bytes") or plan.get("predicted_peak_bytes")
-        if isinstance(total, (int, float)):
+        total = plan_peak_bytes(plan)
+        if total is not None:
             rows.append(["<b>predicted peak</b>", f"<b>{total / GIB:.3f}</b>"])
         parts.append(_table(["component", "GiB"], rows))
+        if plan.get("gpu") or plan.get("memory_gib"):
+            fits = {True: "fits", False: "does not fit"}.get(plan.get("fits"), "")
+            parts.append(f"<p>{html.escape(str(plan.get('gpu') or ''))} {html.escape(str(plan.get('memory_gib', '')))} GiB"
+                         f"{': ' + fits if fits else ''}. {html.escape(str(plan.get('suggestion') or ''))}</p>")
     else:
-        parts.append(_missing("plan.json has no breakdown table (a 'breakdown' object of name: bytes); "
-                              "its content follows."))
+        parts.append(_missing("plan.json has no breakdown (hivetune plan --json's parts_gib); its content follows."))
     parts.append(f"<details><summary>plan.json</summary><pre>{html.escape(json.dumps(plan, indent=2))}</pre></details>")
     return "".join(parts)
 
