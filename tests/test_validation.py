@@ -105,3 +105,20 @@ def test_validation_config_errors(tiny_model_dir, alpaca_file, tmp_path):
         tiny_config(tiny_model_dir, alpaca_file, tmp_path / "r", early_stopping_patience=2)
     with pytest.raises(UserError, match=r"val_split: must be in \[0, 1\), got 1.5"):
         load_config(None, {"data": "x.jsonl", "val_split": 1.5})
+
+
+def test_fit_writes_tensorboard_scalars_with_validation(tiny_model_dir, alpaca_file, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    fit(setup(tiny_config(tiny_model_dir, alpaca_file, out, val_split=0.25, max_steps=3, eval_every=2,
+                          tensorboard=True)), progress=False)
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    log = metrics(out)
+    train_loss = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert [s for s, _ in train_loss] == [1, 2, 3]
+    assert [v for _, v in train_loss] == pytest.approx([r["loss"] for r in log if "loss" in r], rel=1e-6)
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars("val/loss")] == [
+        (r["step"], round(r["val_loss"], 5)) for r in log if "val_loss" in r]

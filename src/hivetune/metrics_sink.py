@@ -66,6 +66,11 @@ class MetricsSink:
                 self.tensorboard.add_scalar(tag, value, global_step=record["step"])
             self.tensorboard.flush()
 
+    def reopen(self) -> None:
+        """After metrics.jsonl was rewritten in place (a rollback cuts it back): append to the new file."""
+        self.file.close()
+        self.file = open(self.path, "a")
+
     def close(self) -> None:
         self.file.close()
         if self.tensorboard is not None:

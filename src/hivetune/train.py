@@ -30,10 +30,11 @@ from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset
 from hivetune import distributed
 from hivetune.device import DTYPES, peak_memory_bytes, resolve_device, resolve_precision, set_threads
 from hivetune.doctor.preflight import check_stack
+from hivetune.fastpath import adamw
 from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.errors import UserError
-from hivetune.fastpath import adamw
 from hivetune.fileio import atomic_write_bytes, check_writable, hold_run_lock
+from hivetune.metrics_sink import MetricsSink, require_tensorboard
 from hivetune.model.decoder import CausalLM
 from hivetune.model.load import load_args, load_model
 from hivetune.model.lora import LoRASpec, apply_lora, lora_parameters, save_adapter
@@ -65,6 +66,7 @@ class Run:
     parallel: distributed.Dist = field(default_factory=distributed.Dist)  # this rank under torchrun
     strategy: str = "none"  # none (one process), ddp or fsdp
     module: torch.nn.Module | None = None  # what forward is called on: the model, or DDP around it
+    sink: MetricsSink | None = None  # metrics.jsonl (+ TensorBoard) while fit runs, on rank 0
     train_examples: int = 0  # examples the step plan draws from (the data minus a val_split)
     notes: list[str] = field(default_factory=list)
     start_step: int = 0  # > 0 when resumed from a checkpoint: the step plan's position
@@ -131,6 +133,8 @@ def setup(cfg: TrainConfig) -> Run:
     parallel = distributed.init(cfg.device)
     if not cfg.skip_doctor:
         check_stack(cfg.device, cfg.precision)  # the doctor's quick checks: a known-bad stack stops here
+    if cfg.tensorboard:
+        require_tensorboard()  # a missing package stops here, before any weight is read
     model_path = Path(cfg.model) if cfg.model else embedded_model_path()
     data_path = Path(cfg.data) if cfg.data else default_train_data()
     val_path = Path(cfg.val_data) if cfg.val_data else (default_heldout_data() if not cfg.data else None)
@@ -300,7 +304,8 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
         torch.cuda.reset_peak_memory_stats(device)
 
     step = run.start_step
-    with _stop_signals() as stop:
+    run.sink = MetricsSink(run.folder, tensorboard=cfg.tensorboard) if parallel.is_main else None
+    with _stop_signals() as stop, (run.sink or nullcontext()):
         while step < len(run.steps):
             example_ids = run.steps[step]
             n_targets = sum(run.data.n_targets[i] for i in example_ids)  # the whole step's, all ranks
@@ -454,11 +459,9 @@ def reduce_step(parallel: distributed.Dist, step_loss: torch.Tensor, step_tokens
 
 
 def write_metrics(run: Run, record: dict) -> None:
-    """Append one record to metrics.jsonl (rank 0 only). Opened per record: a rollback
-    rewrites the file."""
-    if run.parallel.is_main:
-        with open(run.folder / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+    """One record to metrics.jsonl (and TensorBoard when asked), on rank 0."""
+    if run.sink is not None:
+        run.sink.write(record)
 
 
 def save_all_ranks(run: Run, step: int, counters: dict) -> None:
@@ -518,6 +521,7 @@ def roll_back(run: Run, done: int, counters: dict, bar) -> int:
         group["lr"] = base * factor(sched.last_epoch)
     if run.parallel.is_main:
         truncate_metrics(run.folder / "metrics.jsonl", back_to)
+        run.sink.reopen()
         write_metrics(run, {"step": back_to, "event": "rollback", "from_step": done,
                             "lr_scale": cfg.rollback_lr_factor ** rollbacks})
         print(f"hivetune: {cfg.max_bad_steps} non-finite steps in a row; rolled back from step {done} to "
