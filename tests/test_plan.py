@@ -194,3 +194,12 @@ def test_plan_with_data_uses_real_lengths(tiny_model_dir, alpaca_file):
     assert p.micro_batch_tokens == sum(sorted(lengths, reverse=True)[:4])
     assert p.examples == len(lengths) and p.tokens_per_epoch == sum(lengths)
     assert p.epoch_seconds == pytest.approx(len(lengths) / 4 * p.step_seconds)
+
+
+def test_train_auto_flag_reports_its_choice(tiny_model_dir, alpaca_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--auto", "--quiet", "--model", str(tiny_model_dir), "--data", str(alpaca_file),
+                 "--device", "cpu", "--precision", "fp32", "--max-steps", "1", "--batch-size", "2",
+                 "--output", str(tmp_path / "run"), "--set", "eval_prompts=0"]) == 0
+    assert "auto: CPU run, config unchanged" in capsys.readouterr().err
+    assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()

@@ -146,7 +146,8 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
                 mc = _memory_config(c, precision, ckpt, cuda=device.type == "cuda")
                 if backend == "sdpa":
                     mc = dataclasses.replace(mc, attention="sdpa")
-                predicted = breakdown(args, mc, b * length).total / GIB
+                planned = breakdown(args, mc, b * length)
+                predicted = (planned.total if device.type == "cuda" else planned.reserved) / GIB
                 row = TuneRow(b, effective // b, ckpt, backend, round(predicted, 2))
                 rows.append(row)
                 if predicted > cap_gib:

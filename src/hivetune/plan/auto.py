@@ -65,14 +65,12 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
     tune_path = Path(tune_file) if tune_file else Path(TUNE_FILE)
     if tune_path.is_file():
         found = read_tune_file(tune_path)
-        b, a = found.get("batch_size"), found.get("grad_accum", 1)
+        b = found.get("batch_size")  # its grad_accum was for its own effective batch: ours is kept
         if isinstance(b, int) and b > 0 and effective % b == 0:
             ckpt = bool(found.get("gradient_checkpointing", cfg.gradient_checkpointing))
             new = _with(cfg, batch_size=b, grad_accum=effective // b, gradient_checkpointing=ckpt)
             return new, (f"auto: from {tune_path}: batch_size {b} x grad_accum {effective // b}, "
                          f"checkpointing {'on' if ckpt else 'off'} (measured fastest)")
-        if b is not None:
-            _ = a  # its grad_accum was for another effective batch; the planner decides
     device = torch.device(device) if not isinstance(device, torch.device) else device
     if device.type != "cuda" and memory_gib is None:
         return cfg, "auto: CPU run, config unchanged (the planner sizes GPU memory)"

@@ -95,5 +95,6 @@ def saved_activation_bytes(model, batch, precision: str, fused_loss: bool = True
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
         hidden = model(batch.input_ids, batch.position_ids, batch.layout)
         loss = loss_fn(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
-    del loss, hidden, keep
+    del loss, hidden
+    keep.clear()
     return sum(seen.values())

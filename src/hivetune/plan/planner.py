@@ -276,7 +276,7 @@ def plot_plan(p: Plan, path: str) -> None:
         raise UserError("--png needs matplotlib: pip install 'hivetune[plots]'") from None
     from hivetune.fileio import atomic_write_with
 
-    fig, ax = plt.subplots(figsize=(9, 2.6))
+    fig, ax = plt.subplots(figsize=(9, 3.2))
     left = 0.0
     for name, gib in p.parts_gib.items():
         if gib <= 0:
@@ -288,7 +288,7 @@ def plot_plan(p: Plan, path: str) -> None:
     ax.set_xlabel("GiB")
     ax.set_title(f"{Path(p.model).name}: predicted peak {p.peak_gib:.1f} GiB "
                  f"({'fits' if p.fits else 'does not fit'})")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=4)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4)
     fig.tight_layout()
     atomic_write_with(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     plt.close(fig)
