@@ -99,6 +99,9 @@ def test_fallbacks_are_the_references(monkeypatch):
     monkeypatch.setenv("HIVETUNE_FUSED_OPS", "0")
     assert not ew.fused_ok(xb)
     monkeypatch.delenv("HIVETUNE_FUSED_OPS")
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "varlen,fused_layers")
+    assert not ew.fused_ok(xb)
+    monkeypatch.delenv("HIVETUNE_REFERENCE")
     trainable = w.bfloat16().requires_grad_(True)
     out = ew.rms_norm(xb, trainable, 1e-5)
     assert out.grad_fn is not None and "RMSNormFunction" not in type(out.grad_fn).__name__

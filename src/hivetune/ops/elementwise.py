@@ -31,10 +31,13 @@ except ImportError:  # pragma: no cover - depends on the install
 
 
 def fused_ok(x: torch.Tensor) -> bool:
-    """Whether the Triton kernels take this tensor (else the PyTorch reference runs)."""
+    """Whether the Triton kernels take this tensor (else the PyTorch reference runs).
+    HIVETUNE_FUSED_OPS=0, or HIVETUNE_REFERENCE=fused_layers (or all), forces the references."""
+    from hivetune.fastpath import forced
+
     return (triton is not None and x.dtype in (torch.bfloat16, torch.float16)
             and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
-            and os.environ.get("HIVETUNE_FUSED_OPS", "1") != "0")
+            and os.environ.get("HIVETUNE_FUSED_OPS", "1") != "0" and not forced("fused_layers"))
 
 
 # ---------------------------------------------------------------- references (the oracle)
