@@ -12,4 +12,6 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
       >/dev/null || echo "scripts/test.sh: could not install chromium; the browser test will skip" >&2
   fi
 fi
+# llama-cpp-python, the real client of the GGUF export test: built once (~9 min), then cached.
+bash scripts/install_llama_cpp.sh
 exec .venv/bin/python -m pytest tests "$@"

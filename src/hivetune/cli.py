@@ -449,7 +449,7 @@ def run_chat(ns) -> int:
 
 
 COMMANDS = {"train": run_train, "generate": run_generate, "bench": run_bench, "doctor": run_doctor, "data": run_data,
-            "eval": run_eval, "report": run_report,
+            "eval": run_eval, "report": run_report, "export": run_export, "chat": run_chat,
             "plan": run_plan, "tune": run_tune}
 
 
