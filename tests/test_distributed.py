@@ -106,3 +106,20 @@ def test_fsdp2_two_processes_checkpoint_and_resume(tiny_model_dir, alpaca_file, 
     resumed = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     assert all(torch.equal(resumed[k], final[k]) for k in final)
     assert [r["step"] for r in rows(run)] == [1, 2, 2, 3, 4, 4]
+
+
+def test_auto_strategy_follows_the_planner():
+    from hivetune.bench import qwen25_shape
+    from hivetune.config import load_config
+    from hivetune.distributed import choose_strategy
+
+    cuda, gib = torch.device("cuda"), 2**30
+    cfg = load_config(None, {"model": "x", "data": "y.jsonl", "precision": "bf16", "batch_size": 4, "max_length": 512})
+    small = qwen25_shape(151936, 896, 4864, 24, 14, 2, True)  # 0.5B: fits one 24 GiB GPU
+    big = qwen25_shape(152064, 5120, 13824, 48, 40, 8, False)  # 14B: 29.5 GB of bf16 weights
+    assert choose_strategy("auto", 0, cuda, cfg, small, total_bytes=24 * gib) == "ddp"
+    assert choose_strategy("auto", 0, cuda, cfg, big, total_bytes=24 * gib) == "fsdp"
+    assert choose_strategy("auto", 0, cuda, cfg, big, total_bytes=141 * gib) == "ddp"
+    assert choose_strategy("fsdp", 0, cuda, cfg, small, total_bytes=141 * gib) == "fsdp"
+    assert choose_strategy("auto", 10**12, torch.device("cpu")) == "ddp"
+    assert choose_strategy("auto", 20 * gib, cuda, total_bytes=24 * gib) == "fsdp"  # no plan: the base's size

@@ -119,14 +119,26 @@ def sum_across(d: Dist, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def choose_strategy(strategy: str, base_bytes: int, device: torch.device) -> str:
-    """auto: DDP when the frozen base takes at most half of one GPU (activations need the
-    rest), FSDP2 otherwise; on the CPU always DDP."""
+def choose_strategy(strategy: str, base_bytes: int, device: torch.device, cfg=None, model_args=None,
+                    total_bytes: int = 0) -> str:
+    """auto: DDP when the planner says the whole run fits on one of these GPUs, FSDP2 otherwise
+    (without a plan: DDP when the frozen base takes at most half a GPU); on the CPU always DDP."""
     if strategy != "auto":
         return strategy
     if device.type != "cuda":
         return "ddp"
-    total = torch.cuda.get_device_properties(device).total_memory
+    total = total_bytes or torch.cuda.get_device_properties(device).total_memory
+    if cfg is not None and model_args is not None:
+        import dataclasses
+
+        from hivetune.plan import plan
+
+        try:  # the planner sizes a micro-batch at max_length tokens an example without data: an upper bound
+            verdict = plan(dataclasses.replace(cfg, data=""), memory_gib=total / 2**30, model_args=model_args)
+            return "ddp" if verdict.fits else "fsdp"
+        except (UserError, ValueError, KeyError) as e:
+            print(f"hivetune: note: no plan for the DDP / FSDP choice ({e}); deciding by the base's size",
+                  file=sys.stderr)
     return "ddp" if base_bytes <= total // 2 else "fsdp"
 
 

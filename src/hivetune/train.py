@@ -185,7 +185,7 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     strategy, module = "none", model
     if parallel.enabled:
         base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-        strategy = distributed.choose_strategy(cfg.distributed, base_bytes, device)
+        strategy = distributed.choose_strategy(cfg.distributed, base_bytes, device, cfg, model.args)
         module = distributed.wrap(model, strategy, parallel, device)
 
     per_step = cfg.batch_size * cfg.grad_accum * parallel.world  # the global batch
