@@ -136,7 +136,7 @@ class TrainConfig:
     """Rollbacks allowed before the run stops with an error."""
     distributed: str = "auto"
     """Under torchrun with several processes: ddp (LoRA replicated, base on every GPU), fsdp (FSDP2
-    shards the base too), or auto: ddp when the base takes at most half a GPU, else fsdp."""
+    shards the base too), or auto: ddp when the planner says the run fits one GPU, else fsdp."""
     auto: bool = False
     """Micro-batch from the planner; on a CUDA out-of-memory error, halve the micro-batch (the
     examples per optimizer step stay the same) and retry the step instead of stopping."""
