@@ -149,6 +149,26 @@ def test_batched_generation_equals_one_by_one(trained, tuned_model):
     assert generate_sorted(model, prompts, 10, {stop}, 0, batch_size=1) == expected
 
 
+def test_merged_lora_is_the_tuned_model(trained, tuned_model):
+    """The tuned side runs merged (W + s B A): same answers and losses as the LoRA path in fp32,
+    and the base weights are exactly back afterwards."""
+    from hivetune.evaluate import merged_lora
+    from hivetune.model.lora import lora_modules
+
+    model, tokenizer = tuned_model
+    examples = read_examples(trained[1], tokenizer, 1024)
+    before = {n: m.base_layer.weight.detach().clone() for n, m in lora_modules(model)}
+    unmerged = score_model(model, tokenizer, examples, 8, batch_size=4)
+    with merged_lora(model):
+        assert not any(m.enabled for _, m in lora_modules(model))
+        merged = score_model(model, tokenizer, examples, 8, batch_size=4)
+    for a, b in zip(unmerged, merged):
+        assert a["generation"] == b["generation"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    for n, m in lora_modules(model):
+        assert m.enabled and torch.equal(m.base_layer.weight, before[n])
+
+
 def test_base_equals_model_without_lora(report, trained, tiny_model_dir):
     """Base rows (LoRA switched off) equal the plain base model's, which has no LoRA at all."""
     from hivetune.model.load import load_model
@@ -277,3 +297,32 @@ def test_train_ends_with_the_ab_that_eval_gives(tiny_model_dir, tmp_path, capsys
             assert a[side]["generation"] == b[side]["generation"]
             assert a[side]["loss"] == pytest.approx(b[side]["loss"], rel=1e-6)
     assert in_run["means"]["tuned"]["loss"] < in_run["means"]["base"]["loss"] - 0.1
+
+
+@pytest.mark.default_job
+@pytest.mark.slow
+def test_default_job_tuned_beats_base(tmp_path):
+    """`hivetune train` with no arguments (the embedded SmolLM2 on the shipped data) ends with the
+    A/B on the shipped held-out split, and the tuned model beats the base on response loss and
+    on the command-hit rate. If it does not, the default recipe is wrong. About 5 minutes on a
+    2-core CPU: select it alone with `-m default_job`, leave it out with `-m "not default_job"`."""
+    import subprocess
+    import sys
+
+    from hivetune.embedded import embedded_model_path
+
+    try:
+        embedded_model_path()
+    except UserError as e:
+        pytest.skip(str(e))
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "hivetune", "train", "--output", str(run), "--quiet"],
+                          capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "base vs tuned on 40 held-out examples" in proc.stdout and "| command hit |" in proc.stdout
+    report = json.loads((run / "eval" / "eval.json").read_text())
+    assert report["examples"] == 40 and report["data"].endswith("heldout.jsonl")
+    base, tuned = report["means"]["base"], report["means"]["tuned"]
+    assert base["command_examples"] == tuned["command_examples"] == 40
+    assert tuned["loss"] < base["loss"], (base["loss"], tuned["loss"])
+    assert tuned["command_hits"] > base["command_hits"], (base["command_hits"], tuned["command_hits"])

@@ -20,6 +20,7 @@ import re
 import string
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -385,10 +386,33 @@ def evaluate(model: str = "", adapter: str = "", data: str = "", max_new_tokens:
     return report
 
 
+@contextmanager
+def merged_lora(net: CausalLM):
+    """The tuned model with each LoRA update merged into its base weight, W' = W + s B A
+    (computed in fp32, stored in W's dtype), and the LoRA path switched off; the weights are
+    put back on exit. One matmul per layer instead of three: on the 2-core CPU, SmolLM2 with
+    r 16 on all seven projections generated at about half the speed of the base model unmerged."""
+    from hivetune.model.lora import lora_enabled, lora_modules
+
+    modules = [m for _, m in lora_modules(net)]
+    originals = [m.base_layer.weight.data for m in modules]
+    with torch.no_grad():
+        for m in modules:
+            delta = (m.lora_B.weight.float() @ m.lora_A.weight.float()) * m.scaling
+            m.base_layer.weight.data = (m.base_layer.weight.float() + delta).to(m.base_layer.weight.dtype)
+    try:
+        with lora_enabled(net, False):
+            yield net
+    finally:
+        for m, w in zip(modules, originals):
+            m.base_layer.weight.data = w
+
+
 def score_base_and_tuned(net: CausalLM, tokenizer, examples: list[EvalExample], max_new_tokens: int,
                          batch_size: int) -> dict:
-    """Both sides on a model carrying LoRA (switched off for the base): the examples count, the
-    seconds of each pass, the means and every row."""
+    """Both sides on a model carrying LoRA: switched off for the base, merged into the weights
+    for the tuned side (``merged_lora``). Returns the examples count, the seconds of each pass,
+    the means and every row."""
     from hivetune.model.lora import lora_enabled
 
     was_training = net.training
@@ -397,7 +421,7 @@ def score_base_and_tuned(net: CausalLM, tokenizer, examples: list[EvalExample], 
     t0 = time.perf_counter()
     for side in SIDES:
         parts: dict = {}
-        with lora_enabled(net, side == "tuned"):
+        with (merged_lora(net) if side == "tuned" else lora_enabled(net, False)):
             rows[side] = score_model(net, tokenizer, examples, max_new_tokens, batch_size, parts)
         seconds.update({f"{side}_{k}": round(v, 2) for k, v in parts.items()})
     seconds["scoring"] = round(time.perf_counter() - t0, 2)
