@@ -182,6 +182,10 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     torch.manual_seed(cfg.seed)  # LoRA init independent of anything loaded before (and alike on every rank)
     apply_lora(model, spec, param_dtype=torch.float32)
     model.gradient_checkpointing = cfg.gradient_checkpointing
+    if device.type == "cuda" and precision != "fp32":  # probe flash varlen now, not inside a checkpointed forward
+        from hivetune.ops.attention import varlen_supported
+
+        varlen_supported(torch.empty((1, 1, 1, 1), dtype=DTYPES[precision], device=device))
     strategy, module = "none", model
     if parallel.enabled:
         base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
