@@ -448,8 +448,22 @@ def out_of_memory(run: Run, size: int, tokens: int) -> int:
     hint = (f"--batch-size {max(1, size // 2)} --grad-accum {per_step // max(1, size // 2)}"
             if size > 1 else "--gradient-checkpointing or a smaller --max-length")
     raise UserError(f"CUDA out of memory with {size} examples ({tokens} tokens) per micro-batch; {last}. "
-                    f"`hivetune plan` predicts what fits; try {hint}, or --auto to shrink the micro-batch "
-                    f"when this happens")
+                    f"{planner_hint(run)}try {hint}, or --auto to shrink the micro-batch when this happens")
+
+
+def planner_hint(run: Run) -> str:
+    """What `hivetune plan` says of this config on this GPU, as the start of a sentence."""
+    if run.device.type != "cuda":
+        return "`hivetune plan` predicts what fits; "
+    try:
+        from hivetune.plan import plan
+
+        total = torch.cuda.get_device_properties(run.device).total_memory / 2**30
+        p = plan(run.cfg, memory_gib=total, model_args=run.model.args)
+        return (f"The planner: micro-batches up to {p.largest_micro_batch_tokens:,} tokens fit this GPU "
+                f"({p.suggestion}); ")
+    except Exception as e:  # noqa: BLE001 - a hint must never hide the out-of-memory message
+        return f"`hivetune plan` predicts what fits (no plan here: {type(e).__name__}); "
 
 
 def reduce_step(parallel: distributed.Dist, step_loss: torch.Tensor, step_tokens: int, signum):
