@@ -304,8 +304,9 @@ def test_train_ends_with_the_ab_that_eval_gives(tiny_model_dir, tmp_path, capsys
 def test_default_job_tuned_beats_base(tmp_path):
     """`hivetune train` with no arguments (the embedded SmolLM2 on the shipped data) ends with the
     A/B on the shipped held-out split, and the tuned model beats the base on response loss and
-    on the command-hit rate. If it does not, the default recipe is wrong. About 5 minutes on a
-    2-core CPU: select it alone with `-m default_job`, leave it out with `-m "not default_job"`."""
+    on the command-hit rate. If it does not, the default recipe is wrong. It trains two epochs
+    (one took 4-5 minutes on a 2-core CPU): select it alone with `-m default_job`, leave it out
+    with `-m "not default_job"`."""
     import subprocess
     import sys
 
