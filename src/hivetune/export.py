@@ -361,7 +361,7 @@ def write_gguf(tmp: Path, net, tokenizer, dtype: str, base: Path, adapter: Path,
     server = (f"llama-server -m {here / model_file} --jinja -c 4096 --port 8080")
     server_lora = f"llama-server -m {base_gguf} --lora {here / lora_file} --jinja -c 4096 --port 8080"
     ollama = f"cd {here} && ollama create my-model -f Modelfile && ollama run my-model"
-    note = "" if is_gguf(base) else f"  # BASE.gguf: {base} as GGUF (f16), e.g. an export of an untrained adapter\n"
+    note = "" if is_gguf(base) else f"#   (BASE.gguf: {base} converted to GGUF, f16)\n"
     (tmp / "llama-server.sh").write_text(
         "#!/bin/sh\n# Serve the merged model (OpenAI-compatible API on http://127.0.0.1:8080/v1):\n"
         f"exec {server}\n# Or the base model with the LoRA adapter applied at run time:\n# {server_lora}\n" + note)
