@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     add_tune_parser(sub)
     add_report_parser(sub)
+    add_export_parser(sub)
+    add_chat_parser(sub)
     return parser
 
 
