@@ -46,7 +46,7 @@ def test_two_gloo_processes_match_one_process(tiny_model_dir, alpaca_file, tmp_p
     proc = subprocess.run([sys.executable, "-m", "hivetune", "train", "--nproc-per-node", "2",
                            "--model", str(tiny_model_dir), "--data", str(alpaca_file), "--output", str(two),
                            "--batch-size", "4", "--grad-accum", "1", *FLAGS],
-                          capture_output=True, text=True, env=env, timeout=300)
+                          capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("trained 4 steps") == 1  # rank 0 alone prints
     a, b = rows(one), rows(two)
@@ -71,7 +71,7 @@ def test_two_gloo_processes_match_one_process(tiny_model_dir, alpaca_file, tmp_p
         setup(cfg2)
 
 
-def torchrun_train(args, timeout=300):
+def torchrun_train(args, timeout=900):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([sys.executable, "-m", "hivetune", "train", "--nproc-per-node", "2", *args],
