@@ -318,16 +318,21 @@ def resume_point(folder: Path, cfg) -> Path | None:
 
 def resume_run(run, checkpoint: Path | None) -> None:
     """Put `run` at the checkpoint's step (weights, optimizer, RNG...) and cut metrics.jsonl
-    back to it; with no checkpoint, start again at step 0 in the same folder."""
-    remove_leftovers(run.folder / "checkpoints")
+    back to it; with no checkpoint, start again at step 0 in the same folder. Under torchrun
+    only rank 0 touches files (another rank's rewrite of metrics.jsonl would race rank 0's appends)."""
+    main = getattr(getattr(run, "parallel", None), "is_main", True)
+    if main:
+        remove_leftovers(run.folder / "checkpoints")
     if checkpoint is None:
-        print(f"hivetune: warning: {run.folder} has no valid checkpoint; starting again at step 0", file=sys.stderr)
-        truncate_metrics(run.folder / "metrics.jsonl", 0)
+        if main:
+            print(f"hivetune: warning: {run.folder} has no valid checkpoint; starting again at step 0", file=sys.stderr)
+            truncate_metrics(run.folder / "metrics.jsonl", 0)
         return
     counters = load_checkpoint(run, checkpoint)
     run.start_step = counters.pop("step")
     run.counters = counters
-    truncate_metrics(run.folder / "metrics.jsonl", run.start_step)
+    if main:
+        truncate_metrics(run.folder / "metrics.jsonl", run.start_step)
     run.notes.append(f"resuming from {checkpoint} (step {run.start_step} of {len(run.steps)})")
 
 
