@@ -29,7 +29,7 @@ import warnings
 import torch
 
 FORCE_ENV = "HIVETUNE_REFERENCE"
-PATHS = ("varlen", "fused_adamw", "cpu_bf16", "gpu_bf16")
+PATHS = ("varlen", "fused_adamw", "cpu_bf16", "gpu_bf16", "fused_layers")
 NOTED: dict[str, str] = {}  # fast path -> the line printed when it fell back (tests read it)
 _VARLEN_OK: dict[tuple[str, torch.dtype], str] = {}  # (device, dtype) -> "" when it works, else why not
 

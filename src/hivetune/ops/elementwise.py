@@ -33,11 +33,17 @@ except ImportError:  # pragma: no cover - depends on the install
 def fused_ok(x: torch.Tensor) -> bool:
     """Whether the Triton kernels take this tensor (else the PyTorch reference runs).
     HIVETUNE_FUSED_OPS=0, or HIVETUNE_REFERENCE=fused_layers (or all), forces the references."""
-    from hivetune.fastpath import forced
+    from hivetune.fastpath import forced, note_fallback
 
-    return (triton is not None and x.dtype in (torch.bfloat16, torch.float16)
-            and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
-            and os.environ.get("HIVETUNE_FUSED_OPS", "1") != "0" and not forced("fused_layers"))
+    if x.dtype not in (torch.bfloat16, torch.float16) or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    if os.environ.get("HIVETUNE_FUSED_OPS", "1") == "0" or forced("fused_layers"):
+        note_fallback("fused_layers", "fused RMSNorm / RoPE / SwiGLU", "asked for the reference", "PyTorch ops")
+        return False
+    if triton is None:
+        note_fallback("fused_layers", "fused RMSNorm / RoPE / SwiGLU", "Triton is not installed", "PyTorch ops")
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- references (the oracle)
