@@ -158,9 +158,9 @@ def test_yaml_errors(tmp_path):
 
 def test_default_recipe_only_without_model_and_data():
     recipe = read_yaml(DEFAULT_RECIPE)
-    assert recipe["lr"] == 1e-3 and recipe["max_length"] == 512
+    assert recipe["lr"] == 2e-3 and recipe["max_length"] == 512 and recipe["lr"] != TrainConfig.lr
     cfg = load_config(None, {})
-    assert (cfg.lr, cfg.max_length, cfg.model, cfg.data) == (1e-3, 512, "", "")
+    assert (cfg.lr, cfg.max_length, cfg.model, cfg.data) == (2e-3, 512, "", "")
     assert load_config(None, {"output_dir": "x", "lr": 3e-3}).lr == 3e-3  # overrides still win
     assert load_config(None, {"output_dir": "x"}).max_length == 512
     for given in ({"data": "d.jsonl"}, {"model": "m.gguf"}):
