@@ -13,5 +13,6 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
   fi
 fi
 # llama-cpp-python, the real client of the GGUF export test: built once (~9 min), then cached.
-bash scripts/install_llama_cpp.sh
+bash scripts/install_llama_cpp.sh \
+  || echo "scripts/test.sh: llama-cpp-python could not be built; the llama.cpp client test will skip" >&2
 exec .venv/bin/python -m pytest tests "$@"
