@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from hivetune import distributed
-from hivetune.bench import WORKLOADS, environment, git_commit, qwen25_shape, random_model, workload_examples
+from hivetune.bench import (WORKLOADS, environment, git_commit, init_like_hf, qwen25_shape, random_model,
+                            workload_examples)
 from hivetune.config import load_config
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.model.decoder import CausalLM
@@ -45,15 +46,7 @@ def random_model_bf16(args, device) -> CausalLM:
             model = CausalLM(args)
     finally:
         torch.set_default_dtype(previous)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02)
-            p.requires_grad_(False)
+    init_like_hf(model)
     return model
 
 

@@ -88,7 +88,7 @@ def run_point(p: dict) -> dict:
     """In this (fresh) process: build, train a few steps, measure."""
     import torch
 
-    from hivetune.bench import qwen25_shape
+    from hivetune.bench import init_like_hf, qwen25_shape
     from hivetune.config import load_config
     from hivetune.data.dataset import TokenizedExamples
     from hivetune.data.formats import Encoded
@@ -107,15 +107,7 @@ def run_point(p: dict) -> dict:
     with torch.device(device):
         model = CausalLM(args)
     torch.set_default_dtype(torch.float32)
-    with torch.no_grad():
-        for name, prm in model.named_parameters():
-            if name.endswith("norm.weight"):
-                prm.fill_(1.0)
-            elif name.endswith(".bias"):
-                prm.zero_()
-            else:
-                prm.normal_(0.0, 0.02)
-            prm.requires_grad_(False)
+    init_like_hf(model)
     gen = torch.Generator().manual_seed(0)
     n, length = p["batch_size"], p["length"]
     examples = []

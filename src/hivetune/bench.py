@@ -79,18 +79,21 @@ def random_model(args: ModelArgs, device, dtype) -> CausalLM:
     torch.manual_seed(0)
     with torch.device(device):
         model = CausalLM(args)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02)
-    model = model.to(dtype)
-    for p in model.parameters():
+    init_like_hf(model)
+    return model.to(dtype)
+
+
+@torch.no_grad()
+def init_like_hf(model: CausalLM) -> None:
+    """In place, in parameter order: norms 1, biases 0, the rest normal(0, 0.02); all frozen."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02)
         p.requires_grad_(False)
-    return model
 
 
 def peak_tflops(device) -> float | None:
