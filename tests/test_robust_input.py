@@ -196,6 +196,115 @@ def test_a_record_changed_under_a_running_job(tok, tmp_path):
     assert str(e.value) == f"{path}: data file disappeared during the run"
 
 
+# A 100 MB line, in a fresh process: its peak memory is its own, and a hang is a timeout. The
+# child indexes a valid record with a 100 MB answer (cut to max_length, counted as truncated,
+# re-read by byte offset as training does), then runs `hivetune train` on 100 MB of a string that
+# never closes, with no newline (a file cut short). Before the prefix-only encoding, the valid
+# record was tokenised whole: ~19 GB and minutes (+770 MB and 11 s at 4 MB).
+HUGE_LINE_CHILD = r"""
+import contextlib, io, json, resource, sys, time
+from hivetune.cli import main
+from hivetune.data.dataset import index_dataset
+from hivetune.model.tokenizer import load_tokenizer
+
+model, valid, broken = sys.argv[1:4]
+tok = load_tokenizer(model)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.perf_counter()
+index = index_dataset(valid, "auto", tok, 64, False)
+example = index.example(1)
+t1 = time.perf_counter()
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    code = main(["train", "--model", model, "--data", broken, "--output", broken + ".run", "--device", "cpu",
+                 "--max-steps", "1", "--quiet"])
+print(json.dumps({"lengths": index.lengths, "truncated": index.truncated, "kept_records": len(index.records),
+                  "example": [len(example.ids), sum(example.mask)], "index_s": t1 - t0,
+                  "broken_s": time.perf_counter() - t1, "code": code, "stderr": err.getvalue(),
+                  "peak_growth": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024}))
+"""
+
+
+def write_huge_line(path: Path, head: bytes, size: int, tail: bytes, first: bytes = b"") -> None:
+    """first + head + size bytes of shell-like text + tail, written a MiB at a time."""
+    chunk = (b"systemctl restart nginx; " * 42000)[:1 << 20]
+    with open(path, "wb") as f:
+        f.write(first + head)
+        for _ in range(size // len(chunk)):
+            f.write(chunk)
+        f.write(tail)
+
+
+def test_a_100_mb_line_is_cut_to_max_length_or_one_line_in_bounded_memory(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    valid, broken = tmp_path / "valid.jsonl", tmp_path / "broken.jsonl"
+    first = json.dumps(ops_records(1)[0]).encode() + b"\n"
+    write_huge_line(valid, b'{"instruction": "Restart nginx, many times", "output": "', 100 << 20, b'"}\n', first)
+    write_huge_line(broken, b'{"text": "', 100 << 20, b"", first)
+    proc = subprocess.run([sys.executable, "-c", HUGE_LINE_CHILD, str(tiny_model_dir), str(valid), str(broken)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert got["lengths"][1] == 64 and got["truncated"] == 1 and got["kept_records"] == 0  # > 64 MiB: re-read
+    assert got["example"][0] == 64 and got["example"][1] > 32  # the answer's first tokens are targets
+    assert got["code"] == 2
+    assert got["stderr"].splitlines() == [f"hivetune: error: {broken}:2: malformed JSON (Unterminated string "
+                                          f"starting at column 10)"]
+    assert not (tmp_path / "broken.jsonl.run").exists()
+    # json.loads holds the line as bytes, str and the parsed string (~400 MB): linear, not more
+    assert got["peak_growth"] < 1.5 * 2**30, got
+    assert got["index_s"] < 60 and got["broken_s"] < 60, got  # ~2 s each on the 2-core CI machine
+
+
+# Records longer than the prefix encode_record tokenises: each shape gives the first max_length
+# tokens and targets of the whole record (encoded with no limit, then cut).
+_LONG = "Run `systemctl restart nginx` as root; journalctl -u nginx shows why. " * 300  # 21000 characters
+LONG_RECORDS = {
+    "text": ({"text": _LONG}, "text"),
+    "one_long_word": ({"text": "a" * 40_000}, "text"),
+    "alpaca_long_answer": ({"instruction": "Restart nginx?", "output": _LONG}, "alpaca"),
+    "alpaca_long_instruction": ({"instruction": _LONG, "input": "now", "output": "ok"}, "alpaca"),
+    "chat_many_turns": ({"messages": [{"role": "system", "content": "Be brief."}]
+                         + [{"role": ("user", "assistant")[i % 2], "content": _LONG[:i]} for i in range(300)]},
+                        "chat"),
+    "chat_answer_after_the_prefix": ({"messages": [{"role": "user", "content": _LONG},
+                                                   {"role": "assistant", "content": "ok"}]}, "chat"),
+}
+
+
+@pytest.mark.parametrize("max_length", [1, 64, 300])
+@pytest.mark.parametrize("template", [True, False])
+@pytest.mark.parametrize("case", list(LONG_RECORDS))
+def test_a_long_record_encodes_as_its_whole_cut_to_max_length(case, template, max_length, tok):
+    import copy
+
+    record, fmt = LONG_RECORDS[case]
+    if not template:
+        tok = copy.deepcopy(tok)
+        tok.chat_template = None
+    for train_on_inputs in (False, True):
+        whole = encode_record(record, fmt, tok, 1 << 62, train_on_inputs)
+        cut = encode_record(record, fmt, tok, max_length, train_on_inputs)
+        assert len(whole.ids) > 2 * max_length + 64  # long enough to be cut
+        assert (cut.ids, cut.mask, cut.truncated) == (whole.ids[:max_length], whole.mask[:max_length], True)
+
+
+def test_a_conversation_of_200k_turns_is_not_quadratic(tok, tmp_path):
+    """chat_spans renders once per assistant turn: over every turn, 2000 short ones took 11 s and
+    a 7 MB line of 200 000 turns hours; encode_record renders only the turns within its prefix."""
+    import time
+
+    turns = [{"role": ("user", "assistant")[i % 2], "content": "hi"} for i in range(200_000)]
+    path = write_jsonl(tmp_path / "long_chat.jsonl", [{"messages": turns}])
+    t0 = time.perf_counter()
+    index = index_dataset(path, "auto", tok, 64, False)
+    assert time.perf_counter() - t0 < 30  # ~1 s
+    assert index.lengths == [64] and index.truncated == 1
+    assert index.n_targets == [encode_record({"messages": turns[:40]}, "chat", tok, 64, False).n_targets] != [0]
+
+
 # ---------------------------------------------------------------------------------- config
 
 config_keys = st.sampled_from([f.name for f in TrainConfig.__dataclass_fields__.values()] + ["lora", "lora_r", "x"])

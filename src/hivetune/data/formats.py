@@ -256,24 +256,70 @@ def chat_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, in
 
 
 def encode_record(record: dict, fmt: str, tokenizer, max_length: int, train_on_inputs: bool) -> Encoded:
-    """Token ids and loss mask for one record (format already checked)."""
+    """Token ids and loss mask for one record (format already checked), cut to max_length tokens.
+
+    Only a prefix of a long record is rendered and tokenised (``_encode_prefix``). Tokenised whole,
+    a 100 MB line is tens of millions of tokens whose ids and offsets Python holds as objects
+    (the test tokenizer: +770 MB and 11 s for 4 MB, so ~19 GB and minutes for 100 MB), all to
+    keep max_length of them; and ``chat_spans`` renders a conversation once per assistant turn,
+    so its time is quadratic in the turns (2000 short turns: 11 s; a 100 MB line holds millions).
+    Cutting the text changes only the tokens next to the cut (a word cut in two), so a prefix is
+    taken once its tokens run max_length + 64 past the max_length kept; otherwise 4 x the
+    characters are tried. A record that is not cut is encoded exactly as a whole; a cut one gives
+    the whole one's first max_length tokens (tests/test_robust_input.py), except under a template
+    that rewrites history (chat_spans' last-turn rule then takes the last answer in the prefix)."""
+    chars = 8 * (max_length + 32)  # ~2 x (max_length + 32) tokens at ~4 characters a token
+    while True:
+        ids, mask, cut = _encode_prefix(record, fmt, tokenizer, chars, train_on_inputs)
+        if not cut or len(ids) >= 2 * max_length + 64:
+            return Encoded(ids[:max_length], mask[:max_length], len(ids) > max_length)
+        chars *= 4
+
+
+# Characters a chat template adds around each message (ChatML's "<|im_start|>user\n" and
+# "<|im_end|>\n" are 28): it only sizes the prefix tried first; encode_record widens a short one.
+TURN_CHARS = 16
+
+
+def clip_messages(messages: list[dict], chars: int) -> tuple[list[dict], bool]:
+    """The first messages whose contents hold `chars` characters (each message counting
+    TURN_CHARS more), the last one cut to fit; and whether anything was cut."""
+    kept, room = [], chars
+    for m in messages:
+        if room <= 0:
+            return kept, True
+        if len(m["content"]) > room:
+            return kept + [{**m, "content": m["content"][:room]}], True
+        kept.append(m)
+        room -= len(m["content"]) + TURN_CHARS
+    return kept, False
+
+
+def _encode_prefix(record: dict, fmt: str, tokenizer, chars: int,
+                   train_on_inputs: bool) -> tuple[list[int], list[bool], bool]:
+    """Ids and loss mask of the record with each field cut to `chars` characters (a conversation:
+    its first `chars`, clip_messages), and whether anything was cut. Nothing cut: the whole record."""
     if fmt == "text":
-        ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
-        if tokenizer.eos_token_id is not None:
+        text = record["text"]
+        ids = tokenizer(text[:chars], add_special_tokens=True)["input_ids"]
+        if tokenizer.eos_token_id is not None and len(text) <= chars:
             ids = ids + [tokenizer.eos_token_id]
-        mask = [True] * len(ids)
+        return ids, [True] * len(ids), len(text) > chars
+    if fmt == "alpaca" and not getattr(tokenizer, "chat_template", None):
+        fields = [record["instruction"], record.get("input") or "", record["output"]]
+        cut = any(len(f) > chars for f in fields)
+        instruction, given, output = (f[:chars] for f in fields)
+        template = ALPACA_PROMPT_INPUT if given else ALPACA_PROMPT
+        prompt = template.format(instruction=instruction, input=given)
+        eos = tokenizer.eos_token or ""
+        text, spans = prompt + output + eos, [(len(prompt), len(prompt) + len(output) + len(eos))]
     else:
-        if fmt == "alpaca" and not getattr(tokenizer, "chat_template", None):
-            template = ALPACA_PROMPT_INPUT if record.get("input") else ALPACA_PROMPT
-            prompt = template.format(instruction=record["instruction"], input=record.get("input", ""))
-            eos = tokenizer.eos_token or ""
-            text, spans = prompt + record["output"] + eos, [(len(prompt), len(prompt) + len(record["output"]) + len(eos))]
-        else:
-            messages = alpaca_messages(record) if fmt == "alpaca" else record["messages"]
+        messages, cut = clip_messages(alpaca_messages(record) if fmt == "alpaca" else record["messages"], chars)
+        if any(m["role"] == "assistant" for m in messages):
             text, spans = chat_spans(tokenizer, messages)
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = enc["input_ids"]
-        # A token is a target when it starts inside an assistant span.
-        mask = [train_on_inputs or any(a <= start < b for a, b in spans) for start, _ in enc["offset_mapping"]]
-    truncated = len(ids) > max_length
-    return Encoded(ids[:max_length], mask[:max_length], truncated)
+        else:  # the answers start after the prefix: no target in it
+            text, spans = render_chat(tokenizer, messages, add_generation_prompt=False), []
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    # A token is a target when it starts inside an assistant span.
+    mask = [train_on_inputs or any(a <= start < b for a, b in spans) for start, _ in enc["offset_mapping"]]
+    return enc["input_ids"], mask, cut
