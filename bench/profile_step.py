@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--compile", action="store_true", help="experiment: torch.compile each decoder layer")
     parser.add_argument("--no-profile", action="store_true", help="only time the steps")
+    parser.add_argument("--sync-debug", action="store_true", help="print where the steps synchronise with the host")
     parser.add_argument("--bucket", type=int, default=0, help="CUDA-graph bucket in tokens (default 256)")
     opts = parser.parse_args()
     if opts.bucket:
@@ -46,7 +47,8 @@ def main() -> None:
     w = WORKLOADS[opts.workload]
     device = torch.device("cuda")
     values = {"model": "random", "data": "generator", "precision": "bf16", "device": "cuda",
-              "max_steps": opts.steps, "batch_size": w.examples_per_step, "lora": w.lora, "eval_prompts": 0,
+              "max_steps": opts.steps, "batch_size": w.micro_batch or w.examples_per_step,
+              "grad_accum": w.examples_per_step // (w.micro_batch or w.examples_per_step), "lora": w.lora, "eval_prompts": 0,
               "max_length": 4096, "log_every": 1000}
     values.update(parse_overrides(opts.overrides))
     cfg = load_config(None, values)
@@ -64,6 +66,9 @@ def main() -> None:
     torch.cuda.synchronize()
     print(f"warm-up (3 steps{', compile' if opts.compile else ''}): {time.perf_counter() - t_warm:.1f} s")
     run.steps = rest
+    if opts.sync_debug:
+        print_syncs(run)
+        return
     if opts.no_profile:
         t0 = time.perf_counter()
         fit(run, progress=False)
@@ -92,6 +97,50 @@ def main() -> None:
     table = prof.key_averages()
     print(table.table(sort_by="cuda_time_total", row_limit=25))
     print(table.table(sort_by="self_cpu_time_total", row_limit=15))
+    print_kernels(prof, len(rest))
+
+
+def print_syncs(run) -> None:
+    """Each distinct Python stack that made a synchronising CUDA call during the steps."""
+    import traceback
+    import warnings
+    from collections import Counter
+
+    seen = Counter()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-2] if "hivetune" in f.filename]
+            seen[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))] += 1
+
+    warnings.showwarning = show
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode(1)
+    fit(run, progress=False)
+    torch.cuda.set_sync_debug_mode(0)
+    print(f"synchronising calls in {len(run.steps)} steps: {sum(seen.values())}")
+    for where, n in seen.most_common(15):
+        print(f"{n:6d}  {where}")
+
+
+def print_kernels(prof, steps: int) -> None:
+    """GPU kernels grouped by name: launches and GPU microseconds per optimizer step. With graphs
+    off this is the kernel mix a graph replays; the count says how launch-bound a step is."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+
+    count, micros = defaultdict(int), defaultdict(float)
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            name = e.name[:90]
+            count[name] += 1
+            micros[name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    total_n, total_us = sum(count.values()) / steps, sum(micros.values()) / steps
+    print(f"GPU kernels per step: {total_n:.0f}, GPU time per step {total_us / 1000:.2f} ms "
+          f"(mean {total_us / max(total_n, 1):.1f} us per kernel)")
+    for name in sorted(micros, key=micros.get, reverse=True)[:40]:
+        print(f"{count[name] / steps:8.1f}/step {micros[name] / steps:9.1f} us/step  {name}")
 
 
 if __name__ == "__main__":

@@ -80,8 +80,10 @@ def torchrun_train(args, timeout=900):
     return proc
 
 
-def test_fsdp2_two_processes_checkpoint_and_resume(tiny_model_dir, alpaca_file, tmp_path):
+def test_fsdp2_two_processes_checkpoint_and_resume(tiny_model_dir, alpaca_file, tmp_path, monkeypatch):
     # FSDP2 shards base and LoRA over 2 gloo processes; same global batch as one process.
+    # FSDP keeps q/k/v and gate/up apart (layer by layer LoRA): so does the one-process reference.
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "fused_lora")
     one = tmp_path / "one"
     train(tiny_config(tiny_model_dir, alpaca_file, one, max_steps=4, batch_size=4, grad_accum=2, lr=1e-2,
                       val_split=0.25, eval_every=2, save_every=2), progress=False)

@@ -11,6 +11,8 @@ fallback and one log line when it falls back.
     bf16 on a GPU                torch.cuda.is_bf16_supported()                fp16 with loss scaling
     CUDA graphs (ops.graphs)     ops.graphs.graphs_unsupported is None         eager steps (its own line)
     fused LM-head CE             config fused_loss (plain PyTorch, any device) ops.loss.target_loss_sum
+    joined q/k/v, gate/up with   always in training (plain PyTorch, any        layer by layer LoRALinear
+      LoRA (ops.lora_group)        device), except FSDP                          (model.lora)
 
 A fallback on a device where the fast path is expected (a GPU for varlen and fused AdamW; a CPU
 asked for auto precision) prints ``hivetune: note: <what> unavailable (<why>); using <reference>``
@@ -29,7 +31,7 @@ import warnings
 import torch
 
 FORCE_ENV = "HIVETUNE_REFERENCE"
-PATHS = ("varlen", "fused_adamw", "cpu_bf16", "gpu_bf16", "fused_layers")
+PATHS = ("varlen", "fused_adamw", "cpu_bf16", "gpu_bf16", "fused_layers", "fused_lora")
 NOTED: dict[str, str] = {}  # fast path -> the line printed when it fell back (tests read it)
 _VARLEN_OK: dict[tuple[str, torch.dtype], str] = {}  # (device, dtype) -> "" when it works, else why not
 
@@ -123,6 +125,12 @@ def _per_example_attention(q, k, v, lengths) -> torch.Tensor:
         outs.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
         start += n
     return torch.cat(outs)[None]
+
+
+def fused_lora_usable() -> bool:
+    """ops.lora_group for training (joined projections): plain PyTorch, so only forcing it off
+    in HIVETUNE_REFERENCE stops it."""
+    return not forced("fused_lora")
 
 
 # ---- fused AdamW -----------------------------------------------------------------------------

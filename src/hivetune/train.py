@@ -30,14 +30,14 @@ from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset
 from hivetune import distributed
 from hivetune.device import DTYPES, peak_memory_bytes, resolve_device, resolve_precision, set_threads
 from hivetune.doctor.preflight import check_stack
-from hivetune.fastpath import adamw
+from hivetune.fastpath import adamw, fused_lora_usable
 from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.errors import UserError
 from hivetune.fileio import atomic_write_bytes, check_writable, hold_run_lock
 from hivetune.metrics_sink import MetricsSink, require_tensorboard
 from hivetune.model.decoder import CausalLM
 from hivetune.model.load import load_args, load_model
-from hivetune.model.lora import LoRASpec, apply_lora, lora_parameters, save_adapter
+from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_parameters, save_adapter
 from hivetune.model.tokenizer import load_tokenizer
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.ops.graphs import micro_step_fn
@@ -190,6 +190,9 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     if parallel.enabled:
         base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
         strategy = distributed.choose_strategy(cfg.distributed, base_bytes, device, cfg, model.args)
+    if strategy != "fsdp" and fused_lora_usable():  # FSDP shards each weight: it keeps them apart
+        fuse_projections(model)
+    if parallel.enabled:
         module = distributed.wrap(model, strategy, parallel, device)
 
     per_step = cfg.batch_size * cfg.grad_accum * parallel.world  # the global batch

@@ -83,10 +83,16 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, args.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv = None  # a lora.FusedProjections of q/k/v once lora.fuse_projections ran
 
     def forward(self, x, cos, sin, layout=None, cache=None):
         b, t, _ = x.shape
-        q, k, v = project_shared_input(x, self.q_proj, self.k_proj, self.v_proj)
+        joined = self.qkv(x) if self.qkv is not None else None
+        if joined is not None:
+            q, k, v = joined.split(self.qkv.sizes, dim=-1)  # views: RoPE reads q and k in place
+            v = v.contiguous()  # attention saves v: a view would keep all of q/k/v alive
+        else:
+            q, k, v = project_shared_input(x, self.q_proj, self.k_proj, self.v_proj)
         q = q.view(b, t, self.n_heads, self.head_dim)
         k = k.view(b, t, self.n_kv, self.head_dim)
         v = v.view(b, t, self.n_kv, self.head_dim)
@@ -105,8 +111,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gate_up = None  # a lora.FusedProjections of gate/up once lora.fuse_projections ran
 
     def forward(self, x):
+        joined = self.gate_up(x) if self.gate_up is not None else None
+        if joined is not None:
+            return self.down_proj(elementwise.swiglu_joined(joined))
         gate, up = project_shared_input(x, self.gate_proj, self.up_proj)
         return self.down_proj(elementwise.swiglu(gate, up))  # saves gate and up only
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from hivetune.errors import UserError
+from hivetune.ops.lora_group import lora_group
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_CONFIG = "adapter_config.json"
@@ -50,6 +51,7 @@ class LoRALinear(nn.Module):
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling = alpha / (math.sqrt(r) if rslora else r)
         self.enabled = True  # False: behave as the base layer (A/B against the base model)
+        self.fused = False  # True: forward through ops.lora_group (set by fuse_projections)
         # PEFT's default init: A ~ kaiming_uniform(a=sqrt(5)), B = 0, so the update starts at 0.
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
@@ -64,6 +66,10 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor, dropped: torch.Tensor | None = None) -> torch.Tensor:
         """`dropped`: dropout(x) already drawn for a sibling layer reading the same x."""
+        if self.fused and self.enabled and dropped is None:
+            base = self.base_layer
+            return lora_group(x, base.weight, base.bias, (base.out_features,), self.dropout_p(), self.scaling,
+                              [self.lora_A.weight], [self.lora_B.weight])
         y = self.base_layer(x)
         if not self.enabled:
             return y
@@ -71,6 +77,11 @@ class LoRALinear(nn.Module):
             dropped = self.lora_dropout(x)
         a = self.lora_A(dropped.to(self._compute_dtype(x))) * self.scaling  # scale the rank-r side
         return add_low_rank(y, a, self.lora_B.weight)
+
+    def dropout_p(self) -> float:
+        """The dropout probability in force now (0 in eval mode)."""
+        d = self.lora_dropout
+        return d.p if isinstance(d, nn.Dropout) and d.training else 0.0
 
     def _compute_dtype(self, x):
         # Under autocast the matmul casts for us; without it, run the update in A's dtype.
@@ -112,6 +123,62 @@ def project_shared_input(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tens
     a_all = torch.nn.functional.linear(dropped, torch.cat([m.lora_A.weight for m in lora])) * first.scaling
     rank = first.lora_A.out_features
     return [add_low_rank(m.base_layer(x), a, m.lora_B.weight) for m, a in zip(lora, a_all.split(rank, dim=-1))]
+
+
+class FusedProjections:
+    """Layers that read one input (q/k/v, or gate/up) with their base weights stored as one
+    [sum out, in] tensor: each ``base_layer.weight`` is a row view of it, so parameter names,
+    loading and merging are unchanged, while the forward runs one base matmul for the group and
+    the LoRA updates through ``ops.lora_group`` (see there for the formulas and the why).
+
+    Calling it gives the joined output [..., sum out], or None when the group's LoRA layers are
+    in mixed states (some disabled, or different ranks / scales / dropout): the caller then runs
+    the layers one by one (``project_shared_input``), which is also the reference path.
+    """
+
+    def __init__(self, layers: list[nn.Module]):
+        self.layers = layers
+        bases = [m.base_layer if isinstance(m, LoRALinear) else m for m in layers]
+        self.sizes = tuple(b.out_features for b in bases)
+        with torch.no_grad():
+            self.weight = torch.cat([b.weight for b in bases])
+            self.bias = torch.cat([b.bias for b in bases]) if all(b.bias is not None for b in bases) else None
+            if self.bias is None and any(b.bias is not None for b in bases):
+                raise ValueError("fuse only layers that all have a bias or none")
+        row = 0
+        for b, size in zip(bases, self.sizes):  # the separate tensors are freed, the views remain
+            b.weight = nn.Parameter(self.weight[row:row + size], requires_grad=False)
+            if self.bias is not None:
+                b.bias = nn.Parameter(self.bias[row:row + size], requires_grad=False)
+            row += size
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        lora = [m for m in self.layers if isinstance(m, LoRALinear) and m.enabled]
+        if not lora:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        first = lora[0]
+        if len(lora) != len(self.layers) or any(
+                m.scaling != first.scaling or m.lora_A.out_features != first.lora_A.out_features
+                or m.dropout_p() != first.dropout_p() for m in lora):
+            return None
+        return lora_group(x, self.weight, self.bias, self.sizes, first.dropout_p(), first.scaling,
+                          [m.lora_A.weight for m in lora], [m.lora_B.weight for m in lora])
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Join q/k/v and gate/up of every decoder layer (FusedProjections) and route every LoRA
+    layer through ops.lora_group. For training on one device or under DDP, after the model is on
+    its device (``.to()`` would split the views again); not for FSDP-sharded parameters.
+    Returns the number of groups joined."""
+    groups = 0
+    for layer in getattr(getattr(model, "model", None), "layers", []):
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv = FusedProjections([attn.q_proj, attn.k_proj, attn.v_proj])
+        mlp.gate_up = FusedProjections([mlp.gate_proj, mlp.up_proj])
+        groups += 2
+    for _, m in lora_modules(model):
+        m.fused = True
+    return groups
 
 
 def target_names(model: nn.Module) -> list[str]:

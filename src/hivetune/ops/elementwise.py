@@ -99,28 +99,32 @@ if triton is not None:
         tl.store(DX + row * stride + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _swiglu_fwd(G, U, Y, n, BLOCK: tl.constexpr):
+    def _swiglu_fwd(G, U, Y, n, COLS, STRIDE, BLOCK: tl.constexpr):
+        # y[i] for i < n = rows x COLS; gate / up element i sits at row * STRIDE + col, so one
+        # kernel reads separate tensors (STRIDE = COLS) or the halves of a joined [.., 2 COLS] one.
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = i < n
-        g = tl.load(G + i, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U + i, mask=mask, other=0.0).to(tl.float32)
+        at = (i // COLS) * STRIDE + i % COLS
+        g = tl.load(G + at, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + at, mask=mask, other=0.0).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)  # F.silu rounds here
         tl.store(Y + i, (act * u).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _swiglu_bwd(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
+    def _swiglu_bwd(DY, G, U, DG, DU, n, COLS, STRIDE, BLOCK: tl.constexpr):
         # y = g * s(g) * u:  du = dy * g * s,  dg = dy * u * s * (1 + g * (1 - s))
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = i < n
+        at = (i // COLS) * STRIDE + i % COLS
         dy = tl.load(DY + i, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(G + i, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U + i, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G + at, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + at, mask=mask, other=0.0).to(tl.float32)
         s = 1.0 / (1.0 + tl.exp(-g))
-        tl.store(DU + i, (dy * g * s).to(DU.dtype.element_ty), mask=mask)
-        tl.store(DG + i, (dy * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=mask)
+        tl.store(DU + at, (dy * g * s).to(DU.dtype.element_ty), mask=mask)
+        tl.store(DG + at, (dy * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rope(X, COS, SIN, Y, heads, HALF, sign, H_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
+    def _rope(X, COS, SIN, Y, heads, HALF, X_TOKEN_STRIDE, sign, H_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
         # One token, all heads: y1 = x1 c1 - sign x2 s1, y2 = x2 c2 + sign x1 s2 (sign -1: the
         # transpose, i.e. backward: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1).
         t = tl.program_id(0).to(tl.int64)
@@ -128,8 +132,9 @@ if triton is not None:
         d = tl.arange(0, D_BLOCK)[None, :]
         mask = (h < heads) & (d < HALF)
         base = t * heads * 2 * HALF + h * 2 * HALF + d
-        x1 = tl.load(X + base, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(X + base + HALF, mask=mask, other=0.0).to(tl.float32)
+        at = t * X_TOKEN_STRIDE + h * 2 * HALF + d  # X may be a column slice of a q/k/v output
+        x1 = tl.load(X + at, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(X + at + HALF, mask=mask, other=0.0).to(tl.float32)
         dm = d < HALF
         c1 = tl.load(COS + t * 2 * HALF + d, mask=dm, other=0.0).to(tl.float32)
         c2 = tl.load(COS + t * 2 * HALF + HALF + d, mask=dm, other=0.0).to(tl.float32)
@@ -177,32 +182,53 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 class SwiGLUFunction(torch.autograd.Function):
+    """silu(gate) * up; `joined`: gate and up are the halves of one [.., 2 I] tensor (a fused
+    gate/up projection), read in place, and the gradient comes back as one [.., 2 I] tensor."""
     BLOCK = 1024
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor):
-        gate, up = gate.contiguous(), up.contiguous()
-        y = torch.empty_like(gate)
-        n = gate.numel()
-        _swiglu_fwd[_elementwise_grid(n, SwiGLUFunction.BLOCK)](gate, up, y, n, BLOCK=SwiGLUFunction.BLOCK)
-        ctx.save_for_backward(gate, up)
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor | None):
+        if up is None:
+            joined = gate.contiguous()
+            cols = joined.shape[-1] // 2
+            g, u, stride = joined, joined[..., cols:], 2 * cols
+            y = joined.new_empty((*joined.shape[:-1], cols))
+            ctx.save_for_backward(joined)
+        else:
+            g, u = gate.contiguous(), up.contiguous()
+            cols = stride = g.shape[-1]
+            y = torch.empty_like(g)
+            ctx.save_for_backward(g, u)
+        n = y.numel()
+        _swiglu_fwd[_elementwise_grid(n, SwiGLUFunction.BLOCK)](g, u, y, n, cols, stride, BLOCK=SwiGLUFunction.BLOCK)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
         dy = dy.contiguous()
+        n, cols = dy.numel(), dy.shape[-1]
+        if len(ctx.saved_tensors) == 1:
+            (joined,) = ctx.saved_tensors
+            dgu = torch.empty_like(joined)
+            _swiglu_bwd[_elementwise_grid(n, SwiGLUFunction.BLOCK)](dy, joined, joined[..., cols:], dgu, dgu[..., cols:],
+                                                                     n, cols, 2 * cols, BLOCK=SwiGLUFunction.BLOCK)
+            return dgu, None
+        gate, up = ctx.saved_tensors
         dg, du = torch.empty_like(gate), torch.empty_like(up)
-        n = gate.numel()
-        _swiglu_bwd[_elementwise_grid(n, SwiGLUFunction.BLOCK)](dy, gate, up, dg, du, n, BLOCK=SwiGLUFunction.BLOCK)
+        _swiglu_bwd[_elementwise_grid(n, SwiGLUFunction.BLOCK)](dy, gate, up, dg, du, n, cols, cols,
+                                                                 BLOCK=SwiGLUFunction.BLOCK)
         return dg, du
 
 
 def _rope_launch(x, cos, sin, sign: int):
+    """y (contiguous) = RoPE(x); x is read in place when its heads and tokens are evenly strided
+    (a contiguous tensor, or a q / k column slice of a fused q/k/v output)."""
     b, t, heads, d = x.shape
-    y = torch.empty_like(x)
+    if not (x.stride(3) == 1 and x.stride(2) == d and x.stride(0) == t * x.stride(1)):
+        x = x.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     half = d // 2
-    _rope[(b * t,)](x, cos, sin, y, heads, half, sign, H_BLOCK=triton.next_power_of_2(heads),
+    _rope[(b * t,)](x, cos, sin, y, heads, half, x.stride(1), sign, H_BLOCK=triton.next_power_of_2(heads),
                     D_BLOCK=triton.next_power_of_2(half))
     return y
 
@@ -212,7 +238,7 @@ class RoPEFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         cos, sin = cos.contiguous(), sin.contiguous()
         ctx.save_for_backward(cos, sin)
-        return _rope_launch(x.contiguous(), cos, sin, 1)
+        return _rope_launch(x, cos, sin, 1)
 
     @staticmethod
     def backward(ctx, dy):
@@ -231,6 +257,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if fused_ok(gate) and up.dtype == gate.dtype and up.shape == gate.shape:
         return SwiGLUFunction.apply(gate, up)
+    return swiglu_reference(gate, up)
+
+
+def swiglu_joined(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up where gate_up = [gate | up] along the last dim (a fused gate/up output)."""
+    if fused_ok(gate_up):
+        return SwiGLUFunction.apply(gate_up, None)
+    gate, up = gate_up.chunk(2, dim=-1)
     return swiglu_reference(gate, up)
 
 

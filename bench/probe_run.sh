@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device call: where a W1 / W2 step spends its GPU time (kernel mix with graphs off, graph
+# replay timing with graphs on) and a bf16 + gradient-checkpointing sanity run.
+# Usage (device tool): HIVETUNE_COMMIT=$(git rev-parse --short HEAD) bash bench/probe_run.sh
+set -uo pipefail
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 HIVETUNE_CACHE=/tmp/hivetune-cache
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+S="$OUT/probe.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$S"
+echo "== W1 kernels (graphs off, 12 steps)" | tee -a "$S"
+timeout 100 python3 bench/profile_step.py W1 --steps 15 --set cuda_graphs=false 2>&1 | grep -v Warn | tail -45 >> "$S"
+echo "== W1 graphed timing" | tee -a "$S"
+timeout 60 python3 bench/profile_step.py W1 --steps 103 --no-profile 2>&1 | tail -2 >> "$S"
+echo "== W2 kernels (graphs off, 5 steps)" | tee -a "$S"
+timeout 120 python3 bench/profile_step.py W2 --steps 8 2>&1 | grep -v Warn | tail -45 >> "$S"
+echo "== W1 bf16 + gradient checkpointing, 20 steps" | tee -a "$S"
+timeout 60 python3 -m hivetune bench W1 --out /tmp/r --max-steps 20 --set gradient_checkpointing=true 2>&1 | tail -4 >> "$S"
+echo "== done" >> "$S"

@@ -1,0 +1,111 @@
+"""Linear layers that read the same input (q/k/v, or gate/up), each with LoRA, as one matmul
+group with a hand-written backward.
+
+For n layers with base weights W_i [o_i, d] (stored concatenated as W [O, d], O = sum o_i, so
+``q_proj.base_layer.weight`` is a row view of it), LoRA A_i [r, d], B_i [o_i, r], scale s and
+dropout mask m (one mask for the group, as ``lora.project_shared_input`` draws):
+
+    xd = x * m / (1 - p)                     [N, d]
+    xa = xd @ [A_1; ...; A_n]^T              [N, n r]     one matmul for every A
+    y  = x @ W^T + xa @ Bd^T                 [N, O]       Bd = s * blockdiag(B_1, ..., B_n)
+
+and the backward, given g = dL/dy [N, O]:
+
+    dx  = g @ W + ((g @ Bd) @ A_all) * m / (1 - p)
+    dA  = (g @ Bd)^T @ xd                    [n r, d]     rows i r .. (i+1) r are dA_i
+    dBd = g^T @ xa                           [O, n r]     diagonal block i, times s, is dB_i
+
+Why: the module-by-module path (the reference, ``lora.LoRALinear``) runs ~45 kernels forward
+and backward for q/k/v on a GPU: per layer a base matmul, a cast of A and B to bf16, a scale,
+an addmm, and in the backward their gradients, the casts' backward and an add per branch into
+dx. Here q/k/v take ~20: one base matmul for all three, the LoRA term in the same output
+(addmm), dx accumulated in place. W1 (0.5B, ~1,600 tokens per step) is bound by kernel count,
+so that is its step time; on W2 (7B) the saved casts and adds are ~10% of the step.
+
+Memory: saves xd (x itself when there is no dropout), the dropout mask (bool), xa [N, n r] and
+the bf16 casts of A and Bd, as the reference path does; x is not needed (W is frozen).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with a float32 result: one kernel on CUDA for bf16 / fp16 inputs (cuBLAS writes
+    fp32), else the matmul then a cast (a no-op for fp32 inputs)."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # torch without mm(out_dtype=)
+            pass
+    return (a @ b).float()
+
+
+class LoRAGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, sizes, p, scale, *lora):
+        """x [..., d]; weight [O, d] (frozen, rows per layer); lora = A_1..A_n, B_1..B_n."""
+        n = len(sizes)
+        a_params, b_params = lora[:n], lora[n:]
+        r = a_params[0].shape[0]
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+            w = weight.to(dtype)
+            a_all = torch.cat(a_params, out=x2.new_empty((n * r, x2.shape[1])))  # cast on the way
+            if n == 1:
+                bd = torch.mul(b_params[0], scale, out=x2.new_empty(b_params[0].shape))
+            else:
+                bd = x2.new_zeros((weight.shape[0], n * r))
+                row = 0
+                for i, b in enumerate(b_params):
+                    torch.mul(b, scale, out=bd[row:row + sizes[i], i * r:(i + 1) * r])
+                    row += sizes[i]
+            mask = None
+            if p > 0:
+                xd, mask = torch.native_dropout(x2, p, True)
+            else:
+                xd = x2
+            xa = xd @ a_all.t()
+            y = F.linear(x2, w, None if bias is None else bias.to(dtype))
+            y.addmm_(xa, bd.t())
+        ctx.save_for_backward(xd, mask, xa, a_all, bd, w)  # x itself is not needed: W is frozen
+        ctx.sizes, ctx.p, ctx.scale, ctx.r, ctx.x_shape, ctx.x_dtype = sizes, p, scale, r, x.shape, x.dtype
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        xd, mask, xa, a_all, bd, w = ctx.saved_tensors
+        sizes, r, scale = ctx.sizes, ctx.r, ctx.scale
+        g = grad.reshape(-1, grad.shape[-1]).to(w.dtype)
+        if not g.is_contiguous():
+            g = g.contiguous()
+        keep = 1.0 / (1.0 - ctx.p) if mask is not None else 1.0
+        with torch.autocast(g.device.type, enabled=False):
+            g_xa = g @ bd  # [N, n r]: d loss / d xa (the scale rides in bd)
+            grad_x = None
+            if ctx.needs_input_grad[0]:
+                grad_x = g @ w
+                if mask is None:
+                    grad_x.addmm_(g_xa, a_all)
+                else:
+                    grad_x.addcmul_(g_xa @ a_all, mask, value=keep)
+                grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
+            grad_a = mm_fp32(g_xa.t(), xd)  # [n r, d], rows of A_1 .. A_n
+            grad_bd = g.t() @ xa  # [O, n r]; only the diagonal blocks are B's gradients
+            grads_a, grads_b, row = [], [], 0
+            for i, size in enumerate(sizes):
+                grads_a.append(grad_a[i * r:(i + 1) * r])
+                block = grad_bd[row:row + size, i * r:(i + 1) * r]
+                grads_b.append(torch.mul(block, scale, out=torch.empty(block.shape, dtype=torch.float32,
+                                                                         device=block.device)))
+                row += size
+        return (grad_x, None, None, None, None, None, *grads_a, *grads_b)
+
+
+def lora_group(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, ...],
+               p: float, scale: float, a_params, b_params) -> torch.Tensor:
+    """y [..., sum(sizes)] = x W^T (+ bias) + the LoRA update of each row block (see the module doc)."""
+    return LoRAGroup.apply(x, weight, bias, tuple(sizes), float(p), float(scale), *a_params, *b_params)
