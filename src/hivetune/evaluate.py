@@ -391,21 +391,24 @@ def merged_lora(net: CausalLM):
     """The tuned model with each LoRA update merged into its base weight, W' = W + s B A
     (computed in fp32, stored in W's dtype), and the LoRA path switched off; the weights are
     put back on exit. One matmul per layer instead of three: on the 2-core CPU, SmolLM2 with
-    r 16 on all seven projections generated at about half the speed of the base model unmerged."""
+    r 16 on all seven projections generated at about half the speed of the base model unmerged.
+    Written in place: after lora.fuse_projections (training) q/k/v and gate/up's weights are row
+    views of one joined tensor, which the forward reads; a new tensor would bypass it."""
     from hivetune.model.lora import lora_enabled, lora_modules
 
     modules = [m for _, m in lora_modules(net)]
-    originals = [m.base_layer.weight.data for m in modules]
+    originals = [m.base_layer.weight.detach().clone() for m in modules]
     with torch.no_grad():
         for m in modules:
-            delta = (m.lora_B.weight.float() @ m.lora_A.weight.float()) * m.scaling
-            m.base_layer.weight.data = (m.base_layer.weight.float() + delta).to(m.base_layer.weight.dtype)
+            w = m.base_layer.weight
+            w.copy_(w.float() + (m.lora_B.weight.float() @ m.lora_A.weight.float()) * m.scaling)
     try:
         with lora_enabled(net, False):
             yield net
     finally:
-        for m, w in zip(modules, originals):
-            m.base_layer.weight.data = w
+        with torch.no_grad():
+            for m, w in zip(modules, originals):
+                m.base_layer.weight.copy_(w)
 
 
 def score_base_and_tuned(net: CausalLM, tokenizer, examples: list[EvalExample], max_new_tokens: int,

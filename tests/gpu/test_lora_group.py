@@ -70,3 +70,14 @@ def test_joined_swiglu_and_strided_rope_match_references():
     (g_ref,) = torch.autograd.grad(elementwise.rope_reference(q2, cos, sin), q2, dout)
     assert torch.allclose(g[..., :128].view(2, 7, 4, 32).float(), g_ref.float(), atol=3e-2)
     assert g[..., 128:].abs().max().item() == 0
+
+
+@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+def test_masked_add_matches_torch():
+    torch.manual_seed(0)
+    out = torch.randn(37, 129, device="cuda", dtype=torch.bfloat16)
+    t = torch.randn_like(out)
+    mask = torch.rand(out.shape, device="cuda") > 0.3
+    want = (out.float() + t.float() * mask * (1 / 0.7)).bfloat16()
+    elementwise.masked_add_(out, t, mask, 1 / 0.7)
+    assert torch.allclose(out.float(), want.float(), atol=1e-2, rtol=1e-2)

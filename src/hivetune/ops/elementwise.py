@@ -124,6 +124,15 @@ if triton is not None:
         tl.store(DG + at, (dy * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _masked_add(OUT, T, M, n, keep, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < n
+        o = tl.load(OUT + i, mask=mask, other=0.0).to(tl.float32)
+        t = tl.load(T + i, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(M + i, mask=mask, other=0).to(tl.float32)
+        tl.store(OUT + i, (o + t * m * keep).to(OUT.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _rope(X, COS, SIN, Y, heads, HALF, X_TOKEN_STRIDE, sign, H_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
         # One token, all heads: y1 = x1 c1 - sign x2 s1, y2 = x2 c2 + sign x1 s2 (sign -1: the
         # transpose, i.e. backward: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1).
@@ -207,13 +216,14 @@ class SwiGLUFunction(torch.autograd.Function):
     def backward(ctx, dy):
         dy = dy.contiguous()
         n, cols = dy.numel(), dy.shape[-1]
-        if len(ctx.saved_tensors) == 1:
-            (joined,) = ctx.saved_tensors
+        saved = ctx.saved_tensors  # unpacked once: a checkpointed layer allows no second unpack
+        if len(saved) == 1:
+            (joined,) = saved
             dgu = torch.empty_like(joined)
             _swiglu_bwd[_elementwise_grid(n, SwiGLUFunction.BLOCK)](dy, joined, joined[..., cols:], dgu, dgu[..., cols:],
                                                                      n, cols, 2 * cols, BLOCK=SwiGLUFunction.BLOCK)
             return dgu, None
-        gate, up = ctx.saved_tensors
+        gate, up = saved
         dg, du = torch.empty_like(gate), torch.empty_like(up)
         _swiglu_bwd[_elementwise_grid(n, SwiGLUFunction.BLOCK)](dy, gate, up, dg, du, n, cols, cols,
                                                                  BLOCK=SwiGLUFunction.BLOCK)
@@ -258,6 +268,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if fused_ok(gate) and up.dtype == gate.dtype and up.shape == gate.shape:
         return SwiGLUFunction.apply(gate, up)
     return swiglu_reference(gate, up)
+
+
+def masked_add_(out: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, keep: float) -> None:
+    """out += t * mask * keep in one kernel (contiguous tensors of one shape; mask bool)."""
+    n = out.numel()
+    _masked_add[_elementwise_grid(n, 1024)](out, t, mask.view(torch.uint8), n, keep, BLOCK=1024)
 
 
 def swiglu_joined(gate_up: torch.Tensor) -> torch.Tensor:

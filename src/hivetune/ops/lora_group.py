@@ -6,14 +6,18 @@ For n layers with base weights W_i [o_i, d] (stored concatenated as W [O, d], O 
 dropout mask m (one mask for the group, as ``lora.project_shared_input`` draws):
 
     xd = x * m / (1 - p)                     [N, d]
-    xa = xd @ [A_1; ...; A_n]^T              [N, n r]     one matmul for every A
-    y  = x @ W^T + xa @ Bd^T                 [N, O]       Bd = s * blockdiag(B_1, ..., B_n)
+    xa = s xd @ [A_1; ...; A_n]^T            [N, n r]     one matmul for every A (s as its alpha)
+    y  = x @ W^T + xa @ Bd^T                 [N, O]       Bd = blockdiag(B_1, ..., B_n)
 
 and the backward, given g = dL/dy [N, O]:
 
-    dx  = g @ W + ((g @ Bd) @ A_all) * m / (1 - p)
-    dA  = (g @ Bd)^T @ xd                    [n r, d]     rows i r .. (i+1) r are dA_i
-    dBd = g^T @ xa                           [O, n r]     diagonal block i, times s, is dB_i
+    ga  = s g @ Bd                           [N, n r]
+    dx  = g @ W + (ga @ A_all) * m / (1 - p)
+    dA  = ga^T @ xd                          [n r, d]     rows i r .. (i+1) r are dA_i
+    dB_i = g_i^T @ xa_i                      [o_i, r]     (g_i, xa_i: layer i's columns)
+
+The scale rides in the matmuls' alpha and the fp32 gradients come out of the matmuls (cuBLAS
+writes fp32 from bf16 inputs), so A and B cost no elementwise kernels at all.
 
 Why: the module-by-module path (the reference, ``lora.LoRALinear``) runs ~45 kernels forward
 and backward for q/k/v on a GPU: per layer a base matmul, a cast of A and B to bf16, a scale,
@@ -56,19 +60,20 @@ class LoRAGroup(torch.autograd.Function):
             w = weight.to(dtype)
             a_all = torch.cat(a_params, out=x2.new_empty((n * r, x2.shape[1])))  # cast on the way
             if n == 1:
-                bd = torch.mul(b_params[0], scale, out=x2.new_empty(b_params[0].shape))
+                bd = b_params[0].to(dtype)
             else:
                 bd = x2.new_zeros((weight.shape[0], n * r))
                 row = 0
                 for i, b in enumerate(b_params):
-                    torch.mul(b, scale, out=bd[row:row + sizes[i], i * r:(i + 1) * r])
+                    bd[row:row + sizes[i], i * r:(i + 1) * r] = b
                     row += sizes[i]
             mask = None
             if p > 0:
                 xd, mask = torch.native_dropout(x2, p, True)
             else:
                 xd = x2
-            xa = xd @ a_all.t()
+            xa = x2.new_empty((x2.shape[0], n * r))
+            torch.addmm(xa, xd, a_all.t(), beta=0, alpha=scale, out=xa)  # s (xd A^T): the scale is free
             y = F.linear(x2, w, None if bias is None else bias.to(dtype))
             y.addmm_(xa, bd.t())
         ctx.save_for_backward(xd, mask, xa, a_all, bd, w)  # x itself is not needed: W is frozen
@@ -78,31 +83,40 @@ class LoRAGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         xd, mask, xa, a_all, bd, w = ctx.saved_tensors
-        sizes, r, scale = ctx.sizes, ctx.r, ctx.scale
+        sizes, r = ctx.sizes, ctx.r
         g = grad.reshape(-1, grad.shape[-1]).to(w.dtype)
         if not g.is_contiguous():
             g = g.contiguous()
-        keep = 1.0 / (1.0 - ctx.p) if mask is not None else 1.0
         with torch.autocast(g.device.type, enabled=False):
-            g_xa = g @ bd  # [N, n r]: d loss / d xa (the scale rides in bd)
+            g_xa = g.new_empty((g.shape[0], a_all.shape[0]))
+            torch.addmm(g_xa, g, bd, beta=0, alpha=ctx.scale, out=g_xa)  # d loss / d (xd A^T)
             grad_x = None
             if ctx.needs_input_grad[0]:
                 grad_x = g @ w
                 if mask is None:
                     grad_x.addmm_(g_xa, a_all)
                 else:
-                    grad_x.addcmul_(g_xa @ a_all, mask, value=keep)
+                    masked_add_(grad_x, g_xa @ a_all, mask, 1.0 / (1.0 - ctx.p))
                 grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
-            grad_a = mm_fp32(g_xa.t(), xd)  # [n r, d], rows of A_1 .. A_n
-            grad_bd = g.t() @ xa  # [O, n r]; only the diagonal blocks are B's gradients
+            grad_a = mm_fp32(g_xa.t(), xd)  # [n r, d]: rows of A_1 .. A_n (contiguous blocks)
             grads_a, grads_b, row = [], [], 0
             for i, size in enumerate(sizes):
                 grads_a.append(grad_a[i * r:(i + 1) * r])
-                block = grad_bd[row:row + size, i * r:(i + 1) * r]
-                grads_b.append(torch.mul(block, scale, out=torch.empty(block.shape, dtype=torch.float32,
-                                                                         device=block.device)))
+                # dB_i = g_i^T xa_i (xa holds s): one matmul each, so each gradient is contiguous
+                grads_b.append(mm_fp32(g[:, row:row + size].t(), xa[:, i * r:(i + 1) * r]))
                 row += size
         return (grad_x, None, None, None, None, None, *grads_a, *grads_b)
+
+
+def masked_add_(out: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, keep: float) -> None:
+    """out += t * mask * keep (the dropout backward of the LoRA branch): one Triton kernel on
+    GPUs (torch's addcmul with a bool mask runs an unvectorised mixed-dtype loop), else torch."""
+    from hivetune.ops import elementwise
+
+    if elementwise.fused_ok(out) and out.is_contiguous() and t.is_contiguous() and mask.is_contiguous():
+        elementwise.masked_add_(out, t, mask, keep)
+    else:
+        out.add_(torch.ops.aten.native_dropout_backward(t, mask, keep))
 
 
 def lora_group(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, ...],
