@@ -9,36 +9,15 @@ no longer fits the context. ``/exit`` (or end of input) ends it, ``/reset`` star
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import TextIO
 
 from hivetune.errors import UserError
-
-
-def load_for_generation(model: str = "", adapter: str = "", device: str = "auto", precision: str = "auto"):
-    """(model, tokenizer) in eval mode: an HF folder or .gguf (default: embedded), adapter optional."""
-    from hivetune.device import DTYPES, resolve_device, resolve_precision
-    from hivetune.embedded import embedded_model_path
-    from hivetune.generate import resolve_adapter_folder
-    from hivetune.model.load import load_model
-    from hivetune.model.lora import load_adapter
-    from hivetune.model.tokenizer import load_tokenizer
-
-    model_path = Path(model) if model else embedded_model_path()
-    dev = resolve_device(device)
-    dtype = DTYPES[resolve_precision(precision, dev)]
-    adapter_folder = resolve_adapter_folder(adapter) if adapter else None
-    tokenizer = load_tokenizer(str(model_path))
-    net = load_model(model_path, dtype=dtype, device=dev)
-    if adapter_folder is not None:
-        load_adapter(net, adapter_folder, param_dtype=dtype)
-    return net.eval(), tokenizer
+from hivetune.generate import greedy_ids, load_for_generation, pad_token_id
 
 
 def reply(net, tokenizer, messages: list[dict], max_new_tokens: int) -> str:
     """The model's greedy answer to the conversation so far (oldest turns dropped to fit)."""
     from hivetune.data.formats import render_chat
-    from hivetune.generate import greedy_ids
     from hivetune.model.tokenizer import eos_ids
 
     limit = net.args.max_position_embeddings - max_new_tokens
@@ -53,8 +32,7 @@ def reply(net, tokenizer, messages: list[dict], max_new_tokens: int) -> str:
     if len(ids) > limit:
         raise UserError(f"chat: the message is {len(ids)} tokens; the model's context holds "
                         f"{net.args.max_position_embeddings} with {max_new_tokens} new tokens")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    out = greedy_ids(net, [ids], max_new_tokens, eos_ids(tokenizer, net.args), pad)[0]
+    out = greedy_ids(net, [ids], max_new_tokens, eos_ids(tokenizer, net.args), pad_token_id(tokenizer))[0]
     return tokenizer.decode(out, skip_special_tokens=True).strip()
 
 

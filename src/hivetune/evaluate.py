@@ -29,9 +29,8 @@ import torch
 from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, FORMAT_NAMES, Encoded, alpaca_messages,
                                    check_record, detect_format, encode_record, iter_records, render_chat)
 from hivetune.errors import UserError
-from hivetune.generate import resolve_adapter_folder
-from hivetune.model.decoder import CausalLM, KVCache
-from hivetune.ops.attention import Masked
+from hivetune.generate import greedy_ids, pad_token_id, resolve_adapter_folder
+from hivetune.model.decoder import CausalLM
 from hivetune.ops.loss import target_loss_sum
 
 SIDES = ("base", "tuned")
@@ -194,64 +193,10 @@ def response_losses(model: CausalLM, examples: list[Encoded], pad_id: int,
     return out
 
 
-@torch.no_grad()
-def greedy_answers(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-                   pad_id: int) -> list[list[int]]:
-    """Greedy continuations (stop token excluded) of a batch of prompts, left-padded, on a KV
-    cache; the same tokens as ``hivetune.generate.greedy_ids`` row by row.
-
-    Rows that have reached a stop token leave the batch: once at least an eighth of the live
-    rows (and at least one) are done, the live rows' KV cache, mask and tokens are gathered
-    into a smaller batch. A decode step's cost grows with its rows, and answers end at very
-    different lengths (SmolLM2 on the shipped held-out set: 12 to 96 tokens), so without this
-    the batch runs at full width until its longest answer ends. One host sync per step.
-    """
-    device = model.lm_head.weight.device
-    batch, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
-    valid = torch.zeros((batch, width + max_new_tokens), dtype=torch.bool, device=device)
-    for row, p in enumerate(prompts):  # left padding keeps every prompt's last token aligned
-        ids[row, width - len(p):] = torch.tensor(p, device=device)
-        valid[row, width - len(p):] = True
-    cache = KVCache(model.args, batch, width + max_new_tokens, device, model.lm_head.weight.dtype)
-    stop = torch.tensor(sorted(stop_ids) or [-1], device=device)
-    outputs: list[list[int]] = [[] for _ in range(batch)]
-    rows = list(range(batch))  # the prompt index of each live row
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    step_ids = ids
-    for _ in range(max_new_tokens):
-        start, q = cache.length, step_ids.shape[1]
-        total = start + q
-        positions = (valid[:, :total].long().cumsum(-1) - 1).clamp(min=0)[:, start:total]
-        keys = torch.arange(total, device=device)
-        query_pos = (start + torch.arange(q, device=device))[:, None]
-        # A pad query may see only itself: a row with no visible key would make SDPA return NaN.
-        mask = ((keys[None, :] <= query_pos)[None] & valid[:, None, :total]) | (keys[None, :] == query_pos)[None]
-        hidden = model(step_ids, positions, Masked(mask[:, None]), cache)
-        next_ids = model.logits(hidden[:, -1]).argmax(-1)
-        done |= torch.isin(next_ids, stop)
-        for row, token, finished in zip(rows, next_ids.tolist(), done.tolist()):
-            if not finished:
-                outputs[row].append(token)
-        n_done = int(done.sum())
-        if n_done == len(rows):
-            break
-        valid[:, total] = True
-        step_ids = next_ids[:, None]
-        if n_done >= max(1, len(rows) // 8):
-            keep = (~done).nonzero().squeeze(1)
-            rows = [rows[i] for i in keep.tolist()]
-            valid, step_ids, done = valid[keep], step_ids[keep], done[keep]
-            for layer in range(len(cache.k)):
-                cache.k[layer] = cache.k[layer].index_select(0, keep)
-                cache.v[layer] = cache.v[layer].index_select(0, keep)
-    return outputs
-
-
 def generate_sorted(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
                     pad_id: int, batch_size: int) -> list[list[int]]:
     """Greedy continuations in batches of prompts of similar length (sorted by length, so left
-    padding stays short), returned in input order (see ``greedy_answers``).
+    padding stays short), returned in input order (see ``hivetune.generate.greedy_ids``).
 
     Batches are as even as `batch_size` allows (200 prompts at 48: 5 x 40, not 4 x 48 + 8).
     Big batches pay on the CPU because a decode step's cost is mostly per-step overhead and
@@ -262,7 +207,7 @@ def generate_sorted(model: CausalLM, prompts: list[list[int]], max_new_tokens: i
     size = math.ceil(len(order) / math.ceil(len(order) / batch_size)) if order else 1
     for start in range(0, len(order), size):
         chunk = order[start:start + size]
-        for i, ids in zip(chunk, greedy_answers(model, [prompts[i] for i in chunk], max_new_tokens, stop_ids, pad_id)):
+        for i, ids in zip(chunk, greedy_ids(model, [prompts[i] for i in chunk], max_new_tokens, stop_ids, pad_id)):
             out[i] = ids
     return out
 
@@ -273,7 +218,7 @@ def score_model(model: CausalLM, tokenizer, examples: list[EvalExample], max_new
     `seconds`, if given, receives the time of the loss and of the generation pass."""
     from hivetune.model.tokenizer import eos_ids
 
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = pad_token_id(tokenizer)
     t0 = time.perf_counter()
     losses = response_losses(model, [e.encoded for e in examples], pad, batch_size)
     t1 = time.perf_counter()
