@@ -233,7 +233,8 @@ def test_cli_refuses_overwrite_unless_force(trained, tiny_model_dir, tmp_path, c
     assert sorted(p.name for p in out.iterdir()) == ["eval.json", "eval.md"]  # no temporary files left
 
 
-@pytest.mark.parametrize("case", ["missing_run", "not_a_run", "bad_json", "text_format", "bad_command", "no_limit"])
+@pytest.mark.parametrize("case", ["missing_run", "not_a_run", "bad_json", "text_format", "undetectable", "bad_command",
+                                  "no_limit"])
 def test_bad_input_is_one_line_exit_2_nothing_written(case, trained, tiny_model_dir, tmp_path, capsys):
     run, _ = trained
     data = write_jsonl(tmp_path / "d.jsonl", eval_records())
@@ -245,6 +246,8 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case, trained, tiny_model_
         "not_a_run": f"{tmp_path}: no finished adapter (adapter_config.json) in this folder",
         "bad_json": f"{data}:3: malformed JSON (Expecting property name enclosed in double quotes at column 2)",
         "text_format": f"{data}:1: eval needs prompt/response records (alpaca or chat), not text",
+        # training's message, without its advice to set `format` (eval has no such option)
+        "undetectable": f"{data}:1: cannot tell the format (expected 'messages', 'instruction'+'output' or 'text')",
         "bad_command": f"{data}:2: field 'command' must be a non-empty string or a list of them",
         "no_limit": "--limit: must be >= 0, got -1",
     }[case]
@@ -258,6 +261,8 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case, trained, tiny_model_
         data.write_text("\n".join(lines) + "\n")
     elif case == "text_format":
         write_jsonl(data, [{"text": "just text"}])
+    elif case == "undetectable":
+        write_jsonl(data, [{"prompt": "a", "completion": "b"}])
     elif case == "bad_command":
         records = eval_records()
         records[1]["command"] = ""

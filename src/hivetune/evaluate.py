@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, FORMAT_NAMES, Encoded, alpaca_messages,
-                                   check_record, detect_format, encode_record, iter_records, render_chat)
+from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, Encoded, alpaca_messages, checked_records,
+                                   encode_record, render_chat)
 from hivetune.errors import UserError
 from hivetune.generate import greedy_ids, pad_token_id, resolve_adapter_folder
 from hivetune.model.decoder import CausalLM
@@ -142,17 +142,10 @@ def prompt_text(record: dict, fmt: str, tokenizer) -> tuple[str, str, str]:
 
 def read_examples(path: Path, tokenizer, max_length: int, limit: int = 0) -> list[EvalExample]:
     """Check and encode the first `limit` (0: all) records; errors name file:line."""
-    fmt, examples = None, []
-    for line, _, record in iter_records(path):
-        where = f"{path}:{line}"
-        if fmt is None:
-            fmt = detect_format(record)
-            if fmt is None:
-                raise UserError(f"{where}: cannot tell the format (expected 'messages' or "
-                                f"'instruction'+'output'; one of {', '.join(FORMAT_NAMES)})")
-            if fmt == "text":
-                raise UserError(f"{where}: eval needs prompt/response records (alpaca or chat), not text")
-        check_record(record, fmt, where)
+    examples = []
+    for where, _, _, record, fmt in checked_records(path, setting=None):
+        if fmt == "text":
+            raise UserError(f"{where}: eval needs prompt/response records (alpaca or chat), not text")
         prompt, question, reference = prompt_text(record, fmt, tokenizer)
         try:
             encoded = encode_record(record, fmt, tokenizer, max_length, train_on_inputs=False)

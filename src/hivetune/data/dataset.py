@@ -12,8 +12,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hivetune.data.formats import (FORMAT_NAMES, Encoded, check_record, detect_format, encode_record,
-                                   iter_records, read_line_at)
+from hivetune.data.formats import Encoded, checked_records, encode_record, read_line_at
 from hivetune.errors import UserError
 
 
@@ -47,18 +46,11 @@ def index_dataset(path: str | Path, fmt: str, tokenizer, max_length: int, train_
                   keep_records_below: int = 64 << 20) -> DatasetIndex:
     """Check and measure every record; keep the records in RAM only for files under 64 MiB."""
     path = Path(path)
-    chosen = None if fmt == "auto" else fmt
     keep = path.is_file() and path.stat().st_size < keep_records_below
-    index = DatasetIndex(path, chosen or "", [], [], [], [], encoding=(tokenizer, max_length, train_on_inputs))
-    for line, offset, record in iter_records(path):
-        where = f"{path}:{line}"
-        if chosen is None:
-            chosen = detect_format(record)
-            if chosen is None:
-                raise UserError(f"{where}: cannot tell the format (expected 'messages', "
-                                f"'instruction'+'output' or 'text'); set format to one of {', '.join(FORMAT_NAMES)}")
-            index.format = chosen
-        check_record(record, chosen, where)
+    index = DatasetIndex(path, "" if fmt == "auto" else fmt, [], [], [], [],
+                         encoding=(tokenizer, max_length, train_on_inputs))
+    for where, line, offset, record, chosen in checked_records(path, fmt):
+        index.format = chosen
         try:
             enc = encode_record(record, chosen, tokenizer, max_length, train_on_inputs)
         except UserError as e:

@@ -104,6 +104,25 @@ def iter_records(path: str | Path):
             yield lineno, start, record
 
 
+def checked_records(path: str | Path, fmt: str = "auto", setting: str | None = "format"):
+    """Yield (where, line, offset, record, format) for each record of a data file (iter_records),
+    each checked against `fmt`, or with "auto" against the format of the first record; every
+    error names file:line. `setting`: the option a user sets the format with, named in the
+    message when the first record's format cannot be told (None: the caller has none)."""
+    path = Path(path)
+    chosen = None if fmt == "auto" else fmt
+    for line, offset, record in iter_records(path):
+        where = f"{path}:{line}"
+        if chosen is None:
+            chosen = detect_format(record)
+            if chosen is None:
+                advice = f"; set {setting} to one of {', '.join(FORMAT_NAMES)}" if setting else ""
+                raise UserError(f"{where}: cannot tell the format (expected 'messages', 'instruction'+'output' "
+                                f"or 'text'){advice}")
+        check_record(record, chosen, where)
+        yield where, line, offset, record, chosen
+
+
 def decode_json_file(path: Path, raw: bytes):
     """A whole JSON document (a JSON array data file), or a file:line UserError."""
     try:
