@@ -215,11 +215,32 @@ def newest_valid_checkpoint(run_folder: Path) -> Path | None:
     return None
 
 
+def load_lora_weights(model, folder: Path) -> None:
+    """Copy the LoRA tensors of folder/adapter_model.safetensors (PEFT names; a checkpoint's, or
+    the run's best_adapter/) into the model's LoRA parameters; an FSDP2 shard keeps its part. A
+    tensor missing or of another shape is a UserError naming the file."""
+    from safetensors.torch import load_file
+
+    path = Path(folder) / ADAPTER_WEIGHTS
+    tensors = load_file(str(path))
+    with torch.no_grad():
+        for name, m in lora_modules(model):
+            for part in ("lora_A", "lora_B"):
+                p = getattr(m, part).weight
+                t = tensors.get(f"base_model.model.{name}.{part}.weight")
+                if t is None or t.shape != p.shape:  # a DTensor's shape is the whole tensor's
+                    raise UserError(f"{path}: no tensor of shape {tuple(p.shape)} for {name}.{part}")
+                t = t.to(p.device)
+                if hasattr(p, "device_mesh"):  # an FSDP2 shard: keep this rank's part
+                    from torch.distributed.tensor import distribute_tensor
+
+                    t = distribute_tensor(t, p.device_mesh, p.placements)
+                p.copy_(t)
+
+
 def load_checkpoint(run, folder: Path) -> dict:
     """Restore LoRA weights, optimizer, scheduler, scaler and RNG from `folder` into `run`;
     return the state's step and counters. Call it last before the loop: it sets the RNG."""
-    from safetensors.torch import load_file
-
     state = torch.load(folder / STATE, map_location="cpu", weights_only=True)
     where = f"{folder}"
     if state.get("format") != FORMAT:
@@ -235,19 +256,7 @@ def load_checkpoint(run, folder: Path) -> dict:
         raise UserError(f"{where}: written for a plan of {state['plan_length']} steps over {state['examples']} "
                         f"examples; the config now plans {len(run.steps)} steps over {len(run.data)} examples "
                         f"(did the data file change?)")
-    tensors = load_file(str(folder / ADAPTER_WEIGHTS))
-    with torch.no_grad():
-        for name, m in lora_modules(run.model):
-            for part in ("lora_A", "lora_B"):
-                p = getattr(m, part).weight
-                t = tensors.get(f"base_model.model.{name}.{part}.weight")
-                if t is None or t.shape != p.shape:
-                    raise UserError(f"{folder / ADAPTER_WEIGHTS}: no tensor of shape {tuple(p.shape)} for {name}.{part}")
-                if hasattr(p, "device_mesh"):  # an FSDP2 shard: keep this rank's part
-                    from torch.distributed.tensor import distribute_tensor
-
-                    t = distribute_tensor(t.to(p.device), p.device_mesh, p.placements)
-                p.copy_(t)
+    load_lora_weights(run.model, folder)
     if getattr(run, "strategy", "none") == "fsdp":  # saved as a full (unsharded) state dict
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from hivetune.checkpoint import resume_point, resume_run, save_checkpoint
+from hivetune.checkpoint import load_lora_weights, resume_point, resume_run, save_checkpoint
 from hivetune.config import TrainConfig, save_config
 from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset, plan_steps
@@ -592,25 +592,6 @@ def validate_step(run: Run, step: int, counters: dict) -> dict:
         counters["evals_since_best"] += 1
     return {"step": step, "val_loss": val_loss, "val_tokens": val_tokens,
             "best_val_loss": counters["best_val_loss"]}
-
-
-def load_lora_weights(model: CausalLM, folder: Path) -> None:
-    """Copy an adapter's saved LoRA weights (PEFT names) into the model's LoRA parameters."""
-    from safetensors.torch import load_file
-
-    from hivetune.model.lora import ADAPTER_WEIGHTS, lora_modules
-
-    tensors = load_file(str(folder / ADAPTER_WEIGHTS))
-    with torch.no_grad():
-        for name, m in lora_modules(model):
-            for part in ("lora_A", "lora_B"):
-                p = getattr(m, part).weight
-                t = tensors[f"base_model.model.{name}.{part}.weight"].to(p.device)
-                if hasattr(p, "device_mesh"):  # an FSDP2 shard: keep this rank's part
-                    from torch.distributed.tensor import distribute_tensor
-
-                    t = distribute_tensor(t, p.device_mesh, p.placements)
-                p.copy_(t)
 
 
 def _bad_steps_message(run: Run, step: int, bad: int, checkpoint: Path | None) -> str:
