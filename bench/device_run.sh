@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# One device call (about 5 minutes on an H200): GPU tests, W1 and W2 with the HF Trainer + PEFT
-# baseline (timed steps, extrapolated), W1 eager for comparison, W1 step timings and GPU time per
-# graph replay for three graph bucket sizes. The device tool returns at most 8 files, so
+# One device call (about 6 minutes): GPU tests, W1 and W2 with the HF Trainer + PEFT baseline
+# (timed steps, extrapolated), and each again with the layer-by-layer LoRA reference path. The device tool returns at most 8 files, so
 # everything is packed into $OUT/device-run.tgz (results/*.json, logs) plus $OUT/summary.txt.
 # Usage (device tool): HIVETUNE_COMMIT=$(git rev-parse --short HEAD) bash bench/device_run.sh
 set -uo pipefail
@@ -21,21 +20,13 @@ timeout 150 python3 -m pytest tests/gpu tests/ops/test_elementwise.py -p no:cach
 log "W1 (CUDA graphs) + HF+PEFT baseline (20 timed steps)"
 timeout 130 python3 -m hivetune bench W1 --out "$WORK/results" --baseline hf-peft --baseline-steps 20 2>&1 \
   | tee "$WORK/logs/bench-w1.log" | grep -vE "Warning|warn" | tail -3 | tee -a "$S"
-log "W1 eager, 100 steps"
-timeout 45 python3 -m hivetune bench W1 --out "$WORK/results" --max-steps 100 --set cuda_graphs=false 2>&1 \
-  | tee "$WORK/logs/bench-w1-eager.log" | tail -1 | tee -a "$S"
-log "W1 with the PyTorch reference RMSNorm / RoPE / SwiGLU (HIVETUNE_FUSED_OPS=0), graphs on"
-HIVETUNE_FUSED_OPS=0 timeout 60 python3 -m hivetune bench W1 --out "$WORK/results" 2>&1 \
-  | tee "$WORK/logs/bench-w1-unfused.log" | tail -1 | tee -a "$S"
+log "W1 with the layer-by-layer LoRA reference (HIVETUNE_REFERENCE=fused_lora), graphs on"
+HIVETUNE_REFERENCE=fused_lora timeout 60 python3 -m hivetune bench W1 --out "$WORK/results" 2>&1 \
+  | tee "$WORK/logs/bench-w1-reference-lora.log" | tail -1 | tee -a "$S"
 log "W2 + HF+PEFT baseline (6 timed steps)"
 timeout 150 python3 -m hivetune bench W2 --out "$WORK/results" --baseline hf-peft --baseline-steps 6 2>&1 \
   | tee "$WORK/logs/bench-w2.log" | grep -vE "Warning|warn" | tail -3 | tee -a "$S"
-log "W2 with the PyTorch reference RMSNorm / RoPE / SwiGLU (HIVETUNE_FUSED_OPS=0)"
-HIVETUNE_FUSED_OPS=0 timeout 60 python3 -m hivetune bench W2 --out "$WORK/results" 2>&1 \
-  | tee "$WORK/logs/bench-w2-unfused.log" | tail -1 | tee -a "$S"
-for b in 256 512 128; do
-  log "W1 step timing, graph bucket $b (GPU ms per replay from CUDA events)"
-  timeout 40 python3 bench/profile_step.py W1 --steps 203 --no-profile --bucket $b 2>&1 \
-    | tee "$WORK/logs/w1-bucket-$b.log" | tail -2 | tee -a "$S"
-done
+log "W2 with the layer-by-layer LoRA reference (HIVETUNE_REFERENCE=fused_lora)"
+HIVETUNE_REFERENCE=fused_lora timeout 80 python3 -m hivetune bench W2 --out "$WORK/results" 2>&1 \
+  | tee "$WORK/logs/bench-w2-reference-lora.log" | tail -1 | tee -a "$S"
 log "done"
