@@ -1,6 +1,8 @@
 """Robust run folders: one trainer per folder (a lock naming the holder's pid, a dead holder's
 lock taken over), a full or read-only disk while checkpointing (one line, earlier checkpoints
-intact, no half-written folder, resumable), and --resume accepting only threads / device."""
+intact, no half-written folder, resumable), adapter folders replaced whole (a kill or an error
+mid-write leaves the old adapter or the new one, and the next run clears the leftovers), and
+--resume accepting only threads / device."""
 
 from __future__ import annotations
 
@@ -105,6 +107,123 @@ def test_lock_without_kernel_locks_falls_back_to_the_pid(tmp_path, monkeypatch):
     (stale / LOCK_NAME).write_text("999999999\n")
     assert hold_run_lock(stale) == 999999999
     release_run_lock(stale)
+
+
+# ---------------------------------------------------------------------------------- adapter folders
+
+# A process writing a two-file folder with write_folder_atomically, killed (os._exit: no clean-up
+# runs) after the first file of the new folder, after the first rename, or after the second.
+KILLED_WRITER = r"""
+import os, sys
+from pathlib import Path
+from hivetune import fileio
+
+folder, moment = Path(sys.argv[1]), sys.argv[2]
+real_replace, renames = os.replace, []
+
+def replace(src, dst):
+    real_replace(src, dst)
+    renames.append(dst)
+    if (moment, len(renames)) in (("between_renames", 1), ("before_removing_old", 2)):
+        os._exit(9)
+
+os.replace = replace
+
+def write(tmp):
+    (tmp / "adapter_model.safetensors").write_bytes(b"new weights")
+    if moment == "writing":
+        os._exit(9)
+    (tmp / "adapter_config.json").write_bytes(b"new config")
+
+fileio.write_folder_atomically(folder, write)
+"""
+OLD = {"adapter_config.json": b"old config", "adapter_model.safetensors": b"old weights"}
+NEW = {"adapter_config.json": b"new config", "adapter_model.safetensors": b"new weights"}
+
+
+def folder_files(folder: Path) -> dict:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def folder_digests(folder: Path) -> dict:
+    return {p.name: ckpt.sha256_file(p) for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize("moment,left_on_disk,recovered", [
+    ("writing", {"adapter": OLD, ".adapter.tmp-PID": {"adapter_model.safetensors": b"new weights"}}, OLD),
+    ("between_renames", {".adapter.old-PID": OLD, ".adapter.tmp-PID": NEW}, OLD),
+    ("before_removing_old", {"adapter": NEW, ".adapter.old-PID": OLD}, NEW),
+])
+def test_a_folder_write_killed_at_any_moment_leaves_old_or_new(moment, left_on_disk, recovered, tmp_path):
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    for name, content in OLD.items():
+        (folder / name).write_bytes(content)
+    proc = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(folder), moment], timeout=120)
+    assert proc.returncode == 9
+    names = {p.name.rsplit("-", 1)[0] + "-PID" if ".adapter." in p.name else p.name: p for p in tmp_path.iterdir()}
+    assert {name: folder_files(path) for name, path in names.items()} == left_on_disk
+    fileio.recover_folder(folder)  # what a resumed run does first (checkpoint.resume_run)
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter"] and folder_files(folder) == recovered
+    fileio.write_folder_atomically(folder, lambda tmp: (tmp / "adapter_model.safetensors").write_bytes(b"next"))
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter"]
+    assert folder_files(folder) == {"adapter_model.safetensors": b"next"}
+
+
+def test_an_adapter_write_that_fails_leaves_the_previous_adapter_whole(tiny_model_dir, data, tmp_path, monkeypatch):
+    """The weights are written, then the config fails (a full disk): adapter/ keeps both old files.
+    (Written file by file into adapter/, it held the new weights beside the old config.)"""
+    import torch
+
+    from hivetune.train import save_adapter_all_ranks
+
+    out = tmp_path / "run"
+    run = setup(run_cfg(tiny_model_dir, data, out, max_steps=2))
+    fit(run, progress=False)
+    before = folder_digests(out / "adapter")
+    with torch.no_grad():
+        for p in run.model.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+
+    def full_disk(path, payload):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(fileio, "atomic_write_bytes", full_disk)  # save_adapter's config write
+    with pytest.raises(OSError):
+        save_adapter_all_ranks(run, out / "adapter")
+    assert folder_digests(out / "adapter") == before
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".adapter.")]  # no temp folder left
+    monkeypatch.undo()
+    save_adapter_all_ranks(run, out / "adapter")
+    after = folder_digests(out / "adapter")
+    assert after.keys() == before.keys() and after["adapter_model.safetensors"] != before["adapter_model.safetensors"]
+
+
+def test_resume_puts_back_an_adapter_folder_killed_between_renames(tiny_model_dir, data, reference, tmp_path):
+    """A kill between the renames of best_adapter/ and another inside adapter/'s temp folder
+    (as the test above leaves them): the resumed run restores the one and clears the other."""
+    import shutil
+
+    out = tmp_path / "run"
+    run = setup(run_cfg(tiny_model_dir, data, out))
+    with pytest.raises(TrainingStopped):
+        fit(run, progress=False, stop_after=3)
+    aside = out / ".best_adapter.old-4242"  # renamed aside whole, the new one not yet renamed in
+    aside.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(out / "checkpoints" / "step-000002" / name, aside / name)
+    best = folder_digests(aside)
+    (out / ".best_adapter.tmp-4242").mkdir()
+    (out / ".adapter.tmp-4243").mkdir()  # killed while writing the new adapter's files
+    (out / ".adapter.tmp-4243" / "adapter_model.safetensors").write_bytes(b"half")
+    resumed = setup(run_cfg(tiny_model_dir, data, out))
+    assert resumed.start_step == 2
+    assert folder_digests(out / "best_adapter") == best
+    assert not [p.name for p in out.iterdir() if p.name.startswith((".adapter.", ".best_adapter."))]
+    fit(resumed, progress=False)
+    assert sorted(p.name for p in (out / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert_bitwise_equal(load_file(str(out / "adapter" / "adapter_model.safetensors")), reference[0])
 
 
 # ---------------------------------------------------------------------------------- full / read-only disk

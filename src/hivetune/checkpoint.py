@@ -35,7 +35,8 @@ import torch
 
 from hivetune.config import to_dict
 from hivetune.errors import UserError
-from hivetune.fileio import atomic_write_bytes, confined, disk_error_message, fsync_dir, is_disk_error
+from hivetune.fileio import (atomic_write_bytes, confined, disk_error_message, fsync_dir, is_disk_error,
+                             recover_folder)
 from hivetune.model.lora import ADAPTER_WEIGHTS, lora_modules, save_adapter
 
 MANIFEST = "manifest.json"
@@ -44,6 +45,9 @@ FORMAT = 1
 # Tests set this to a number of seconds to sleep between the files of a checkpoint, so that a
 # SIGKILL at a random moment often lands in the middle of writing one.
 SLOW_ENV = "HIVETUNE_TEST_SLOW_CHECKPOINT"
+# The run's adapter folders, each replaced whole (fileio.write_folder_atomically): the final
+# adapter/ and, with early stopping, best_adapter/.
+ADAPTER_FOLDERS = ("adapter", "best_adapter")
 
 
 def sha256_file(path: Path) -> str:
@@ -332,6 +336,8 @@ def resume_run(run, checkpoint: Path | None) -> None:
     main = getattr(getattr(run, "parallel", None), "is_main", True)
     if main:
         remove_leftovers(run.folder / "checkpoints")
+        for name in ADAPTER_FOLDERS:  # killed while replacing one: the old one back, temp folders gone
+            recover_folder(run.folder / name)
     if checkpoint is None:
         if main:
             print(f"hivetune: warning: {run.folder} has no valid checkpoint; starting again at step 0", file=sys.stderr)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from hivetune.errors import UserError
+from hivetune.fileio import replace_folder
 
 FORMATS = ("adapter", "merged", "gguf")
 DTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -158,20 +159,6 @@ def check_free_space(out: Path, need: int) -> None:
     if free < need:
         raise UserError(f"{out}: not enough free disk space: the export needs about {human_bytes(need)}, "
                         f"{parent} has {human_bytes(free)} free")
-
-
-def replace_folder(tmp: Path, out: Path) -> None:
-    """Rename tmp to out; an existing out (--force) is moved aside first and removed after."""
-    from hivetune.fileio import fsync_dir
-
-    old = None
-    if out.exists() or out.is_symlink():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
 
 
 # ------------------------------------------------------------------------------ sources

@@ -1,11 +1,12 @@
 """Writing files safely: atomic writes (temp file in the same folder, fsync, rename: a crash leaves old
-or new), clear errors for a full or read-only disk, names from data kept inside their folder, and
-the lock that keeps two trainers out of one run folder."""
+or new), folders replaced whole the same way, clear errors for a full or read-only disk, names from
+data kept inside their folder, and the lock that keeps two trainers out of one run folder."""
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -46,6 +47,80 @@ def atomic_write_with(path: Path, write: Callable[[Path], None]) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write_with(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+# ---- folders replaced whole ----------------------------------------------------------------------
+#
+# A folder of several files (an adapter: weights + config) cannot be switched file by file: a
+# crash between two renames leaves new weights beside an old config. write_folder_atomically
+# writes a whole temp sibling, then swaps folders with two renames (old aside, new in); a crash
+# between those leaves no folder but a complete old one aside, which recover_folder puts back.
+#
+#   killed while ...            on disk                                 recover_folder
+#   writing .NAME.tmp-PID       NAME (old), part of .tmp                removes .tmp
+#   between the renames         .NAME.old-PID, .NAME.tmp-PID (whole)    renames .old back to NAME
+#   removing .NAME.old-PID      NAME (new), part of .old                removes .old
+
+
+def write_folder_atomically(folder: Path, write: Callable[[Path], None]) -> None:
+    """Call write(tmp) on an empty temp sibling of `folder`, fsync it, then put it in place of
+    `folder` (replace_folder): a crash at any moment leaves the old folder or the new one, each
+    complete (between the two renames the old one is aside: recover_folder puts it back). Only
+    one process may write `folder` (a run folder's lock): an earlier one's leftovers go first."""
+    folder = Path(folder)
+    recover_folder(folder)
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True)
+    try:
+        write(tmp)
+        fsync_dir(tmp)
+        replace_folder(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def replace_folder(tmp: Path, out: Path) -> None:
+    """Rename tmp to out. An existing out is renamed aside (.NAME.old-PID) first and removed after;
+    if tmp cannot be renamed in, the old one goes back."""
+    old = None
+    if out.exists() or out.is_symlink():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    fsync_dir(out.parent)
+    if old is not None:
+        _remove(old)
+
+
+def recover_folder(folder: Path) -> None:
+    """After a process was killed in write_folder_atomically(folder): put the old folder back if
+    it was killed between the two renames; remove temp and old folders (see the table above).
+    Only while no other process writes `folder`."""
+    folder = Path(folder)
+    if not folder.parent.is_dir():
+        return
+    prefix = f".{folder.name}."
+    leftovers = sorted(p for p in folder.parent.iterdir()
+                       if p.name.startswith((prefix + "tmp-", prefix + "old-")))
+    for p in leftovers:
+        if p.name.startswith(prefix + "old-") and not (folder.exists() or folder.is_symlink()):
+            os.replace(p, folder)  # complete: it was renamed aside whole
+            fsync_dir(folder.parent)
+        else:
+            _remove(p)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 # ---- errors of a full or read-only disk ----------------------------------------------------------

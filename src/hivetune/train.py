@@ -33,7 +33,7 @@ from hivetune.doctor.preflight import check_stack
 from hivetune.fastpath import adamw, fused_lora_usable
 from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.errors import UserError
-from hivetune.fileio import atomic_write_bytes, check_writable, hold_run_lock
+from hivetune.fileio import atomic_write_bytes, check_writable, hold_run_lock, write_folder_atomically
 from hivetune.metrics_sink import MetricsSink, require_tensorboard
 from hivetune.model.decoder import CausalLM
 from hivetune.model.load import load_args, load_model
@@ -506,12 +506,15 @@ def save_all_ranks(run: Run, step: int, counters: dict) -> None:
 
 
 def save_adapter_all_ranks(run: Run, folder: Path) -> None:
-    """The final adapter, written by rank 0 (FSDP: every rank joins gathering the shards)."""
+    """An adapter folder (adapter/, best_adapter/), written by rank 0 (FSDP: every rank joins
+    gathering the shards) and replaced whole: each file of save_adapter is atomic, but a crash
+    between them would leave new weights beside an old config (fileio.write_folder_atomically)."""
     from hivetune.model.lora import lora_state_dict
 
     tensors = lora_state_dict(run.model)  # a collective under FSDP: all ranks call it
     if run.parallel.is_main:
-        save_adapter(run.model, run.spec, folder, str(run.model_path), tensors=tensors)
+        write_folder_atomically(folder, lambda tmp: save_adapter(run.model, run.spec, tmp, str(run.model_path),
+                                                                 tensors=tensors))
     distributed.barrier(run.parallel)
 
 
