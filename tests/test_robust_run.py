@@ -226,6 +226,25 @@ def test_resume_puts_back_an_adapter_folder_killed_between_renames(tiny_model_di
     assert_bitwise_equal(load_file(str(out / "adapter" / "adapter_model.safetensors")), reference[0])
 
 
+def test_killed_writing_the_adapter_after_the_last_checkpoint_resumes_to_the_adapter(tiny_model_dir, data, reference,
+                                                                                     tmp_path):
+    """Killed after the checkpoint of the last step, inside adapter/'s first write: the resumed run
+    has no step left to train and writes the adapter (it stopped with an UnboundLocalError)."""
+    import shutil
+
+    out = tmp_path / "run"
+    fit(setup(run_cfg(tiny_model_dir, data, out)), progress=False)  # save_every 2: step 6 is checkpointed
+    shutil.rmtree(out / "adapter")
+    (out / ".adapter.tmp-4244").mkdir()
+    (out / ".adapter.tmp-4244" / "adapter_model.safetensors").write_bytes(b"half")
+    resumed = setup(run_cfg(tiny_model_dir, data, out))
+    assert resumed.start_step == len(resumed.steps) == 6
+    result = fit(resumed, progress=False)
+    assert result.steps == 6 and not result.stopped_early
+    assert_bitwise_equal(load_file(str(out / "adapter" / "adapter_model.safetensors")), reference[0])
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".adapter.")]
+
+
 # ---------------------------------------------------------------------------------- full / read-only disk
 
 def fail_checkpoint_writes(monkeypatch, at_step: int, code: int) -> None:

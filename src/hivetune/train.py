@@ -310,7 +310,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    step = run.start_step
+    step = done = run.start_step  # resumed from a checkpoint of the last step: no step runs
     run.sink = MetricsSink(run.folder, tensorboard=cfg.tensorboard) if parallel.is_main else None
     with _stop_signals() as stop, (run.sink or nullcontext()):
         while step < len(run.steps):
