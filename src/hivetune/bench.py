@@ -123,7 +123,8 @@ def environment(device) -> dict:
     from hivetune.ops import elementwise
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "commit": git_commit(),
-           "fused_ops": elementwise.triton is not None and os.environ.get("HIVETUNE_FUSED_OPS", "1") != "0"}
+           "fused_ops": elementwise.triton is not None and os.environ.get("HIVETUNE_FUSED_OPS", "1") != "0",
+           "reference_paths": os.environ.get("HIVETUNE_REFERENCE", "")}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
@@ -334,6 +335,10 @@ def results_table(folder: Path) -> str:
         setting = ", ".join(f"{k}={v}" for k, v in (r.get("overrides") or {}).items()) or "defaults"
         if env.get("gpu") and env.get("fused_ops") is False:
             setting += "; PyTorch RMSNorm / RoPE / SwiGLU"
+        if h.get("micro_batch") and not h["micro_batch"].endswith(" x 1"):
+            setting += f"; micro-batch {h['micro_batch']}"
+        if env.get("reference_paths"):
+            setting += f"; reference paths: {env['reference_paths']}"
         graphs = h.get("cuda_graphs")
         if graphs and graphs.get("off"):
             setting += f"; CUDA graphs off: {graphs['off']}"
