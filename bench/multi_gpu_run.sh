@@ -14,4 +14,8 @@ tail -5 "$OUT/multi-gpu-tests.log" | tee -a "$OUT/summary.txt"
 echo "== W2 on 1 and 2 GPUs, 14B FSDP2 ($(date +%T))" | tee -a "$OUT/summary.txt"
 timeout 330 python3 bench/multi_gpu.py all --out "$OUT" 2>&1 | grep -vE "Warning|warn" | tee "$OUT/multi-gpu-bench.log" | tail -8 \
   | cut -c1-600 | tee -a "$OUT/summary.txt"
+echo "== W2 on one GPU with 2 micro-batches of 8 (graphed, as each DDP rank's share) ($(date +%T))" | tee -a "$OUT/summary.txt"
+mkdir -p "$OUT/results"
+CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m hivetune bench W2 --out "$OUT/results" --set batch_size=8 --set grad_accum=2 2>&1 \
+  | grep -vE "Warning|warn" | tail -2 | tee -a "$OUT/summary.txt"
 echo "== done ($(date +%T))" | tee -a "$OUT/summary.txt"

@@ -6,8 +6,13 @@ examples: every rank knows the whole step (the same seeded plan), trains on its 
 (ids[rank::world]), and the gradient is the sum over ranks of sum(token losses) / (the
 step's target tokens over all ranks), so it equals the one-process gradient of that step.
 
-- ddp: the LoRA parameters are replicated; DistributedDataParallel all-reduces their
-  gradients (it averages, so each rank's loss is multiplied by world to get the sum).
+- ddp: the LoRA parameters are replicated; after each step's micro-batches their gradients
+  are summed over ranks by one all-reduce of a flat buffer (allreduce_gradients). Not the
+  DistributedDataParallel wrapper: its reducer hooks into autograd, so a CUDA graph cannot
+  hold the backward, and graphs are what keep a rank's share of a small step (W2: 8 examples
+  a GPU) from waiting on the host's kernel dispatch. LoRA gradients are small (W2: 80M fp32,
+  one NCCL all-reduce of ~1-2 ms over NVLink), so the overlap with the backward that DDP's
+  buckets buy is worth less than the graphs.
 - fsdp: FSDP2 (`fully_shard`) shards each decoder layer's parameters, the frozen base
   included, for models whose base does not fit on one GPU; gradients are reduce-scattered
   (averaged, the same factor world applies).
@@ -19,7 +24,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -143,17 +147,13 @@ def choose_strategy(strategy: str, base_bytes: int, device: torch.device, cfg=No
 
 
 def wrap(model: torch.nn.Module, strategy: str, d: Dist, device: torch.device) -> torch.nn.Module:
-    """The module the loop calls forward on: DDP around the model, or the model itself after
-    FSDP2 has sharded it in place (its layers first, then the root)."""
+    """The module the loop calls forward on: the model itself for ddp (replicated; gradients
+    all-reduced after each step), or the model after FSDP2 has sharded it in place (its
+    layers first, then the root)."""
     if strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        # The frozen base is the same on every rank (loaded from the same files): skip the
-        # start-up broadcast of every weight; LoRA init is seeded alike on every rank.
-        with warnings.catch_warnings():  # broadcast_buffers' rename warning (torch 2.13); 2.11 has no other name
-            warnings.simplefilter("ignore", FutureWarning)
-            return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                           broadcast_buffers=False, init_sync=False)
+        # The frozen base is the same on every rank (loaded from the same files) and the LoRA
+        # init is seeded alike on every rank: nothing to broadcast.
+        return model
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
@@ -163,14 +163,27 @@ def wrap(model: torch.nn.Module, strategy: str, d: Dist, device: torch.device) -
 
 
 def gradient_sync(module: torch.nn.Module, strategy: str, enabled: bool):
-    """Context for one micro-batch: skip the gradient collective on all but the last one."""
+    """Context for one micro-batch: FSDP reduce-scatters only on the last one (ddp syncs after
+    the step, in allreduce_gradients)."""
     from contextlib import nullcontext
 
-    if strategy == "ddp" and not enabled:
-        return module.no_sync()
     if strategy == "fsdp":
         module.set_requires_gradient_sync(enabled)
     return nullcontext()
+
+
+def allreduce_gradients(params: list[torch.nn.Parameter], d: Dist) -> None:
+    """ddp: every parameter's gradient becomes its sum over ranks, in one collective over a
+    flat copy (a rank with no examples this step contributes zeros)."""
+    if not d.enabled:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    torch._foreach_copy_(grads, torch._utils._unflatten_dense_tensors(flat, grads))
 
 
 def shutdown(d: Dist) -> None:

@@ -271,9 +271,9 @@ def forward_backward(run: Run, batch, n_targets: int, loss_fn) -> torch.Tensor:
         hidden = (run.module or model)(batch.input_ids, batch.position_ids, batch.layout)
         loss_sum = loss_fn(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
     loss = loss_sum / n_targets
-    # DDP / FSDP average the gradients over ranks; times world makes that the sum over ranks
-    # of sum(token losses) / (the step's target tokens), the one-process gradient.
-    scaled = loss * run.parallel.world if run.parallel.enabled else loss
+    # FSDP averages the gradients over ranks; times world makes that the sum over ranks of
+    # sum(token losses) / (the step's target tokens), the one-process gradient (ddp sums).
+    scaled = loss * run.parallel.world if run.strategy == "fsdp" else loss
     (run.scaler.scale(scaled) if run.scaler else scaled).backward()
     return loss.detach()
 
@@ -423,10 +423,12 @@ def accumulate_step(run: Run, example_ids: list[int], n_targets: int, micro_step
         try:
             batches = list(micro_batches(run, example_ids, size))
             for k, batch in enumerate(batches):
-                # DDP / FSDP: the gradient collective runs once, after the last micro-batch.
+                # FSDP: the gradient collective runs once, after the last micro-batch (ddp: after the step).
                 with distributed.gradient_sync(run.module, run.strategy, k == len(batches) - 1):
                     step_loss += micro_step(batch, n_targets)
                 step_tokens += batch.n_tokens
+            if run.strategy == "ddp":
+                distributed.allreduce_gradients(run.optimizer.param_groups[0]["params"], run.parallel)
             return step_loss, step_tokens
         except torch.OutOfMemoryError:
             pass  # handled below, outside the except block: its traceback holds the step's tensors

@@ -26,6 +26,7 @@ def train_cli(args, nproc):
     proc = subprocess.run([sys.executable, "-m", "hivetune", "train", *extra, *args], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
 
 
 def losses(folder):
@@ -44,3 +45,17 @@ def test_two_gpus_match_one_gpu(strategy, tiny_model_dir, alpaca_file, tmp_path)
     a = load_file(str(tmp_path / "one" / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "two" / "adapter" / "adapter_model.safetensors"))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
+def test_ddp_with_cuda_graphs_tracks_one_gpu(tiny_model_dir, alpaca_file, tmp_path):
+    # bf16 with CUDA graphs on: each rank replays its graphs, the LoRA gradients are all-reduced
+    # after the step; the loss curve follows one GPU's with the same global batch.
+    flags = [f for f in FLAGS]
+    flags[flags.index("fp32")] = "bf16"
+    flags[flags.index("cuda_graphs=false")] = "cuda_graphs=true"
+    common = ["--model", str(tiny_model_dir), "--data", str(alpaca_file), *flags]
+    train_cli([*common, "--output", str(tmp_path / "one"), "--batch-size", "4", "--grad-accum", "2"], 1)
+    proc = train_cli([*common, "--output", str(tmp_path / "two"), "--batch-size", "4", "--grad-accum", "1",
+                      "--set", "distributed=ddp"], 2)
+    assert "CUDA graphs off" not in proc.stderr, proc.stderr[-2000:]
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=2e-2)
