@@ -6,6 +6,9 @@ leaving out parameters (already counted as weights). On the CPU the packed layou
 padded-view SDPA path, not the flash varlen kernel of CUDA; ``varlen_standin`` swaps in an
 autograd Function that saves exactly what ``torch.nn.attention.varlen.varlen_attn`` saves
 (q, k, v, out and a [H, T] fp32 log-sum-exp), so a CPU measurement describes the GPU run.
+Likewise ``fused_layers_standin`` swaps in Functions that save what the Triton RMSNorm and
+SwiGLU of ops.elementwise save (CUDA, bf16 / fp16): x and 1/rms; gate and up (or the joined
+gate|up tensor) only.
 """
 
 from __future__ import annotations
@@ -67,6 +70,90 @@ def varlen_standin():
         yield
     finally:
         decoder.causal_attention = before
+
+
+class _RMSNormStandIn(torch.autograd.Function):
+    """Saves what elementwise.RMSNormFunction saves: x [N, h] (a view of the input), the
+    weight and an fp32 1/rms per row; computes with the reference."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        from hivetune.ops.elementwise import rms_norm_reference
+
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        with torch.no_grad():
+            y = rms_norm_reference(x, weight, eps)
+            rstd = torch.rsqrt(x2.float().pow(2).mean(-1) + eps)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from hivetune.ops.elementwise import rms_norm_reference
+
+        x2, weight, _ = ctx.saved_tensors
+        with torch.enable_grad():
+            x_ = x2.detach().requires_grad_()
+            (dx,) = torch.autograd.grad(rms_norm_reference(x_, weight, ctx.eps), x_, dy.reshape(x2.shape))
+        return dx.view(dy.shape), None, None
+
+
+class _SwiGLUStandIn(torch.autograd.Function):
+    """Saves what elementwise.SwiGLUFunction saves: gate and up, or the joined [.., 2I] tensor."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        from hivetune.ops.elementwise import swiglu_reference
+
+        if up is None:
+            joined = gate.contiguous()
+            ctx.save_for_backward(joined)
+            gate, up = joined.chunk(2, dim=-1)
+        else:
+            gate, up = gate.contiguous(), up.contiguous()
+            ctx.save_for_backward(gate, up)
+        with torch.no_grad():
+            return swiglu_reference(gate, up)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from hivetune.ops.elementwise import swiglu_reference
+
+        saved = ctx.saved_tensors
+        with torch.enable_grad():
+            xs = [t.detach().requires_grad_() for t in saved]
+            gate, up = xs[0].chunk(2, dim=-1) if len(xs) == 1 else xs
+            grads = torch.autograd.grad(swiglu_reference(gate, up), xs, dy)
+        return (grads[0], None) if len(grads) == 1 else grads
+
+
+@contextmanager
+def fused_layers_standin():
+    """Route elementwise.rms_norm / swiglu / swiglu_joined through the stand-ins where the
+    Triton kernels would take the tensors on a GPU (bf16 / fp16; RMSNorm: a frozen weight of
+    the input's dtype)."""
+    from hivetune.ops import elementwise
+
+    before = elementwise.rms_norm, elementwise.swiglu, elementwise.swiglu_joined
+    half = (torch.bfloat16, torch.float16)
+
+    def rms_norm(x, weight, eps):
+        if x.dtype in half and weight.dtype == x.dtype and not weight.requires_grad:
+            return _RMSNormStandIn.apply(x, weight, eps)
+        return before[0](x, weight, eps)
+
+    def swiglu(gate, up):
+        return _SwiGLUStandIn.apply(gate, up) if gate.dtype in half else before[1](gate, up)
+
+    def swiglu_joined(gate_up):
+        return _SwiGLUStandIn.apply(gate_up, None) if gate_up.dtype in half else before[2](gate_up)
+
+    elementwise.rms_norm, elementwise.swiglu, elementwise.swiglu_joined = rms_norm, swiglu, swiglu_joined
+    try:
+        yield
+    finally:
+        elementwise.rms_norm, elementwise.swiglu, elementwise.swiglu_joined = before
 
 
 def saved_activation_bytes(model, batch, precision: str, fused_loss: bool = True) -> int:

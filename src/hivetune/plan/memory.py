@@ -1,25 +1,38 @@
 """GPU memory of one hivetune training step, term by term, from the architecture alone.
 
 The model describes OUR implementation (train.fit, model/decoder.py, model/lora.py,
-ops/fused_ce.py, ops/attention.py), not transformers'. Per token and per decoder layer, what
-autograd saves for backward (measured op by op with saved_tensors_hooks, see plan/measure.py;
-s = bytes of the compute dtype, 2 under bf16/fp16 autocast, 4 in fp32):
+ops/lora_group.py, ops/fused_ce.py, ops/attention.py), not transformers'. Per token and per
+decoder layer, what autograd saves for backward (measured op by op with saved_tensors_hooks, see
+plan/measure.py; s = bytes of the compute dtype, 2 under bf16/fp16 autocast, 4 in fp32):
 
     RMSNorm x2           2 * (4h + 4)          fp32 copy of x and the [T, 1] rsqrt, each norm
+                         2 * (s h + 4)         the Triton kernel (fused_layers): x and 1/rms
     attention (varlen)   s(2q + 2kv) + 4H       q, k after RoPE, v, the output, fp32 log-sum-exp
                                                 (4 s q + 4H where varlen_attn has no enable_gqa,
                                                 as in torch 2.11: K/V repeated to H heads)
     attention (SDPA)     4 s q + 4H             padded q, K/V repeated to H heads, output,
                                                 (+ s q: the un-padded copy o_proj reads)
-    MLP                  3 s I                  gate, silu(gate), up
+    MLP                  3 s I                  gate, silu(gate), up (the joined path: the
+                                                [T, 2I] gate|up output and silu(gate))
+                         2 s I                  the Triton SwiGLU (fused_layers): gate and up only
     LoRA, per group      s * dim (dropout 0: the shared input; its dropout mask and dropped
                          copy otherwise) + s * r per adapted layer (the rank-r activations)
 
-The first layer's input norm saves nothing (no gradient flows into the frozen embedding).
+A LoRA group is q/k/v or gate/up when all of it is adapted (one dropout draw, one input), else
+each adapted layer alone. The training path (``joined``, lora.fuse_projections, every run but
+FSDP's) runs each group through one ops.lora_group Function: its dropout mask is bool (1 byte,
+``torch.native_dropout``, CPU and CUDA alike) and it saves, per group call, A_all [n r, d] and
+the block-diagonal B [O, n r] (zeros included; one layer's B itself in fp32) in the compute
+dtype: the "LoRA casts". The layer-by-layer path (``joined=False``) saves autocast's cached
+low-precision copies of every LoRA weight instead, and its mask is the input dtype on the CPU.
+
+The first layer's input norm saves nothing (no gradient flows into the frozen embedding), nor
+do the layer-by-layer q/k/v their dropout masks (lora_group's Function saves its mask anyway).
 With gradient checkpointing a layer keeps only its input (s h per token) and one layer is
-recomputed in backward. The fused LM-head loss keeps d loss/d hidden for the N
-target rows (N h s); inside it, a chunk of fp32 logits (256 MiB) is alive with two temporaries
-of its size (logsumexp's x - max and exp of that): 768 MiB for a 152k vocabulary.
+recomputed in backward (with lora_group, one layer's casts too). The fused LM-head loss keeps
+d loss/d hidden for the N target rows (N h s); inside it, a chunk of fp32 logits (256 MiB) is
+alive with two temporaries of its size (logsumexp's x - max and exp of that): 768 MiB for a
+152k vocabulary.
 
 Peaks (measured on an H200, bench/results/plan-grid-*.json): without checkpointing at the loss,
 everything saved + the chunk buffers; the backward pass adds less (about 1.7 s I per token).
@@ -64,7 +77,9 @@ class MemoryConfig:
     packing: bool = True
     attention: str = "varlen"  # varlen (flash, packed bf16/fp16 on CUDA) | sdpa (everything else)
     gqa_native: bool = True  # varlen_attn takes enable_gqa (else K/V are repeated to every head)
-    mask_bytes: int = 1  # dropout mask element: bool on CUDA, the input dtype on the CPU
+    mask_bytes: int = 1  # layer-by-layer dropout mask element: bool on CUDA, the input dtype on the CPU
+    joined: bool = True  # LoRA groups through ops.lora_group (training's path); False: layer by layer (FSDP)
+    fused_layers: bool = False  # the Triton RMSNorm / SwiGLU save less (CUDA, bf16 / fp16, Triton present)
 
     @property
     def s(self) -> int:
@@ -119,19 +134,35 @@ def lora_parameter_count(args: ModelArgs, r: int, targets) -> int:
     return args.num_hidden_layers * sum(r * (d[t][0] + d[t][1]) for t in targets if t in d)
 
 
+def norm_saved_bytes_per_token(args: ModelArgs, mc: MemoryConfig) -> int:
+    """One RMSNorm: an fp32 copy of x and 1/rms (the reference), or x itself and 1/rms (Triton)."""
+    return (mc.s if mc.fused_layers else 4) * args.hidden_size + 4
+
+
+def lora_groups(mc: MemoryConfig) -> list[tuple[str, ...]]:
+    """The LoRA calls of one layer: q/k/v and gate/up as one group when all of it is adapted
+    (project_shared_input / FusedProjections), else each adapted layer alone."""
+    calls = []
+    for group in GROUPS:
+        adapted = tuple(t for t in group if t in mc.targets)
+        calls += [adapted] if adapted == group else [(t,) for t in adapted]
+    return calls
+
+
 def layer_saved_bytes_per_token(args: ModelArgs, mc: MemoryConfig) -> float:
     """Bytes autograd saves per token in one decoder layer (not the first: see module doc)."""
     s, h, hd = mc.s, args.hidden_size, args.head_dim
     q, kv, heads, inter = args.num_attention_heads * hd, args.num_key_value_heads * hd, args.num_attention_heads, args.intermediate_size
-    total = 2 * (4 * h + 4)
+    total = 2 * norm_saved_bytes_per_token(args, mc)
     if mc.attention == "varlen" and mc.gqa_native:
         total += s * (2 * q + 2 * kv) + 4 * heads
     elif mc.attention == "varlen":
         total += 4 * s * q + 4 * heads
     else:
         total += 4 * s * q + 4 * heads
-    total += 3 * s * inter
+    total += (2 if mc.fused_layers else 3) * s * inter
     d = dims(args)
+    mask = 1 if mc.joined else mc.mask_bytes  # lora_group: torch.native_dropout's bool mask
     for group in GROUPS:
         adapted = [t for t in group if t in mc.targets]
         if not adapted:
@@ -140,7 +171,7 @@ def layer_saved_bytes_per_token(args: ModelArgs, mc: MemoryConfig) -> float:
         shared = len(adapted) == len(group)  # project_shared_input: one dropout draw for the group
         draws = 1 if shared else len(adapted)
         if mc.dropout > 0:
-            total += draws * (mc.mask_bytes + s) * dim
+            total += draws * (mask + s) * dim
         elif group != ("o_proj",) or mc.attention != "varlen":
             total += s * dim  # varlen: o_proj's input is the attention output, saved already
         total += s * mc.r * len(adapted)
@@ -149,18 +180,41 @@ def layer_saved_bytes_per_token(args: ModelArgs, mc: MemoryConfig) -> float:
 
 def first_layer_saving(args: ModelArgs, mc: MemoryConfig) -> int:
     """Per token, what the first layer does not save: its input norm (no gradient flows into
-    the frozen embedding), and the dropout masks of q/k/v (needed only for d loss / d input)."""
-    saving = 4 * args.hidden_size + 4
-    if mc.dropout > 0:
+    the frozen embedding), and layer by layer the dropout masks of q/k/v (needed only for
+    d loss / d input; lora_group's Function saves its mask regardless)."""
+    saving = norm_saved_bytes_per_token(args, mc)
+    if mc.dropout > 0 and not mc.joined:
         adapted = [t for t in GROUPS[0] if t in mc.targets]
         draws = 1 if len(adapted) == len(GROUPS[0]) else len(adapted)
         saving += draws * mc.mask_bytes * args.hidden_size
     return saving
 
 
+def layer_cast_bytes(args: ModelArgs, mc: MemoryConfig) -> int:
+    """lora_group's per-call copies in the compute dtype, one layer: A_all [n r, d] and the
+    block-diagonal B [O, n r] (zeros included) of a group; alone, a layer's B is cast only
+    below fp32 (in fp32 it is the parameter itself)."""
+    d = dims(args)
+    total = 0
+    for call in lora_groups(mc):
+        n, d_in, out = len(call), d[call[0]][0], sum(d[t][1] for t in call)
+        total += mc.s * n * mc.r * d_in
+        if n > 1:
+            total += mc.s * out * n * mc.r
+        elif mc.s < 4:
+            total += mc.s * out * mc.r
+    return total
+
+
 def lora_cast_bytes(args: ModelArgs, mc: MemoryConfig) -> int:
-    """Autocast's cached low-precision copies of the fp32 LoRA weights (held through backward),
-    or in fp32 the concatenated A of each shared group."""
+    """Low-precision or concatenated copies of the fp32 LoRA weights held for backward.
+
+    Joined (lora_group): layer_cast_bytes for every layer, or for the one recomputed layer under
+    gradient checkpointing (a checkpointed forward saves nothing). Layer by layer: autocast's
+    cached copies of every LoRA weight (held through backward), or in fp32 the concatenated A
+    of each shared group."""
+    if mc.joined:
+        return layer_cast_bytes(args, mc) * (1 if mc.gradient_checkpointing else args.num_hidden_layers)
     if mc.s == 2:
         return 2 * lora_parameter_count(args, mc.r, mc.targets)
     d = dims(args)
@@ -191,7 +245,7 @@ def breakdown(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | Non
     else:
         per_layer_real, attn = per_layer, 0
     rope = 2 * args.head_dim * s
-    final_norm = 4 * h + 4
+    final_norm = norm_saved_bytes_per_token(args, mc)
     loss_saved = n * h * s if mc.fused_loss else n * args.vocab_size * 4
     if mc.gradient_checkpointing:
         kept = layers * s * h * tokens

@@ -65,7 +65,25 @@ def _memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: 
     return MemoryConfig(precision=precision, r=cfg.lora.r, targets=tuple(cfg.lora.targets), dropout=cfg.lora.dropout,
                         gradient_checkpointing=checkpointing, fused_loss=cfg.fused_loss, packing=cfg.packing,
                         attention="varlen" if varlen else "sdpa", gqa_native=has_gqa,
-                        mask_bytes=1 if cuda else (4 if precision == "fp32" else 2))
+                        mask_bytes=1 if cuda else (4 if precision == "fp32" else 2),
+                        **training_path(precision, cuda, cfg.distributed))
+
+
+def training_path(precision: str, cuda: bool = True, distributed: str = "auto") -> dict:
+    """MemoryConfig's joined / fused_layers for the path train takes: LoRA groups joined
+    (lora.fuse_projections) unless FSDP or HIVETUNE_REFERENCE=fused_lora; the Triton RMSNorm /
+    SwiGLU on a GPU in bf16 / fp16 (ops.elementwise.fused_ok) where Triton is importable, or
+    assumed when planning on a machine without a GPU (the CUDA and ROCm wheels ship it)."""
+    from hivetune.fastpath import forced, fused_lora_usable
+    from hivetune.ops import elementwise
+
+    fused_layers = (cuda and precision != "fp32" and os.environ.get("HIVETUNE_FUSED_OPS", "1") != "0"
+                    and not forced("fused_layers"))
+    if fused_layers and elementwise.triton is None:
+        import torch
+
+        fused_layers = not torch.cuda.is_available()
+    return {"joined": fused_lora_usable() and distributed != "fsdp", "fused_layers": fused_layers}
 
 
 def uses_graphs(cfg: TrainConfig, precision: str, checkpointing: bool) -> bool:
