@@ -1,12 +1,18 @@
 """Planner accuracy on the GPU: predicted peak vs torch.cuda.max_memory_reserved().
 
-Usage (one device call):  python bench/plan_grid.py --out "$OUT"
+Usage (one device call, about 6 minutes on an H200; --budget keeps it under 9):
+    HIVETUNE_COMMIT=<short hash> python bench/plan_grid.py --out "$OUT"
 Each grid point runs in a fresh subprocess (a clean caching allocator): a random-init Qwen2.5
 shape built straight in the training dtype, one micro-batch of `batch_size` equal-length
-examples packed in one row, a few optimizer steps through hivetune's own loop (train.fit),
-then the peak reserved memory is compared with hivetune.plan's prediction. Afterwards one more
-forward / backward records the phases (allocated after forward = weights + saved activations)
-so a miss can be traced to a term. Writes plan-grid-<commit>-<device>.json and .md.
+examples packed in one row, a few optimizer steps through hivetune's own loop (train.fit, so
+the path training takes: LoRA groups joined by lora.fuse_projections unless
+HIVETUNE_REFERENCE=fused_lora, the Triton RMSNorm / SwiGLU in bf16), then the peak reserved
+memory is compared with hivetune.plan's prediction for that path, and the step time with
+plan/timing.py's. Afterwards one more forward / backward records the phases (allocated after
+forward = weights + saved activations) so a miss can be traced to a term. Writes
+plan-grid-<commit>-<device>.json and .md after every point (the commit from HIVETUNE_COMMIT, else
+git: the device copy has no .git), with timing.calibrate's constants from this grid beside the
+ones in plan/timing.py.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,7 +73,7 @@ def predict(p: dict) -> dict:
     from hivetune.bench import qwen25_shape
     from hivetune.ops.attention import _varlen_fn
     from hivetune.plan.memory import MemoryConfig, breakdown
-    from hivetune.plan.planner import bucketed
+    from hivetune.plan.planner import bucketed, training_path
 
     args = qwen25_shape(*SHAPES[p["model"]])
     tokens = bucketed(p["batch_size"] * p["length"], p["cuda_graphs"], args)
@@ -76,12 +83,25 @@ def predict(p: dict) -> dict:
     kw = {"targets": tuple(p["targets"])} if p["targets"] else {}
     fn, _, gqa = _varlen_fn()
     varlen = p["precision"] != "fp32" and fn is not None and os.environ.get("HIVETUNE_ATTENTION") != "sdpa"
+    path = training_path(p["precision"], cuda=True)
     mc = MemoryConfig(precision=p["precision"], r=p["r"], dropout=p["dropout"],
                       gradient_checkpointing=p["gradient_checkpointing"], attention="varlen" if varlen else "sdpa",
-                      gqa_native=gqa, **kw)
+                      gqa_native=gqa, **path, **kw)
     b = breakdown(args, mc, tokens, targets)
-    return {"predicted_reserved_bytes": b.reserved, "peak_phase": b.peak_phase,
+    return {"predicted_reserved_bytes": b.reserved, "peak_phase": b.peak_phase, "path": path,
             "parts": {k: v for k, v in b.parts.items()}}
+
+
+def predict_seconds(p: dict, tokens: int, gpu) -> float | None:
+    """plan/timing.py's seconds for one micro-batch of the point (None: no rates for this GPU)."""
+    from hivetune.bench import qwen25_shape
+    from hivetune.plan.timing import micro_batch_seconds
+
+    if gpu is None:
+        return None
+    args = qwen25_shape(*SHAPES[p["model"]])
+    return micro_batch_seconds(args, tokens, p["length"], p["gradient_checkpointing"], p["precision"],
+                               gpu.tflops(p["precision"]), p["cuda_graphs"])
 
 
 def run_point(p: dict) -> dict:
@@ -181,29 +201,55 @@ class _NoCuda:
 
 def markdown(record: dict) -> str:
     lines = ["| model | precision | micro-batch tokens | checkpointing | r | dropout | targets | predicted GiB "
-             "| measured reserved GiB | error |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| measured reserved GiB | error | step s predicted | step s measured |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for pt in record["points"]:
         p, m = pt["point"], pt.get("measured")
         pred = pt["predicted_reserved_bytes"] / 2**30
         if not m:
-            lines.append(f"| {p['model']} | {p['precision']} | {p['batch_size'] * p['length']} | ... | failed: "
-                         f"{pt.get('error', '')[:80]} |")
+            why = " ".join(pt.get("error", "").split())[-120:].replace("|", "/")
+            lines.append(f"| {p['model']} | {p['precision']} | {p['batch_size']} x {p['length']} | "
+                         f"{'on' if p['gradient_checkpointing'] else 'off'} | {p['r']} | {p['dropout']} | "
+                         f"{'q,v' if p['targets'] else 'all 7'}{' (graphs)' if p['cuda_graphs'] else ''} | {pred:.2f} "
+                         f"| not measured: {why} | | | |")
             continue
         meas = m["max_memory_reserved"] / 2**30
+        step = f"{statistics.median(m['step_seconds']):.3f}" if m.get("step_seconds") else ""
+        step_pred = f"{pt['predicted_step_seconds']:.3f}" if pt.get("predicted_step_seconds") else ""
         lines.append(f"| {p['model']} | {p['precision']} | {p['batch_size']} x {p['length']} = "
                      f"{p['batch_size'] * p['length']:,} | {'on' if p['gradient_checkpointing'] else 'off'} | {p['r']} "
                      f"| {p['dropout']} | {'q,v' if p['targets'] else 'all 7'}{' (graphs)' if p['cuda_graphs'] else ''} | {pred:.2f} | {meas:.2f} "
-                     f"| {pt['error_pct']:+.1f}% |")
+                     f"| {pt['error_pct']:+.1f}% | {step_pred} | {step} |")
+    cal = record.get("timing_calibration")
+    if cal:
+        lines += ["", f"timing.calibrate on this grid: {json.dumps(cal['measured'])}",
+                  f"plan/timing.py now: {json.dumps(cal['constants'])}"]
     return "\n".join(lines) + "\n"
 
 
-def write_results(env: dict, points: list, out: Path):
+def timing_calibration(record: dict, gpu) -> dict | None:
+    """plan/timing.calibrate on the grid just written, beside the constants in use."""
+    from hivetune.plan import timing
+
+    if gpu is None:
+        return None
+    try:
+        measured = timing.calibrate(record, {"bf16": gpu.tflops("bf16"), "fp32": gpu.tflops("fp32")})
+    except (ValueError, KeyError, statistics.StatisticsError) as e:
+        measured = {"error": f"{type(e).__name__}: {e}"}
+    return {"measured": measured,
+            "constants": {"efficiency": timing.EFFICIENCY, "dispatch_s_per_layer": timing.DISPATCH_S_PER_LAYER,
+                          "graphed_dispatch_s_per_layer": timing.GRAPHED_DISPATCH_S_PER_LAYER}}
+
+
+def write_results(env: dict, points: list, out: Path, gpu=None):
     errors = [abs(pt["error_pct"]) for pt in points if "error_pct" in pt and not pt["point"]["cuda_graphs"]]
     record = {"environment": env, "points": points,
               "max_abs_error_pct": max(errors) if errors else None, "measured_points": len(errors)}
-    gpu = (env.get("gpu") or "cpu").replace("NVIDIA ", "").replace(" ", "-").lower()
+    device = (env.get("gpu") or "cpu").replace("NVIDIA ", "").replace(" ", "-").lower()
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"plan-grid-{env['commit']}-{gpu}"
+    stem = f"plan-grid-{env['commit']}-{device}"
+    record["timing_calibration"] = timing_calibration(record, gpu)
     (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
     (out / f"{stem}.md").write_text(markdown(record))
     return record, stem
@@ -213,8 +259,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--point", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--only", type=int, nargs="*", default=None, help="grid indices to run")
-    ap.add_argument("--timeout", type=int, default=120)
+    ap.add_argument("--only", type=int, nargs="*", default=None,
+                    help="GRID indices to run (each eager, and graphed where GRAPHED lists it)")
+    ap.add_argument("--eager-only", action="store_true", help="leave out the CUDA-graphs repeats")
+    ap.add_argument("--timeout", type=int, default=120, help="seconds a point may take")
+    ap.add_argument("--budget", type=float, default=480,
+                    help="seconds for the whole grid: no point starts that the time left cannot hold "
+                         "(its timeout, or the longest point so far if less); those are listed as not run")
     ns = ap.parse_args()
     if ns.point:
         print("RESULT " + json.dumps(run_point(json.loads(ns.point))), flush=True)
@@ -222,19 +273,31 @@ def main() -> int:
     import torch
 
     from hivetune.bench import environment
+    from hivetune.plan.gpus import gpu_for_device_name
 
-    env = environment(torch.device("cuda"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    env = environment(device)
+    gpu = gpu_for_device_name(env["gpu"]) if env.get("gpu") else None
     points = []
     todo = [(i, point_dict(row)) for i, row in enumerate(GRID)]
-    todo += [(i, point_dict(GRID[i], graphs=True)) for i in GRAPHED]
+    if not ns.eager_only:
+        todo += [(i, point_dict(GRID[i], graphs=True)) for i in GRAPHED]
+    todo = [(i, p) for i, p in todo if ns.only is None or i in ns.only]
+    start, longest = time.time(), 0.0
+    record, stem = write_results(env, points, Path(ns.out), gpu)
     for i, p in todo:
-        if ns.only is not None and i not in ns.only:
+        entry = {"index": i, "point": p, **predict(p)}
+        left = ns.budget - (time.time() - start)
+        need = min(ns.timeout, max(longest, 20.0))
+        if left < need:
+            entry["error"] = f"not run: {left:.0f} s of the {ns.budget:.0f} s budget left (--only {i} runs it)"
+            points.append(entry)
+            record, stem = write_results(env, points, Path(ns.out), gpu)
             continue
-        entry = {"point": p, **predict(p)}
         t0 = time.time()
         try:
             proc = subprocess.run([sys.executable, __file__, "--point", json.dumps(p)], capture_output=True,
-                                  text=True, timeout=ns.timeout)
+                                  text=True, timeout=min(ns.timeout, max(10, left)))
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 entry["error"] = (proc.stderr or proc.stdout)[-2000:]
@@ -242,15 +305,17 @@ def main() -> int:
                 m = json.loads(line[7:])
                 entry["measured"] = m
                 entry["error_pct"] = round(100 * (entry["predicted_reserved_bytes"] / m["max_memory_reserved"] - 1), 2)
+                entry["predicted_step_seconds"] = predict_seconds(p, m["tokens"], gpu)
         except subprocess.TimeoutExpired:
-            entry["error"] = f"timeout after {ns.timeout} s"
+            entry["error"] = f"timeout after {min(ns.timeout, max(10, left)):.0f} s"
         entry["wall_s"] = round(time.time() - t0, 1)
+        longest = max(longest, entry["wall_s"])
         points.append(entry)
         print(json.dumps({k: v for k, v in entry.items() if k != "parts"}), flush=True)
-        record, stem = write_results(env, points, Path(ns.out))  # after every point: a timeout keeps what ran
+        record, stem = write_results(env, points, Path(ns.out), gpu)  # after every point: a cut-off run keeps what ran
     print(markdown(record))
     print(f"max |error| {record['max_abs_error_pct']}% over {record['measured_points']} eager points "
-          f"-> {Path(ns.out) / stem}.json")
+          f"in {time.time() - start:.0f} s -> {Path(ns.out) / stem}.json")
     return 0
 
 

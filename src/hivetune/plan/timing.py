@@ -37,12 +37,12 @@ def micro_batch_seconds(args: ModelArgs, tokens: float, example_tokens: float, c
     return max(compute, dispatch)
 
 
-def calibrate(path: str | Path, peak_tflops: dict) -> dict:
+def calibrate(grid: str | Path | dict, peak_tflops: dict) -> dict:
     """Efficiency per precision (median over compute-bound points) and the dispatch time per
-    layer (median over points far from compute-bound) from a plan-grid JSON."""
+    layer (median over points far from compute-bound) from a plan-grid JSON (or its record)."""
     from hivetune.bench import qwen25_shape
 
-    record = json.loads(Path(path).read_text())
+    record = grid if isinstance(grid, dict) else json.loads(Path(grid).read_text())
     shapes = {"0.5B": (151936, 896, 4864, 24, 14, 2, True), "1.5B": (151936, 1536, 8960, 28, 12, 2, True),
               "7B": (152064, 3584, 18944, 28, 28, 4, False)}
     eff: dict = {}
