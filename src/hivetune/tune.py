@@ -16,6 +16,7 @@ import dataclasses
 import os
 import statistics
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ class TuneRow:
     step_seconds: float | None = None
     tokens_per_s: float | None = None
     peak_gib: float | None = None  # measured max_memory_reserved (CUDA)
+    wall_seconds: float | None = None  # the candidate's whole cost: model build, warm-up (graph capture), steps
 
 
 @dataclass
@@ -153,6 +155,7 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
                 if predicted > cap_gib:
                     row.status = "over cap (predicted)"
                     continue
+                t0 = time.perf_counter()
                 try:
                     with _attention_env("sdpa" if backend == "sdpa" else None):
                         seconds, tokens, peak = _time_candidate(c, args, device, precision, length, steps)
@@ -160,6 +163,8 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
                     row.status = "out of memory"
                     torch.cuda.empty_cache()
                     continue
+                finally:
+                    row.wall_seconds = round(time.perf_counter() - t0, 2)
                 row.step_seconds, row.tokens_per_s = round(seconds, 4), round(tokens / seconds, 1)
                 row.peak_gib = round(peak, 2) if peak is not None else None
                 if peak is not None and peak > cap_gib:
