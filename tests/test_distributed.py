@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hivetune.distributed import Dist, torchrun_argv
+from hivetune.distributed import Dist, balanced_shares, torchrun_argv
 from hivetune.errors import UserError
 from hivetune.train import setup, train
 
@@ -28,6 +29,19 @@ def test_shard_and_torchrun_argv():
     ids = list(range(10))
     assert Dist(0, 2).shard(ids) == [0, 2, 4, 6, 8] and Dist(1, 2).shard(ids) == [1, 3, 5, 7, 9]
     assert Dist().shard(ids) == ids
+    # with lengths: equal counts, balanced tokens, each rank's share in the step's order
+    lengths = {i: n for i, n in enumerate([400, 10, 20, 390, 30, 40, 35, 5, 300, 100])}
+    a, b = Dist(0, 2).shard(ids, lengths), Dist(1, 2).shard(ids, lengths)
+    assert sorted(a + b) == ids and len(a) == len(b) == 5 and a == sorted(a) and b == sorted(b)
+    # two of 400 / 390 / 300 share a rank, with the 3 shortest: 725 is the best split of 5 + 5
+    assert max(sum(lengths[i] for i in a), sum(lengths[i] for i in b)) == 725
+    assert sorted(sum((Dist(r, 3).shard(ids, lengths) for r in range(3)), [])) == ids
+    # W2-like steps (16 examples on 2 GPUs): the token sums differ by under 1%
+    rng = random.Random(0)
+    for _ in range(20):
+        lens = [rng.randint(16, 96) + int(min(400, max(8, rng.lognormvariate(4.8, 0.6)))) for _ in range(16)]
+        sums = [sum(lens[k] for k in share) for share in balanced_shares(lens, 2)]
+        assert abs(sums[0] - sums[1]) <= 0.01 * sum(lens), sums
     argv = torchrun_argv(2, ["train", "--nproc-per-node", "2", "--data", "x.jsonl", "--nproc-per-node=3"])
     assert argv == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                     "-m", "hivetune", "train", "--data", "x.jsonl"]
@@ -97,7 +111,10 @@ def test_fsdp2_two_processes_checkpoint_and_resume(tiny_model_dir, alpaca_file, 
         assert rb[key] == pytest.approx(ra[key], abs=1e-6), (ra, rb)
     final = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     ref = load_file(str(one / "adapter" / "adapter_model.safetensors"))
-    assert max(float((final[k] - ref[k]).abs().max()) for k in ref) < 1e-6
+    # The ranks' token-balanced shares sum the gradient in another order than one process's
+    # micro-batches, and FSDP reduce-scatters shards; Adam's 1/sqrt(v) magnifies that fp32
+    # rounding on near-zero gradients: 1.6e-6 after 4 steps at lr 1e-2 (the losses agree to 1e-6).
+    assert max(float((final[k] - ref[k]).abs().max()) for k in ref) < 5e-6
 
     # Crash after step 2: drop what came later, resume on 2 processes, get the same adapter.
     import shutil

@@ -48,9 +48,47 @@ class Dist:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def shard(self, ids: list) -> list:
-        """This rank's share of a step's examples: every world-th one, from its rank."""
-        return ids[self.rank::self.world] if self.enabled else ids
+    def shard(self, ids: list, lengths=None) -> list:
+        """This rank's share of a step's examples: every world-th one, from its rank; with the
+        examples' token lengths, shares of equal size (as far as the count divides) whose token
+        sums are balanced, so that no rank waits on a longer one every step. Every rank computes
+        the same split; each share keeps the step's order."""
+        if not self.enabled:
+            return ids
+        if lengths is None:
+            return ids[self.rank::self.world]
+        return [ids[k] for k in sorted(balanced_shares([lengths[i] for i in ids], self.world)[self.rank])]
+
+
+def balanced_shares(sizes: list[int], world: int) -> list[list[int]]:
+    """Positions of `sizes` split into `world` shares of near-equal count and sum: longest first
+    to the lightest share with room, then swaps between the heaviest and the lightest share
+    while a swap lowers the heaviest sum."""
+    room = [len(sizes) // world + (r < len(sizes) % world) for r in range(world)]
+    shares: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for k in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
+        r = min((r for r in range(world) if room[r]), key=lambda r: (load[r], r))
+        room[r] -= 1
+        shares[r].append(k)
+        load[r] += sizes[k]
+    for _ in range(4 * len(sizes)):
+        hi = max(range(world), key=lambda r: (load[r], -r))
+        lo = min(range(world), key=lambda r: (load[r], r))
+        gap = load[hi] - load[lo]
+        best = None
+        for i in shares[hi]:
+            for j in shares[lo]:
+                d = sizes[i] - sizes[j]
+                if 0 < d < gap and (best is None or abs(gap - 2 * d) < abs(gap - 2 * best[2])):
+                    best = (i, j, d)
+        if best is None:
+            break
+        i, j, d = best
+        shares[hi][shares[hi].index(i)], shares[lo][shares[lo].index(j)] = j, i
+        load[hi] -= d
+        load[lo] += d
+    return shares
 
 
 def env_world() -> Dist:

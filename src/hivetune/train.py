@@ -316,7 +316,8 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
         while step < len(run.steps):
             example_ids = run.steps[step]
             n_targets = sum(run.data.n_targets[i] for i in example_ids)  # the whole step's, all ranks
-            step_loss, step_tokens = accumulate_step(run, parallel.shard(example_ids), n_targets, micro_step,
+            step_loss, step_tokens = accumulate_step(run, parallel.shard(example_ids, getattr(run.data, "lengths", None)),
+                                                     n_targets, micro_step,
                                                      counters)
             # One collective per step: loss and tokens summed over ranks, and whether any rank
             # got SIGINT / SIGTERM (all ranks must stop at the same step).
