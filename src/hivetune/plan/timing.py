@@ -7,8 +7,9 @@ and layer forward for an example of L tokens (causal), three times that with bac
 
 A micro-batch takes max(FLOPs / (peak x efficiency), layers x dispatch): small models are bound
 by eager PyTorch launching ~140 kernels a layer, big ones by the matmuls. Constants calibrated
-by ``calibrate`` from the H200 grid (bench/results/plan-grid-5d2d30f-h200.json, step times of
-3-step runs) and checked against it by tests/test_plan.py.
+by ``calibrate`` from the H200 grid (bench/results/plan-grid-bb041c0-h200.json, step times of
+3-step runs, after the joined LoRA path and the Triton kernels; 5d2d30f before them) and checked
+against it by tests/test_plan.py.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from pathlib import Path
 
 from hivetune.model.config import ModelArgs
 
-EFFICIENCY = {"bf16": 0.37, "fp16": 0.37, "fp32": 0.61}  # of the datasheet dense rate
+EFFICIENCY = {"bf16": 0.42, "fp16": 0.42, "fp32": 0.63}  # of the datasheet dense rate
 DISPATCH_S_PER_LAYER = 0.0058  # eager, per micro-batch (fwd + bwd + the optimizer step's share)
-GRAPHED_DISPATCH_S_PER_LAYER = 0.0016  # CUDA graphs replay (train.cuda_graphs)
+GRAPHED_DISPATCH_S_PER_LAYER = 0.0013  # CUDA graphs replay (train.cuda_graphs)
 
 
 def flops_per_token(args: ModelArgs, example_tokens: float, checkpointing: bool) -> float:
