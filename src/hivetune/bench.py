@@ -344,6 +344,8 @@ def results_table(folder: Path) -> str:
             setting += f"; CUDA graphs off: {graphs['off']}"
         elif graphs:
             setting += f"; {graphs['graphs']} CUDA graphs, capture {graphs['capture_s']} s"
+            if graphs.get("bucket_tokens", 256) != 256:
+                setting += f", {graphs['bucket_tokens']}-token buckets"
         steps = f"{h['steps']}" + ("" if not r.get("max_steps") else " (max_steps)")
         base = r.get("baseline")
         if base:
