@@ -379,7 +379,7 @@ def test_shipped_split_sizes_and_stratification():
     heldout_counts = category_counts(heldout)
     assert set(heldout_counts) == set(CATEGORIES)
     assert set(heldout_counts.values()) <= {1, 2}  # 40 over 25 categories: as even as possible
-    assert category_counts(train + heldout) == category_counts(synthesize(400, seed=0))
+    assert category_counts(train + heldout) == category_counts([e for e, _ in synth.default_records()])
 
 
 def test_readme_documents_the_one_liner():
@@ -394,11 +394,54 @@ def test_heldout_is_new_but_answerable_from_train():
     train_instructions = {example["instruction"] for example in train}
     assert not train_instructions & {example["instruction"] for example in heldout}
     assert near_duplicate_rate(train + heldout) == 0.0
-    # Every held-out example comes from a task that also has examples in train.
-    records = synth._generate(synth.DEFAULT_TOTAL, synth.DEFAULT_SEED)
+    # Every held-out example asks a task that train teaches several times (the default run
+    # learns a task's command from its train examples: one or two were too few).
+    records = synth.default_records()
     split_train, split_heldout = synth._split_stratified(records, synth.DEFAULT_HELDOUT)
     assert split_train == train and split_heldout == heldout
     task_of = {example["instruction"]: task_key for example, task_key in records}
-    train_tasks = {task_of[example["instruction"]] for example in train}
+    train_per_task = Counter(task_of[example["instruction"]] for example in train)
+    assert len(train_per_task) == synth.DEFAULT_TASKS_PER_CATEGORY * len(CATEGORIES)
     for example in heldout:
-        assert task_of[example["instruction"]] in train_tasks, example["instruction"]
+        assert train_per_task[task_of[example["instruction"]]] >= 4, example["instruction"]
+    # The README's count of held-out commands that train also contains verbatim is the real one.
+    same = sum(e["command"] in {t["command"] for t in train} for e in heldout)
+    readme = (SHIPPED_DIR / "README.md").read_text(encoding="utf-8")
+    assert f"{same} of its {len(heldout)} reference commands also occur verbatim in train" in " ".join(readme.split())
+    assert 0 < same < len(heldout)  # some held-out questions need arguments train never used
+
+
+def test_shipped_answers_are_brief_and_start_with_the_command():
+    for example in _read_jsonl(SHIPPED_DIR / "train.jsonl") + _read_jsonl(SHIPPED_DIR / "heldout.jsonl"):
+        lines = example["output"].splitlines()
+        assert 1 <= len(lines) <= 2, example["output"]
+        assert lines[0].startswith(("$ ", ">>> ")) and example["command"] in lines[0], example["output"]
+        assert len(lines) == 1 or not lines[1].startswith(("$ ", ">>> ")), example["output"]
+        assert not PLACEHOLDER.search(example["output"]), example["output"]
+
+
+def test_brief_answer_puts_the_command_first_and_keeps_one_sentence():
+    answer = ("Check the free space first:\n$ sudo vgs data\nThen extend it; -r resizes the filesystem too:\n"
+              "$ sudo lvextend -r -l +100%FREE /dev/data/root\nConfirm with df -h. It takes a second.")
+    # The first prose sentence, its colon made a full stop; "Check the..." has 5 words.
+    assert synth.brief_answer(answer, "lvextend -r -l +100%FREE /dev/data/root") == (
+        "$ sudo lvextend -r -l +100%FREE /dev/data/root\nCheck the free space first.")
+    # Step numbers go; short lead-ins ("Verify it:") and connectives do not count as sentences.
+    assert synth.brief_answer("1. Verify it:\n$ getenforce\nand back with setenforce 1. SELinux is on or off.",
+                              "getenforce") == "$ getenforce\nSELinux is on or off."
+    # A line in lower case continues the command only right after it; indented lines are file content.
+    assert synth.brief_answer("$ free -h\nshows memory in human units.", "free -h") == (
+        "$ free -h\nshows memory in human units.")
+    assert synth.brief_answer("$ ls\n$ free -h\nshows memory in human units.", "ls") == "$ ls"
+    assert synth.brief_answer("$ cat unit\n    ExecStart=/usr/bin/long running server here.", "cat unit") == "$ cat unit"
+    # e.g. does not end a sentence.
+    assert synth.brief_answer(">>> f()\nPass a flag, e.g. --fast, to skip the slow checks. More text.", "f()") == (
+        ">>> f()\nPass a flag, e.g. --fast, to skip the slow checks.")
+
+
+def test_brief_templates_start_with_the_command():
+    briefs = [t for tasks in synth.TASKS_BY_CATEGORY.values() for t in tasks if t.brief]
+    assert briefs  # the shipped tasks whose derived brief answer read badly
+    for topic_task in briefs:
+        first = topic_task.brief.splitlines()[0]
+        assert first.startswith(("$ ", ">>> ")) and topic_task.command in first, topic_task.key

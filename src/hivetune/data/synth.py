@@ -14,6 +14,12 @@ convention (``$ `` shell lines, ``>>> `` Python lines) is described in :mod:`syn
 Everything random goes through one ``random.Random(seed)``; sets are only used for membership
 tests, so the result never depends on hash order.
 
+The shipped default dataset (``write_default_dataset``) is made the same way from a subset of the
+tasks (the first ``DEFAULT_TASKS_PER_CATEGORY`` of each category) with brief answers
+(``brief_answer``): in one epoch, a 135M model fine-tuned for a few minutes on a 2-core CPU sees
+each of 50 tasks about seven times. With all 254 tasks, one or two examples each, it learnt the
+answer format but not the commands (1 command hit on 40 held-out questions after two epochs).
+
 Near duplicates are measured on ``instruction + input``: lower-cased alphanumeric words, word
 3-gram shingles, Jaccard similarity; a pair with similarity >= 0.8 is a near duplicate. The
 generator rejects a candidate that is a near duplicate of (or identical in instruction to) any
@@ -55,11 +61,16 @@ MAX_ATTEMPTS_PER_EXAMPLE = 400
 DEFAULT_SEED = 0
 DEFAULT_TOTAL = 400
 DEFAULT_HELDOUT = 40
+DEFAULT_TASKS_PER_CATEGORY = 2
 DATASET_KEYS = ("instruction", "input", "output", "category", "command")
 
 _TOPIC_MODULES = (synth_topics_system, synth_topics_ops, synth_topics_platform, synth_topics_ml)
 _PLACEHOLDER = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
 _WORD = re.compile(r"[a-z0-9]+")
+_SENTENCE_BREAK = re.compile(r"(?<!e\.g\.)(?<!i\.e\.)(?<=[.!?])\s+")
+_STEP_NUMBER = re.compile(r"^\d+\.\s+")
+_CONNECTIVE = re.compile(r"^(and|or|then|but|which|so)\b")
+BRIEF_NOTE_MIN_WORDS = 5
 
 
 def _collect_tasks() -> dict[str, tuple[Task, ...]]:
@@ -93,8 +104,40 @@ def _fill(template: str, values: dict[str, str], task_key: str) -> str:
     return _PLACEHOLDER.sub(lookup, template)
 
 
-def _draw(topic_task: Task, rng: random.Random) -> dict[str, str]:
-    """Draw one example for ``topic_task``: slot values, question wording and answer variant."""
+def _is_command_line(line: str) -> bool:
+    return line.startswith(("$ ", ">>> "))
+
+
+def brief_answer(answer: str, command: str) -> str:
+    """An answer template cut to the line holding ``command`` followed by one sentence of it.
+
+    The sentence is the answer's first prose sentence (step numbers dropped) of at least
+    ``BRIEF_NOTE_MIN_WORDS`` words that ends like a sentence; a lead-in's final colon becomes a
+    full stop ("Verify it:" is too short to count). A sentence starting in lower case, or with a
+    connective (and, or, then...), continues something the brief answer no longer has, so it is
+    skipped, except for the line right after the command ("$ getenforce" / "prints Enforcing,
+    ..."). Indented lines (file contents) are not prose. No such sentence: the command line alone.
+    """
+    lines = answer.splitlines()
+    key = next(i for i, line in enumerate(lines) if _is_command_line(line) and command in line)
+    for i, line in enumerate(lines):
+        if _is_command_line(line) or not line.strip() or line != line.lstrip():
+            continue
+        for j, sentence in enumerate(_SENTENCE_BREAK.split(_STEP_NUMBER.sub("", line.strip()))):
+            sentence = sentence.strip()
+            continues_command = i == key + 1 and j == 0
+            if (sentence[:1].islower() and not continues_command) or _CONNECTIVE.match(sentence):
+                continue
+            if sentence.endswith(":"):
+                sentence = sentence[:-1] + "."
+            if len(sentence.split()) >= BRIEF_NOTE_MIN_WORDS and sentence.endswith((".", ")")):
+                return f"{lines[key]}\n{sentence}"
+    return lines[key]
+
+
+def _draw(topic_task: Task, rng: random.Random, brief: bool = False) -> dict[str, str]:
+    """Draw one example for ``topic_task``: slot values, question wording and answer variant;
+    with ``brief``, the answer is the task's brief template or ``brief_answer`` of the variant."""
     values: dict[str, str] = {}
     for name, options in topic_task.slots:
         choice = rng.choice(options)
@@ -113,6 +156,8 @@ def _draw(topic_task: Task, rng: random.Random) -> dict[str, str]:
         instruction = rng.choice(GOAL_FORMS).replace("{goal}", rng.choice(topic_task.goals))
         input_text = ""
     answer = rng.choice(topic_task.answers)
+    if brief:
+        answer = topic_task.brief or brief_answer(answer, topic_task.command)
     example = {
         "instruction": _fill(instruction, values, topic_task.key),
         "input": _fill(input_text, values, topic_task.key),
@@ -203,8 +248,11 @@ def extract_commands(output: str) -> list[str]:
     return commands
 
 
-def _generate(n: int, seed: int) -> list[tuple[dict, str]]:
-    """Generate ``n`` (example, task key) pairs; the task key is used for the held-out split."""
+def _generate(n: int, seed: int, tasks_by_category: dict[str, tuple[Task, ...]] | None = None,
+              brief: bool = False) -> list[tuple[dict, str]]:
+    """Generate ``n`` (example, task key) pairs; the task key is used for the held-out split.
+    ``tasks_by_category``: the tasks to draw from (default: all); ``brief``: brief answers."""
+    tasks_by_category = tasks_by_category or TASKS_BY_CATEGORY
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative integer, got {n!r}")
     rng = random.Random(seed)
@@ -229,10 +277,10 @@ def _generate(n: int, seed: int) -> list[tuple[dict, str]]:
                 if not decks[category]:
                     # A shuffled deck rather than independent draws: every task gets used
                     # about equally often, which the held-out split relies on.
-                    decks[category] = list(TASKS_BY_CATEGORY[category])
+                    decks[category] = list(tasks_by_category[category])
                     rng.shuffle(decks[category])
                 topic_task = decks[category].pop()
-                example = _draw(topic_task, rng)
+                example = _draw(topic_task, rng, brief)
                 n_words = len(example["instruction"].split())
                 if not MIN_INSTRUCTION_WORDS <= n_words <= MAX_INSTRUCTION_WORDS:
                     continue
@@ -323,15 +371,30 @@ def _readme_text(train: list[dict], heldout: list[dict]) -> str:
     heldout_counts = category_counts(heldout)
     rows = "\n".join(f"| {c} | {train_counts.get(c, 0)} | {heldout_counts.get(c, 0)} |"
                      for c in CATEGORIES)
+    n_tasks = sum(len(tasks) for tasks in default_tasks().values())
+    train_commands = {example["command"] for example in train}
+    same_command = sum(example["command"] in train_commands for example in heldout)
     return f"""# Default dataset
 
 Synthetic alpaca-style instruction data about Linux, Fedora Atomic (rpm-ostree, bootc), GPU
 operations (CUDA, ROCm, containers) and LLM tooling. It is small on purpose: the default training
-run fine-tunes a 135M model on a 2-core CPU within a few minutes.
+run fine-tunes a 135M model on a 2-core CPU within a few minutes, so the data teaches a few tasks
+well rather than many once.
 
-- `train.jsonl`: {len(train)} examples
-- `heldout.jsonl`: {len(heldout)} examples, stratified by category; every held-out task also
-  occurs in train with other slot values or wording, and no held-out instruction occurs in train.
+- {n_tasks} tasks, the first {DEFAULT_TASKS_PER_CATEGORY} of each of the {len(CATEGORIES)} categories of
+  `src/hivetune/data/synth_topics_*.py` (`hivetune data synth` draws from all of them).
+- `train.jsonl`: {len(train)} examples, each task asked several times in different words and
+  with different arguments (service, path, port...).
+- `heldout.jsonl`: {len(heldout)} examples, stratified by category. What is held out is the
+  question, not the task: every held-out example asks a task that train also teaches, in words
+  no train instruction uses (no identical instruction, no near duplicate: word 3-gram Jaccard
+  < {NEAR_DUPLICATE_THRESHOLD}). {same_command} of its {len(heldout)} reference commands also occur verbatim in train (a
+  task whose command takes no arguments, or the same arguments); the other {len(heldout) - same_command} need
+  arguments that only the question gives.
+- Answers are brief: the key command line first, then one sentence of explanation
+  (`brief_answer` in `synth.py`, or a task's own `brief` template). The long multi-step answers
+  of `hivetune data synth` cost about 1.4 times the tokens per example and put the key command
+  later in the answer.
 
 ## How the files were made
 
@@ -341,9 +404,10 @@ Generated, not hand-written. From the repository root:
 python -c "from hivetune.data.synth import write_default_dataset; write_default_dataset('src/hivetune/data/default')"
 ```
 
-This calls `synthesize({DEFAULT_TOTAL}, seed={DEFAULT_SEED})` from `src/hivetune/data/synth.py` and
-splits the result deterministically. Rerunning it reproduces these files byte for byte (a test
-checks this); edit the templates in `synth_topics_*.py` and regenerate instead of editing here.
+This calls `default_records()` (`{DEFAULT_TOTAL}` examples of the tasks above, seed {DEFAULT_SEED}) from
+`src/hivetune/data/synth.py` and splits the result deterministically. Rerunning it reproduces these
+files byte for byte (a test checks this); edit the templates in `synth_topics_*.py` and
+regenerate instead of editing here.
 
 ## Format
 
@@ -360,15 +424,26 @@ statements lines starting with `>>> `. `command` is the key command of the answe
 """
 
 
+def default_tasks() -> dict[str, tuple[Task, ...]]:
+    """The tasks of the shipped dataset: the first DEFAULT_TASKS_PER_CATEGORY of each category."""
+    return {category: tasks[:DEFAULT_TASKS_PER_CATEGORY] for category, tasks in TASKS_BY_CATEGORY.items()}
+
+
+def default_records() -> list[tuple[dict, str]]:
+    """The shipped dataset before its split, as (example, task key) pairs: DEFAULT_TOTAL
+    examples of ``default_tasks`` with brief answers, seed DEFAULT_SEED."""
+    return _generate(DEFAULT_TOTAL, DEFAULT_SEED, default_tasks(), brief=True)
+
+
 def write_default_dataset(directory: str | os.PathLike) -> dict[str, Path]:
     """Write the shipped dataset (train.jsonl, heldout.jsonl, README.md) into ``directory``.
 
-    Uses ``synthesize(400, seed=0)`` and a deterministic split stratified by category with 40
+    Uses ``default_records()`` and a deterministic split stratified by category with 40
     held-out examples. Returns the paths written, keyed "train", "heldout" and "readme".
     """
     target = Path(directory)
     target.mkdir(parents=True, exist_ok=True)
-    records = _generate(DEFAULT_TOTAL, DEFAULT_SEED)
+    records = default_records()
     train, heldout = _split_stratified(records, DEFAULT_HELDOUT)
     paths = {"train": target / "train.jsonl", "heldout": target / "heldout.jsonl",
              "readme": target / "README.md"}

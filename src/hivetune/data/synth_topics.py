@@ -38,17 +38,21 @@ class Task:
     answers: tuple[str, ...]
     command: str
     slots: tuple[tuple[str, tuple], ...]  # ordered (name, values) pairs; order fixes rng use
+    # The short answer of the shipped default dataset, where the derived one
+    # (``synth.brief_answer``: the key command line, then one sentence of the answer) reads badly.
+    brief: str = ""
 
     @property
     def category(self) -> str:
         return self.key.split(".", 1)[0]
 
 
-def task(key: str, *, goals=(), questions=(), answers, command: str, slots=None) -> Task:
+def task(key: str, *, goals=(), questions=(), answers, command: str, slots=None, brief: str = "") -> Task:
     """Build a :class:`Task`, normalising the convenient literal forms used in topic modules.
 
     ``questions`` entries may be plain strings (no input) or ``(instruction, input)`` pairs;
-    ``answers`` may be a single string; ``slots`` is a dict of name -> sequence of values.
+    ``answers`` may be a single string; ``slots`` is a dict of name -> sequence of values;
+    ``brief`` (optional) is the short answer template of the shipped default dataset.
     """
     if isinstance(answers, str):
         answers = (answers,)
@@ -59,7 +63,7 @@ def task(key: str, *, goals=(), questions=(), answers, command: str, slots=None)
     for name, values in slot_pairs:
         if not values:
             raise ValueError(f"task {key!r}: slot {name!r} has no values")
-    return Task(key, tuple(goals), normalised_questions, tuple(answers), command, slot_pairs)
+    return Task(key, tuple(goals), normalised_questions, tuple(answers), command, slot_pairs, brief)
 
 
 # Generic ways to ask for a goal. Each must read naturally with any goal phrase, which is an

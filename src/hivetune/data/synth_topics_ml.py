@@ -465,7 +465,9 @@ ONNX = [
                  "Optimum infers the task; pass --task (for example text-generation-with-past) if "
                  "it guesses wrong. The folder holds model.onnx plus the tokenizer files.",
          command="optimum-cli export onnx --model {model} {out}/",
-         slots={"m": _EXPORT_MODELS}),
+         slots={"m": _EXPORT_MODELS},
+         brief="$ optimum-cli export onnx --model {model} {out}/\n"
+               "Optimum infers the task; pass --task (for example text-generation-with-past) if it guesses wrong."),
     task("onnx.gpu_session",
          goals=("run {file} with ONNX Runtime on the GPU", "create an ONNX Runtime session for {file} with CUDA"),
          answers=">>> import onnxruntime as ort\n"

@@ -41,7 +41,9 @@ NETWORKING = [
                   "2. Reload firewalld:\n$ sudo firewall-cmd --reload\n"
                   "3. Confirm that {port}/{proto} is listed:\n$ sudo firewall-cmd{zopt} --list-ports"),
          command="firewall-cmd --permanent{zopt} --add-port={port}/{proto}",
-         slots={"p": _PORTS, "zone": _ZONES}),
+         slots={"p": _PORTS, "zone": _ZONES},
+         brief="$ sudo firewall-cmd --permanent{zopt} --add-port={port}/{proto}\n"
+               "Then sudo firewall-cmd --reload applies it; a rule without --permanent is lost at the next reload."),
     task("networking.no_route",
          goals=("fix No route to host errors when connecting to port {port} on my server",),
          questions=(("curl from another machine to {what} on my server fails like this. The service runs. Why?",
@@ -145,7 +147,9 @@ STORAGE = [
                  "the filesystem in the same step (XFS and ext4 can grow while mounted):\n"
                  "$ sudo lvextend -r {sizeopt} /dev/{vg}/{lv}\nConfirm with df -h and sudo lvs {vg}.",
          command="lvextend -r {sizeopt} /dev/{vg}/{lv}",
-         slots={"vg": _VGS, "lv": _LVS, "grow": _GROW}),
+         slots={"vg": _VGS, "lv": _LVS, "grow": _GROW},
+         brief="$ sudo lvextend -r {sizeopt} /dev/{vg}/{lv}\n"
+               "-r resizes the filesystem in the same step (XFS and ext4 can grow while mounted)."),
     task("storage.lvcreate",
          goals=("create a {size} logical volume {lv} in {vg} and mount it at {mnt}",
                 "add a new {fs} volume {lv} of {size} in {vg}, mounted on {mnt}"),
@@ -155,7 +159,9 @@ STORAGE = [
                  "$ sudo mkdir -p {mnt}\n$ sudo systemctl daemon-reload\n$ sudo mount -a",
          command="lvcreate -L {size} -n {lv} {vg}",
          slots={"size": ("10G", "50G", "200G"), "lv": ("scratch", "models", "backup", "pgdata"),
-                "vg": _VGS, "fs": _FILESYSTEMS, "mnt": _MOUNTS}),
+                "vg": _VGS, "fs": _FILESYSTEMS, "mnt": _MOUNTS},
+         brief="$ sudo lvcreate -L {size} -n {lv} {vg}\n"
+               "Then put a filesystem on it with sudo mkfs.{fs} /dev/{vg}/{lv} and mount it on {mnt}."),
     task("storage.overview",
          goals=("list the disks, partitions and filesystems of this machine", "see how my disks are partitioned and mounted"),
          answers="$ lsblk -f\nshows the block-device tree with filesystem types, labels, UUIDs "
@@ -444,7 +450,10 @@ PERFORMANCE = [
                  "CPU governor and disk settings suited to {use}, and the choice persists across "
                  "reboots. tuned-adm list shows all profiles; tuned-adm recommend suggests one.",
          command="tuned-adm profile {profile}",
-         slots={"tp": _TUNED_PROFILES}),
+         slots={"tp": _TUNED_PROFILES},
+         brief="$ sudo tuned-adm profile {profile}\n"
+               "tuned applies sysctl, CPU governor and disk settings suited to {use}, and the choice persists "
+               "across reboots."),
     task("performance.governor",
          goals=("check and change the CPU frequency governor to {gov}", "set the CPU governor to {gov} for a benchmark"),
          answers="Install kernel-tools for cpupower, then:\n$ cpupower frequency-info\n"
@@ -452,7 +461,9 @@ PERFORMANCE = [
                  "profile is the persistent way. With the amd-pstate or intel_pstate drivers "
                  "often only performance and powersave exist.",
          command="cpupower frequency-set -g {gov}",
-         slots={"gov": ("performance", "powersave", "schedutil")}),
+         slots={"gov": ("performance", "powersave", "schedutil")},
+         brief="$ sudo cpupower frequency-set -g {gov}\n"
+               "The setting is lost at reboot; a tuned profile is the persistent way."),
     task("performance.perf_record",
          goals=("profile which functions process {pid} spends its CPU time in over {secs} seconds",
                 "record a CPU profile with call graphs of PID {pid} for {secs} seconds"),
@@ -539,7 +550,10 @@ TROUBLESHOOTING = [
                  "SELinux denial) and start it again:\n$ sudo systemctl restart {svc}\n"
                  "Many daemons have a config test, such as nginx -t or sshd -t.",
          command="journalctl -u {svc} -b --no-pager -n 100",
-         slots={"svc": ANY_SERVICES}),
+         slots={"svc": ANY_SERVICES},
+         brief="$ journalctl -u {svc} -b --no-pager -n 100\n"
+               "The last log lines of this boot usually name the cause: a config error, a missing file, a port "
+               "in use or an SELinux denial."),
     task("troubleshooting.disk_full",
          goals=("free disk space on a full root filesystem",),
          questions=(("My {job} fails with this error. What should I check?", "{err}"),

@@ -323,7 +323,10 @@ GPU_CONTAINERS = [
                   "If it reports unresolvable CDI devices, create the spec with "
                   "sudo nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml."),
          command="podman run --rm --device nvidia.com/gpu=all --security-opt=label=disable {image} nvidia-smi",
-         slots={"image": CUDA_IMAGES}),
+         slots={"image": CUDA_IMAGES},
+         brief="$ podman run --rm --device nvidia.com/gpu=all --security-opt=label=disable {image} nvidia-smi\n"
+               "Podman reaches NVIDIA GPUs through CDI; create the spec once with "
+               "sudo nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml."),
     task("gpu_containers.nvidia_one",
          goals=("expose only GPU {gpu} to a podman container running {image}",
                 "run {image} so that it sees just NVIDIA GPU {gpu}"),

@@ -632,7 +632,10 @@ SSH = [
                  "2. Install the public key on the server:\n$ ssh-copy-id {user}@{host}\n"
                  "3. Log in; it should no longer ask for the account password:\n$ ssh {user}@{host}",
          command="ssh-copy-id {user}@{host}",
-         slots={"user": USERS, "host": HOSTS}),
+         slots={"user": USERS, "host": HOSTS},
+         brief="$ ssh-copy-id {user}@{host}\n"
+               "It installs your public key on the server; create a key pair first with ssh-keygen -t ed25519 "
+               "if you have none."),
     task("ssh.harden",
          goals=("disable password logins for SSH on my server", "only allow key-based SSH logins on Fedora",
                 "stop root from logging in over SSH"),
@@ -641,7 +644,10 @@ SSH = [
                  "this file win over later drop-ins. Test the config, then reload:\n"
                  "$ sudo sshd -t\n$ sudo systemctl reload sshd\n"
                  "Keep your session open until a new key-based login works.",
-         command="systemctl reload sshd"),
+         command="systemctl reload sshd",
+         brief="$ sudo systemctl reload sshd\n"
+               "Reload after setting PasswordAuthentication no and PermitRootLogin no in "
+               "/etc/ssh/sshd_config.d/10-hardening.conf and checking it with sudo sshd -t."),
     task("ssh.local_forward",
          goals=("reach {what} on port {rport} of {host} from my laptop, logging in as {user}",
                 "forward local port {rport} to {what} on {host} over SSH as user {user}"),
