@@ -308,10 +308,11 @@ def test_train_ends_with_the_ab_that_eval_gives(tiny_model_dir, tmp_path, capsys
 @pytest.mark.slow
 def test_default_job_tuned_beats_base(tmp_path):
     """`hivetune train` with no arguments (the embedded SmolLM2 on the shipped data) ends with the
-    A/B on the shipped held-out split, and the tuned model beats the base on response loss and
-    on the command-hit rate. If it does not, the default recipe is wrong. It trains two epochs
-    (one took 4-5 minutes on a 2-core CPU): select it alone with `-m default_job`, leave it out
-    with `-m "not default_job"`."""
+    A/B on the shipped held-out split, and the tuned model beats the base by a wide margin on
+    response loss and on command hits. If it does not, the default recipe or data is wrong.
+    Measured on a 2-core CPU: loss 3.66 -> 0.33, hits 1 -> 19 of 40 (bench/results/default-job-ab-*).
+    It takes about 5 minutes there: select it alone with `-m default_job`, leave it out with
+    `-m "not default_job"`."""
     import subprocess
     import sys
 
@@ -330,5 +331,5 @@ def test_default_job_tuned_beats_base(tmp_path):
     assert report["examples"] == 40 and report["data"].endswith("heldout.jsonl")
     base, tuned = report["means"]["base"], report["means"]["tuned"]
     assert base["command_examples"] == tuned["command_examples"] == 40
-    assert tuned["loss"] < base["loss"], (base["loss"], tuned["loss"])
-    assert tuned["command_hits"] > base["command_hits"], (base["command_hits"], tuned["command_hits"])
+    assert tuned["loss"] < base["loss"] / 2, (base["loss"], tuned["loss"])
+    assert tuned["command_hits"] >= base["command_hits"] + 10, (base["command_hits"], tuned["command_hits"])
