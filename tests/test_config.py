@@ -158,11 +158,11 @@ def test_yaml_errors(tmp_path):
 
 def test_default_recipe_only_without_model_and_data():
     recipe = read_yaml(DEFAULT_RECIPE)
-    assert recipe["lr"] == 3e-3 and recipe["max_length"] == 512 and recipe["lr"] != TrainConfig.lr
+    assert recipe["lr"] == 5e-3 and recipe["max_length"] == 512 and recipe["lr"] != TrainConfig.lr
     cfg = load_config(None, {})
-    assert (cfg.lr, cfg.max_length, cfg.model, cfg.data) == (3e-3, 512, "", "")
-    assert (cfg.epochs, cfg.batch_size, cfg.max_new_tokens) == (1.0, 4, 64)
-    assert load_config(None, {"output_dir": "x", "lr": 5e-3}).lr == 5e-3  # overrides still win
+    assert (cfg.lr, cfg.max_length, cfg.model, cfg.data) == (5e-3, 512, "", "")
+    assert (cfg.epochs, cfg.batch_size, cfg.max_new_tokens) == (1.0, 8, 64)
+    assert load_config(None, {"output_dir": "x", "lr": 3e-3}).lr == 3e-3  # overrides still win
     assert load_config(None, {"output_dir": "x"}).max_length == 512
     for given in ({"data": "d.jsonl"}, {"model": "m.gguf"}):
         cfg = load_config(None, given)
