@@ -6,7 +6,7 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 HIVETUNE_CACHE=/tmp/hivetune-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
 S="$OUT/summary.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$S"
-timeout 120 python3 -m pytest tests/gpu/test_lora_group.py tests/gpu/test_cuda_train.py -p no:cacheprovider -q 2>&1 | tail -4 >> "$S"
+timeout 120 python3 -m pytest tests/gpu/test_cuda_lora_group.py tests/gpu/test_cuda_train.py -p no:cacheprovider -q 2>&1 | tail -4 >> "$S"
 echo "== W2 kernels ($(date +%T))" >> "$S"
 timeout 120 python3 bench/profile_step.py W2 --steps 7 2>&1 | grep -A30 "GPU kernels per step" >> "$S"
 for variant in "joined" "reference" "micro16"; do
