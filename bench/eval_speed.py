@@ -25,8 +25,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--adapter", required=True, help="a run folder of the default job (its adapter)")
     parser.add_argument("--n", type=int, default=200, help="examples (default 200)")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--batch-size", type=int, default=48)
+    parser.add_argument("--max-new-tokens", type=int, default=0,
+                        help="default: the run's max_new_tokens, as `hivetune eval` (64 in the default job)")
+    parser.add_argument("--batch-size", type=int, default=96)
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
 
@@ -52,7 +53,7 @@ def main() -> None:
     result = {
         "benchmark": "eval_speed", "date": datetime.now().isoformat(timespec="seconds"), "commit": commit,
         "src_tree_dirty": bool(dirty), "examples": report["examples"], "seconds": round(wall, 2),
-        "seconds_parts": report["seconds"], "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+        "seconds_parts": report["seconds"], "max_new_tokens": report["max_new_tokens"], "batch_size": args.batch_size,
         "precision": report["precision"], "device": report["device"], "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(), "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in load_after],

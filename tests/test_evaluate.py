@@ -294,9 +294,11 @@ def test_train_ends_with_the_ab_that_eval_gives(tiny_model_dir, tmp_path, capsys
     assert summary["samples"][1]["tuned"] == in_run["rows"][1]["tuned"]["generation"]
     assert {"python", "torch", "hivetune", "cpu"} <= set(summary["environment"])
 
+    # No --max-new-tokens: eval takes the run's (6), so it gives the run's answers.
     assert main(["eval", "--adapter", str(run), "--data", str(heldout), "--out", str(tmp_path / "again"),
-                 "--limit", "5", "--max-new-tokens", "6", *EVAL_ARGS[2:]]) == 0
+                 "--limit", "5", *EVAL_ARGS[2:]]) == 0
     again = json.loads((tmp_path / "again" / "eval.json").read_text())
+    assert again["max_new_tokens"] == 6
     for a, b in zip(in_run["rows"], again["rows"]):
         for side in ("base", "tuned"):
             assert a[side]["generation"] == b[side]["generation"]

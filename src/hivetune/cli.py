@@ -298,11 +298,12 @@ def add_eval_parser(sub) -> None:
     ev.add_argument("--model", default="", metavar="PATH",
                     help="base model (default: the one the adapter names, else the embedded model)")
     ev.add_argument("--data", default="", metavar="FILE", help="alpaca / chat JSONL (default: the shipped held-out set)")
-    ev.add_argument("--max-new-tokens", type=int, default=96)
+    ev.add_argument("--max-new-tokens", type=int, default=0,
+                    help="most tokens per answer (default: the run's max_new_tokens, else 96)")
     ev.add_argument("--limit", type=int, default=0, metavar="K", help="first K examples only (0: all)")
     ev.add_argument("--out", default="", metavar="DIR", help="folder for eval.json and eval.md (default: RUN/eval)")
     ev.add_argument("--force", action="store_true", help="overwrite an existing eval.json / eval.md")
-    ev.add_argument("--batch-size", type=int, default=48, help="most prompts generated together")
+    ev.add_argument("--batch-size", type=int, default=96, help="most prompts generated together")
     ev.add_argument("--max-length", type=int, default=1024, help="token limit for the loss (as in training)")
     ev.add_argument("--device", default="auto")
     ev.add_argument("--precision", default="auto")
