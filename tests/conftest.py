@@ -84,3 +84,23 @@ def ops_records(n: int) -> list[dict]:
 @pytest.fixture
 def alpaca_file(tmp_path) -> Path:
     return write_jsonl(tmp_path / "train.jsonl", ops_records(24))
+
+
+@pytest.fixture
+def lora_model_and_batch():
+    """GPU tests: (model, batch): 2 layers, hidden 256, LoRA r 8 on all 7 targets with weights ~ N(0, 0.02)
+    (B nonzero, so every gradient path carries signal), 6 generator examples packed in one row."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from hivetune.bench import qwen25_shape, random_model, workload_examples
+    from hivetune.data.batch import collate_packed
+    from hivetune.model.lora import LoRASpec, apply_lora, lora_parameters
+
+    model = random_model(qwen25_shape(4096, 256, 704, 2, 8, 2, True), "cuda", torch.bfloat16)
+    torch.manual_seed(0)
+    apply_lora(model, LoRASpec(r=8, alpha=16, dropout=0.0))
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.normal_(0, 0.02)
+    batch = collate_packed(workload_examples(6, 4096, cap=0, seed=1), pad_id=0).to("cuda")
+    return model, batch

@@ -8,26 +8,17 @@ import copy
 import pytest
 import torch
 
-from hivetune.bench import qwen25_shape, random_model, workload_examples
-from hivetune.data.batch import collate_packed
-from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_parameters
+from hivetune.model.lora import fuse_projections, lora_parameters
 from hivetune.ops import elementwise
 from hivetune.ops.loss import target_loss_sum
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_joined_projections_match_layer_by_layer():
-    args = qwen25_shape(4096, 256, 704, 2, 8, 2, True)
-    ref = random_model(args, "cuda", torch.bfloat16)
-    torch.manual_seed(0)
-    apply_lora(ref, LoRASpec(r=8, alpha=16, dropout=0.0))
-    with torch.no_grad():
-        for p in lora_parameters(ref):
-            p.normal_(0, 0.02)
+def test_joined_projections_match_layer_by_layer(lora_model_and_batch):
+    ref, batch = lora_model_and_batch
     fused = copy.deepcopy(ref)
     fuse_projections(fused)
-    batch = collate_packed(workload_examples(6, 4096, cap=0, seed=1), pad_id=0).to("cuda")
 
     def loss_and_grads(model):
         with torch.autocast("cuda", dtype=torch.bfloat16):

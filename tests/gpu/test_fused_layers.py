@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hivetune.bench import qwen25_shape, random_model, workload_examples
-from hivetune.data.batch import collate_packed
-from hivetune.model.lora import LoRASpec, apply_lora, lora_parameters
+from hivetune.model.lora import lora_parameters
 from hivetune.ops import elementwise
 from hivetune.ops.loss import target_loss_sum
 
@@ -16,15 +14,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or elementwise.tri
                                 reason="needs a CUDA GPU with Triton")
 
 
-def test_decoder_fused_layers_match_references(monkeypatch):
-    args = qwen25_shape(4096, 256, 704, 2, 8, 2, True)
-    model = random_model(args, "cuda", torch.bfloat16)
-    torch.manual_seed(0)
-    apply_lora(model, LoRASpec(r=8, alpha=16, dropout=0.0))
-    with torch.no_grad():
-        for p in lora_parameters(model):
-            p.normal_(0, 0.02)
-    batch = collate_packed(workload_examples(6, 4096, cap=0, seed=1), pad_id=0).to("cuda")
+def test_decoder_fused_layers_match_references(monkeypatch, lora_model_and_batch):
+    model, batch = lora_model_and_batch
 
     def loss_and_grads():
         for p in lora_parameters(model):

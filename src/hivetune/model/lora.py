@@ -102,6 +102,15 @@ def add_low_rank(y: torch.Tensor, a: torch.Tensor, b_weight: torch.Tensor) -> to
     return out.view(y.shape)
 
 
+def shares_one_update(lora: list[LoRALinear], layers) -> bool:
+    """Whether the enabled LoRA layers `lora` are all of `layers` and alike (rank, scale, the
+    dropout in force), so one dropout draw and one A matmul can serve the group."""
+    first = lora[0]
+    return len(lora) == len(layers) and all(
+        m.scaling == first.scaling and m.lora_A.out_features == first.lora_A.out_features
+        and m.dropout_p() == first.dropout_p() for m in lora)
+
+
 def project_shared_input(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
     """Apply layers that all read x (q/k/v, or gate/up), drawing one LoRA dropout mask for all.
 
@@ -110,13 +119,9 @@ def project_shared_input(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tens
     sets: on the CPU, drawing masks costs more than the LoRA matmuls themselves.
     """
     lora = [m for m in layers if isinstance(m, LoRALinear) and m.enabled]
-    if len(lora) < 2 or len(lora) != len(layers):
+    if len(lora) < 2 or not shares_one_update(lora, layers):
         return [m(x) for m in layers]
     first = lora[0]
-    if any(m.scaling != first.scaling or m.lora_A.out_features != first.lora_A.out_features
-           or type(m.lora_dropout) is not type(first.lora_dropout)
-           or getattr(m.lora_dropout, "p", 0.0) != getattr(first.lora_dropout, "p", 0.0) for m in lora):
-        return [m(x) for m in layers]
     # One A for all: x @ [A_q; A_k; A_v]^T is one [T, 3r] matmul instead of three [T, r] ones
     # (forward and backward), then each B adds its own update onto its base output.
     dropped = first.lora_dropout(x).to(first._compute_dtype(x))
@@ -156,11 +161,9 @@ class FusedProjections:
         lora = [m for m in self.layers if isinstance(m, LoRALinear) and m.enabled]
         if not lora:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        first = lora[0]
-        if len(lora) != len(self.layers) or any(
-                m.scaling != first.scaling or m.lora_A.out_features != first.lora_A.out_features
-                or m.dropout_p() != first.dropout_p() for m in lora):
+        if not shares_one_update(lora, self.layers):
             return None
+        first = lora[0]
         return lora_group(x, self.weight, self.bias, self.sizes, first.dropout_p(), first.scaling,
                           [m.lora_A.weight for m in lora], [m.lora_B.weight for m in lora])
 
