@@ -312,6 +312,9 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
 
     step = done = run.start_step  # resumed from a checkpoint of the last step: no step runs
     run.sink = MetricsSink(run.folder, tensorboard=cfg.tensorboard) if parallel.is_main else None
+    # CUDA with fused AdamW: a non-finite step is skipped by the optimizer kernel itself (its
+    # found_inf input), so no step waits for the GPU; the host reads what happened in batches.
+    ledger = StepLedger(deferred=defer_steps(run))
     with _stop_signals() as stop, (run.sink or nullcontext()):
         while step < len(run.steps):
             example_ids = run.steps[step]
@@ -321,7 +324,8 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
                                                      counters)
             # One collective per step: loss and tokens summed over ranks, and whether any rank
             # got SIGINT / SIGTERM (all ranks must stop at the same step).
-            step_loss, step_tokens, signalled = reduce_step(parallel, step_loss, step_tokens, stop.signum)
+            step_loss, step_tokens, signal_flag = reduce_step(parallel, step_loss, step_tokens, stop.signum,
+                                                         sum(run.data.lengths[i] for i in example_ids))
 
             if run.scaler:
                 run.scaler.unscale_(run.optimizer)
@@ -338,15 +342,14 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
             finite = torch.isfinite(step_loss)
             if not run.scaler:
                 finite &= torch.isfinite(grad_norm)
-            if bool(finite):  # one host sync per step
+            if ledger.deferred:
+                run.optimizer.found_inf = (~finite).float()  # the fused kernel leaves everything as it was
+                run.optimizer.step()
+            elif bool(finite):  # one host sync per step
                 if run.scaler:
                     run.scaler.step(run.optimizer)
                 else:
                     run.optimizer.step()
-                counters["bad_in_a_row"] = 0
-            else:
-                counters["skipped_steps"] += 1
-                counters["bad_in_a_row"] += 1
             if run.scaler:
                 run.scaler.update()
             with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()" after a skip
@@ -358,36 +361,45 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
             tokens_done += step_tokens
             tokens_since_log += step_tokens
             samples_since_log += len(example_ids)
+            record = None
             if done % cfg.log_every == 0 or done == len(run.steps):
-                loss_value = float(step_loss)
-                counters["last_loss"] = loss_value
                 now = time.perf_counter()
                 elapsed = max(now - t_log, 1e-9)
                 record = {
                     "step": done,
                     "epoch": round(done * len(example_ids) / run.train_examples, 4),
-                    "loss": loss_value if math.isfinite(loss_value) else None,
+                    "loss": step_loss,  # tensors until the ledger reads them
                     "lr": lr,
-                    "grad_norm": round(float(grad_norm), 6) if math.isfinite(float(grad_norm)) else None,
+                    "grad_norm": grad_norm,
                     "tokens_per_s": round(tokens_since_log / elapsed, 1),
                     "samples_per_s": round(samples_since_log / elapsed, 3),
                     "peak_memory_bytes": peak_memory_bytes(device),
                     "elapsed_s": round(now - t_start, 3),
-                    "skipped_steps": counters["skipped_steps"],
                 }
-                write_metrics(run, record)
-                if math.isfinite(loss_value):
-                    loss_ema = loss_value if loss_ema is None else 0.9 * loss_ema + 0.1 * loss_value
-                bar.update(done, loss_ema if loss_ema is not None else loss_value, record["tokens_per_s"])
                 t_log, tokens_since_log, samples_since_log = now, 0, 0
-            if counters["bad_in_a_row"] >= cfg.max_bad_steps:
+            ledger.add(done, finite, record, signal_flag)
+            validate = run.val is not None and (done == len(run.steps) or (cfg.eval_every and done % cfg.eval_every == 0))
+            save_now = bool(cfg.save_every) and (done % cfg.save_every == 0 or done == len(run.steps))
+            if not ledger.due(validate or save_now or done == len(run.steps) or done == stop_after or signal_flag is True):
+                step = done
+                continue
+            records, bad_run_end, signalled = ledger.read(counters, cfg.max_bad_steps)
+            for record in records:
+                loss_value = record["loss"]
+                counters["last_loss"] = loss_value if loss_value is not None else float("nan")
+                write_metrics(run, record)
+                if loss_value is not None:
+                    loss_ema = loss_value if loss_ema is None else 0.9 * loss_ema + 0.1 * loss_value
+                bar.update(record["step"], loss_ema if loss_ema is not None else counters["last_loss"],
+                           record["tokens_per_s"])
+            if bad_run_end:
                 step = roll_back(run, done, counters, bar)  # or raise UserError
                 continue
             stop_early = False
-            if run.val is not None and (done == len(run.steps) or (cfg.eval_every and done % cfg.eval_every == 0)):
+            if validate:
                 write_metrics(run, validate_step(run, done, counters))
                 stop_early = 0 < cfg.early_stopping_patience <= counters["evals_since_best"]
-            if signalled or (cfg.save_every and (done % cfg.save_every == 0 or done == len(run.steps) or stop_early)):
+            if signalled or (cfg.save_every and (save_now or stop_early)):
                 save_all_ranks(run, done, counters)
             if signalled or done == stop_after:
                 bar.close()
@@ -472,14 +484,80 @@ def planner_hint(run: Run) -> str:
         return f"`hivetune plan` predicts what fits (no plan here: {type(e).__name__}); "
 
 
-def reduce_step(parallel: distributed.Dist, step_loss: torch.Tensor, step_tokens: int, signum):
-    """(loss summed over ranks, tokens summed over ranks, whether any rank was signalled)."""
+def reduce_step(parallel: distributed.Dist, step_loss: torch.Tensor, step_tokens: int, signum, all_tokens: int):
+    """(loss summed over ranks, tokens of the whole step, whether any rank was signalled: a bool,
+    or under torchrun a device tensor that the ledger reads). `all_tokens`: the step's tokens
+    counted on the host from the data's lengths (every rank knows them)."""
     if not parallel.enabled:
         return step_loss, step_tokens, bool(signum)
-    stats = torch.stack([step_loss.float(), step_loss.new_tensor(float(step_tokens)),
-                         step_loss.new_tensor(1.0 if signum else 0.0)])
+    stats = torch.stack([step_loss.float(), step_loss.new_tensor(1.0 if signum else 0.0)])
     distributed.sum_across(parallel, stats)
-    return stats[0], int(stats[1]), bool(stats[2] > 0)
+    return stats[0], all_tokens, stats[1] > 0
+
+
+def defer_steps(run: Run) -> bool:
+    """Whether the loop reads its steps' outcomes in batches (StepLedger): on CUDA with fused
+    AdamW and no grad scaler."""
+    return run.device.type == "cuda" and not run.scaler and bool(run.optimizer.defaults.get("fused"))
+
+
+class StepLedger:
+    """What the host learns of each finished step (finite or skipped, its log record, whether a
+    rank was signalled), read from the device in one batch.
+
+    Without deferral (CPU, fp16's scaler, foreach AdamW) every step is read at once, as before.
+    Deferred (CUDA + fused AdamW, where the optimizer kernel skips a non-finite step on its own)
+    the host reads every FLUSH_STEPS steps and at each validation, checkpoint, stop and the last
+    step: between reads the host runs ahead of the GPU (W1's steps are ~25 ms; a sync each step
+    left the GPU idle ~5 ms of each while the host prepared the next). The read replays the
+    counters step by step, so skipped_steps, bad_in_a_row and the logged records are what the
+    per-step reads gave; a rollback (max_bad_steps in a row) starts at the read that sees it.
+    Reads happen at the same steps on every rank (step counts, never time), so under torchrun
+    all ranks stop at the same step.
+    """
+
+    FLUSH_STEPS = 16
+
+    def __init__(self, deferred: bool):
+        self.deferred = deferred
+        self.pending: list[tuple[int, object, dict | None, object]] = []
+
+    def add(self, step: int, finite, record: dict | None, signal) -> None:
+        self.pending.append((step, finite, record, signal))
+
+    def due(self, forced: bool) -> bool:
+        return not self.deferred or forced or len(self.pending) >= self.FLUSH_STEPS
+
+    def read(self, counters: dict, max_bad_steps: int) -> tuple[list[dict], bool, bool]:
+        """(the log records with numbers, whether max_bad_steps non-finite steps came in a row,
+        whether a rank was signalled at the newest step); counters updated in step order."""
+        values = []
+        for _, finite, record, _ in self.pending:
+            values.append(finite)
+            if record is not None:
+                values += [record["loss"], record["grad_norm"]]
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        signal = self.pending[-1][3]
+        if isinstance(signal, torch.Tensor):
+            tensors.append(signal)
+        host = iter(torch.stack([t.float().reshape(()) for t in tensors]).tolist() if tensors else [])
+        read = (lambda v: float(next(host)) if isinstance(v, torch.Tensor) else float(v))
+        records, bad_run = [], False
+        for _, finite, record, _ in self.pending:
+            if read(finite):
+                counters["bad_in_a_row"] = 0
+            else:
+                counters["skipped_steps"] += 1
+                counters["bad_in_a_row"] += 1
+                bad_run = bad_run or counters["bad_in_a_row"] >= max_bad_steps
+            if record is not None:
+                loss, norm = read(record["loss"]), read(record["grad_norm"])
+                records.append({**record, "loss": loss if math.isfinite(loss) else None,
+                                "grad_norm": round(norm, 6) if math.isfinite(norm) else None,
+                                "skipped_steps": counters["skipped_steps"]})
+        signalled = bool(read(signal)) if isinstance(signal, torch.Tensor) else bool(signal)
+        self.pending = []
+        return records, bad_run, signalled
 
 
 def write_metrics(run: Run, record: dict) -> None:

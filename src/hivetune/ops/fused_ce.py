@@ -11,11 +11,79 @@ Computing dh right away lets each chunk's [c, V] logits be freed before the next
 peak memory holds one chunk of logits (chunk_bytes, 256 MiB by default) instead of all N x V
 of them plus their softmax and gradient (for W1: 1,200 targets x 151,936 vocab x ~10 bytes =
 1.8 GB per micro-batch). The reference path is ``hivetune.ops.loss.target_loss_sum``.
+
+On GPUs with Triton each chunk's softmax and gradient are one kernel (``_ce_rows``): it reads the
+bf16 logits that the matmul wrote, finds each row's log-sum-exp in fp32, and writes the
+gradient (softmax - onehot) back over the logits in place; the next matmul turns it into dh.
+The plain-PyTorch chunk (the CPU path and the oracle) runs about 15 kernels over fp32 copies:
+on W1 the CE was ~3 ms of a ~20 ms step, and its three fp32 copies of a chunk were at the peak
+of memory. So a chunk is sized by its compute-dtype logits: ``chunk_rows_for(vocab, bytes_per)``.
 """
 
 from __future__ import annotations
 
 import torch
+
+try:  # Triton is optional: CPUs and GPUs without it take the PyTorch chunk
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+CE_BLOCK = 4096  # vocabulary columns per step of the kernel's two passes over a row
+
+if triton is not None:
+
+    @triton.jit
+    def _ce_rows(LOGITS, TARGETS, LOSS, stride, V, ignore, BLOCK: tl.constexpr):
+        """One row per program: LOSS[row] = lse - logit[target] (0 for ignored rows), and the row
+        overwritten with d loss / d logits = softmax - onehot(target) (zeros when ignored)."""
+        row = tl.program_id(0)
+        base = LOGITS + row.to(tl.int64) * stride
+        t = tl.load(TARGETS + row)
+        m = tl.full((BLOCK,), -1e30, tl.float32)  # per-lane running max and sum of exp
+        s = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            new_m = tl.maximum(m, x)
+            s = s * tl.exp(m - new_m) + tl.exp(x - new_m)
+            m = new_m
+        row_max = tl.max(m, 0)
+        lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), 0))
+        keep = t != ignore
+        tt = tl.where(keep, t, 0)
+        x_t = tl.load(base + tt).to(tl.float32)
+        tl.store(LOSS + row, tl.where(keep, lse - x_t, 0.0))
+        w = tl.where(keep, 1.0, 0.0)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
+            p = tl.exp(x - lse) - tl.where(cols == tt, 1.0, 0.0)
+            tl.store(base + cols, (p * w).to(LOGITS.dtype.element_ty), mask=cols < V)
+
+
+def triton_ce_ok(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the chunks take the Triton kernel (a CUDA bf16 / fp16 head with Triton installed)."""
+    from hivetune.ops.elementwise import fused_ok
+
+    return triton is not None and weight.dtype in (torch.bfloat16, torch.float16) and fused_ok(weight) \
+        and rows.is_cuda
+
+
+def _triton_chunks(h_all, weight, targets, chunk_rows, ignore_index, grad_rows):
+    """The chunk loop with one Triton kernel per chunk for the softmax and its gradient."""
+    row_loss = torch.empty(h_all.shape[0], dtype=torch.float32, device=h_all.device)
+    vocab = weight.shape[0]
+    ignore = -1 if ignore_index is None else int(ignore_index)  # target ids are never negative
+    for start in range(0, h_all.shape[0], chunk_rows):
+        h = h_all[start:start + chunk_rows]
+        logits = h @ weight.t()  # [c, V] in the compute dtype; the kernel turns it into the gradient
+        _ce_rows[(h.shape[0],)](logits, targets[start:start + chunk_rows], row_loss[start:],
+                                logits.stride(0), vocab, ignore, BLOCK=CE_BLOCK, num_warps=8)
+        if grad_rows is not None:
+            torch.mm(logits, weight, out=grad_rows[start:start + chunk_rows])
+    return row_loss.sum()
 
 
 class FusedLinearCrossEntropy(torch.autograd.Function):
@@ -23,6 +91,13 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int,
                 ignore_index: int | None = None):
         compute_dtype = weight.dtype
+        grad_rows = torch.empty(rows.shape, dtype=compute_dtype, device=rows.device) if ctx.needs_input_grad[0] else None
+        ctx.rows_dtype = rows.dtype
+        if triton_ce_ok(rows, weight):
+            with torch.autocast(rows.device.type, enabled=False):
+                total = _triton_chunks(rows.to(compute_dtype), weight, targets, chunk_rows, ignore_index, grad_rows)
+            ctx.save_for_backward(grad_rows)
+            return total
         # Rows whose target is ignore_index (padding of a CUDA-graph bucket) add no loss and no
         # gradient; they go through the head as target 0 and are masked after.
         keep = None
@@ -30,7 +105,6 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             keep = targets != ignore_index
             targets = torch.where(keep, targets, 0)
         total = torch.zeros((), dtype=torch.float32, device=rows.device)
-        grad_rows = torch.empty(rows.shape, dtype=compute_dtype, device=rows.device) if ctx.needs_input_grad[0] else None
         with torch.autocast(rows.device.type, enabled=False):
             h_all = rows.to(compute_dtype)
             for start in range(0, rows.shape[0], chunk_rows):
@@ -47,7 +121,6 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                     g = probs.to(compute_dtype) @ weight
                     grad_rows[start:start + chunk_rows] = g if k is None else g * k[:, None]
         ctx.save_for_backward(grad_rows)
-        ctx.rows_dtype = rows.dtype
         return total
 
     @staticmethod
@@ -58,9 +131,10 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         return (grad_rows * grad_total).to(ctx.rows_dtype), None, None, None, None
 
 
-def chunk_rows_for(vocab: int, chunk_bytes: int = 256 << 20) -> int:
-    """Rows per chunk so that one chunk's fp32 logits take at most chunk_bytes."""
-    return max(1, chunk_bytes // (vocab * 4))
+def chunk_rows_for(vocab: int, chunk_bytes: int = 256 << 20, bytes_per_logit: int = 4) -> int:
+    """Rows per chunk so that one chunk's logits take at most chunk_bytes (fp32 logits in the
+    PyTorch chunk; the Triton kernel's are the head's dtype, 2 bytes)."""
+    return max(1, chunk_bytes // (vocab * bytes_per_logit))
 
 
 def fused_target_loss_sum(hidden: torch.Tensor, lm_head_weight: torch.Tensor, target_index: torch.Tensor,
@@ -74,5 +148,6 @@ def fused_target_loss_sum(hidden: torch.Tensor, lm_head_weight: torch.Tensor, ta
     if lm_head_weight.requires_grad:
         raise ValueError("fused_target_loss_sum needs a frozen LM head; use target_loss_sum")
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, target_index)
+    per = lm_head_weight.element_size() if triton_ce_ok(rows, lm_head_weight) else 4
     return FusedLinearCrossEntropy.apply(rows, lm_head_weight, target_ids,
-                                         chunk_rows_for(lm_head_weight.shape[0], chunk_bytes), ignore_index)
+                                         chunk_rows_for(lm_head_weight.shape[0], chunk_bytes, per), ignore_index)

@@ -30,9 +30,10 @@ The first layer's input norm saves nothing (no gradient flows into the frozen em
 do the layer-by-layer q/k/v their dropout masks (lora_group's Function saves its mask anyway).
 With gradient checkpointing a layer keeps only its input (s h per token) and one layer is
 recomputed in backward (with lora_group, one layer's casts too). The fused LM-head loss keeps
-d loss/d hidden for the N target rows (N h s); inside it, a chunk of fp32 logits (256 MiB) is
-alive with two temporaries of its size (logsumexp's x - max and exp of that): 768 MiB for a
-152k vocabulary.
+d loss/d hidden for the N target rows (N h s); inside it, the PyTorch chunk (CPU, fp32, no
+Triton) holds a chunk of fp32 logits (256 MiB) with two temporaries of its size (logsumexp's
+x - max and exp of that): 768 MiB for a 152k vocabulary. The Triton chunk (fused_layers) holds
+only its logits in the compute dtype, 256 MiB, turned into their gradient in place.
 
 Peaks (measured on an H200, bench/results/plan-grid-*.json): without checkpointing at the loss,
 everything saved + the chunk buffers; the backward pass adds less (about 1.7 s I per token).
@@ -57,7 +58,7 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
 # shapes in bf16 and fp32. A checkpointed layer's forward holds FORWARD_I of them.
 BACKWARD_I = 1.75
 FORWARD_I = 4.0
-LOSS_CHUNK_COPIES = 3  # fp32 logits chunk, x - max, exp(x - max) inside torch.logsumexp
+LOSS_CHUNK_COPIES = 3  # PyTorch chunk: fp32 logits chunk, x - max, exp(x - max) inside torch.logsumexp
 # cuBLAS / cuBLASLt workspaces and the allocator's 2 MiB pages (expandable segments).
 ALLOCATOR_SLACK_BYTES = 96 * MIB
 ALLOCATOR_SLACK_FRACTION = 0.02
@@ -255,8 +256,9 @@ def breakdown(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | Non
         recompute = 0
     parts["activations"] = int(kept + (rope + final_norm) * tokens + loss_saved)
     hidden = s * h * tokens  # fit's `hidden` (final norm output) lives through backward
-    chunk = min(n, chunk_rows_for(args.vocab_size)) if mc.fused_loss else 0
-    loss_transient = hidden + n * h * s + LOSS_CHUNK_COPIES * 4 * chunk * args.vocab_size
+    copies, per_logit = (1, s) if mc.fused_layers else (LOSS_CHUNK_COPIES, 4)  # Triton chunk, or PyTorch's
+    chunk = min(n, chunk_rows_for(args.vocab_size, bytes_per_logit=per_logit)) if mc.fused_loss else 0
+    loss_transient = hidden + n * h * s + copies * per_logit * chunk * args.vocab_size
     if not mc.fused_loss:
         loss_transient = hidden + min(n, 4096) * args.vocab_size * (2 + 4)
     if mc.gradient_checkpointing:  # a layer's forward under checkpoint: its MLP intermediates
