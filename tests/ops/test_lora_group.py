@@ -2,6 +2,7 @@
 LoRALinear reference: outputs and every gradient, fp32 on the CPU, with and without dropout,
 biases (Qwen2 q/k/v) and single layers (o / down)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -118,3 +119,37 @@ def test_mm_fp32():
     a, b = torch.randn(5, 7), torch.randn(7, 3)
     assert torch.equal(lg.mm_fp32(a, b), a @ b)
     assert lg.mm_fp32(a.bfloat16(), b.bfloat16()).dtype == torch.float32
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_cast_cache_equals_per_call_casts_and_follows_updates(monkeypatch, autocast):
+    """CausalLM.forward refreshes the model's CastCache: every group call takes its A_all / Bd
+    from it, the results equal the per-call casts bit for bit, and an in-place update of the
+    LoRA weights (an optimizer step) is in the next forward's casts."""
+    import hivetune.ops.lora_group as lg
+
+    model = with_lora(tiny("qwen2", True), 0.0)
+    fuse_projections(model)
+    casts = model.lora_casts
+    assert sorted((k.n, k.layers) for k in casts.kinds) == [(1, 2), (1, 2), (2, 2), (3, 2)]
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(2))
+    hits = []
+    real_lookup = lg.CastCache.lookup
+    monkeypatch.setattr(lg.CastCache, "lookup", lambda self, *a: hits.append(real_lookup(self, *a)) or hits[-1])
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    results = []
+    for step in range(2):
+        for cached in (True, False):
+            model.lora_casts = casts if cached else None
+            hits.clear()
+            with ctx:
+                results.append(loss_and_grads(model, ids))
+            assert len(hits) == (8 if cached else 0) and all(h is not None for h in hits)
+        with torch.no_grad():  # an optimizer step: in place
+            for p in lora_parameters(model):
+                p.add_(0.01)
+    (l0, g0), (l0r, g0r), (l1, g1), (l1r, g1r) = results
+    assert torch.equal(l0, l0r) and torch.equal(l1, l1r) and not torch.equal(l0, l1)
+    for name in g0:
+        assert torch.equal(g0[name], g0r[name]) and torch.equal(g1[name], g1r[name]), name
+    assert casts.kinds[0].a_buf.dtype == (torch.bfloat16 if autocast else torch.float32)

@@ -9,6 +9,7 @@ that carry a loss (see ``hivetune.ops.loss``).
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -165,11 +166,15 @@ class CausalLM(nn.Module):
         # Under autocast the layer outputs are in the autocast dtype, so RoPE tables follow it.
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, dtype)
-        for layer in self.model.layers:
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, layout, None, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, layout, cache)
+        casts = getattr(self, "lora_casts", None)  # lora.fuse_projections: the LoRA casts, one refresh
+        if casts is None or not self.training or not torch.is_grad_enabled() or self.gradient_checkpointing:
+            casts = None  # (a checkpointed layer's recompute runs outside this forward: it casts its own)
+        with casts.fresh(dtype) if casts is not None else nullcontext():
+            for layer in self.model.layers:
+                if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                    x = checkpoint(layer, x, cos, sin, layout, None, use_reentrant=False)
+                else:
+                    x = layer(x, cos, sin, layout, cache)
         if cache is not None:
             cache.length += input_ids.shape[1]
         return self.model.norm(x)

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from hivetune.errors import UserError
-from hivetune.ops.lora_group import lora_group
+from hivetune.ops.lora_group import CastCache, lora_group
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_CONFIG = "adapter_config.json"
@@ -173,14 +173,22 @@ def fuse_projections(model: nn.Module) -> int:
     layer through ops.lora_group. For training on one device or under DDP, after the model is on
     its device (``.to()`` would split the views again); not for FSDP-sharded parameters.
     Returns the number of groups joined."""
-    groups = 0
+    groups, calls, joined = 0, [], set()
     for layer in getattr(getattr(model, "model", None), "layers", []):
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv = FusedProjections([attn.q_proj, attn.k_proj, attn.v_proj])
         mlp.gate_up = FusedProjections([mlp.gate_proj, mlp.up_proj])
         groups += 2
+        for fused in (attn.qkv, mlp.gate_up):
+            if all(isinstance(m, LoRALinear) for m in fused.layers):
+                calls.append(([m.lora_A.weight for m in fused.layers], [m.lora_B.weight for m in fused.layers],
+                              fused.sizes))
+                joined.update(id(m) for m in fused.layers)
     for _, m in lora_modules(model):
         m.fused = True
+        if id(m) not in joined:
+            calls.append(([m.lora_A.weight], [m.lora_B.weight], (m.out_features,)))
+    model.lora_casts = CastCache(calls) if calls else None  # refreshed by CausalLM.forward
     return groups
 
 

@@ -28,12 +28,99 @@ so that is its step time; on W2 (7B) the saved casts and adds are ~10% of the st
 
 Memory: saves xd (x itself when there is no dropout), the dropout mask (bool), xa [N, n r] and
 the bf16 casts of A and Bd, as the reference path does; x is not needed (W is frozen).
+
+A_all and Bd themselves come from a ``CastCache`` when the model's forward refreshed one
+(``lora.fuse_projections`` builds it, ``CausalLM.forward`` refreshes it): every layer's A_all
+and Bd of one group kind (q/k/v, o, gate/up, down) live in one buffer, written by two or three
+kernels for the whole model, instead of ~9 cast / fill / copy kernels per layer and group (on
+W1, ~500 of a step's ~2,400 kernels). Without a fresh cache (a layer called alone, a
+checkpointed layer's recompute) the Function builds them itself, as before.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
+
+_ACTIVE: "CastCache | None" = None  # the cache refreshed by the model forward now running
+
+
+class _Kind:
+    """One group kind across L layers: A_1..A_n and B_1..B_n of each, same shapes in every layer."""
+
+    def __init__(self, groups: list[tuple[list, list]], sizes: tuple[int, ...]):
+        self.a = [a for a_params, _ in groups for a in a_params]  # layer-major, then A_1..A_n
+        self.b = [b for _, b_params in groups for b in b_params]
+        self.sizes, self.layers, self.n = sizes, len(groups), len(sizes)
+        self.r, self.d = groups[0][0][0].shape
+        self.dtype = None
+
+    def refresh(self, dtype: torch.dtype) -> None:
+        L, n, r, d, rows = self.layers, self.n, self.r, self.d, sum(self.sizes)
+        if self.dtype != dtype:
+            device = self.a[0].device
+            self.a_buf = torch.empty((L, n * r, d), dtype=dtype, device=device)
+            self.bd_buf = torch.empty((L, rows, n * r), dtype=dtype, device=device)
+            if n > 1:
+                self.b_tmp = torch.empty((L, rows, r), dtype=self.b[0].dtype, device=device)
+                onehot = torch.zeros((rows, n), dtype=self.b[0].dtype, device=device)
+                row = 0
+                for i, size in enumerate(self.sizes):
+                    onehot[row:row + size, i] = 1
+                    row += size
+                self.onehot = onehot
+            self.dtype = dtype
+        torch.cat(self.a, out=self.a_buf.view(-1, d))  # cast on the way
+        if n == 1:
+            torch.cat(self.b, out=self.bd_buf.view(-1, r))
+        else:  # Bd [rows, n r] of every layer at once: B_i's rows in column block i, zeros elsewhere
+            torch.cat(self.b, out=self.b_tmp.view(-1, r))
+            torch.mul(self.b_tmp[:, :, None, :], self.onehot[None, :, :, None], out=self.bd_buf.view(L, rows, n, r))
+
+
+class CastCache:
+    """Compute-dtype A_all and block-diagonal B of every joined LoRA group of a model, refreshed
+    once per model forward (see the module doc). ``groups``: (A params, B params, sizes) per
+    group call, in layer order; groups of the same shapes form one kind (one buffer)."""
+
+    def __init__(self, groups: list[tuple[list, list, tuple[int, ...]]]):
+        by_shape: dict[tuple, list] = {}
+        for a_params, b_params, sizes in groups:
+            key = (tuple(sizes), tuple(a_params[0].shape), a_params[0].dtype, b_params[0].dtype)
+            by_shape.setdefault(key, []).append((list(a_params), list(b_params)))
+        self.kinds = [_Kind(g, key[0]) for key, g in by_shape.items()]
+        self.slots: dict[int, tuple] = {}  # id(first A) -> (A params, B params, kind, layer index)
+        for kind in self.kinds:
+            for layer in range(kind.layers):
+                a = tuple(kind.a[layer * kind.n:(layer + 1) * kind.n])
+                b = tuple(kind.b[layer * kind.n:(layer + 1) * kind.n])
+                self.slots[id(a[0])] = (a, b, kind, layer)
+        self.dtype = None
+
+    @contextmanager
+    def fresh(self, dtype: torch.dtype):
+        """Refresh every kind in `dtype`; lora_group uses the buffers until the block ends."""
+        global _ACTIVE
+        with torch.no_grad():
+            for kind in self.kinds:
+                kind.refresh(dtype)
+        self.dtype, previous, _ACTIVE = dtype, _ACTIVE, self
+        try:
+            yield
+        finally:
+            _ACTIVE = previous
+
+    def lookup(self, a_params, b_params, dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A_all, Bd) of this group call, or None when it is not the cached group in `dtype`."""
+        slot = self.slots.get(id(a_params[0]))
+        if slot is None or dtype != self.dtype or len(a_params) != len(slot[0]):
+            return None
+        a, b, kind, layer = slot
+        if any(x is not y for x, y in zip(a, a_params)) or any(x is not y for x, y in zip(b, b_params)):
+            return None
+        return kind.a_buf[layer], kind.bd_buf[layer]
 
 
 def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -55,18 +142,11 @@ class LoRAGroup(torch.autograd.Function):
         a_params, b_params = lora[:n], lora[n:]
         r = a_params[0].shape[0]
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        cached = _ACTIVE.lookup(a_params, b_params, dtype) if _ACTIVE is not None else None
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
             w = weight.to(dtype)
-            a_all = torch.cat(a_params, out=x2.new_empty((n * r, x2.shape[1])))  # cast on the way
-            if n == 1:
-                bd = b_params[0].to(dtype)
-            else:
-                bd = x2.new_zeros((weight.shape[0], n * r))
-                row = 0
-                for i, b in enumerate(b_params):
-                    bd[row:row + sizes[i], i * r:(i + 1) * r] = b
-                    row += sizes[i]
+            a_all, bd = cached if cached is not None else _casts(x2, weight, sizes, a_params, b_params, dtype)
             mask = None
             if p > 0:
                 xd, mask = torch.native_dropout(x2, p, True)
@@ -106,6 +186,20 @@ class LoRAGroup(torch.autograd.Function):
                 grads_b.append(mm_fp32(g[:, row:row + size].t(), xa[:, i * r:(i + 1) * r]))
                 row += size
         return (grad_x, None, None, None, None, None, *grads_a, *grads_b)
+
+
+def _casts(x2, weight, sizes, a_params, b_params, dtype):
+    """A_all and Bd built for this call alone (no fresh CastCache)."""
+    n, r = len(sizes), a_params[0].shape[0]
+    a_all = torch.cat(a_params, out=x2.new_empty((n * r, x2.shape[1])))  # cast on the way
+    if n == 1:
+        return a_all, b_params[0].to(dtype)
+    bd = x2.new_zeros((weight.shape[0], n * r))
+    row = 0
+    for i, b in enumerate(b_params):
+        bd[row:row + sizes[i], i * r:(i + 1) * r] = b
+        row += sizes[i]
+    return a_all, bd
 
 
 def masked_add_(out: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, keep: float) -> None:
