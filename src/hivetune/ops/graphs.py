@@ -48,7 +48,7 @@ MAX_GRAPHS = 48  # keys beyond this many run eagerly
 # graphs against 21.4 s eager (capture time, padding) and 65 against 40 GiB reserved. With 8
 # examples (~46 TFLOP; W2 on 2 GPUs, or 2 x 8 on one) the eager step is dispatch-bound: 6,463
 # against ~13,700 tokens/s with 16 (H100, faae9e6).
-MAX_TFLOP_PER_MICRO_BATCH = 60.0
+MAX_TFLOP_PER_MICRO_BATCH = float(os.environ.get("HIVETUNE_GRAPH_MAX_TFLOP", 60.0))  # env: experiments
 
 last_stats: dict = {}  # the most recent GraphedForwardBackward's counters (read by the benchmark)
 last_graphed = None  # the most recent one, kept only with HIVETUNE_GRAPH_TIMING=1 (profiling)
