@@ -71,12 +71,16 @@ class _Kind:
                     onehot[row:row + size, i] = 1
                     row += size
                 self.onehot = onehot
+            # Destinations with each source's shape and strides: torch._foreach_copy_ then casts
+            # them all in a few multi-tensor kernels (torch.cat into another dtype copies one by one).
+            self.a_views = list(self.a_buf.view(L * n, r, d).unbind(0))
+            self.b_views = list(self.bd_buf.unbind(0)) if n == 1 else None
             self.dtype = dtype
-        torch.cat(self.a, out=self.a_buf.view(-1, d))  # cast on the way
+        torch._foreach_copy_(self.a_views, self.a)
         if n == 1:
-            torch.cat(self.b, out=self.bd_buf.view(-1, r))
+            torch._foreach_copy_(self.b_views, self.b)
         else:  # Bd [rows, n r] of every layer at once: B_i's rows in column block i, zeros elsewhere
-            torch.cat(self.b, out=self.b_tmp.view(-1, r))
+            torch.cat(self.b, out=self.b_tmp.view(-1, r))  # same dtype: batched copies
             torch.mul(self.b_tmp[:, :, None, :], self.onehot[None, :, :, None], out=self.bd_buf.view(L, rows, n, r))
 
 
