@@ -30,6 +30,7 @@ from hivetune.bench import (WORKLOADS, environment, git_commit, init_like_hf, qw
 from hivetune.config import load_config
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.model.decoder import CausalLM
+from hivetune.ops import graphs
 from hivetune.train import assemble, fit
 
 QWEN25_14B = qwen25_shape(152064, 5120, 13824, 48, 40, 8, False)
@@ -95,7 +96,7 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
            "peak_allocated_gib_per_gpu": [round(a / 2**30, 2) for a, _ in peaks],
            "peak_reserved_gib_per_gpu": [round(r / 2**30, 2) for _, r in peaks],
            "final_loss": result.final_loss, "losses_logged": losses,
-           "params_billion": round(n_params / 1e9, 3)}
+           "params_billion": round(n_params / 1e9, 3), "cuda_graphs": dict(graphs.last_stats)}
     distributed.shutdown(parallel)
     return out
 

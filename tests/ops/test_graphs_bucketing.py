@@ -143,3 +143,18 @@ def test_planned_keys_are_the_keys_the_loop_meets(tmp_path):
     met = {batch_key(b, 32) for step in run.steps for b in micro_batches(run, step)}
     assert planned_keys(run, 32) == sorted(met)
     assert len(met) > 2
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_planned_keys_under_ddp_are_the_rank_shares(tmp_path, rank):
+    """Under torchrun each rank meets the micro-batches of its token-balanced share of a step:
+    those are the keys to capture up front (not the step cut in order)."""
+    from hivetune.distributed import Dist
+
+    run = tiny_run(tmp_path, cap=0, batch_size=3, grad_accum=2, max_steps=5)
+    run.parallel = Dist(rank, 2, rank)
+    lengths = run.data.lengths
+    met = {batch_key(b, 32) for step in run.steps for b in micro_batches(run, run.parallel.shard(step, lengths))}
+    assert planned_keys(run, 32) == sorted(met)
+    whole_steps = {batch_key(b, 32) for step in run.steps for b in micro_batches(run, step)}
+    assert whole_steps != met  # the one-process plan would capture the wrong graphs here

@@ -90,13 +90,15 @@ def batch_key(batch: MicroBatch, bucket: int = BUCKET_TOKENS) -> tuple[int, int]
 
 def planned_keys(run, bucket: int = BUCKET_TOKENS) -> list[tuple[int, int]]:
     """batch_key of every micro-batch left in the run's step plan, from the example lengths
-    (collate_packed: one segment per example, no padding)."""
+    (collate_packed: one segment per example, no padding); under torchrun, of this rank's
+    share of each step (Dist.shard), as the training loop cuts it."""
     lengths = getattr(run.data, "lengths", None)
     if lengths is None:
         return []
     size = run.cfg.batch_size
     keys = set()
     for step in run.steps[run.start_step:]:
+        step = run.parallel.shard(step, lengths)
         for i in range(0, len(step), size):
             chunk = step[i:i + size]
             keys.add((bucket_tokens(sum(lengths[j] for j in chunk), bucket), len(chunk) + 2))
