@@ -72,3 +72,72 @@ def test_masked_add_matches_torch():
     want = (out.float() + t.float() * mask * (1 / 0.7)).bfloat16()
     elementwise.masked_add_(out, t, mask, 1 / 0.7)
     assert torch.allclose(out.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+def test_seeded_dropout_kernels_share_one_mask():
+    seed = torch.tensor([1234], device="cuda")
+    x = torch.randn(1000, 333, device="cuda", dtype=torch.bfloat16)
+    y = elementwise.dropout_seeded(x, seed, 0.25)
+    keep = y != 0
+    assert torch.equal(y, elementwise.dropout_seeded(x, seed, 0.25))  # the same seed, the same mask
+    assert not torch.equal(keep, elementwise.dropout_seeded(x, seed + 1, 0.25) != 0)
+    assert abs(keep.float().mean().item() - 0.75) < 0.01
+    torch.testing.assert_close(y, (x.float() * keep / 0.75).bfloat16(), rtol=0, atol=0)
+    out = torch.randn_like(x)
+    t = torch.randn_like(x)
+    want = (out.float() + t.float() * keep / 0.75).bfloat16()
+    elementwise.seeded_masked_add_(out, t, seed, 0.25)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+def test_seeded_lora_group_matches_fp32_with_its_mask_and_recomputes_bit_for_bit(monkeypatch):
+    """lora_group with the seeded dropout against fp32 math with the same mask; keeping the
+    source (x recomputed from the gate/up output in backward, as down_proj does) gives the same
+    bits as keeping the dropped input, and saves neither a mask nor a tensor of x's size."""
+    from hivetune.ops.lora_group import lora_group
+
+    torch.manual_seed(0)
+    n_tok, inter, out_dim, r, p, scale = 300, 256, 96, 8, 0.3, 2.0
+    gate_up = torch.randn(n_tok, 2 * inter, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(out_dim, inter, device="cuda", dtype=torch.bfloat16) * 0.05
+    a0 = torch.randn(r, inter, device="cuda") * 0.1
+    b0 = torch.randn(out_dim, r, device="cuda") * 0.1
+    dy = torch.randn(n_tok, out_dim, device="cuda", dtype=torch.bfloat16)
+    seed = torch.tensor([77], device="cuda")
+    monkeypatch.setattr(elementwise, "new_dropout_seed", lambda device: seed.clone())
+
+    def run(source: bool):
+        gu = gate_up.detach().clone().requires_grad_()
+        a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+        saved = []
+
+        def pack(t):
+            saved.append((t.shape, t.dtype))
+            return t
+
+        h = elementwise.swiglu_joined(gu)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = lora_group(h, weight, None, (out_dim,), p, scale, [a], [b],
+                           (elementwise.swiglu_raw, gu) if source else None)
+        y.backward(dy)
+        return y.detach(), gu.grad, a.grad, b.grad, saved
+
+    plain, kept = run(False), run(True)
+    for u, v in zip(plain[:4], kept[:4]):
+        assert torch.equal(u, v)
+    assert (torch.Size([n_tok, inter]), torch.bfloat16) in plain[4]  # the dropped input
+    assert all(shape != torch.Size([n_tok, inter]) for shape, _ in kept[4])
+    assert all(dtype != torch.bool for _, dtype in kept[4] + plain[4])
+
+    # fp32 reference with the kernel's mask
+    h = elementwise.swiglu_raw(gate_up.detach())
+    keep = (elementwise.dropout_seeded(torch.ones_like(h), seed, p) != 0).float()
+    hf = h.float().requires_grad_()
+    a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+    y_ref = hf @ weight.float().t() + scale * ((hf * keep / (1 - p)) @ a.t()) @ b.t()
+    y_ref.backward(dy.float())
+    torch.testing.assert_close(plain[0].float(), y_ref.detach(), rtol=2e-2, atol=2e-2)
+    for got, want in ((plain[2], a.grad), (plain[3], b.grad)):
+        assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item() > 0.999

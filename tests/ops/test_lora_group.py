@@ -153,3 +153,29 @@ def test_cast_cache_equals_per_call_casts_and_follows_updates(monkeypatch, autoc
     for name in g0:
         assert torch.equal(g0[name], g0r[name]) and torch.equal(g1[name], g1r[name]), name
     assert casts.kinds[0].a_buf.dtype == (torch.bfloat16 if autocast else torch.float32)
+
+
+def test_seeded_dropout_recompute_equals_keeping_the_input(monkeypatch):
+    """The seeded-dropout path (the Triton kernels' CPU stand-ins): o_proj and down_proj keep the
+    attention / gate-up output and recompute their dropped input in backward; the loss and every
+    gradient equal those of keeping the dropped input, bit for bit (same seeds)."""
+    import hivetune.model.lora as lora_module
+    from hivetune.plan.measure import fused_layers_standin
+
+    model = with_lora(tiny("qwen2", True), 0.2).to(torch.bfloat16)
+    fuse_projections(model)
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(2))
+    results = []
+    for keep_source in (True, False):
+        with monkeypatch.context() as m, fused_layers_standin():
+            if not keep_source:
+                real = lora_module.lora_group
+                m.setattr(lora_module, "lora_group", lambda *a, **k: real(*a[:8]))  # drops `source`
+            torch.manual_seed(9)
+            results.append(loss_and_grads(model, ids))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+    assert any(g.abs().sum() > 0 for g in grads_a.values())

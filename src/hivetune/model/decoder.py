@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from hivetune.model.config import ModelArgs
-from hivetune.model.lora import project_shared_input
+from hivetune.model.lora import LoRALinear, project_shared_input
 from hivetune.ops import elementwise
 from hivetune.ops.attention import causal_attention
 
@@ -101,7 +101,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = causal_attention(q, k, v, layout, cache, self.layer_idx)  # [B, T, H, D] in and out
-        return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
+        out = out.reshape(b, t, self.n_heads * self.head_dim)
+        if isinstance(self.o_proj, LoRALinear):  # the attention kernel keeps `out` for its backward
+            return self.o_proj(out, source=(None, out))
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -117,7 +120,10 @@ class MLP(nn.Module):
     def forward(self, x):
         joined = self.gate_up(x) if self.gate_up is not None else None
         if joined is not None:
-            return self.down_proj(elementwise.swiglu_joined(joined))
+            h = elementwise.swiglu_joined(joined)
+            if isinstance(self.down_proj, LoRALinear):  # SwiGLU keeps `joined`: h is recomputed from it
+                return self.down_proj(h, source=(elementwise.swiglu_raw, joined))
+            return self.down_proj(h)
         gate, up = project_shared_input(x, self.gate_proj, self.up_proj)
         return self.down_proj(elementwise.swiglu(gate, up))  # saves gate and up only
 

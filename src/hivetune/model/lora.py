@@ -64,12 +64,13 @@ class LoRALinear(nn.Module):
     def out_features(self) -> int:
         return self.base_layer.out_features
 
-    def forward(self, x: torch.Tensor, dropped: torch.Tensor | None = None) -> torch.Tensor:
-        """`dropped`: dropout(x) already drawn for a sibling layer reading the same x."""
+    def forward(self, x: torch.Tensor, dropped: torch.Tensor | None = None, source=None) -> torch.Tensor:
+        """`dropped`: dropout(x) already drawn for a sibling layer reading the same x. `source`:
+        (fn, tensor) with x = fn(tensor), a tensor kept for backward anyway (ops.lora_group)."""
         if self.fused and self.enabled and dropped is None:
             base = self.base_layer
             return lora_group(x, base.weight, base.bias, (base.out_features,), self.dropout_p(), self.scaling,
-                              [self.lora_A.weight], [self.lora_B.weight])
+                              [self.lora_A.weight], [self.lora_B.weight], source)
         y = self.base_layer(x)
         if not self.enabled:
             return y

@@ -133,6 +133,26 @@ if triton is not None:
         tl.store(OUT + i, (o + t * m * keep).to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _dropout_seeded(X, Y, SEED, n, p, scale, BLOCK: tl.constexpr):
+        """Y = X * keep / (1 - p), keep = rand(seed, i) >= p: the mask is never stored, the
+        backward draws it again from the same seed (_seeded_masked_add)."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        keep = tl.rand(tl.load(SEED), i) >= p
+        x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
+        tl.store(Y + i, tl.where(keep, x * scale, 0.0).to(Y.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _seeded_masked_add(OUT, T, SEED, n, p, scale, BLOCK: tl.constexpr):
+        """OUT += T * keep / (1 - p) with _dropout_seeded's mask (the dropout backward)."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        keep = tl.rand(tl.load(SEED), i) >= p
+        o = tl.load(OUT + i, mask=m, other=0.0).to(tl.float32)
+        t = tl.load(T + i, mask=m, other=0.0).to(tl.float32)
+        tl.store(OUT + i, (o + tl.where(keep, t * scale, 0.0)).to(OUT.dtype.element_ty), mask=m)
+
+    @triton.jit
     def _rope(X, COS, SIN, Y, heads, HALF, X_TOKEN_STRIDE, sign, H_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
         # One token, all heads: y1 = x1 c1 - sign x2 s1, y2 = x2 c2 + sign x1 s2 (sign -1: the
         # transpose, i.e. backward: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1).
@@ -274,6 +294,43 @@ def masked_add_(out: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, keep: fl
     """out += t * mask * keep in one kernel (contiguous tensors of one shape; mask bool)."""
     n = out.numel()
     _masked_add[_elementwise_grid(n, 1024)](out, t, mask.view(torch.uint8), n, keep, BLOCK=1024)
+
+
+def seeded_dropout_ok(x: torch.Tensor) -> bool:
+    """Whether dropout can draw its mask from a seed in the Triton kernels (contiguous, fewer
+    than 2^31 elements: the Philox offsets are int32)."""
+    return fused_ok(x) and x.is_contiguous() and x.numel() < 2**31
+
+
+def new_dropout_seed(device) -> torch.Tensor:
+    """A seed for _dropout_seeded, drawn from torch's CUDA generator (so torch.manual_seed and the
+    checkpointed RNG state decide it, and CUDA graphs draw a new one at each replay)."""
+    return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
+
+
+def dropout_seeded(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+    """x * keep / (1 - p) with the mask of `seed` (contiguous x; seeded_dropout_ok)."""
+    y = torch.empty_like(x)
+    n = x.numel()
+    _dropout_seeded[_elementwise_grid(n, 1024)](x, y, seed, n, p, 1.0 / (1.0 - p), BLOCK=1024)
+    return y
+
+
+def seeded_masked_add_(out: torch.Tensor, t: torch.Tensor, seed: torch.Tensor, p: float) -> None:
+    """out += t * keep / (1 - p) with dropout_seeded's mask for `seed` (contiguous, one shape)."""
+    n = out.numel()
+    _seeded_masked_add[_elementwise_grid(n, 1024)](out, t, seed, n, p, 1.0 / (1.0 - p), BLOCK=1024)
+
+
+def swiglu_raw(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a joined [.., 2 I] tensor, outside autograd (a backward's recompute)."""
+    joined = gate_up.contiguous()
+    cols = joined.shape[-1] // 2
+    y = joined.new_empty((*joined.shape[:-1], cols))
+    n = y.numel()
+    _swiglu_fwd[_elementwise_grid(n, SwiGLUFunction.BLOCK)](joined, joined[..., cols:], y, n, cols, 2 * cols,
+                                                            BLOCK=SwiGLUFunction.BLOCK)
+    return y
 
 
 def swiglu_joined(gate_up: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from hivetune.ops import elementwise
+
 _ACTIVE: "CastCache | None" = None  # the cache refreshed by the model forward now running
 
 
@@ -140,8 +142,11 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 class LoRAGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, sizes, p, scale, *lora):
-        """x [..., d]; weight [O, d] (frozen, rows per layer); lora = A_1..A_n, B_1..B_n."""
+    def forward(ctx, x, weight, bias, sizes, p, scale, source_fn, source, *lora):
+        """x [..., d]; weight [O, d] (frozen, rows per layer); lora = A_1..A_n, B_1..B_n.
+        `source`: a tensor kept for backward anyway with x = source_fn(source) (or x itself
+        when source_fn is None); with the seeded dropout, x is recomputed from it in backward
+        instead of saving the dropped input."""
         n = len(sizes)
         a_params, b_params = lora[:n], lora[n:]
         r = a_params[0].shape[0]
@@ -151,8 +156,12 @@ class LoRAGroup(torch.autograd.Function):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
             w = weight.to(dtype)
             a_all, bd = cached if cached is not None else _casts(x2, weight, sizes, a_params, b_params, dtype)
-            mask = None
-            if p > 0:
+            mask = seed = None
+            seeded = p > 0 and elementwise.seeded_dropout_ok(x2)
+            if seeded:  # the mask is drawn again from the seed in backward: nothing stored
+                seed = elementwise.new_dropout_seed(x2.device)
+                xd = elementwise.dropout_seeded(x2, seed, p)
+            elif p > 0:
                 xd, mask = torch.native_dropout(x2, p, True)
             else:
                 xd = x2
@@ -160,24 +169,34 @@ class LoRAGroup(torch.autograd.Function):
             torch.addmm(xa, xd, a_all.t(), beta=0, alpha=scale, out=xa)  # s (xd A^T): the scale is free
             y = F.linear(x2, w, None if bias is None else bias.to(dtype))
             y.addmm_(xa, bd.t())
-        ctx.save_for_backward(xd, mask, xa, a_all, bd, w)  # x itself is not needed: W is frozen
+        recompute = seeded and source is not None and source.dtype == dtype
+        kept = source if recompute else xd  # x itself is not needed: W is frozen
+        ctx.save_for_backward(kept, mask if seed is None else seed, xa, a_all, bd, w)
+        ctx.recompute, ctx.source_fn, ctx.seeded = recompute, source_fn, seeded
         ctx.sizes, ctx.p, ctx.scale, ctx.r, ctx.x_shape, ctx.x_dtype = sizes, p, scale, r, x.shape, x.dtype
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
-        xd, mask, xa, a_all, bd, w = ctx.saved_tensors
+        kept, mask, xa, a_all, bd, w = ctx.saved_tensors
         sizes, r = ctx.sizes, ctx.r
         g = grad.reshape(-1, grad.shape[-1]).to(w.dtype)
         if not g.is_contiguous():
             g = g.contiguous()
         with torch.autocast(g.device.type, enabled=False):
+            xd = kept
+            if ctx.recompute:  # the input from its source, then the dropout from its seed
+                x2 = kept if ctx.source_fn is None else ctx.source_fn(kept)
+                xd = elementwise.dropout_seeded(x2.reshape(-1, x2.shape[-1]).contiguous(), mask, ctx.p)
+                del x2  # only the dropped input is needed from here
             g_xa = g.new_empty((g.shape[0], a_all.shape[0]))
             torch.addmm(g_xa, g, bd, beta=0, alpha=ctx.scale, out=g_xa)  # d loss / d (xd A^T)
             grad_x = None
             if ctx.needs_input_grad[0]:
                 grad_x = g @ w
-                if mask is None:
+                if ctx.seeded:
+                    elementwise.seeded_masked_add_(grad_x, g_xa @ a_all, mask, ctx.p)
+                elif mask is None:
                     grad_x.addmm_(g_xa, a_all)
                 else:
                     masked_add_(grad_x, g_xa @ a_all, mask, 1.0 / (1.0 - ctx.p))
@@ -189,7 +208,7 @@ class LoRAGroup(torch.autograd.Function):
                 # dB_i = g_i^T xa_i (xa holds s): one matmul each, so each gradient is contiguous
                 grads_b.append(mm_fp32(g[:, row:row + size].t(), xa[:, i * r:(i + 1) * r]))
                 row += size
-        return (grad_x, None, None, None, None, None, *grads_a, *grads_b)
+        return (grad_x, None, None, None, None, None, None, None, *grads_a, *grads_b)
 
 
 def _casts(x2, weight, sizes, a_params, b_params, dtype):
@@ -209,8 +228,6 @@ def _casts(x2, weight, sizes, a_params, b_params, dtype):
 def masked_add_(out: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, keep: float) -> None:
     """out += t * mask * keep (the dropout backward of the LoRA branch): one Triton kernel on
     GPUs (torch's addcmul with a bool mask runs an unvectorised mixed-dtype loop), else torch."""
-    from hivetune.ops import elementwise
-
     if elementwise.fused_ok(out) and out.is_contiguous() and t.is_contiguous() and mask.is_contiguous():
         elementwise.masked_add_(out, t, mask, keep)
     else:
@@ -218,6 +235,10 @@ def masked_add_(out: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, keep: fl
 
 
 def lora_group(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, ...],
-               p: float, scale: float, a_params, b_params) -> torch.Tensor:
-    """y [..., sum(sizes)] = x W^T (+ bias) + the LoRA update of each row block (see the module doc)."""
-    return LoRAGroup.apply(x, weight, bias, tuple(sizes), float(p), float(scale), *a_params, *b_params)
+               p: float, scale: float, a_params, b_params, source=None) -> torch.Tensor:
+    """y [..., sum(sizes)] = x W^T (+ bias) + the LoRA update of each row block (see the module doc).
+    `source`: (fn, tensor) with x = fn(tensor) (fn None: x itself) where that tensor is saved for
+    backward by another op anyway (the attention output; the gate/up output that SwiGLU keeps):
+    under the seeded dropout the Function then keeps it instead of the dropped input."""
+    fn, tensor = source if source is not None else (None, None)
+    return LoRAGroup.apply(x, weight, bias, tuple(sizes), float(p), float(scale), fn, tensor, *a_params, *b_params)

@@ -132,7 +132,8 @@ class _SwiGLUStandIn(torch.autograd.Function):
 def fused_layers_standin():
     """Route elementwise.rms_norm / swiglu / swiglu_joined through the stand-ins where the
     Triton kernels would take the tensors on a GPU (bf16 / fp16; RMSNorm: a frozen weight of
-    the input's dtype)."""
+    the input's dtype), and lora_group's dropout through a seeded CPU stand-in of the Triton
+    one (no mask saved; o_proj / down_proj recompute their dropped input)."""
     from hivetune.ops import elementwise
 
     before = elementwise.rms_norm, elementwise.swiglu, elementwise.swiglu_joined
@@ -149,11 +150,32 @@ def fused_layers_standin():
     def swiglu_joined(gate_up):
         return _SwiGLUStandIn.apply(gate_up, None) if gate_up.dtype in half else before[2](gate_up)
 
+    # The seeded dropout of ops.lora_group: the mask from a CPU generator seeded with the seed.
+    def mask_of(x, seed, p):
+        return torch.rand(x.shape, generator=torch.Generator().manual_seed(int(seed))) >= p
+
+    def dropout_seeded(x, seed, p):
+        return x * mask_of(x, seed, p) / (1 - p)
+
+    def seeded_masked_add_(out, t, seed, p):
+        out.add_(t * mask_of(t, seed, p) / (1 - p))
+
+    def swiglu_raw(gate_up):
+        return elementwise.swiglu_reference(*gate_up.chunk(2, dim=-1))
+
+    seeded = {"seeded_dropout_ok": lambda x: x.dtype in half and x.is_contiguous(),
+              "new_dropout_seed": lambda device: torch.randint(0, 2**31 - 1, (1,), device=device),
+              "dropout_seeded": dropout_seeded, "seeded_masked_add_": seeded_masked_add_, "swiglu_raw": swiglu_raw}
+    seeded_before = {name: getattr(elementwise, name) for name in seeded}
     elementwise.rms_norm, elementwise.swiglu, elementwise.swiglu_joined = rms_norm, swiglu, swiglu_joined
+    for name, fn in seeded.items():
+        setattr(elementwise, name, fn)
     try:
         yield
     finally:
         elementwise.rms_norm, elementwise.swiglu, elementwise.swiglu_joined = before
+        for name, fn in seeded_before.items():
+            setattr(elementwise, name, fn)
 
 
 def saved_activation_bytes(model, batch, precision: str, fused_loss: bool = True) -> int:

@@ -58,6 +58,7 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
 # shapes in bf16 and fp32. A checkpointed layer's forward holds FORWARD_I of them.
 BACKWARD_I = 1.75
 FORWARD_I = 4.0
+RECOMPUTE_I = 1.0  # seeded dropout: down_proj's dropped input, recomputed in its backward
 LOSS_CHUNK_COPIES = 3  # PyTorch chunk: fp32 logits chunk, x - max, exp(x - max) inside torch.logsumexp
 # cuBLAS / cuBLASLt workspaces and the allocator's 2 MiB pages (expandable segments).
 ALLOCATOR_SLACK_BYTES = 96 * MIB
@@ -164,6 +165,7 @@ def layer_saved_bytes_per_token(args: ModelArgs, mc: MemoryConfig) -> float:
     total += (2 if mc.fused_layers else 3) * s * inter
     d = dims(args)
     mask = 1 if mc.joined else mc.mask_bytes  # lora_group: torch.native_dropout's bool mask
+    seeded = seeded_dropout(mc)
     for group in GROUPS:
         adapted = [t for t in group if t in mc.targets]
         if not adapted:
@@ -171,12 +173,25 @@ def layer_saved_bytes_per_token(args: ModelArgs, mc: MemoryConfig) -> float:
         dim = d[group[0]][0]
         shared = len(adapted) == len(group)  # project_shared_input: one dropout draw for the group
         draws = 1 if shared else len(adapted)
-        if mc.dropout > 0:
+        if mc.dropout > 0 and seeded:
+            # no mask; o_proj keeps the attention output (saved by varlen already) and down_proj
+            # the gate/up output (SwiGLU's), each recomputing its dropped input in backward
+            if group == ("down_proj",) or (group == ("o_proj",) and mc.attention == "varlen"):
+                pass
+            else:
+                total += draws * s * dim
+        elif mc.dropout > 0:
             total += draws * (mask + s) * dim
         elif group != ("o_proj",) or mc.attention != "varlen":
             total += s * dim  # varlen: o_proj's input is the attention output, saved already
         total += s * mc.r * len(adapted)
     return total
+
+
+def seeded_dropout(mc: MemoryConfig) -> bool:
+    """Whether lora_group draws dropout masks from a seed in Triton (ops.elementwise, a GPU in
+    bf16 / fp16): no mask saved, and down_proj / o_proj recompute their dropped input."""
+    return mc.joined and mc.fused_layers and mc.dropout > 0
 
 
 def first_layer_saving(args: ModelArgs, mc: MemoryConfig) -> int:
@@ -263,7 +278,8 @@ def breakdown(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | Non
         loss_transient = hidden + min(n, 4096) * args.vocab_size * (2 + 4)
     if mc.gradient_checkpointing:  # a layer's forward under checkpoint: its MLP intermediates
         loss_transient = max(loss_transient, FORWARD_I * s * args.intermediate_size * tokens)
-    backward = hidden + recompute + BACKWARD_I * s * args.intermediate_size * tokens
+    backward_i = BACKWARD_I + (RECOMPUTE_I if seeded_dropout(mc) and "down_proj" in mc.targets else 0.0)
+    backward = hidden + recompute + backward_i * s * args.intermediate_size * tokens
     parts["logits / loss buffers"] = int(loss_transient if loss_transient >= backward else 0)
     parts["backward buffers"] = int(backward if backward > loss_transient else 0)
     if mc.gradient_checkpointing and backward > loss_transient:
