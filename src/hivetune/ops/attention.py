@@ -75,23 +75,19 @@ def padded_view_attention(q, k, v, lengths: tuple[int, ...]) -> torch.Tensor:
     gather, scatter, unpad = _padded_indices(lengths, q.device)
     e, width = len(lengths), max(lengths)
     groups = q.shape[2] // k.shape[2]
-    gqa = native_gqa(q)
     dtype = q.dtype
-    backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    if q.device.type == "cpu" and dtype != torch.float32 and backward:
+    if q.device.type == "cpu" and dtype != torch.float32:
         # The CPU flash kernel's bf16 backward is ~3x slower than its fp32 one (measured on
-        # [8, 9, 100, 64]: 29 ms vs 10 ms a layer); the casts cost far less. Its bf16 forward
-        # alone is faster than fp32 (eval's [96, 9, 150, 64]: 35 vs 57 ms): no cast without grad.
+        # [8, 9, 100, 64]: 29 ms vs 10 ms a layer); the casts cost far less.
         q, k, v = q.float(), k.float(), v.float()
 
     def to_padded(x, repeat=1):  # [1, T, h, D] -> [E, h * repeat, Lmax, D]
         x = RowGather.apply(x[0], gather, scatter, False).view(e, width, x.shape[2], x.shape[3]).transpose(1, 2)
         return x.repeat_interleave(repeat, dim=1) if repeat > 1 else x
 
-    kv_repeat = 1 if gqa else groups
     with torch.autocast(q.device.type, enabled=False), sdpa_kernel(SDPA_BACKENDS):  # no autocast back to bf16
-        out = F.scaled_dot_product_attention(to_padded(q), to_padded(k, kv_repeat), to_padded(v, kv_repeat),
-                                             is_causal=True, **gqa).to(dtype)
+        out = F.scaled_dot_product_attention(to_padded(q), to_padded(k, groups), to_padded(v, groups),
+                                             is_causal=True).to(dtype)
     out = RowGather.apply(out.transpose(1, 2).reshape(e * width, q.shape[2], q.shape[3]), scatter, unpad, True)
     return out[None]
 
@@ -165,24 +161,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout=N
     return sdpa_causal(q, k, v, layout).transpose(1, 2)
 
 
-def native_gqa(q: torch.Tensor) -> dict:
-    """SDPA's keyword for grouped K/V heads where the kernel takes them itself. The CPU flash
-    kernel does (outputs equal those with repeated K/V, measured), which saves the G-fold K/V
-    copies and, in training, their backward's reduction. SmolLM2 (G = 3), per layer on the
-    2-core CPU: training's [8, 9, 130, 64] fp32 forward + backward 17.5 -> 14.0 ms, eval's
-    [96, 9, 150, 64] bf16 forward 48.6 -> 34.8 ms, a decode step [67, 9, 1, 64] on 150 keys
-    1.32 -> 1.15 ms. GPUs keep the explicit repeat: not every CUDA kernel takes enable_gqa, and
-    SDPA would fall back to math."""
-    return {"enable_gqa": True} if q.device.type == "cpu" else {}
-
-
 def sdpa_causal(q, k, v, layout) -> torch.Tensor:
     """The reference path: q [B, H, Q, D], k, v [B, KVH, K, D] -> [B, H, Q, D]."""
     groups = q.shape[1] // k.shape[1]
-    gqa = native_gqa(q) if groups > 1 else {}
-    if groups > 1 and not gqa and isinstance(layout, Masked):
+    if groups > 1 and isinstance(layout, Masked):
         return grouped_masked_attention(q, k, v, layout.mask, groups)
-    if groups > 1 and not gqa:
+    if groups > 1:
         # Repeat K/V heads explicitly: SDPA's enable_gqa is not taken by every kernel and the
         # result is identical.
         k = k.repeat_interleave(groups, dim=1)
@@ -191,16 +175,16 @@ def sdpa_causal(q, k, v, layout) -> torch.Tensor:
         if layout is None:
             q_len, k_len = q.shape[2], k.shape[2]
             if q_len == k_len or q_len == 1:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, **gqa)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1)
             # Queries are the last q_len positions of k_len (a chunk on top of a KV cache): SDPA's
             # is_causal aligns the mask top-left, so build the bottom-right aligned one here.
             mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         if isinstance(layout, Packed):
             mask = layout.block_causal_mask(q.shape[2])
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         if isinstance(layout, Masked):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, **gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask)
     raise TypeError(f"unknown attention layout {type(layout).__name__}")
 
 
