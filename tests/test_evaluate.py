@@ -140,13 +140,13 @@ def test_batched_generation_equals_one_by_one(trained, tuned_model):
     # alpaca prompts are what `hivetune generate` sends for the same question
     assert prompts[0] == encode_prompt(tokenizer, examples[0].question, chat=True)
     single = [greedy_ids(model, [p], 10, set())[0] for p in prompts]
-    assert generate_sorted(model, prompts, 10, set(), batch_size=4) == single
+    assert generate_sorted(model, prompts, 10, set(), 0, batch_size=4) == single
     # a stop token mid-answer ends that row only; other rows run on, and its later tokens are dropped
     stop = single[0][4]
     expected = [s[:s.index(stop)] if stop in s else s for s in single]
     assert any(len(x) < 10 for x in expected) and any(len(x) == 10 for x in expected)
-    assert generate_sorted(model, prompts, 10, {stop}, batch_size=4) == expected
-    assert generate_sorted(model, prompts, 10, {stop}, batch_size=1) == expected
+    assert generate_sorted(model, prompts, 10, {stop}, 0, batch_size=4) == expected
+    assert generate_sorted(model, prompts, 10, {stop}, 0, batch_size=1) == expected
 
 
 def test_merged_lora_is_the_tuned_model(trained, tuned_model):

@@ -29,7 +29,7 @@ import torch
 from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, Encoded, alpaca_messages, checked_records,
                                    encode_record, render_chat)
 from hivetune.errors import UserError
-from hivetune.generate import greedy_ids, resolve_adapter_folder
+from hivetune.generate import greedy_ids, pad_token_id, resolve_adapter_folder
 from hivetune.model.decoder import CausalLM
 from hivetune.ops.loss import target_loss_sum
 
@@ -162,37 +162,32 @@ def read_examples(path: Path, tokenizer, max_length: int, limit: int = 0) -> lis
 
 
 @torch.no_grad()
-def response_losses(model: CausalLM, examples: list[Encoded], batch_size: int) -> list[tuple[float, int]]:
+def response_losses(model: CausalLM, examples: list[Encoded], pad_id: int,
+                    batch_size: int) -> list[tuple[float, int]]:
     """(sum of -log p over the response tokens, their count) per example.
 
-    Up to `batch_size` examples go through the model packed in one row (training's
-    ``collate_packed``), so no pad token is computed: 200 eval examples of SmolLM2 are 27.5k
-    tokens, 33.8k when right-padded in batches of 96 sorted by length. An example's targets are
-    a contiguous run of the batch's, in example order; ``target_loss_sum`` takes each run.
-    (Batches are still sorted by length: attention runs on a padded view of the row.)
+    Rows are right-padded batches (training's ``collate_padded``) of similar length; each row's
+    loss is ``target_loss_sum`` over its own target positions, index // width picking the row.
     """
-    from hivetune.data.batch import collate_packed
+    from hivetune.data.batch import collate_padded
 
     device = model.lm_head.weight.device
     out: list[tuple[float, int]] = [(0.0, 0)] * len(examples)
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))  # attention pads to the longest
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
-        batch = collate_packed([examples[i] for i in chunk]).to(device)
+        batch = collate_padded([examples[i] for i in chunk], pad_id).to(device)
         hidden = model(batch.input_ids, batch.position_ids, batch.layout)
-        first = 0
-        for i in chunk:
-            n = examples[i].n_targets
-            total = target_loss_sum(hidden, model.lm_head.weight, batch.target_index[first:first + n],
-                                    batch.target_ids[first:first + n])
-            out[i] = (float(total), n)
-            first += n
-        assert first == batch.target_ids.numel()
+        row_of = batch.target_index // batch.input_ids.shape[1]
+        for row, i in enumerate(chunk):
+            sel = row_of == row
+            total = target_loss_sum(hidden, model.lm_head.weight, batch.target_index[sel], batch.target_ids[sel])
+            out[i] = (float(total), int(sel.sum()))
     return out
 
 
 def generate_sorted(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-                    batch_size: int) -> list[list[int]]:
+                    pad_id: int, batch_size: int) -> list[list[int]]:
     """Greedy continuations in batches of prompts of similar length (sorted by length, so left
     padding stays short), returned in input order (see ``hivetune.generate.greedy_ids``).
 
@@ -207,7 +202,7 @@ def generate_sorted(model: CausalLM, prompts: list[list[int]], max_new_tokens: i
     size = math.ceil(len(order) / math.ceil(len(order) / batch_size)) if order else 1
     for start in range(0, len(order), size):
         chunk = order[start:start + size]
-        for i, ids in zip(chunk, greedy_ids(model, [prompts[i] for i in chunk], max_new_tokens, stop_ids)):
+        for i, ids in zip(chunk, greedy_ids(model, [prompts[i] for i in chunk], max_new_tokens, stop_ids, pad_id)):
             out[i] = ids
     return out
 
@@ -218,11 +213,12 @@ def score_model(model: CausalLM, tokenizer, examples: list[EvalExample], max_new
     `seconds`, if given, receives the time of the loss and of the generation pass."""
     from hivetune.model.tokenizer import eos_ids
 
+    pad = pad_token_id(tokenizer)
     t0 = time.perf_counter()
-    losses = response_losses(model, [e.encoded for e in examples], batch_size)
+    losses = response_losses(model, [e.encoded for e in examples], pad, batch_size)
     t1 = time.perf_counter()
     answers = generate_sorted(model, [e.prompt_ids for e in examples], max_new_tokens,
-                              eos_ids(tokenizer, model.args), batch_size)
+                              eos_ids(tokenizer, model.args), pad, batch_size)
     if seconds is not None:
         seconds.update(loss=t1 - t0, generate=time.perf_counter() - t1)
     rows = []

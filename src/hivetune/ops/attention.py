@@ -5,12 +5,8 @@ Layouts:
   every real query, so the causal mask already hides it).
 - ``Packed(cu_seqlens)``: one row holds several examples back to back; attention must not
   cross an example boundary. Reference: a block-diagonal causal mask for SDPA.
-- ``Masked(mask)``: an explicit mask [B, 1, Q, K], boolean (True = attend) or additive (0 or
-  -inf, in the query dtype), used by batched generation with left padding and a KV cache.
-
-With a KV cache, a ``Packed`` row is a prefill: each example's keys and values go to its own
-cache row, left-padded to the longest (``KVCache.fill_packed``), and attention runs as for
-training's packed rows, so no pad token goes through the linear layers.
+- ``Masked(mask)``: an explicit boolean mask [B, 1, Q, K] (True = attend), used by batched
+  generation with left padding and a KV cache.
 """
 
 from __future__ import annotations
@@ -56,9 +52,7 @@ class Packed:
 
 @dataclass
 class Masked:
-    # [B, 1, Q, K]: bool, True where the query may attend to the key; or additive, 0 there and
-    # -inf elsewhere (what SDPA turns a bool mask into on every call: decoding builds it once a step)
-    mask: torch.Tensor
+    mask: torch.Tensor  # [B, 1, Q, K] bool, True where the query may attend to the key
 
 
 def padded_view_attention(q, k, v, lengths: tuple[int, ...]) -> torch.Tensor:
@@ -148,9 +142,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout=N
     Packed rows on a GPU with flash varlen attention go to it directly (no padding, no copies);
     everything else takes the SDPA reference path in [B, H, T, D].
     """
-    if isinstance(layout, Packed) and cache is not None:  # prefill: the prompts see only themselves
-        cache.fill_packed(layer, k[0], v[0], layout.lengths)
-        cache = None
     if isinstance(layout, Packed) and cache is None and varlen_supported(q):
         return varlen_causal(q, k, v, layout)
     if isinstance(layout, Packed) and cache is None and layout.lengths and sum(layout.lengths) == q.shape[1]:
@@ -197,8 +188,7 @@ def grouped_masked_attention(q, k, v, mask, groups: int) -> torch.Tensor:
     b, h, q_len, d = q.shape
     kv = k.shape[1]
     qg = q.reshape(b, kv, groups * q_len, d)
-    if q_len > 1:  # one query (a decode step): [B, 1, 1, K] broadcasts over the G rows as it is
-        mask = mask[:, :, None].expand(b, 1, groups, q_len, mask.shape[-1]).reshape(b, 1, groups * q_len, -1)
+    mask = mask[:, :, None].expand(b, 1, groups, q_len, mask.shape[-1]).reshape(b, 1, groups * q_len, -1)
     with sdpa_kernel(SDPA_BACKENDS):
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
     return out.reshape(b, h, q_len, d)
