@@ -19,17 +19,25 @@ def rows(folder):
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_rollback_to_last_checkpoint_with_lower_lr(tiny_model_dir, alpaca_file, tmp_path, monkeypatch):
+ROLLBACK_LOG = [(1, None), (2, None), (3, None), (4, None), (4, "rollback"), (5, None), (6, None)]
+
+
+def bad_steps_3_to_5_with_rollback(tiny_model_dir, alpaca_file, out, monkeypatch):
+    """6 steps, checkpoints every 2, steps 3-5 non-finite, rollback after 3 in a row at half the
+    lr: (fit's result, the metrics rows)."""
     poison(monkeypatch, {3, 4, 5}, "loss")  # forward calls 3-5: steps 3, 4, 5 (one micro-batch each)
-    out = tmp_path / "run"
     cfg = tiny_config(tiny_model_dir, alpaca_file, out, max_steps=6, save_every=2, max_bad_steps=3,
                       on_bad_steps="rollback", rollback_lr_factor=0.5, lr=1e-2, schedule="constant",
                       keep_checkpoints=5)
     result = fit(setup(cfg), progress=False)
-    log = rows(out)
+    return result, rows(out)
+
+
+def test_rollback_to_last_checkpoint_with_lower_lr(tiny_model_dir, alpaca_file, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    result, log = bad_steps_3_to_5_with_rollback(tiny_model_dir, alpaca_file, out, monkeypatch)
     # steps 1-2 good, 3-5 bad: back to the checkpoint of step 4, then 5 and 6 again at half the lr
-    assert [(r["step"], r.get("event")) for r in log] == [(1, None), (2, None), (3, None), (4, None),
-                                                         (4, "rollback"), (5, None), (6, None)]
+    assert [(r["step"], r.get("event")) for r in log] == ROLLBACK_LOG
     assert log[4] == {"step": 4, "event": "rollback", "from_step": 5, "lr_scale": 0.5}
     assert [r["lr"] for r in log if "lr" in r] == pytest.approx([1e-2] * 4 + [5e-3] * 2)
     assert log[5]["loss"] is not None and log[6]["loss"] is not None

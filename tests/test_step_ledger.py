@@ -127,21 +127,11 @@ def test_deferred_loop_equals_the_per_step_loop(kind, tiny_model_dir, tmp_path, 
 def test_deferred_rollback_starts_at_the_read_that_sees_it(tiny_model_dir, alpaca_file, tmp_path, monkeypatch):
     """Bad steps 3-5 with max_bad_steps 3: the per-step loop rolls back from step 5; deferred,
     the read after step 6 (a checkpoint step) sees the run and rolls back from there."""
-    from hivetune.train import fit, setup
-    from test_resume import poison
-    from test_rollback_oom import rows
-    from test_train import tiny_config
+    from test_rollback_oom import ROLLBACK_LOG, bad_steps_3_to_5_with_rollback
 
     fused_adamw_loop(monkeypatch, True)
-    poison(monkeypatch, {3, 4, 5}, "loss")
-    out = tmp_path / "run"
-    cfg = tiny_config(tiny_model_dir, alpaca_file, out, max_steps=6, save_every=2, max_bad_steps=3,
-                      on_bad_steps="rollback", rollback_lr_factor=0.5, lr=1e-2, schedule="constant",
-                      keep_checkpoints=5)
-    result = fit(setup(cfg), progress=False)
-    log = rows(out)
-    assert [(r["step"], r.get("event")) for r in log] == [(1, None), (2, None), (3, None), (4, None),
-                                                         (4, "rollback"), (5, None), (6, None)]
+    result, log = bad_steps_3_to_5_with_rollback(tiny_model_dir, alpaca_file, tmp_path / "run", monkeypatch)
+    assert [(r["step"], r.get("event")) for r in log] == ROLLBACK_LOG
     assert log[4] == {"step": 4, "event": "rollback", "from_step": 6, "lr_scale": 0.5}
     assert [r["skipped_steps"] for r in log if "loss" in r] == [0, 0, 1, 2, 2, 2]
     assert result.steps == 6 and log[6]["loss"] is not None
