@@ -20,7 +20,7 @@ def replay(deferred: bool, flush_every: int):
     records, bad_runs, reads = [], [], 0
     for i, (ok, loss) in enumerate(zip(FLAGS, LOSSES)):
         record = {"step": i + 1, "loss": torch.tensor(loss), "grad_norm": torch.tensor(float(i)), "lr": 0.1}
-        ledger.add(i + 1, torch.tensor(ok), record if i % 2 == 0 else None, False)
+        ledger.add(torch.tensor(ok), record if i % 2 == 0 else None, False)
         if ledger.due((i + 1) % flush_every == 0 or i == len(FLAGS) - 1):
             got, bad, signalled = ledger.read(counters, max_bad_steps=3)
             records += got
@@ -48,8 +48,8 @@ def test_deferred_reads_give_the_per_step_records_and_counters():
 def test_signal_read_from_the_newest_step():
     ledger = StepLedger(deferred=True)
     counters = {"skipped_steps": 0, "bad_in_a_row": 0}
-    ledger.add(1, torch.tensor(True), None, torch.tensor(False))
-    ledger.add(2, torch.tensor(True), None, torch.tensor(True))
+    ledger.add(torch.tensor(True), None, torch.tensor(False))
+    ledger.add(torch.tensor(True), None, torch.tensor(True))
     assert ledger.read(counters, 3) == ([], False, True)
     assert ledger.pending == []
 

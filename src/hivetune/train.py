@@ -345,10 +345,11 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
             if ledger.deferred:
                 run.optimizer.found_inf = (~finite).float()  # the fused kernel leaves everything as it was
                 run.optimizer.step()
-            elif bool(finite):  # one host sync per step
-                if run.scaler:
+            else:
+                finite = bool(finite)  # one host sync per step (the ledger takes the bool as it is)
+                if finite and run.scaler:
                     run.scaler.step(run.optimizer)
-                else:
+                elif finite:
                     run.optimizer.step()
             if run.scaler:
                 run.scaler.update()
@@ -377,7 +378,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
                     "elapsed_s": round(now - t_start, 3),
                 }
                 t_log, tokens_since_log, samples_since_log = now, 0, 0
-            ledger.add(done, finite, record, signal_flag)
+            ledger.add(finite, record, signal_flag)
             validate = run.val is not None and (done == len(run.steps) or (cfg.eval_every and done % cfg.eval_every == 0))
             save_now = bool(cfg.save_every) and (done % cfg.save_every == 0 or done == len(run.steps))
             if not ledger.due(validate or save_now or done == len(run.steps) or done == stop_after or signal_flag is True):
@@ -520,10 +521,10 @@ class StepLedger:
 
     def __init__(self, deferred: bool):
         self.deferred = deferred
-        self.pending: list[tuple[int, object, dict | None, object]] = []
+        self.pending: list[tuple[object, dict | None, object]] = []  # (finite, record, signal) per step
 
-    def add(self, step: int, finite, record: dict | None, signal) -> None:
-        self.pending.append((step, finite, record, signal))
+    def add(self, finite, record: dict | None, signal) -> None:
+        self.pending.append((finite, record, signal))
 
     def due(self, forced: bool) -> bool:
         return not self.deferred or forced or len(self.pending) >= self.FLUSH_STEPS
@@ -532,18 +533,18 @@ class StepLedger:
         """(the log records with numbers, whether max_bad_steps non-finite steps came in a row,
         whether a rank was signalled at the newest step); counters updated in step order."""
         values = []
-        for _, finite, record, _ in self.pending:
+        for finite, record, _ in self.pending:
             values.append(finite)
             if record is not None:
                 values += [record["loss"], record["grad_norm"]]
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
-        signal = self.pending[-1][3]
+        signal = self.pending[-1][2]
         if isinstance(signal, torch.Tensor):
             tensors.append(signal)
         host = iter(torch.stack([t.float().reshape(()) for t in tensors]).tolist() if tensors else [])
         read = (lambda v: float(next(host)) if isinstance(v, torch.Tensor) else float(v))
         records, bad_run = [], False
-        for _, finite, record, _ in self.pending:
+        for finite, record, _ in self.pending:
             if read(finite):
                 counters["bad_in_a_row"] = 0
             else:

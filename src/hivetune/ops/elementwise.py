@@ -219,17 +219,14 @@ class SwiGLUFunction(torch.autograd.Function):
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor | None):
         if up is None:
             joined = gate.contiguous()
-            cols = joined.shape[-1] // 2
-            g, u, stride = joined, joined[..., cols:], 2 * cols
-            y = joined.new_empty((*joined.shape[:-1], cols))
             ctx.save_for_backward(joined)
-        else:
-            g, u = gate.contiguous(), up.contiguous()
-            cols = stride = g.shape[-1]
-            y = torch.empty_like(g)
-            ctx.save_for_backward(g, u)
+            return swiglu_raw(joined)
+        g, u = gate.contiguous(), up.contiguous()
+        cols = g.shape[-1]
+        y = torch.empty_like(g)
+        ctx.save_for_backward(g, u)
         n = y.numel()
-        _swiglu_fwd[_elementwise_grid(n, SwiGLUFunction.BLOCK)](g, u, y, n, cols, stride, BLOCK=SwiGLUFunction.BLOCK)
+        _swiglu_fwd[_elementwise_grid(n, SwiGLUFunction.BLOCK)](g, u, y, n, cols, cols, BLOCK=SwiGLUFunction.BLOCK)
         return y
 
     @staticmethod
@@ -323,7 +320,8 @@ def seeded_masked_add_(out: torch.Tensor, t: torch.Tensor, seed: torch.Tensor, p
 
 
 def swiglu_raw(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a joined [.., 2 I] tensor, outside autograd (a backward's recompute)."""
+    """silu(gate) * up of a joined [.., 2 I] tensor, outside autograd: SwiGLUFunction's joined
+    forward, and down_proj's recompute in lora_group's backward (the same bits)."""
     joined = gate_up.contiguous()
     cols = joined.shape[-1] // 2
     y = joined.new_empty((*joined.shape[:-1], cols))

@@ -27,7 +27,10 @@ dx. Here q/k/v take ~20: one base matmul for all three, the LoRA term in the sam
 so that is its step time; on W2 (7B) the saved casts and adds are ~10% of the step.
 
 Memory: saves xd (x itself when there is no dropout), the dropout mask (bool), xa [N, n r] and
-the bf16 casts of A and Bd, as the reference path does; x is not needed (W is frozen).
+the bf16 casts of A and Bd, as the reference path does; x is not needed (W is frozen). On GPUs
+with Triton the dropout is seeded (ops.elementwise.dropout_seeded): the mask is drawn again from
+the seed in backward instead of being saved, and a call given a `source` (o_proj: the attention
+output; down_proj: the gate/up output SwiGLU keeps) saves that instead of xd and recomputes xd.
 
 A_all and Bd themselves come from a ``CastCache`` when the model's forward refreshed one
 (``lora.fuse_projections`` builds it, ``CausalLM.forward`` refreshes it): every layer's A_all
