@@ -119,18 +119,19 @@ def git_commit() -> str:
         return "unknown"
 
 
-def triton_cache_files() -> int:
-    """Files in Triton's on-disk kernel cache (TRITON_CACHE_DIR or ~/.triton/cache)."""
+def triton_cache_has_kernels() -> bool:
+    """Whether Triton's on-disk kernel cache (TRITON_CACHE_DIR or ~/.triton/cache) holds a file
+    (stops at the first: this runs when the module is imported)."""
     folder = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
     try:
-        return sum(1 for p in folder.rglob("*") if p.is_file())
+        return any(p.is_file() for p in folder.rglob("*"))
     except OSError:
-        return 0
+        return False
 
 
 # Whether this process started with Triton's kernels compiled on disk: a cold cache adds the
 # kernels' JIT compile (~3.5 s on W1, H100) to the first steps; a user's later runs find it warm.
-TRITON_CACHE_WARM_AT_START = triton_cache_files() > 0
+TRITON_CACHE_WARM_AT_START = triton_cache_has_kernels()
 
 
 def environment(device) -> dict:
