@@ -140,13 +140,35 @@ def test_batched_generation_equals_one_by_one(trained, tuned_model):
     # alpaca prompts are what `hivetune generate` sends for the same question
     assert prompts[0] == encode_prompt(tokenizer, examples[0].question, chat=True)
     single = [greedy_ids(model, [p], 10, set())[0] for p in prompts]
-    assert generate_sorted(model, prompts, 10, set(), 0, batch_size=4) == single
+    assert generate_sorted(model, prompts, 10, set(), batch_size=4) == single
     # a stop token mid-answer ends that row only; other rows run on, and its later tokens are dropped
     stop = single[0][4]
     expected = [s[:s.index(stop)] if stop in s else s for s in single]
     assert any(len(x) < 10 for x in expected) and any(len(x) == 10 for x in expected)
-    assert generate_sorted(model, prompts, 10, {stop}, 0, batch_size=4) == expected
-    assert generate_sorted(model, prompts, 10, {stop}, 0, batch_size=1) == expected
+    assert generate_sorted(model, prompts, 10, {stop}, batch_size=4) == expected
+    assert generate_sorted(model, prompts, 10, {stop}, batch_size=1) == expected
+
+
+def test_one_pass_losses_and_answers_equal_the_two_passes(trained, tuned_model):
+    """The loss pass's prompt keys and values seed the decoding (KVCache.prefix): same losses as
+    response_losses, same answers as greedy decoding of each prompt alone, stop tokens included."""
+    from hivetune.evaluate import losses_and_answers, response_losses
+    from hivetune.generate import greedy_ids
+
+    model, tokenizer = tuned_model
+    examples = read_examples(trained[1], tokenizer, 1024)
+    single = [greedy_ids(model, [e.prompt_ids], 10, set())[0] for e in examples]
+    stop = {single[0][4]}
+    expected = [greedy_ids(model, [e.prompt_ids], 10, stop)[0] for e in examples]
+    assert any(len(x) < 10 for x in expected) and any(len(x) == 10 for x in expected)
+    reference = response_losses(model, [e.encoded for e in examples], batch_size=4)
+    for batch_size in (3, 16):
+        seconds: dict = {}
+        losses, answers = losses_and_answers(model, examples, 10, stop, batch_size, seconds)
+        assert answers == expected
+        assert [n for _, n in losses] == [n for _, n in reference]
+        assert [s for s, _ in losses] == pytest.approx([s for s, _ in reference], rel=1e-5)
+        assert set(seconds) == {"loss", "generate"}
 
 
 def test_merged_lora_is_the_tuned_model(trained, tuned_model):

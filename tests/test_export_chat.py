@@ -46,7 +46,7 @@ def expected_conversation(model: str, adapter: str, lines: list[str], max_new: i
     for line in lines:
         messages.append({"role": "user", "content": line})
         ids = tok(render_chat(tok, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-        out = greedy_ids(net, [ids], max_new, eos_ids(tok, net.args), tok.pad_token_id)[0]
+        out = greedy_ids(net, [ids], max_new, eos_ids(tok, net.args))[0]
         messages.append({"role": "assistant", "content": tok.decode(out, skip_special_tokens=True).strip()})
     return messages
 

@@ -12,7 +12,7 @@ import sys
 from typing import TextIO
 
 from hivetune.errors import UserError
-from hivetune.generate import greedy_ids, load_for_generation, pad_token_id
+from hivetune.generate import greedy_ids, load_for_generation
 
 
 def reply(net, tokenizer, messages: list[dict], max_new_tokens: int) -> str:
@@ -32,7 +32,7 @@ def reply(net, tokenizer, messages: list[dict], max_new_tokens: int) -> str:
     if len(ids) > limit:
         raise UserError(f"chat: the message is {len(ids)} tokens; the model's context holds "
                         f"{net.args.max_position_embeddings} with {max_new_tokens} new tokens")
-    out = greedy_ids(net, [ids], max_new_tokens, eos_ids(tokenizer, net.args), pad_token_id(tokenizer))[0]
+    out = greedy_ids(net, [ids], max_new_tokens, eos_ids(tokenizer, net.args))[0]
     return tokenizer.decode(out, skip_special_tokens=True).strip()
 
 

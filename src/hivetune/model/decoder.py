@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from hivetune.model.config import ModelArgs
 from hivetune.model.lora import LoRALinear, project_shared_input
 from hivetune.ops import elementwise
-from hivetune.ops.attention import causal_attention
+from hivetune.ops.attention import Packed, causal_attention
 
 
 class RMSNorm(nn.Module):
@@ -182,7 +182,7 @@ class CausalLM(nn.Module):
                 else:
                     x = layer(x, cos, sin, layout, cache)
         if cache is not None:
-            cache.length += input_ids.shape[1]
+            cache.advance(input_ids.shape[1], layout)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -197,6 +197,31 @@ class KVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_hidden_layers)]
         self.length = 0
+        # A packed prefill keeps the first prefix[e] tokens of example e (None: all of them), so
+        # that a pass over prompt + response leaves the cache as a pass over the prompt would.
+        self.prefix: tuple[int, ...] | None = None
+        self._fill_key, self._fill_index = None, None  # fill_packed's gather, built once per prefill
+
+    def fill_packed(self, layer: int, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...]):
+        """k, v: [T, KVH, D], the examples of a packed prefill back to back (T = sum of lengths);
+        example e (its first prefix[e] tokens) goes to row e, right-aligned on the longest so that
+        the rows' next tokens share one column. The slots before a shorter one get copies of a
+        real row: they are masked."""
+        keep = self.prefix or lengths
+        width = max(keep)
+        if self._fill_key != (lengths, keep, k.device):
+            index, start = [], 0
+            for n, m in zip(lengths, keep):  # slot j of row e holds packed position start + j - (width - m)
+                index += [start] * (width - m) + list(range(start, start + m))
+                start += n
+            self._fill_key, self._fill_index = (lengths, keep, k.device), torch.tensor(index, device=k.device)
+        for cached, new in ((self.k[layer], k), (self.v[layer], v)):
+            padded = new.index_select(0, self._fill_index).view(len(lengths), width, *new.shape[1:])
+            cached[:, :, :width] = padded.transpose(1, 2)
+
+    def advance(self, tokens: int, layout) -> None:
+        """After a forward of `tokens` positions: a packed prefill filled each row up to its longest."""
+        self.length += max(self.prefix or layout.lengths) if isinstance(layout, Packed) else tokens
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """k, v: [B, KVH, T, D] new entries; returns everything cached so far for the layer."""
