@@ -200,7 +200,10 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     steps = [[train_ids[i] for i in step]
              for step in plan_steps(len(train_ids), per_step, cfg.epochs, cfg.max_steps, cfg.seed)]
     params = lora_parameters(model)
-    optimizer = adamw(params, cfg.lr, cfg.weight_decay, fused=device.type == "cuda" and strategy != "fsdp")
+    # Fused on the CPU too: one pass over all LoRA tensors instead of ~10 foreach kernels each
+    # (SmolLM2's 420, 2-core CPU: ~35 -> ~10 ms a step single-threaded, and far less exposed to
+    # another process's load than many tiny multi-threaded kernels).
+    optimizer = adamw(params, cfg.lr, cfg.weight_decay, fused=strategy != "fsdp")
     warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, round(0.03 * len(steps)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.schedule, warmup, len(steps), cfg.min_lr_ratio))
