@@ -311,6 +311,9 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     t_start = t_log = time.perf_counter()
     tokens_since_log = samples_since_log = 0
     if device.type == "cuda":
+        # What loading left in the allocator's cache (a dequantised GGUF, an fp32 build cast to
+        # bf16: W2's 28 GiB) would otherwise stay reserved beside the loop's own memory.
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
     step = done = run.start_step  # resumed from a checkpoint of the last step: no step runs
