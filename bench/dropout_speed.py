@@ -1,0 +1,42 @@
+"""GPU time of the seeded dropout kernels at W1 / W2 shapes (forward and its backward add).
+
+    python bench/dropout_speed.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from hivetune.ops import elementwise  # noqa: E402
+
+
+def gpu_us(fn, reps: int = 50) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / reps
+
+
+def main() -> None:
+    seed = torch.tensor([7], device="cuda")
+    for name, shape in (("W1", (1600, 896)), ("W2", (2896, 3584))):
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        out, t = torch.randn_like(x), torch.randn_like(x)
+        fwd = gpu_us(lambda: elementwise.dropout_seeded(x, seed, 0.05))
+        bwd = gpu_us(lambda: elementwise.seeded_masked_add_(out, t, seed, 0.05))
+        mb = x.numel() * 2 / 1e6
+        print(f"{name} {list(shape)}: dropout {fwd:.1f} us ({2 * mb / fwd * 1e-3:.2f} TB/s), "
+              f"masked add {bwd:.1f} us ({3 * mb / bwd * 1e-3:.2f} TB/s)")
+
+
+if __name__ == "__main__":
+    main()
