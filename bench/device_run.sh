@@ -2,7 +2,7 @@
 # One device call (about 6 minutes): GPU tests, W1 and W2 with the HF Trainer + PEFT baseline
 # (timed steps, extrapolated), and each again with the layer-by-layer LoRA reference path. The device tool returns at most 8 files, so
 # everything is packed into $OUT/device-run.tgz (results/*.json, logs) plus $OUT/summary.txt.
-# Usage (device tool): HIVETUNE_COMMIT=$(git rev-parse --short HEAD) bash bench/device_run.sh
+# Usage (device tool): HIVETUNE_COMMIT=<commit, typed here: the device has no .git of its own> bash bench/device_run.sh
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 HIVETUNE_CACHE=/tmp/hivetune-cache
 OUT=${OUT:-/tmp/out}

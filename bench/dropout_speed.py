@@ -34,8 +34,8 @@ def main() -> None:
         fwd = gpu_us(lambda: elementwise.dropout_seeded(x, seed, 0.05))
         bwd = gpu_us(lambda: elementwise.seeded_masked_add_(out, t, seed, 0.05))
         mb = x.numel() * 2 / 1e6
-        print(f"{name} {list(shape)}: dropout {fwd:.1f} us ({2 * mb / fwd * 1e-3:.2f} TB/s), "
-              f"masked add {bwd:.1f} us ({3 * mb / bwd * 1e-3:.2f} TB/s)")
+        print(f"{name} {list(shape)}: dropout {fwd:.1f} us ({2 * mb / fwd:.2f} TB/s), "
+              f"masked add {bwd:.1f} us ({3 * mb / bwd:.2f} TB/s)")
 
 
 if __name__ == "__main__":

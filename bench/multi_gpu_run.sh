@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on kind nvidia-h200-x2 (issue 10): the 2-GPU tests, then W2 on 1 and 2 GPUs
 # and a 14B-shape model with FSDP2 (bench/multi_gpu.py). Results into $OUT.
-# Usage (device tool): HIVETUNE_COMMIT=$(git rev-parse --short HEAD) bash bench/multi_gpu_run.sh
+# Usage (device tool): HIVETUNE_COMMIT=<commit, typed here: the device has no .git of its own> bash bench/multi_gpu_run.sh
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 HIVETUNE_CACHE=/tmp/hivetune-cache
 OUT=${OUT:-/tmp/out}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: where a W1 / W2 step spends its GPU time (kernel mix with graphs off, graph
 # replay timing with graphs on) and a bf16 + gradient-checkpointing sanity run.
-# Usage (device tool): HIVETUNE_COMMIT=$(git rev-parse --short HEAD) bash bench/probe_run.sh
+# Usage (device tool): HIVETUNE_COMMIT=<commit, typed here: the device has no .git of its own> bash bench/probe_run.sh
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 HIVETUNE_CACHE=/tmp/hivetune-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -2,7 +2,7 @@
 # One device call (~4.5 min on an H100): the GPU tests, then short W1 / W2 runs that warm
 # Triton's kernel cache, then W1, W2 (16 x 1) and W2 (2 graphed micro-batches of 8) into
 # $OUT/results with the cache warm (the JSON records it). Usage (device tool):
-#   HIVETUNE_COMMIT=$(git rev-parse --short HEAD) bash bench/warm_run.sh
+#   HIVETUNE_COMMIT=<commit, typed here: the device has no .git of its own> bash bench/warm_run.sh
 set -u
 export PYTHONUNBUFFERED=1 HIVETUNE_CACHE=/tmp/hc PYTHONPATH=$PWD/src TRITON_CACHE_DIR=/tmp/triton-cache
 nvidia-smi --query-gpu=name --format=csv,noheader
