@@ -116,6 +116,7 @@ def test_fused_adamw_matches_foreach_and_falls_back_with_one_line(monkeypatch, c
         return real(params, **kw)
 
     monkeypatch.setattr(torch.optim, "AdamW", no_fused)
+    monkeypatch.setattr(fastpath, "FusedAdamW", no_fused)  # what adamw() builds when torch can fuse
     params = make_params()
     fallback = adamw(params, 1e-2, 0.01, fused=True)
     assert not fallback.defaults["fused"]

@@ -30,7 +30,7 @@ from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset
 from hivetune import distributed
 from hivetune.device import DTYPES, peak_memory_bytes, resolve_device, resolve_precision, set_threads
 from hivetune.doctor.preflight import check_stack
-from hivetune.fastpath import adamw, fused_lora_usable
+from hivetune.fastpath import adamw, clip_grad_norm, fused_lora_usable
 from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.errors import UserError
 from hivetune.fileio import atomic_write_bytes, check_writable, hold_run_lock, write_folder_atomically
@@ -336,7 +336,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
             if run.scaler:
                 run.scaler.unscale_(run.optimizer)
             if cfg.max_grad_norm > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+                grad_norm = clip_grad_norm(params, cfg.max_grad_norm)
             else:
                 grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
             if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor

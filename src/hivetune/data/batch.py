@@ -37,12 +37,9 @@ class MicroBatch:
 
 def _targets(example: Encoded, row_start: int) -> tuple[list[int], list[int]]:
     """Position t predicts token t+1: positions row_start+t for each target token t+1."""
-    index, ids = [], []
-    for t in range(len(example.ids) - 1):
-        if example.mask[t + 1]:
-            index.append(row_start + t)
-            ids.append(example.ids[t + 1])
-    return index, ids
+    mask, tokens = example.mask, example.ids
+    kept = [t for t in range(len(tokens) - 1) if mask[t + 1]]
+    return [row_start + t for t in kept], [tokens[t + 1] for t in kept]
 
 
 def collate_padded(examples: list[Encoded], pad_id: int) -> MicroBatch:

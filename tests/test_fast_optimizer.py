@@ -1,0 +1,60 @@
+"""FusedAdamW's kept-lists step against torch's fused AdamW, on the CPU (torch fuses it there too):
+the same bits, with persistent gradient tensors (what CUDA graphs give it), a skipped step
+(found_inf), an lr schedule, and a state loaded from a checkpoint."""
+
+import torch
+
+from hivetune.fastpath import FusedAdamW, adamw
+
+
+def make_params(seed=0, shapes=((8, 16), (16, 8), (3,), (5, 7))):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+def run_steps(opt, params, grads, steps=6, skip=(3,)):
+    """Writes new values into the same gradient tensors each step (as graph replays do)."""
+    g = torch.Generator().manual_seed(1)
+    for p, t in zip(params, grads):
+        p.grad = t
+    for k in range(steps):
+        for t in grads:
+            t.copy_(torch.randn(t.shape, generator=g))
+        opt.found_inf = torch.tensor(1.0 if k in skip else 0.0)
+        for group in opt.param_groups:
+            group["lr"] = 1e-2 * (0.9 ** k)
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def test_kept_lists_step_equals_torch_fused_bit_for_bit():
+    fast_params, ref_params = make_params(), make_params()
+    fast = adamw(fast_params, 1e-2, 0.01, fused=True)
+    assert isinstance(fast, FusedAdamW)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.01, fused=True)
+    calls = []
+    real = fast._known_step
+    fast._known_step = lambda *a: (calls.append(1), real(*a))
+    a = run_steps(fast, fast_params, [torch.zeros_like(p) for p in fast_params])
+    b = run_steps(ref, ref_params, [torch.zeros_like(p) for p in ref_params])
+    assert len(calls) == 5  # the first step is torch's; the next 5 keep its lists
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    for p, q in zip(fast_params, ref_params):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(fast.state[p][key], ref.state[q][key]), key
+    assert float(fast.state[fast_params[0]]["step"]) == 5.0  # 6 steps, one skipped
+
+
+def test_new_gradient_tensors_and_a_loaded_state_go_through_torch():
+    params = make_params()
+    opt = adamw(params, 1e-2, 0.0, fused=True)
+    run_steps(opt, params, [torch.zeros_like(p) for p in params], steps=2, skip=())
+    assert opt._lists is not None
+    params[0].grad = torch.ones_like(params[0])  # a new tensor: the kept lists no longer hold
+    calls = []
+    opt._known_step = lambda *a: calls.append(1)
+    opt.step()
+    assert calls == []
+    opt.load_state_dict(opt.state_dict())
+    assert opt._lists is None
