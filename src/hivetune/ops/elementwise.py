@@ -133,47 +133,27 @@ if triton is not None:
         tl.store(OUT + i, (o + t * m * keep).to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _keep4(SEED, pid, p, Q: tl.constexpr):
-        """The keep masks of a program's 4 quarters: one Philox draw gives 4 numbers (tl.rand
-        per element ran Philox 4 times as often: W2's dropout read and wrote at ~480 GB/s)."""
+    def _seeded_quarter(OUT, X, i, n, keep, scale, ADD: tl.constexpr):
+        m = i < n
+        y = tl.where(keep, tl.load(X + i, mask=m, other=0.0).to(tl.float32) * scale, 0.0)
+        if ADD:
+            y += tl.load(OUT + i, mask=m, other=0.0).to(tl.float32)
+        tl.store(OUT + i, y.to(OUT.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _seeded_dropout(OUT, X, SEED, n, p, scale, ADD: tl.constexpr, Q: tl.constexpr):
+        """OUT = X * keep / (1 - p), or with ADD, OUT += X * keep / (1 - p) (the dropout's
+        backward, which draws the mask again: it is never stored). keep = rand >= p, from the
+        seed and the element's index; one Philox draw (tl.rand4x) covers the 4 quarters of a
+        program's 4 Q elements (tl.rand per element ran Philox 4 times as often, and W2's dropout
+        ran at ~480 GB/s)."""
+        pid = tl.program_id(0)
         r0, r1, r2, r3 = tl.rand4x(tl.load(SEED), pid * Q + tl.arange(0, Q))
-        return r0 >= p, r1 >= p, r2 >= p, r3 >= p
-
-    @triton.jit
-    def _drop_quarter(X, Y, i, n, keep, scale):
-        m = i < n
-        x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
-        tl.store(Y + i, tl.where(keep, x * scale, 0.0).to(Y.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def _dropout_seeded(X, Y, SEED, n, p, scale, Q: tl.constexpr):
-        """Y = X * keep / (1 - p), keep drawn from the seed (_keep4): the mask is never stored,
-        the backward draws it again from the same seed (_seeded_masked_add)."""
-        pid = tl.program_id(0)
-        k0, k1, k2, k3 = _keep4(SEED, pid, p, Q)
         i = pid.to(tl.int64) * 4 * Q + tl.arange(0, Q)
-        _drop_quarter(X, Y, i, n, k0, scale)
-        _drop_quarter(X, Y, i + Q, n, k1, scale)
-        _drop_quarter(X, Y, i + 2 * Q, n, k2, scale)
-        _drop_quarter(X, Y, i + 3 * Q, n, k3, scale)
-
-    @triton.jit
-    def _add_quarter(OUT, T, i, n, keep, scale):
-        m = i < n
-        o = tl.load(OUT + i, mask=m, other=0.0).to(tl.float32)
-        t = tl.load(T + i, mask=m, other=0.0).to(tl.float32)
-        tl.store(OUT + i, (o + tl.where(keep, t * scale, 0.0)).to(OUT.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def _seeded_masked_add(OUT, T, SEED, n, p, scale, Q: tl.constexpr):
-        """OUT += T * keep / (1 - p) with _dropout_seeded's mask (the dropout backward)."""
-        pid = tl.program_id(0)
-        k0, k1, k2, k3 = _keep4(SEED, pid, p, Q)
-        i = pid.to(tl.int64) * 4 * Q + tl.arange(0, Q)
-        _add_quarter(OUT, T, i, n, k0, scale)
-        _add_quarter(OUT, T, i + Q, n, k1, scale)
-        _add_quarter(OUT, T, i + 2 * Q, n, k2, scale)
-        _add_quarter(OUT, T, i + 3 * Q, n, k3, scale)
+        _seeded_quarter(OUT, X, i, n, r0 >= p, scale, ADD)
+        _seeded_quarter(OUT, X, i + Q, n, r1 >= p, scale, ADD)
+        _seeded_quarter(OUT, X, i + 2 * Q, n, r2 >= p, scale, ADD)
+        _seeded_quarter(OUT, X, i + 3 * Q, n, r3 >= p, scale, ADD)
 
     @triton.jit
     def _rope(X, COS, SIN, Y, heads, HALF, X_TOKEN_STRIDE, sign, H_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
@@ -323,7 +303,7 @@ def seeded_dropout_ok(x: torch.Tensor) -> bool:
 
 
 def new_dropout_seed(device) -> torch.Tensor:
-    """A seed for _dropout_seeded, drawn from torch's CUDA generator (so torch.manual_seed and the
+    """A seed for _seeded_dropout, drawn from torch's CUDA generator (so torch.manual_seed and the
     checkpointed RNG state decide it, and CUDA graphs draw a new one at each replay)."""
     return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
 
@@ -335,14 +315,14 @@ def dropout_seeded(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tenso
     """x * keep / (1 - p) with the mask of `seed` (contiguous x; seeded_dropout_ok)."""
     y = torch.empty_like(x)
     n = x.numel()
-    _dropout_seeded[_elementwise_grid(n, 4 * SEEDED_Q)](x, y, seed, n, p, 1.0 / (1.0 - p), Q=SEEDED_Q)
+    _seeded_dropout[_elementwise_grid(n, 4 * SEEDED_Q)](y, x, seed, n, p, 1.0 / (1.0 - p), ADD=False, Q=SEEDED_Q)
     return y
 
 
 def seeded_masked_add_(out: torch.Tensor, t: torch.Tensor, seed: torch.Tensor, p: float) -> None:
     """out += t * keep / (1 - p) with dropout_seeded's mask for `seed` (contiguous, one shape)."""
     n = out.numel()
-    _seeded_masked_add[_elementwise_grid(n, 4 * SEEDED_Q)](out, t, seed, n, p, 1.0 / (1.0 - p), Q=SEEDED_Q)
+    _seeded_dropout[_elementwise_grid(n, 4 * SEEDED_Q)](out, t, seed, n, p, 1.0 / (1.0 - p), ADD=True, Q=SEEDED_Q)
 
 
 def swiglu_raw(gate_up: torch.Tensor) -> torch.Tensor:
