@@ -16,11 +16,18 @@ from hivetune.ops import elementwise  # noqa: E402
 
 
 def gpu_us(fn, reps: int = 50) -> float:
+    """GPU microseconds per call: `reps` calls captured in one CUDA graph and replayed, so the
+    host's launch cost (~20-45 us a Triton launch, more than these kernels take) stays out."""
     fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(reps):
-        fn()
+    graph.replay()
     end.record()
     torch.cuda.synchronize()
     return 1000 * start.elapsed_time(end) / reps
