@@ -5,6 +5,7 @@ data kept inside their folder, and the lock that keeps two trainers out of one r
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -78,6 +79,34 @@ def write_folder_atomically(folder: Path, write: Callable[[Path], None]) -> None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def cache_dir() -> Path:
+    """hivetune's cache: $HIVETUNE_CACHE, else $XDG_CACHE_HOME/hivetune or ~/.cache/hivetune."""
+    root = os.environ.get("HIVETUNE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hivetune")
+    return Path(root)
+
+
+def file_cache_folder(path: Path, kind: str) -> Path:
+    """The cache folder of what hivetune derives from the file at `path` (`kind`: tokenizers,
+    models), keyed by its resolved path, size and mtime: a rewritten file gets a new folder."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / kind / key
+
+
+def fill_cache_folder(folder: Path, write: Callable[[Path], None]) -> None:
+    """write(tmp) into a temp sibling, then rename it to `folder`, so a reader sees the folder
+    complete or not at all. Another process that got there first keeps its folder; a cache that
+    cannot be written (read-only, full) only costs time: nothing is raised, nothing is left."""
+    tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        os.replace(tmp, folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def replace_folder(tmp: Path, out: Path) -> None:

@@ -275,14 +275,14 @@ def test_decoded_gguf_cache_gives_the_same_model(tmp_path, monkeypatch):
     """The second load of a GGUF reads its decoded weights from the cache: the same parameters
     bit for bit and the same ModelArgs, owning their memory; a rewritten file gets a new key;
     a GGUF with rope_freqs (llama3) is not cached (its factors are not in a config.json)."""
-    from hivetune.model.load import gguf_cache_folder
+    from hivetune.fileio import file_cache_folder
 
     monkeypatch.setenv("HIVETUNE_CACHE", str(tmp_path / "cache"))
     hf = tiny_llama("tied", seed=13)
     path = tmp_path / "m.gguf"
     write_llama_gguf(path, hf)
     first = load_model(path)
-    folder = gguf_cache_folder(path)
+    folder = file_cache_folder(path, "models")
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
     second = load_model(path)
     assert second.args == first.args
@@ -295,13 +295,13 @@ def test_decoded_gguf_cache_gives_the_same_model(tmp_path, monkeypatch):
     third = load_model(path)
     assert torch.equal(third.model.embed_tokens.weight, first.model.embed_tokens.weight)
     write_llama_gguf(path, tiny_llama("tied", seed=14))  # rewritten: size or mtime change the key
-    assert gguf_cache_folder(path) != folder
+    assert file_cache_folder(path, "models") != folder
     assert not torch.equal(load_model(path).model.embed_tokens.weight, first.model.embed_tokens.weight)
 
     llama3 = tmp_path / "l3.gguf"
     write_llama_gguf(llama3, tiny_llama("llama3", seed=15))
     load_model(llama3)
-    assert not gguf_cache_folder(llama3).exists()
+    assert not file_cache_folder(llama3, "models").exists()
 
 
 # ------------------------------------------------------------------------------ embedded SmolLM2

@@ -6,16 +6,14 @@ tensor is assigned once, so a bf16 run never holds an fp32 copy of the base.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from hivetune.errors import UserError
+from hivetune.fileio import fill_cache_folder, file_cache_folder
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM, rope_inv_freq
 
@@ -63,7 +61,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
     if not path.exists():
         raise UserError(f"{path}: model path not found")
     if is_gguf(path):
-        cached = gguf_cache_folder(path)
+        cached = file_cache_folder(path, "models")
         if (cached / "model.safetensors").exists():
             args = ModelArgs.from_hf_dict(json.loads((cached / "config.json").read_text()), source=str(path))
             return build_model(args, safetensors_state_dict(cached), dtype, device, source=str(path))
@@ -88,28 +86,15 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
 GGUF_CACHE_MAX_BYTES = 1 << 30
 
 
-def gguf_cache_folder(path: Path) -> Path:
-    """The cache folder of a GGUF file's decoded weights, keyed by its path, size and mtime."""
-    from hivetune.model.tokenizer import cache_dir
-
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "models" / key
-
-
 def save_gguf_cache(folder: Path, args: ModelArgs, tensors: list) -> None:
-    """Write the decoded weights (fp32, as dequantised) and the config: a model folder of its
-    own, written aside and renamed into place. A cache that cannot be written only costs time."""
+    """The decoded weights (fp32, as dequantised) and the config: a model folder of its own."""
     from safetensors.torch import save_file
 
-    tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
-    try:
-        tmp.mkdir(parents=True, exist_ok=True)
+    def write(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(args.extra))
         save_file({name: t.contiguous() for name, t in tensors}, str(tmp / "model.safetensors"))
-        os.replace(tmp, folder)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    fill_cache_folder(folder, write)
 
 
 def build_model(args: ModelArgs, tensors, dtype, device, source: str) -> CausalLM:

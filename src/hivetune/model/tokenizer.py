@@ -6,21 +6,14 @@ under the cache folder keyed by the file's name, size and mtime, and loads in ~0
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import warnings
 from functools import lru_cache
 from pathlib import Path
 
 from hivetune.errors import UserError
+from hivetune.fileio import fill_cache_folder, file_cache_folder
 from hivetune.model.load import is_gguf
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("HIVETUNE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hivetune")
-    return Path(root)
 
 
 def _quiet_transformers():
@@ -41,21 +34,14 @@ def load_tokenizer(model_path: str):
     if not path.exists():
         raise UserError(f"{path}: model path not found")
     if is_gguf(path):
-        st = path.stat()
-        key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-        cached = cache_dir() / "tokenizers" / key
+        cached = file_cache_folder(path, "tokenizers")
         if (cached / "tokenizer.json").exists():
             return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
         try:
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
         except Exception as e:
             raise UserError(f"{path}: cannot build a tokenizer from the GGUF metadata ({e})") from None
-        try:
-            tmp = cached.with_name(cached.name + f".tmp-{os.getpid()}")
-            tok.save_pretrained(str(tmp))
-            os.replace(tmp, cached) if not cached.exists() else None
-        except OSError:
-            pass  # a read-only cache only costs time
+        fill_cache_folder(cached, lambda tmp: tok.save_pretrained(str(tmp)))
         return tok
     folder = path if path.is_dir() else path.parent
     try:
