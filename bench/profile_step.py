@@ -2,6 +2,7 @@
 
     python bench/profile_step.py W1 [--steps 20] [--set packing=false] [--set cuda_graphs=false]
     python bench/profile_step.py W1 --steps 203 --no-profile --bucket 512   # time only
+    python bench/profile_step.py W1 --steps 203 --cprofile                  # host time by function
 
 With CUDA graphs each fit call captures its buckets again: the timing line gives ms/step with
 and without that capture time.
@@ -39,6 +40,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="experiment: torch.compile each decoder layer")
     parser.add_argument("--no-profile", action="store_true", help="only time the steps")
     parser.add_argument("--sync-debug", action="store_true", help="print where the steps synchronise with the host")
+    parser.add_argument("--cprofile", action="store_true", help="where the host's time goes: cProfile over the steps")
     parser.add_argument("--bucket", type=int, default=0, help="CUDA-graph bucket in tokens (default 256)")
     opts = parser.parse_args()
     if opts.bucket:
@@ -69,6 +71,9 @@ def main() -> None:
     if opts.sync_debug:
         print_syncs(run)
         return
+    if opts.cprofile:
+        print_host_profile(run)
+        return
     if opts.no_profile:
         t0 = time.perf_counter()
         fit(run, progress=False)
@@ -98,6 +103,24 @@ def main() -> None:
     print(table.table(sort_by="cuda_time_total", row_limit=25))
     print(table.table(sort_by="self_cpu_time_total", row_limit=15))
     print_kernels(prof, len(rest))
+
+
+def print_host_profile(run) -> None:
+    """cProfile over fit: the host's time by function (cumulative, then own time). With CUDA
+    graphs each fit call captures again: ``_capture`` shows apart in the listing."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    fit(run, progress=False)
+    torch.cuda.synchronize()
+    prof.disable()
+    print(f"{len(run.steps)} steps in {time.perf_counter() - t0:.2f} s under cProfile")
+    stats = pstats.Stats(prof)
+    stats.sort_stats("cumulative").print_stats(45)
+    stats.sort_stats("tottime").print_stats(30)
 
 
 def print_syncs(run) -> None:
