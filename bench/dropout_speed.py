@@ -1,6 +1,6 @@
 """GPU time of the seeded dropout kernels at W1 / W2 shapes (forward and its backward add).
 
-    python bench/dropout_speed.py
+    python bench/dropout_speed.py [--out bench/results]     # prints, and writes dropout-speed-<commit>.json
 """
 
 from __future__ import annotations
@@ -53,6 +53,16 @@ def gpu_us(fn, reps: int = 50) -> float:
 
 
 def main() -> None:
+    import argparse
+    import json
+    from datetime import datetime
+
+    from hivetune.bench import environment, git_commit
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="bench/results")
+    out_dir = Path(parser.parse_args().out)
+    rows = []
     seed = torch.tensor([7], device="cuda")
     for name, shape in (("W1", (1600, 896)), ("W2", (2896, 3584)), ("W2 down_proj", (2896, 18944))):
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -63,6 +73,14 @@ def main() -> None:
         mb = x.numel() * 2 / 1e6
         print(f"{name} {list(shape)}: dropout {fwd:.1f} us ({2 * mb / fwd:.2f} TB/s), "
               f"masked add {bwd:.1f} us ({3 * mb / bwd:.2f} TB/s); one draw per element (before): dropout {old:.1f} us")
+        rows.append({"shape": name, "elements": list(shape), "dropout_us": round(fwd, 2),
+                     "masked_add_us": round(bwd, 2), "one_draw_per_element_dropout_us": round(old, 2)})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"dropout-speed-{git_commit()}-{datetime.now():%Y%m%d-%H%M%S}.json"
+    path.write_text(json.dumps({"benchmark": "seeded_dropout_kernels", "date": datetime.now().isoformat(timespec="seconds"),
+                                "p": 0.05, "dtype": "bfloat16", "timing": "50 calls inside one CUDA graph",
+                                "rows": rows, "environment": environment(torch.device("cuda"))}, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
