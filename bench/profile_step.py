@@ -3,6 +3,11 @@
     python bench/profile_step.py W1 [--steps 20] [--set packing=false] [--set cuda_graphs=false]
     python bench/profile_step.py W1 --steps 203 --no-profile --bucket 512   # time only
     python bench/profile_step.py W1 --steps 203 --cprofile                  # host time by function
+    python bench/profile_step.py W2 --narrow --no-profile --set cuda_graphs=false  # host dispatch alone
+
+--narrow keeps the workload's layers, heads, LoRA and data but shrinks the widths (head_dim 16,
+intermediate 512, vocab 8192): the GPU work becomes negligible, so an eager step's wall time is
+the host's dispatch time for the same kernels and Python.
 
 With CUDA graphs each fit call captures its buckets again: the timing line gives ms/step with
 and without that capture time.
@@ -41,6 +46,7 @@ def main() -> None:
     parser.add_argument("--no-profile", action="store_true", help="only time the steps")
     parser.add_argument("--sync-debug", action="store_true", help="print where the steps synchronise with the host")
     parser.add_argument("--cprofile", action="store_true", help="where the host's time goes: cProfile over the steps")
+    parser.add_argument("--narrow", action="store_true", help="tiny widths: wall time = host dispatch time")
     parser.add_argument("--bucket", type=int, default=0, help="CUDA-graph bucket in tokens (default 256)")
     opts = parser.parse_args()
     if opts.bucket:
@@ -54,8 +60,14 @@ def main() -> None:
               "max_length": 4096, "log_every": 1000}
     values.update(parse_overrides(opts.overrides))
     cfg = load_config(None, values)
-    examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))
-    model = random_model(w.args, device, torch.bfloat16)
+    args = w.args
+    if opts.narrow:
+        import dataclasses
+
+        heads = args.num_attention_heads
+        args = dataclasses.replace(args, hidden_size=16 * heads, head_dim=16, intermediate_size=512, vocab_size=8192)
+    examples = TokenizedExamples(workload_examples(w.n_examples, args.vocab_size, w.cap))
+    model = random_model(args, device, torch.bfloat16)
     run = assemble(cfg, model, examples, None, device, "bf16", Path(f"/tmp/prof-{time.time()}"), Path("random"))
     if opts.compile:
         torch._dynamo.config.cache_size_limit = 64
