@@ -141,3 +141,75 @@ def test_seeded_lora_group_matches_fp32_with_its_mask_and_recomputes_bit_for_bit
     torch.testing.assert_close(plain[0].float(), y_ref.detach(), rtol=2e-2, atol=2e-2)
     for got, want in ((plain[2], a.grad), (plain[3], b.grad)):
         assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item() > 0.999
+
+
+@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+def test_norm_sources_recompute_the_same_gradients_bit_for_bit(lora_model_and_batch, monkeypatch):
+    """With dropout, q/k/v and gate/up keep the norm's input (RMSNorm.source) and recompute the
+    norm in backward instead of saving its dropped output: the same loss and LoRA gradients,
+    bit for bit, as saving it; and one [T, hidden] tensor less per norm among the saved ones
+    (but the first layer's, whose input the norm itself does not keep: the embedding is frozen)."""
+    from hivetune.model.decoder import RMSNorm
+    from hivetune.model.lora import LoRALinear
+
+    ref, batch = lora_model_and_batch
+    model = copy.deepcopy(ref)
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            m.lora_dropout = torch.nn.Dropout(0.1)
+    fuse_projections(model)
+    model.train()
+
+    def run():
+        saved = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        for p in lora_parameters(model):
+            p.grad = None
+        torch.manual_seed(3)
+        with torch.autocast("cuda", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            hidden = model(batch.input_ids, batch.position_ids, batch.layout)
+            loss = target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in lora_parameters(model)], saved
+
+    loss, grads, saved = run()
+    monkeypatch.setattr(RMSNorm, "source", lambda self, x: None)
+    ref_loss, ref_grads, ref_saved = run()
+    assert loss == ref_loss
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    tokens, hidden = batch.input_ids.shape[1], model.args.hidden_size
+    # 2 layers x 2 norms no longer save their dropped output, and layer 0's q/k/v keep the embedding output
+    assert sum(ref_saved.values()) - sum(saved.values()) == 3 * tokens * hidden * 2
+
+
+def test_flash_varlen_takes_grouped_heads_and_matches_sdpa():
+    """FlashVarlen on K/V with fewer heads (GQA, no repeat) against SDPA per example in fp32."""
+    from hivetune.ops.attention import FlashVarlen
+
+    torch.manual_seed(0)
+    lengths = (37, 5, 90)
+    t = sum(lengths)
+    q = torch.randn(t, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(t, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(t, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.tensor([0, 37, 42, 132], dtype=torch.int32, device="cuda")
+    out = FlashVarlen.apply(q, k, v, cu, max(lengths))
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert dk.shape == k.shape and dv.shape == v.shape
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    outs, start = [], 0
+    for n in lengths:
+        qs = qf[start:start + n].transpose(0, 1)
+        ks, vs = (x[start:start + n].transpose(0, 1).repeat_interleave(4, 0) for x in (kf, vf))
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+        start += n
+    ref = torch.cat(outs)
+    rq, rk, rv = torch.autograd.grad(ref, (qf, kf, vf), dout.float())
+    for got, want in ((out, ref), (dq, rq), (dk, rk), (dv, rv)):
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        assert err < 2e-2, err

@@ -158,7 +158,8 @@ class FusedProjections:
                 b.bias = nn.Parameter(self.bias[row:row + size], requires_grad=False)
             row += size
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor, source=None) -> torch.Tensor | None:
+        """`source`: (fn, tensor) with x = fn(tensor), kept for backward anyway (ops.lora_group)."""
         lora = [m for m in self.layers if isinstance(m, LoRALinear) and m.enabled]
         if not lora:
             return torch.nn.functional.linear(x, self.weight, self.bias)
@@ -166,7 +167,7 @@ class FusedProjections:
             return None
         first = lora[0]
         return lora_group(x, self.weight, self.bias, self.sizes, first.dropout_p(), first.scaling,
-                          [m.lora_A.weight for m in lora], [m.lora_B.weight for m in lora])
+                          [m.lora_A.weight for m in lora], [m.lora_B.weight for m in lora], source)
 
 
 def fuse_projections(model: nn.Module) -> int:

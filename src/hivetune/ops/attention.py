@@ -223,10 +223,49 @@ def grouped_masked_attention(q, k, v, mask, groups: int) -> torch.Tensor:
 _VARLEN = None
 
 
+class FlashVarlen(torch.autograd.Function):
+    """Causal flash attention over packed examples, straight on aten's flash kernels.
+
+    torch.nn.attention.varlen.varlen_attn (torch 2.11) takes no grouped K/V heads, so K and V
+    had to be repeated to every query head: on W2 (28 heads, 4 K/V heads) that is two copies
+    and their backward's reduction per layer, and the repeated K/V are what attention saves for
+    backward: 12 KB more per token and layer than the grouped ones (~1.2 GiB at a 3,600-token
+    micro-batch). Flash itself takes K/V heads dividing the query heads. Going to the kernels
+    also skips the custom op's per-call Python (argument defaults, redispatch, a zeroed RNG
+    state tensor per call). q [T, H, D], k / v [T, KVH, D] -> [T, H, D].
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen):
+        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, seed, offset)
+        ctx.max_seqlen = max_seqlen
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_seqlen, ctx.max_seqlen, 0.0, True, seed, offset)
+        return dq, dk, dv, None, None
+
+
+def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True, enable_gqa=True):
+    """FlashVarlen with varlen_attn's calling convention (causal, one cu_seqlens for q and k)."""
+    if not is_causal or cu_q is not cu_k or max_q != max_k:
+        raise ValueError("flash_varlen computes causal self-attention only")
+    return FlashVarlen.apply(q, k, v, cu_q, max_q)
+
+
 def _varlen_fn():
-    """torch.nn.attention.varlen.varlen_attn and how to ask it for causal + GQA, or None."""
+    """The packed-attention function and how to ask it for causal + GQA, or None: aten's flash
+    kernels through FlashVarlen where torch has them, else torch.nn.attention.varlen.varlen_attn."""
     global _VARLEN
     if _VARLEN is None:
+        if hasattr(torch.ops.aten, "_flash_attention_forward") and hasattr(torch.ops.aten, "_flash_attention_backward"):
+            _VARLEN = (flash_varlen, True, True)
+            return _VARLEN
         try:
             import inspect
 

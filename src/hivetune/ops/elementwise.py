@@ -278,8 +278,14 @@ class RoPEFunction(torch.autograd.Function):
 
 # ---------------------------------------------------------------- functional wrappers
 
+def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether rms_norm takes the Triton kernel (whose output is the same bits in and out of
+    autocast, so a backward may recompute it)."""
+    return fused_ok(x) and weight.dtype == x.dtype and not weight.requires_grad and x.shape[-1] <= 65536
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if fused_ok(x) and weight.dtype == x.dtype and not weight.requires_grad and x.shape[-1] <= 65536:
+    if rms_norm_fused(x, weight):
         return RMSNormFunction.apply(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 

@@ -132,18 +132,30 @@ class CastCache:
         return kind.a_buf[layer], kind.bd_buf[layer]
 
 
+_MM_OUT_DTYPE: bool | None = None  # whether torch.mm takes out_dtype (tried once)
+
+
 def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with a float32 result: one kernel on CUDA for bf16 / fp16 inputs (cuBLAS writes
     fp32), else the matmul then a cast (a no-op for fp32 inputs)."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+    global _MM_OUT_DTYPE
+    if _MM_OUT_DTYPE is not False and a.is_cuda and a.dtype != torch.float32:
         try:
-            return torch.mm(a, b, out_dtype=torch.float32)
+            out = torch.mm(a, b, out_dtype=torch.float32)
+            _MM_OUT_DTYPE = True
+            return out
         except (TypeError, RuntimeError):  # torch without mm(out_dtype=)
-            pass
+            _MM_OUT_DTYPE = False
     return (a @ b).float()
 
 
 class LoRAGroup(torch.autograd.Function):
+    """Written for host time as much as for the GPU: W2's eager micro-batch dispatches ~3,000
+    kernels, and where the host falls behind them the GPU waits (an H200 ran 16 x 1 at 187 ms a
+    step against ~172 ms of GPU work). So each call avoids what costs the host without saving
+    kernels: autocast contexts where autocast is off (backward), one ``split`` instead of a
+    slice per layer, a single check for mm's fp32 output."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, sizes, p, scale, source_fn, source, *lora):
         """x [..., d]; weight [O, d] (frozen, rows per layer); lora = A_1..A_n, B_1..B_n.
@@ -152,66 +164,90 @@ class LoRAGroup(torch.autograd.Function):
         instead of saving the dropped input."""
         n = len(sizes)
         a_params, b_params = lora[:n], lora[n:]
-        r = a_params[0].shape[0]
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        device_type = x.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
         cached = _ACTIVE.lookup(a_params, b_params, dtype) if _ACTIVE is not None else None
-        with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-            w = weight.to(dtype)
-            a_all, bd = cached if cached is not None else _casts(x2, weight, sizes, a_params, b_params, dtype)
-            mask = seed = None
-            seeded = p > 0 and elementwise.seeded_dropout_ok(x2)
-            if seeded:  # the mask is drawn again from the seed in backward: nothing stored
-                seed = elementwise.new_dropout_seed(x2.device)
-                xd = elementwise.dropout_seeded(x2, seed, p)
-            elif p > 0:
-                xd, mask = torch.native_dropout(x2, p, True)
-            else:
-                xd = x2
-            xa = x2.new_empty((x2.shape[0], n * r))
-            torch.addmm(xa, xd, a_all.t(), beta=0, alpha=scale, out=xa)  # s (xd A^T): the scale is free
-            y = F.linear(x2, w, None if bias is None else bias.to(dtype))
-            y.addmm_(xa, bd.t())
-        recompute = seeded and source is not None and source.dtype == dtype
-        kept = source if recompute else xd  # x itself is not needed: W is frozen
-        ctx.save_for_backward(kept, mask if seed is None else seed, xa, a_all, bd, w)
+        if autocast:
+            with torch.autocast(device_type, enabled=False):
+                y, kept, mask, xa, a_all, bd, w, recompute, seeded = _group_forward(
+                    x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached)
+        else:
+            y, kept, mask, xa, a_all, bd, w, recompute, seeded = _group_forward(
+                x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached)
+        ctx.save_for_backward(kept, mask, xa, a_all, bd, w)
         ctx.recompute, ctx.source_fn, ctx.seeded = recompute, source_fn, seeded
-        ctx.sizes, ctx.p, ctx.scale, ctx.r, ctx.x_shape, ctx.x_dtype = sizes, p, scale, r, x.shape, x.dtype
+        ctx.sizes, ctx.p, ctx.scale, ctx.r, ctx.x_shape, ctx.x_dtype = sizes, p, scale, a_params[0].shape[0], x.shape, x.dtype
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
-        kept, mask, xa, a_all, bd, w = ctx.saved_tensors
-        sizes, r = ctx.sizes, ctx.r
-        g = grad.reshape(-1, grad.shape[-1]).to(w.dtype)
+        saved = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        if g.dtype != saved[5].dtype:
+            g = g.to(saved[5].dtype)
         if not g.is_contiguous():
             g = g.contiguous()
-        with torch.autocast(g.device.type, enabled=False):
-            xd = kept
-            if ctx.recompute:  # the input from its source, then the dropout from its seed
-                x2 = kept if ctx.source_fn is None else ctx.source_fn(kept)
-                xd = elementwise.dropout_seeded(x2.reshape(-1, x2.shape[-1]).contiguous(), mask, ctx.p)
-                del x2  # only the dropped input is needed from here
-            g_xa = g.new_empty((g.shape[0], a_all.shape[0]))
-            torch.addmm(g_xa, g, bd, beta=0, alpha=ctx.scale, out=g_xa)  # d loss / d (xd A^T)
-            grad_x = None
-            if ctx.needs_input_grad[0]:
-                grad_x = g @ w
-                if ctx.seeded:
-                    elementwise.seeded_masked_add_(grad_x, g_xa @ a_all, mask, ctx.p)
-                elif mask is None:
-                    grad_x.addmm_(g_xa, a_all)
-                else:
-                    masked_add_(grad_x, g_xa @ a_all, mask, 1.0 / (1.0 - ctx.p))
-                grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
-            grad_a = mm_fp32(g_xa.t(), xd)  # [n r, d]: rows of A_1 .. A_n (contiguous blocks)
-            grads_a, grads_b, row = [], [], 0
-            for i, size in enumerate(sizes):
-                grads_a.append(grad_a[i * r:(i + 1) * r])
-                # dB_i = g_i^T xa_i (xa holds s): one matmul each, so each gradient is contiguous
-                grads_b.append(mm_fp32(g[:, row:row + size].t(), xa[:, i * r:(i + 1) * r]))
-                row += size
+        if torch.is_autocast_enabled(g.device.type):
+            with torch.autocast(g.device.type, enabled=False):
+                grad_x, grads_a, grads_b = _group_backward(ctx, g, *saved)
+        else:
+            grad_x, grads_a, grads_b = _group_backward(ctx, g, *saved)
         return (grad_x, None, None, None, None, None, None, None, *grads_a, *grads_b)
+
+
+def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached):
+    """LoRAGroup's forward outside autocast: y and what backward keeps (see the module doc)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != dtype:
+        x2 = x2.to(dtype)
+    w = weight if weight.dtype == dtype else weight.to(dtype)
+    a_all, bd = cached if cached is not None else _casts(x2, weight, sizes, a_params, b_params, dtype)
+    mask = None
+    seeded = p > 0 and elementwise.seeded_dropout_ok(x2)
+    if seeded:  # the mask is drawn again from the seed in backward: nothing stored
+        mask = elementwise.new_dropout_seed(x2.device)
+        xd = elementwise.dropout_seeded(x2, mask, p)
+    elif p > 0:
+        xd, mask = torch.native_dropout(x2, p, True)
+    else:
+        xd = x2
+    xa = x2.new_empty((x2.shape[0], a_all.shape[0]))
+    torch.addmm(xa, xd, a_all.t(), beta=0, alpha=scale, out=xa)  # s (xd A^T): the scale is free
+    y = F.linear(x2, w, None if bias is None else bias.to(dtype))
+    y.addmm_(xa, bd.t())
+    recompute = seeded and source is not None and source.dtype == dtype
+    kept = source if recompute else xd  # x itself is not needed: W is frozen
+    return y, kept, mask, xa, a_all, bd, w, recompute, seeded
+
+
+def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
+    """d loss / d x and the fp32 A and B gradients (see the module doc), outside autocast."""
+    sizes, r = ctx.sizes, ctx.r
+    xd = kept
+    if ctx.recompute:  # the input from its source, then the dropout from its seed
+        x2 = kept if ctx.source_fn is None else ctx.source_fn(kept)
+        xd = elementwise.dropout_seeded(x2.reshape(-1, x2.shape[-1]).contiguous(), mask, ctx.p)
+        del x2  # only the dropped input is needed from here
+    g_xa = torch.empty((g.shape[0], a_all.shape[0]), dtype=g.dtype, device=g.device)
+    torch.addmm(g_xa, g, bd, beta=0, alpha=ctx.scale, out=g_xa)  # d loss / d (xd A^T)
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        grad_x = g @ w
+        if ctx.seeded:
+            elementwise.seeded_masked_add_(grad_x, g_xa @ a_all, mask, ctx.p)
+        elif mask is None:
+            grad_x.addmm_(g_xa, a_all)
+        else:
+            masked_add_(grad_x, g_xa @ a_all, mask, 1.0 / (1.0 - ctx.p))
+        grad_x = grad_x.view(ctx.x_shape)
+        if grad_x.dtype != ctx.x_dtype:
+            grad_x = grad_x.to(ctx.x_dtype)
+    grads_a = mm_fp32(g_xa.t(), xd).split(r)  # [n r, d]: A_1 .. A_n's rows, contiguous blocks
+    # dB_i = g_i^T xa_i (xa holds s): one matmul each, so each gradient is contiguous
+    g_parts = g.split(sizes, 1) if len(sizes) > 1 else (g,)
+    grads_b = [mm_fp32(gi.t(), xai) for gi, xai in zip(g_parts, xa.split(r, 1))]
+    return grad_x, grads_a, grads_b
 
 
 def _casts(x2, weight, sizes, a_params, b_params, dtype):
