@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One device call (~4.5 min on an H100): the GPU tests, then short W1 / W2 runs that warm
+# One device call (~5 min on an H100): the GPU tests, then short W1 / W2 runs that warm
 # Triton's kernel cache, then W1, W2 (16 x 1) and W2 (2 graphed micro-batches of 8) into
 # $OUT/results with the cache warm (the JSON records it). Usage (device tool):
 #   HIVETUNE_COMMIT=<commit, typed here: the device has no .git of its own> bash bench/warm_run.sh
 set -u
 export PYTHONUNBUFFERED=1 HIVETUNE_CACHE=/tmp/hc PYTHONPATH=$PWD/src TRITON_CACHE_DIR=/tmp/triton-cache
 nvidia-smi --query-gpu=name --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 mkdir -p $OUT/results
 timeout 200 python3 -m pytest tests/gpu tests/ops/test_elementwise.py -q -p no:cacheprovider -o addopts="-W ignore::FutureWarning" > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log; grep -E "^FAILED|Error" $OUT/gpu-tests.log | head
 timeout 60 python3 -m hivetune bench W1 --out /tmp/warm --max-steps 30 2>&1 | grep -E "^W1"
@@ -14,3 +15,5 @@ timeout 60 python3 -m hivetune bench W2 --out /tmp/warm --max-steps 5 --set batc
 timeout 90 python3 -m hivetune bench W1 --out $OUT/results 2>&1 | grep -E "^W1"
 timeout 120 python3 -m hivetune bench W2 --out $OUT/results 2>&1 | grep -E "^W2"
 timeout 120 python3 -m hivetune bench W2 --out $OUT/results --set batch_size=8 --set grad_accum=2 2>&1 | grep -E "^W2"
+# the host's dispatch time for W2's kernels (tiny widths: wall = host), eager
+timeout 90 python3 bench/profile_step.py W2 --narrow --no-profile --steps 23 --set cuda_graphs=false 2>&1 | tail -1
