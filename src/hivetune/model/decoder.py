@@ -131,7 +131,7 @@ class MLP(nn.Module):
     def forward(self, x, source=None):
         joined = self.gate_up(x, source) if self.gate_up is not None else None
         if joined is not None:
-            h = elementwise.swiglu_joined(joined)
+            h = elementwise.swiglu_joined(joined, reuse=True)  # its gradient goes over `joined`
             if isinstance(self.down_proj, LoRALinear):  # SwiGLU keeps `joined`: h is recomputed from it
                 return self.down_proj(h, source=(elementwise.swiglu_raw, joined))
             return self.down_proj(h)

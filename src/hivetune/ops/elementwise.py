@@ -219,9 +219,13 @@ class SwiGLUFunction(torch.autograd.Function):
     BLOCK = 1024
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor | None):
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor | None, reuse: bool = False):
+        """`reuse` (joined only): the caller owns `gate` and drops it, so backward may write
+        the gradient over it: one [.., 2 I] buffer less at the peak of W2's backward."""
+        ctx.reuse = reuse
         if up is None:
             joined = gate.contiguous()
+            ctx.reuse = reuse and joined is gate
             ctx.save_for_backward(joined)
             return swiglu_raw(joined)
         g, u = gate.contiguous(), up.contiguous()
@@ -239,15 +243,15 @@ class SwiGLUFunction(torch.autograd.Function):
         saved = ctx.saved_tensors  # unpacked once: a checkpointed layer allows no second unpack
         if len(saved) == 1:
             (joined,) = saved
-            dgu = torch.empty_like(joined)
+            dgu = joined if ctx.reuse else torch.empty_like(joined)  # each element read, then written
             _swiglu_bwd[_elementwise_grid(n, SwiGLUFunction.BLOCK)](dy, joined, joined[..., cols:], dgu, dgu[..., cols:],
                                                                      n, cols, 2 * cols, BLOCK=SwiGLUFunction.BLOCK)
-            return dgu, None
+            return dgu, None, None
         gate, up = saved
         dg, du = torch.empty_like(gate), torch.empty_like(up)
         _swiglu_bwd[_elementwise_grid(n, SwiGLUFunction.BLOCK)](dy, gate, up, dg, du, n, cols, cols,
                                                                  BLOCK=SwiGLUFunction.BLOCK)
-        return dg, du
+        return dg, du, None
 
 
 def _rope_launch(x, cos, sin, sign: int):
@@ -343,10 +347,12 @@ def swiglu_raw(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def swiglu_joined(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up where gate_up = [gate | up] along the last dim (a fused gate/up output)."""
+def swiglu_joined(gate_up: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+    """silu(gate) * up where gate_up = [gate | up] along the last dim (a fused gate/up output).
+    `reuse`: gate_up is an intermediate nobody else reads after this; its gradient may be
+    written over it in backward."""
     if fused_ok(gate_up):
-        return SwiGLUFunction.apply(gate_up, None)
+        return SwiGLUFunction.apply(gate_up, None, reuse)
     gate, up = gate_up.chunk(2, dim=-1)
     return swiglu_reference(gate, up)
 

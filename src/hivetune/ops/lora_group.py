@@ -231,6 +231,9 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
         del x2  # only the dropped input is needed from here
     g_xa = torch.empty((g.shape[0], a_all.shape[0]), dtype=g.dtype, device=g.device)
     torch.addmm(g_xa, g, bd, beta=0, alpha=ctx.scale, out=g_xa)  # d loss / d (xd A^T)
+    # A's gradient first: a recomputed xd (down_proj: [T, I]) is freed before grad_x is made
+    grads_a = mm_fp32(g_xa.t(), xd).split(r)  # [n r, d]: A_1 .. A_n's rows, contiguous blocks
+    del xd
     grad_x = None
     if ctx.needs_input_grad[0]:
         grad_x = g @ w
@@ -243,7 +246,6 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
         grad_x = grad_x.view(ctx.x_shape)
         if grad_x.dtype != ctx.x_dtype:
             grad_x = grad_x.to(ctx.x_dtype)
-    grads_a = mm_fp32(g_xa.t(), xd).split(r)  # [n r, d]: A_1 .. A_n's rows, contiguous blocks
     # dB_i = g_i^T xa_i (xa holds s): one matmul each, so each gradient is contiguous
     g_parts = g.split(sizes, 1) if len(sizes) > 1 else (g,)
     grads_b = [mm_fp32(gi.t(), xai) for gi, xai in zip(g_parts, xa.split(r, 1))]

@@ -133,7 +133,8 @@ def fused_layers_standin():
     """Route elementwise.rms_norm / swiglu / swiglu_joined through the stand-ins where the
     Triton kernels would take the tensors on a GPU (bf16 / fp16; RMSNorm: a frozen weight of
     the input's dtype), and lora_group's dropout through a seeded CPU stand-in of the Triton
-    one (no mask saved; o_proj / down_proj recompute their dropped input)."""
+    one (no mask saved; o_proj / down_proj recompute their dropped input, q/k/v and gate/up
+    theirs from the norm's input, RMSNorm.source)."""
     from hivetune.ops import elementwise
 
     before = elementwise.rms_norm, elementwise.swiglu, elementwise.swiglu_joined
@@ -147,7 +148,7 @@ def fused_layers_standin():
     def swiglu(gate, up):
         return _SwiGLUStandIn.apply(gate, up) if gate.dtype in half else before[1](gate, up)
 
-    def swiglu_joined(gate_up):
+    def swiglu_joined(gate_up, reuse=False):
         return _SwiGLUStandIn.apply(gate_up, None) if gate_up.dtype in half else before[2](gate_up)
 
     # The seeded dropout of ops.lora_group: the mask from a CPU generator seeded with the seed.
@@ -164,6 +165,8 @@ def fused_layers_standin():
         return elementwise.swiglu_reference(*gate_up.chunk(2, dim=-1))
 
     seeded = {"seeded_dropout_ok": lambda x: x.dtype in half and x.is_contiguous(),
+              "rms_norm_fused": lambda x, weight: x.dtype in half and weight.dtype == x.dtype
+              and not weight.requires_grad,
               "new_dropout_seed": lambda device: torch.randint(0, 2**31 - 1, (1,), device=device),
               "dropout_seeded": dropout_seeded, "seeded_masked_add_": seeded_masked_add_, "swiglu_raw": swiglu_raw}
     seeded_before = {name: getattr(elementwise, name) for name in seeded}

@@ -174,9 +174,10 @@ def layer_saved_bytes_per_token(args: ModelArgs, mc: MemoryConfig) -> float:
         shared = len(adapted) == len(group)  # project_shared_input: one dropout draw for the group
         draws = 1 if shared else len(adapted)
         if mc.dropout > 0 and seeded:
-            # no mask; o_proj keeps the attention output (saved by varlen already) and down_proj
-            # the gate/up output (SwiGLU's), each recomputing its dropped input in backward
-            if group == ("down_proj",) or (group == ("o_proj",) and mc.attention == "varlen"):
+            # no mask; o_proj keeps the attention output (saved by varlen already), down_proj
+            # the gate/up output (SwiGLU's), and a whole q/k/v or gate/up group the norm's
+            # input (RMSNorm.source), each recomputing its dropped input in backward
+            if group == ("down_proj",) or (group == ("o_proj",) and mc.attention == "varlen") or shared:
                 pass
             else:
                 total += draws * s * dim
@@ -196,9 +197,12 @@ def seeded_dropout(mc: MemoryConfig) -> bool:
 
 def first_layer_saving(args: ModelArgs, mc: MemoryConfig) -> int:
     """Per token, what the first layer does not save: its input norm (no gradient flows into
-    the frozen embedding), and layer by layer the dropout masks of q/k/v (needed only for
-    d loss / d input; lora_group's Function saves its mask regardless)."""
+    the frozen embedding; but under the seeded dropout q/k/v keep that input themselves), and
+    layer by layer the dropout masks of q/k/v (needed only for d loss / d input; lora_group's
+    Function saves its mask regardless)."""
     saving = norm_saved_bytes_per_token(args, mc)
+    if seeded_dropout(mc) and all(t in mc.targets for t in GROUPS[0]):
+        saving -= mc.s * args.hidden_size  # q/k/v keep the norm's input, the embedding output
     if mc.dropout > 0 and not mc.joined:
         adapted = [t for t in GROUPS[0] if t in mc.targets]
         draws = 1 if len(adapted) == len(GROUPS[0]) else len(adapted)
