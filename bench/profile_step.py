@@ -4,6 +4,7 @@
     python bench/profile_step.py W1 --steps 203 --no-profile --bucket 512   # time only
     python bench/profile_step.py W1 --steps 203 --cprofile                  # host time by function
     python bench/profile_step.py W2 --narrow --no-profile --set cuda_graphs=false  # host dispatch alone
+    python bench/profile_step.py W1 --first --steps 3   # cProfile over a fresh process's first steps
 
 --narrow keeps the workload's layers, heads, LoRA and data but shrinks the widths (head_dim 16,
 intermediate 512, vocab 8192): the GPU work becomes negligible, so an eager step's wall time is
@@ -47,6 +48,8 @@ def main() -> None:
     parser.add_argument("--sync-debug", action="store_true", help="print where the steps synchronise with the host")
     parser.add_argument("--cprofile", action="store_true", help="where the host's time goes: cProfile over the steps")
     parser.add_argument("--narrow", action="store_true", help="tiny widths: wall time = host dispatch time")
+    parser.add_argument("--first", action="store_true",
+                        help="cProfile over the first --steps steps, lazy inits and graph capture included")
     parser.add_argument("--bucket", type=int, default=0, help="CUDA-graph bucket in tokens (default 256)")
     opts = parser.parse_args()
     if opts.bucket:
@@ -73,6 +76,10 @@ def main() -> None:
         torch._dynamo.config.cache_size_limit = 64
         for layer in model.model.layers:
             layer.compile(dynamic=True)
+    if opts.first:
+        run.steps = run.steps[:opts.steps]
+        print_host_profile(run)
+        return
     t_warm = time.perf_counter()
     warm = run.steps[:3]
     run.steps, rest = warm, run.steps[3:]
@@ -131,7 +138,7 @@ def print_host_profile(run) -> None:
     prof.disable()
     print(f"{len(run.steps)} steps in {time.perf_counter() - t0:.2f} s under cProfile")
     stats = pstats.Stats(prof)
-    stats.sort_stats("cumulative").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(60)
     stats.sort_stats("tottime").print_stats(30)
 
 
