@@ -180,3 +180,19 @@ def test_the_varlen_probe_runs_clean_inside_a_checkpointed_forward(monkeypatch):
     assert seen[0] is True and fastpath.NOTED == {}
     with torch.no_grad():
         assert fastpath.isolated(probe_varlen, CPU, torch.float32) == ""
+
+
+def test_prewarm_triton_computes_the_cache_key_in_the_background(monkeypatch):
+    """The first Triton launch hashes Triton's own files; prewarm_triton does it before the model
+    loads. Nothing on the CPU; on CUDA a thread fills triton_key's cache, once per process."""
+    monkeypatch.setattr(fastpath, "_PREWARM", None)
+    fastpath.prewarm_triton(torch.device("cpu"))
+    assert fastpath._PREWARM is None
+    cache = pytest.importorskip("triton.runtime.cache")
+    cache.triton_key.cache_clear()
+    fastpath.prewarm_triton(torch.device("cuda"))
+    thread = fastpath._PREWARM
+    thread.join(60)
+    assert cache.triton_key.cache_info().currsize == 1
+    fastpath.prewarm_triton(torch.device("cuda"))
+    assert fastpath._PREWARM is thread

@@ -161,8 +161,10 @@ def environment(device) -> dict:
 
 def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = None, max_steps: int = 0) -> dict:
     """Train the workload with hivetune's loop; return the measured figures."""
+    from hivetune.fastpath import prewarm_triton
     from hivetune.train import assemble, fit
 
+    prewarm_triton(device)  # overlaps building the data and the model, as in train's setup
     examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))
     values = {"model": "random", "data": "generator", "precision": "bf16" if device.type == "cuda" else "fp32",
               "device": device.type, "epochs": w.epochs, "max_steps": max_steps,

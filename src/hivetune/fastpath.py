@@ -127,6 +127,31 @@ def _per_example_attention(q, k, v, lengths) -> torch.Tensor:
     return torch.cat(outs)[None]
 
 
+_PREWARM: threading.Thread | None = None
+
+
+def prewarm_triton(device: torch.device) -> None:
+    """Start, in a background thread, the work Triton does at its first kernel launch in a
+    process: hashing its own installation for the cache key (~0.4 s on the device's hosts) and
+    importing its gluon modules (~0.2 s). Called before the model loads, it overlaps that load
+    instead of delaying the first training step. Once per process; nothing without CUDA or Triton."""
+    global _PREWARM
+    if _PREWARM is not None or device.type != "cuda" or forced("fused_layers"):
+        return
+
+    def warm():
+        try:
+            from triton.runtime.cache import triton_key
+
+            triton_key()  # lru_cached: the first kernel's cache lookup then finds it done
+            import triton.experimental.gluon  # noqa: F401
+        except Exception:  # noqa: BLE001 - a Triton without these private parts: its first launch pays
+            pass
+
+    _PREWARM = threading.Thread(target=warm, name="hivetune-triton-prewarm", daemon=True)
+    _PREWARM.start()
+
+
 def fused_lora_usable() -> bool:
     """ops.lora_group for training (joined projections): plain PyTorch, so only forcing it off
     in HIVETUNE_REFERENCE stops it."""

@@ -30,7 +30,7 @@ from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset
 from hivetune import distributed
 from hivetune.device import DTYPES, peak_memory_bytes, resolve_device, resolve_precision, set_threads
 from hivetune.doctor.preflight import check_stack
-from hivetune.fastpath import adamw, clip_grad_norm, fused_lora_usable
+from hivetune.fastpath import adamw, clip_grad_norm, fused_lora_usable, prewarm_triton
 from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.errors import UserError
 from hivetune.fileio import atomic_write_bytes, check_writable, hold_run_lock, write_folder_atomically
@@ -149,6 +149,7 @@ def setup(cfg: TrainConfig) -> Run:
                         f"({args.max_position_embeddings})")
     device = distributed.device_for(parallel, resolve_device(cfg.device))
     precision = resolve_precision(cfg.precision, device)
+    prewarm_triton(device)  # overlaps the tokenizer and the weights' load
     tokenizer = load_tokenizer(str(model_path))
     if len(tokenizer) > args.vocab_size:
         raise UserError(f"{model_path}: tokenizer has {len(tokenizer)} tokens, more than the model's "
