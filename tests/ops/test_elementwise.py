@@ -105,3 +105,52 @@ def test_fallbacks_are_the_references(monkeypatch):
     trainable = w.bfloat16().requires_grad_(True)
     out = ew.rms_norm(xb, trainable, 1e-5)
     assert out.grad_fn is not None and "RMSNormFunction" not in type(out.grad_fn).__name__
+
+
+def keep_mask(shape, seed, p, dtype):
+    """dropout_seeded's keep mask: the oracle for every kernel that draws it."""
+    return ew.dropout_seeded(torch.ones(shape, dtype=dtype, device=DEVICE), seed, p) != 0
+
+
+# bf16 under the CPU interpreter: its tl.dot on bf16 returns garbage (fp16 exercises the same code)
+DOT_DTYPES = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("t, d, r", [(37, 96, 24), (130, 200, 8), (300, 64, 40)])
+def test_dropout_matmuls_match_dropout_seeded_then_matmul(dtype, t, d, r):
+    """The LoRA A matmuls with the dropout inside (forward xa, A's gradient, dx's masked add) draw
+    dropout_seeded's mask element for element and match float64 math with it; rows and columns
+    off the tile grid, several row splits of A's gradient (t 300 -> 3 splits), r padded to 16."""
+    gen = torch.Generator().manual_seed(t)
+    x = torch.randn(t, d, generator=gen).to(DEVICE, dtype)
+    a = (torch.randn(r, d, generator=gen) * 0.1).to(DEVICE, dtype)
+    g = torch.randn(t, r, generator=gen).to(DEVICE, dtype)
+    out = torch.randn(t, d, generator=gen).to(DEVICE, dtype)
+    seed, p = torch.tensor([4321 + t], device=DEVICE), 0.25
+    assert ew.drop_matmul_ok(x, a)
+    keep = keep_mask(x.shape, seed, p, dtype).double() / (1 - p)
+    assert abs(keep.gt(0).double().mean().item() - 0.75) < 0.03
+    xd = x.double() * keep
+    xa = ew.drop_matmul(x, a, seed, p, 2.0)
+    assert xa.dtype == dtype and rel(xa, 2.0 * xd @ a.double().t()) < 4e-3
+    grad_a = ew.drop_matmul_grad(g, x, seed, p)
+    assert grad_a.dtype == torch.float32 and grad_a.shape == (r, d)
+    assert rel(grad_a, g.double().t() @ xd) < 1e-5  # fp32 accumulation of exact products
+    want = out.double() + (g.double() @ a.double()) * keep
+    ew.matmul_drop_add_(out, g, a, seed, p)
+    assert rel(out, want) < 4e-3
+    # another seed, another mask
+    assert not torch.equal(xa, ew.drop_matmul(x, a, seed + 1, p, 2.0))
+
+
+def test_dropout_matmul_takes_what_its_kernels_can():
+    x = torch.zeros(8, 64, dtype=torch.float16, device=DEVICE)
+    a = torch.zeros(16, 64, dtype=torch.float16, device=DEVICE)
+    usable = RUNS_TRITON
+    assert ew.drop_matmul_ok(x, a) == usable
+    assert not ew.drop_matmul_ok(x.float(), a.float())  # fp32: cuBLAS's fp32 matmuls
+    assert not ew.drop_matmul_ok(torch.zeros(8, 62, dtype=torch.float16, device=DEVICE), a[:, :62].contiguous())
+    assert not ew.drop_matmul_ok(x, torch.zeros(ew.DROP_MM_MAX_R + 1, 64, dtype=torch.float16, device=DEVICE))
+    assert not ew.drop_matmul_ok(x.t(), a[:, :8].contiguous())  # not contiguous

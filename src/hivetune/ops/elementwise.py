@@ -133,7 +133,21 @@ if triton is not None:
         tl.store(OUT + i, (o + t * m * keep).to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _seeded_quarter(OUT, X, i, n, keep, scale, ADD: tl.constexpr):
+    def _keep4(SEED, offsets, p):
+        """The dropout's keep mask for the 4 elements 4 o .. 4 o + 3 of each Philox offset o
+        (one tl.rand4x draw covers 4 elements: tl.rand per element ran Philox 4 times as often,
+        and W2's dropout ran at ~480 GB/s), laid out along the last axis: element e is kept when
+        rand4x(seed, e // 4)[e % 4] >= p. Every kernel that draws a mask uses this mapping."""
+        r0, r1, r2, r3 = tl.rand4x(tl.load(SEED), offsets)
+        return tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3)) >= p
+
+    @triton.jit
+    def _seeded_dropout(OUT, X, SEED, n, p, scale, ADD: tl.constexpr, Q: tl.constexpr):
+        """OUT = X * keep / (1 - p), or with ADD, OUT += X * keep / (1 - p) (the dropout's
+        backward, which draws the mask again: it is never stored). 4 Q elements a program."""
+        pid = tl.program_id(0)
+        keep = _keep4(SEED, pid * Q + tl.arange(0, Q), p)
+        i = pid.to(tl.int64) * 4 * Q + tl.arange(0, 4 * Q)
         m = i < n
         y = tl.where(keep, tl.load(X + i, mask=m, other=0.0).to(tl.float32) * scale, 0.0)
         if ADD:
@@ -141,19 +155,63 @@ if triton is not None:
         tl.store(OUT + i, y.to(OUT.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _seeded_dropout(OUT, X, SEED, n, p, scale, ADD: tl.constexpr, Q: tl.constexpr):
-        """OUT = X * keep / (1 - p), or with ADD, OUT += X * keep / (1 - p) (the dropout's
-        backward, which draws the mask again: it is never stored). keep = rand >= p, from the
-        seed and the element's index; one Philox draw (tl.rand4x) covers the 4 quarters of a
-        program's 4 Q elements (tl.rand per element ran Philox 4 times as often, and W2's dropout
-        ran at ~480 GB/s)."""
-        pid = tl.program_id(0)
-        r0, r1, r2, r3 = tl.rand4x(tl.load(SEED), pid * Q + tl.arange(0, Q))
-        i = pid.to(tl.int64) * 4 * Q + tl.arange(0, Q)
-        _seeded_quarter(OUT, X, i, n, r0 >= p, scale, ADD)
-        _seeded_quarter(OUT, X, i + Q, n, r1 >= p, scale, ADD)
-        _seeded_quarter(OUT, X, i + 2 * Q, n, r2 >= p, scale, ADD)
-        _seeded_quarter(OUT, X, i + 3 * Q, n, r3 >= p, scale, ADD)
+    def _keep_tile(SEED, rows, k0, D, p, BK: tl.constexpr):
+        """_keep4's mask for the [rows, k0 .. k0 + BK) tile of a row-major [T, D] tensor (D and
+        k0 multiples of 4, so a row's elements start a Philox offset)."""
+        return _keep4(SEED, (rows[:, None] * D + k0) // 4 + tl.arange(0, BK // 4)[None, :], p)
+
+    @triton.jit
+    def _drop_mm(X, A, XA, SEED, T, D, R, p, scale, BT: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr):
+        """XA [T, R] = scale * (X * keep) @ A^T: the dropout applied as X's tiles load."""
+        rows = tl.program_id(0) * BT + tl.arange(0, BT)
+        rr = tl.arange(0, RP)
+        acc = tl.zeros((BT, RP), dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            cols = k0 + tl.arange(0, BK)
+            x = tl.load(X + rows[:, None].to(tl.int64) * D + cols[None, :],
+                        mask=(rows[:, None] < T) & (cols[None, :] < D), other=0.0)
+            x = tl.where(_keep_tile(SEED, rows, k0, D, p, BK), x, tl.zeros_like(x))
+            a = tl.load(A + rr[None, :] * D + cols[:, None], mask=(rr[None, :] < R) & (cols[:, None] < D), other=0.0)
+            acc = tl.dot(x, a, acc)
+        tl.store(XA + rows[:, None] * R + rr[None, :], (acc * scale).to(XA.dtype.element_ty),
+                 mask=(rows[:, None] < T) & (rr[None, :] < R))
+
+    @triton.jit
+    def _drop_mm_grad(G, X, OUT, SEED, T, D, R, p, scale, rows_per_split,
+                      BT: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr):
+        """OUT[s] [R, D] (fp32) = scale * G[t]^T @ (X[t] * keep) over split s's rows t: the
+        gradient of A (G: d loss / d xa [T, R]). Each output element has one program and one
+        summation order: deterministic."""
+        cols = tl.program_id(0) * BK + tl.arange(0, BK)
+        split = tl.program_id(1)
+        rr = tl.arange(0, RP)
+        acc = tl.zeros((RP, BK), dtype=tl.float32)
+        start = split * rows_per_split
+        for t0 in range(start, tl.minimum(start + rows_per_split, T), BT):
+            rows = t0 + tl.arange(0, BT)
+            inside = rows < tl.minimum(start + rows_per_split, T)
+            x = tl.load(X + rows[:, None].to(tl.int64) * D + cols[None, :],
+                        mask=inside[:, None] & (cols[None, :] < D), other=0.0)
+            x = tl.where(_keep_tile(SEED, rows, tl.program_id(0) * BK, D, p, BK), x, tl.zeros_like(x))
+            g = tl.load(G + rows[None, :] * R + rr[:, None], mask=inside[None, :] & (rr[:, None] < R), other=0.0)
+            acc = tl.dot(g, x, acc)
+        tl.store(OUT + split.to(tl.int64) * R * D + rr[:, None] * D + cols[None, :], acc * scale,
+                 mask=(rr[:, None] < R) & (cols[None, :] < D))
+
+    @triton.jit
+    def _mm_drop_add(G, A, OUT, SEED, T, D, R, p, scale, BT: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr):
+        """OUT [T, D] += scale * keep * (G @ A): the LoRA branch's input gradient through the dropout."""
+        rows = tl.program_id(0) * BT + tl.arange(0, BT)
+        cols = tl.program_id(1) * BK + tl.arange(0, BK)
+        rr = tl.arange(0, RP)
+        g = tl.load(G + rows[:, None] * R + rr[None, :], mask=(rows[:, None] < T) & (rr[None, :] < R), other=0.0)
+        a = tl.load(A + rr[:, None] * D + cols[None, :], mask=(rr[:, None] < R) & (cols[None, :] < D), other=0.0)
+        t = tl.dot(g, a) * scale
+        inside = (rows[:, None] < T) & (cols[None, :] < D)
+        at = rows[:, None].to(tl.int64) * D + cols[None, :]
+        o = tl.load(OUT + at, mask=inside, other=0.0).to(tl.float32)
+        o += tl.where(_keep_tile(SEED, rows, tl.program_id(1) * BK, D, p, BK), t, 0.0)
+        tl.store(OUT + at, o.to(OUT.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _rope(X, COS, SIN, Y, heads, HALF, X_TOKEN_STRIDE, sign, H_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
@@ -318,7 +376,7 @@ def new_dropout_seed(device) -> torch.Tensor:
     return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
 
 
-SEEDED_Q = 512  # elements per quarter: a program covers 4 x 512, one Philox draw each 4
+SEEDED_Q = 512  # Philox draws a program: 4 x 512 elements
 
 
 def dropout_seeded(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
@@ -333,6 +391,63 @@ def seeded_masked_add_(out: torch.Tensor, t: torch.Tensor, seed: torch.Tensor, p
     """out += t * keep / (1 - p) with dropout_seeded's mask for `seed` (contiguous, one shape)."""
     n = out.numel()
     _seeded_dropout[_elementwise_grid(n, 4 * SEEDED_Q)](out, t, seed, n, p, 1.0 / (1.0 - p), ADD=True, Q=SEEDED_Q)
+
+
+# ---- the LoRA A matmuls with the seeded dropout inside (ops.lora_group) ----
+# x [T, D] is never dropped into a tensor of its own: each kernel draws the keep mask of the
+# tile it loads (dropout_seeded's mask, element for element). Per LoRA group that saves, against
+# dropout_seeded + matmul, a kernel forward, two backward and a [T, D] write and read each time
+# (W1: ~290 of a step's ~2,200 kernels; W2: ~40% of the bytes its LoRA branches move).
+
+DROP_MM_MAX_R = 256  # rows of A_all (n x r) the kernels take; more: dropout_seeded + cuBLAS
+
+
+def drop_matmul_ok(x: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether drop_matmul / drop_matmul_grad / matmul_drop_add_ take x [T, D] and A [R, D]."""
+    from hivetune.fastpath import forced
+
+    return (fused_ok(x) and x.dim() == 2 and x.is_contiguous() and x.numel() < 2**31 and x.shape[1] % 4 == 0
+            and a.dtype == x.dtype and a.is_contiguous() and a.shape[0] <= DROP_MM_MAX_R
+            and not forced("dropout_matmul"))
+
+
+def _r_pad(r: int) -> int:
+    return max(16, triton.next_power_of_2(r))
+
+
+def drop_matmul(x: torch.Tensor, a: torch.Tensor, seed: torch.Tensor, p: float, scale: float) -> torch.Tensor:
+    """scale * dropout_seeded(x, seed, p) @ a^T, [T, R] in x's dtype, in one kernel."""
+    t, d = x.shape
+    r = a.shape[0]
+    out = x.new_empty((t, r))
+    bt = 16 if triton.cdiv(t, 32) < 256 else 32  # enough programs to fill the GPU
+    _drop_mm[(triton.cdiv(t, bt),)](x, a, out, seed, t, d, r, p, scale / (1.0 - p), BT=bt, BK=64, RP=_r_pad(r),
+                                    num_warps=4)
+    return out
+
+
+def drop_matmul_grad(g: torch.Tensor, x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+    """g^T @ dropout_seeded(x, seed, p): A's gradient [R, D] in fp32 (g [T, R] = d loss / d xa)."""
+    t, d = x.shape
+    r = g.shape[1]
+    rp = _r_pad(r)
+    bk = 64 if rp <= 64 else 32
+    blocks = triton.cdiv(d, bk)
+    splits = max(1, min(triton.cdiv(t, 128), 256 // blocks))  # rows split when D alone gives few programs
+    rows = triton.cdiv(triton.cdiv(t, splits), 64) * 64
+    splits = triton.cdiv(t, rows)
+    out = torch.empty((splits, r, d), dtype=torch.float32, device=x.device)
+    _drop_mm_grad[(blocks, splits)](g, x, out, seed, t, d, r, p, 1.0 / (1.0 - p), rows, BT=64, BK=bk, RP=rp,
+                                    num_warps=4)
+    return out[0] if splits == 1 else out.sum(0)
+
+
+def matmul_drop_add_(out: torch.Tensor, g: torch.Tensor, a: torch.Tensor, seed: torch.Tensor, p: float) -> None:
+    """out [T, D] += dropout_seeded(g @ a, seed, p) (g [T, R], a [R, D]), in one kernel."""
+    t, d = out.shape
+    r = a.shape[0]
+    _mm_drop_add[(triton.cdiv(t, 64), triton.cdiv(d, 64))](g, a, out, seed, t, d, r, p, 1.0 / (1.0 - p),
+                                                           BT=64, BK=64, RP=_r_pad(r), num_warps=4)
 
 
 def swiglu_raw(gate_up: torch.Tensor) -> torch.Tensor:

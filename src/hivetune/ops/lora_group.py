@@ -31,6 +31,9 @@ the bf16 casts of A and Bd, as the reference path does; x is not needed (W is fr
 with Triton the dropout is seeded (ops.elementwise.dropout_seeded): the mask is drawn again from
 the seed in backward instead of being saved, and a call given a `source` (o_proj: the attention
 output; down_proj: the gate/up output SwiGLU keeps) saves that instead of xd and recomputes xd.
+Where the kernels take the shapes (elementwise.drop_matmul_ok), xd is never made at all: the
+A matmuls are Triton kernels that drop x's tiles as they load them (xa = s xd A^T, dA, and the
+masked add into dx), three fewer kernels and three fewer [N, d] passes over memory per group.
 
 A_all and Bd themselves come from a ``CastCache`` when the model's forward refreshed one
 (``lora.fuse_projections`` builds it, ``CausalLM.forward`` refreshes it): every layer's A_all
@@ -205,18 +208,24 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
     a_all, bd = cached if cached is not None else _casts(x2, weight, sizes, a_params, b_params, dtype)
     mask = None
     seeded = p > 0 and elementwise.seeded_dropout_ok(x2)
-    if seeded:  # the mask is drawn again from the seed in backward: nothing stored
+    if seeded and elementwise.drop_matmul_ok(x2, a_all):  # the dropout rides in the A matmuls
+        seeded = "in_matmul"
         mask = elementwise.new_dropout_seed(x2.device)
-        xd = elementwise.dropout_seeded(x2, mask, p)
-    elif p > 0:
-        xd, mask = torch.native_dropout(x2, p, True)
+        xa = elementwise.drop_matmul(x2, a_all, mask, p, scale)
+        xd = x2  # kept undropped: the backward kernels draw the mask again
     else:
-        xd = x2
-    xa = x2.new_empty((x2.shape[0], a_all.shape[0]))
-    torch.addmm(xa, xd, a_all.t(), beta=0, alpha=scale, out=xa)  # s (xd A^T): the scale is free
+        if seeded:  # the mask is drawn again from the seed in backward: nothing stored
+            mask = elementwise.new_dropout_seed(x2.device)
+            xd = elementwise.dropout_seeded(x2, mask, p)
+        elif p > 0:
+            xd, mask = torch.native_dropout(x2, p, True)
+        else:
+            xd = x2
+        xa = x2.new_empty((x2.shape[0], a_all.shape[0]))
+        torch.addmm(xa, xd, a_all.t(), beta=0, alpha=scale, out=xa)  # s (xd A^T): the scale is free
     y = F.linear(x2, w, None if bias is None else bias.to(dtype))
     y.addmm_(xa, bd.t())
-    recompute = seeded and source is not None and source.dtype == dtype
+    recompute = bool(seeded) and source is not None and source.dtype == dtype
     kept = source if recompute else xd  # x itself is not needed: W is frozen
     return y, kept, mask, xa, a_all, bd, w, recompute, seeded
 
@@ -224,20 +233,28 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
 def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
     """d loss / d x and the fp32 A and B gradients (see the module doc), outside autocast."""
     sizes, r = ctx.sizes, ctx.r
+    in_matmul = ctx.seeded == "in_matmul"  # the kernels apply the dropout to x as they read it
     xd = kept
-    if ctx.recompute:  # the input from its source, then the dropout from its seed
+    if ctx.recompute:  # the input from its source, then (unless in_matmul) the dropout from its seed
         x2 = kept if ctx.source_fn is None else ctx.source_fn(kept)
-        xd = elementwise.dropout_seeded(x2.reshape(-1, x2.shape[-1]).contiguous(), mask, ctx.p)
-        del x2  # only the dropped input is needed from here
+        xd = x2.reshape(-1, x2.shape[-1]).contiguous()
+        if not in_matmul:
+            xd = elementwise.dropout_seeded(xd, mask, ctx.p)
+        del x2  # only the (dropped) input is needed from here
     g_xa = torch.empty((g.shape[0], a_all.shape[0]), dtype=g.dtype, device=g.device)
     torch.addmm(g_xa, g, bd, beta=0, alpha=ctx.scale, out=g_xa)  # d loss / d (xd A^T)
     # A's gradient first: a recomputed xd (down_proj: [T, I]) is freed before grad_x is made
-    grads_a = mm_fp32(g_xa.t(), xd).split(r)  # [n r, d]: A_1 .. A_n's rows, contiguous blocks
+    if in_matmul:
+        grads_a = elementwise.drop_matmul_grad(g_xa, xd, mask, ctx.p).split(r)
+    else:
+        grads_a = mm_fp32(g_xa.t(), xd).split(r)  # [n r, d]: A_1 .. A_n's rows, contiguous blocks
     del xd
     grad_x = None
     if ctx.needs_input_grad[0]:
         grad_x = g @ w
-        if ctx.seeded:
+        if in_matmul:
+            elementwise.matmul_drop_add_(grad_x, g_xa, a_all, mask, ctx.p)
+        elif ctx.seeded:
             elementwise.seeded_masked_add_(grad_x, g_xa @ a_all, mask, ctx.p)
         elif mask is None:
             grad_x.addmm_(g_xa, a_all)

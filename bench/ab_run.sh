@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call (~6 min on an H100): the GPU tests, then W1, W2 (16 x 1) and W2 (2 x 8) with
+# the fast path named by AB off (HIVETUNE_REFERENCE=$AB) and on, on the same machine, with the
+# Triton cache warm, into $OUT/results (each JSON records its reference paths). Usage:
+#   HIVETUNE_COMMIT=<commit> AB=dropout_matmul bash bench/ab_run.sh
+set -u
+export PYTHONUNBUFFERED=1 HIVETUNE_CACHE=/tmp/hc PYTHONPATH=$PWD/src TRITON_CACHE_DIR=/tmp/triton-cache
+nvidia-smi --query-gpu=name --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+mkdir -p $OUT/results
+timeout 200 python3 -m pytest tests/gpu tests/ops/test_elementwise.py -q -p no:cacheprovider -o addopts="-W ignore::FutureWarning" > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log; grep -E "^FAILED|Error" $OUT/gpu-tests.log | head
+for ref in "$AB" ""; do
+  export HIVETUNE_REFERENCE=$ref
+  timeout 60 python3 -m hivetune bench W1 --out /tmp/warm --max-steps 30 2>&1 | grep -E "^W1"
+  timeout 60 python3 -m hivetune bench W2 --out /tmp/warm --max-steps 5 2>&1 | grep -E "^W2"
+done
+for ref in "$AB" ""; do
+  export HIVETUNE_REFERENCE=$ref
+  echo "HIVETUNE_REFERENCE=$ref"
+  timeout 90 python3 -m hivetune bench W1 --out $OUT/results 2>&1 | grep -E "^W1"
+  timeout 120 python3 -m hivetune bench W2 --out $OUT/results 2>&1 | grep -E "^W2"
+done
+timeout 120 python3 -m hivetune bench W2 --out $OUT/results --set batch_size=8 --set grad_accum=2 2>&1 | grep -E "^W2"
+timeout 90 python3 bench/profile_step.py W1 --steps 20 --set cuda_graphs=false > $OUT/w1-kernels.txt 2>&1; grep -A8 "GPU kernels per step" $OUT/w1-kernels.txt
