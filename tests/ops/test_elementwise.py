@@ -118,11 +118,11 @@ DOT_DTYPES = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() el
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
-@pytest.mark.parametrize("t, d, r", [(37, 96, 24), (130, 200, 8), (300, 64, 40)])
+@pytest.mark.parametrize("t, d, r", [(37, 512, 24), (130, 192, 8), (300, 64, 40)])
 def test_dropout_matmuls_match_dropout_seeded_then_matmul(dtype, t, d, r):
     """The LoRA A matmuls with the dropout inside (forward xa, A's gradient, dx's masked add) draw
     dropout_seeded's mask element for element and match float64 math with it; rows and columns
-    off the tile grid, several row splits of A's gradient (t 300 -> 3 splits), r padded to 16."""
+    off the tile grid, column splits of the forward (d 512), row splits of A's gradient (t 300), r padded to 16."""
     gen = torch.Generator().manual_seed(t)
     x = torch.randn(t, d, generator=gen).to(DEVICE, dtype)
     a = (torch.randn(r, d, generator=gen) * 0.1).to(DEVICE, dtype)
@@ -151,6 +151,7 @@ def test_dropout_matmul_takes_what_its_kernels_can():
     usable = RUNS_TRITON
     assert ew.drop_matmul_ok(x, a) == usable
     assert not ew.drop_matmul_ok(x.float(), a.float())  # fp32: cuBLAS's fp32 matmuls
-    assert not ew.drop_matmul_ok(torch.zeros(8, 62, dtype=torch.float16, device=DEVICE), a[:, :62].contiguous())
+    x96 = torch.zeros(8, 96, dtype=torch.float16, device=DEVICE)  # rows not in 64-column blocks
+    assert not ew.drop_matmul_ok(x96, torch.zeros(16, 96, dtype=torch.float16, device=DEVICE))
     assert not ew.drop_matmul_ok(x, torch.zeros(ew.DROP_MM_MAX_R + 1, 64, dtype=torch.float16, device=DEVICE))
     assert not ew.drop_matmul_ok(x.t(), a[:, :8].contiguous())  # not contiguous

@@ -133,85 +133,124 @@ if triton is not None:
         tl.store(OUT + i, (o + t * m * keep).to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _keep4(SEED, offsets, p):
-        """The dropout's keep mask for the 4 elements 4 o .. 4 o + 3 of each Philox offset o
-        (one tl.rand4x draw covers 4 elements: tl.rand per element ran Philox 4 times as often,
-        and W2's dropout ran at ~480 GB/s), laid out along the last axis: element e is kept when
-        rand4x(seed, e // 4)[e % 4] >= p. Every kernel that draws a mask uses this mapping."""
+    def _keep_quarters(SEED, groups, p):
+        """The dropout's keep masks of 64-element groups, as 4 quarters of 16: element
+        e = 64 g + 16 q + j (j < 16) is kept when rand4x(seed, 16 g + j)[q] >= p. One Philox draw
+        covers 4 elements (tl.rand per element ran Philox 4 times as often: W2's dropout ran at
+        ~480 GB/s), and each quarter comes out in the layout of a [.., 16] tile, so a kernel
+        loads x by quarters and never reshuffles the mask. groups: [N] group indices."""
+        offsets = groups[:, None] * 16 + tl.arange(0, 16)[None, :]
         r0, r1, r2, r3 = tl.rand4x(tl.load(SEED), offsets)
-        return tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3)) >= p
+        return r0 >= p, r1 >= p, r2 >= p, r3 >= p
 
     @triton.jit
-    def _seeded_dropout(OUT, X, SEED, n, p, scale, ADD: tl.constexpr, Q: tl.constexpr):
-        """OUT = X * keep / (1 - p), or with ADD, OUT += X * keep / (1 - p) (the dropout's
-        backward, which draws the mask again: it is never stored). 4 Q elements a program."""
-        pid = tl.program_id(0)
-        keep = _keep4(SEED, pid * Q + tl.arange(0, Q), p)
-        i = pid.to(tl.int64) * 4 * Q + tl.arange(0, 4 * Q)
-        m = i < n
-        y = tl.where(keep, tl.load(X + i, mask=m, other=0.0).to(tl.float32) * scale, 0.0)
+    def _dropout_quarter(OUT, X, e, n, keep, scale, ADD: tl.constexpr):
+        m = e < n
+        y = tl.where(keep, tl.load(X + e, mask=m, other=0.0).to(tl.float32) * scale, 0.0)
         if ADD:
-            y += tl.load(OUT + i, mask=m, other=0.0).to(tl.float32)
-        tl.store(OUT + i, y.to(OUT.dtype.element_ty), mask=m)
+            y += tl.load(OUT + e, mask=m, other=0.0).to(tl.float32)
+        tl.store(OUT + e, y.to(OUT.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _keep_tile(SEED, rows, k0, D, p, BK: tl.constexpr):
-        """_keep4's mask for the [rows, k0 .. k0 + BK) tile of a row-major [T, D] tensor (D and
-        k0 multiples of 4, so a row's elements start a Philox offset)."""
-        return _keep4(SEED, (rows[:, None] * D + k0) // 4 + tl.arange(0, BK // 4)[None, :], p)
+    def _seeded_dropout(OUT, X, SEED, n, p, scale, ADD: tl.constexpr, NG: tl.constexpr):
+        """OUT = X * keep / (1 - p), or with ADD, OUT += X * keep / (1 - p) (the dropout's
+        backward, which draws the mask again: it is never stored). NG groups of 64 a program."""
+        groups = tl.program_id(0) * NG + tl.arange(0, NG)
+        k0, k1, k2, k3 = _keep_quarters(SEED, groups, p)
+        e = groups[:, None].to(tl.int64) * 64 + tl.arange(0, 16)[None, :]
+        _dropout_quarter(OUT, X, e, n, k0, scale, ADD)
+        _dropout_quarter(OUT, X, e + 16, n, k1, scale, ADD)
+        _dropout_quarter(OUT, X, e + 32, n, k2, scale, ADD)
+        _dropout_quarter(OUT, X, e + 48, n, k3, scale, ADD)
+
+    # The LoRA A matmuls with the dropout inside. x is row-major [T, D] with D a multiple of 64,
+    # so a row's 64-column blocks are _keep_quarters' groups: (t D + k0) / 64.
 
     @triton.jit
-    def _drop_mm(X, A, XA, SEED, T, D, R, p, scale, BT: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr):
-        """XA [T, R] = scale * (X * keep) @ A^T: the dropout applied as X's tiles load."""
+    def _x_quarter(X, rows, cols, D, inside, keep):
+        x = tl.load(X + rows[:, None].to(tl.int64) * D + cols[None, :], mask=inside[:, None], other=0.0)
+        return tl.where(keep, x, tl.zeros_like(x))
+
+    @triton.jit
+    def _a_quarter_t(A, cols, rr, D, R):  # A[rr, cols]^T: [16, RP]
+        return tl.load(A + rr[None, :] * D + cols[:, None], mask=rr[None, :] < R, other=0.0)
+
+    @triton.jit
+    def _drop_mm(X, A, OUT, SEED, T, D, R, p, scale, cols_per_split, BT: tl.constexpr, RP: tl.constexpr):
+        """OUT[s] [T, R] = scale * (X * keep)[:, split s's columns] @ A[:, those]^T."""
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
+        split = tl.program_id(1)
+        inside = rows < T
         rr = tl.arange(0, RP)
+        j = tl.arange(0, 16)
         acc = tl.zeros((BT, RP), dtype=tl.float32)
-        for k0 in range(0, D, BK):
-            cols = k0 + tl.arange(0, BK)
-            x = tl.load(X + rows[:, None].to(tl.int64) * D + cols[None, :],
-                        mask=(rows[:, None] < T) & (cols[None, :] < D), other=0.0)
-            x = tl.where(_keep_tile(SEED, rows, k0, D, p, BK), x, tl.zeros_like(x))
-            a = tl.load(A + rr[None, :] * D + cols[:, None], mask=(rr[None, :] < R) & (cols[:, None] < D), other=0.0)
-            acc = tl.dot(x, a, acc)
-        tl.store(XA + rows[:, None] * R + rr[None, :], (acc * scale).to(XA.dtype.element_ty),
-                 mask=(rows[:, None] < T) & (rr[None, :] < R))
+        start = split * cols_per_split
+        for k0 in range(start, tl.minimum(start + cols_per_split, D), 64):
+            k_0, k_1, k_2, k_3 = _keep_quarters(SEED, rows * (D // 64) + k0 // 64, p)
+            acc = tl.dot(_x_quarter(X, rows, k0 + j, D, inside, k_0), _a_quarter_t(A, k0 + j, rr, D, R), acc)
+            acc = tl.dot(_x_quarter(X, rows, k0 + 16 + j, D, inside, k_1), _a_quarter_t(A, k0 + 16 + j, rr, D, R), acc)
+            acc = tl.dot(_x_quarter(X, rows, k0 + 32 + j, D, inside, k_2), _a_quarter_t(A, k0 + 32 + j, rr, D, R), acc)
+            acc = tl.dot(_x_quarter(X, rows, k0 + 48 + j, D, inside, k_3), _a_quarter_t(A, k0 + 48 + j, rr, D, R), acc)
+        tl.store(OUT + split.to(tl.int64) * T * R + rows[:, None] * R + rr[None, :],
+                 (acc * scale).to(OUT.dtype.element_ty), mask=inside[:, None] & (rr[None, :] < R))
 
     @triton.jit
-    def _drop_mm_grad(G, X, OUT, SEED, T, D, R, p, scale, rows_per_split,
-                      BT: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr):
-        """OUT[s] [R, D] (fp32) = scale * G[t]^T @ (X[t] * keep) over split s's rows t: the
-        gradient of A (G: d loss / d xa [T, R]). Each output element has one program and one
-        summation order: deterministic."""
-        cols = tl.program_id(0) * BK + tl.arange(0, BK)
+    def _grad_quarter(OUT, acc, rr, cols, D, R):
+        tl.store(OUT + rr[:, None] * D + cols[None, :], acc, mask=rr[:, None] < R)
+
+    @triton.jit
+    def _drop_mm_grad(G, X, OUT, SEED, T, D, R, p, scale, rows_per_split, BT: tl.constexpr, RP: tl.constexpr):
+        """OUT[s] [R, 64-column block] (fp32) = scale * G[t]^T @ (X[t] * keep) over split s's rows
+        t: the gradient of A (G = d loss / d xa, [T, R]). One program and one summation order per
+        output element: deterministic."""
+        k0 = tl.program_id(0) * 64
         split = tl.program_id(1)
         rr = tl.arange(0, RP)
-        acc = tl.zeros((RP, BK), dtype=tl.float32)
+        j = tl.arange(0, 16)
+        a0 = tl.zeros((RP, 16), dtype=tl.float32)
+        a1 = tl.zeros((RP, 16), dtype=tl.float32)
+        a2 = tl.zeros((RP, 16), dtype=tl.float32)
+        a3 = tl.zeros((RP, 16), dtype=tl.float32)
         start = split * rows_per_split
-        for t0 in range(start, tl.minimum(start + rows_per_split, T), BT):
+        end = tl.minimum(start + rows_per_split, T)
+        for t0 in range(start, end, BT):
             rows = t0 + tl.arange(0, BT)
-            inside = rows < tl.minimum(start + rows_per_split, T)
-            x = tl.load(X + rows[:, None].to(tl.int64) * D + cols[None, :],
-                        mask=inside[:, None] & (cols[None, :] < D), other=0.0)
-            x = tl.where(_keep_tile(SEED, rows, tl.program_id(0) * BK, D, p, BK), x, tl.zeros_like(x))
+            inside = rows < end
+            k_0, k_1, k_2, k_3 = _keep_quarters(SEED, rows * (D // 64) + k0 // 64, p)
             g = tl.load(G + rows[None, :] * R + rr[:, None], mask=inside[None, :] & (rr[:, None] < R), other=0.0)
-            acc = tl.dot(g, x, acc)
-        tl.store(OUT + split.to(tl.int64) * R * D + rr[:, None] * D + cols[None, :], acc * scale,
-                 mask=(rr[:, None] < R) & (cols[None, :] < D))
+            a0 = tl.dot(g, _x_quarter(X, rows, k0 + j, D, inside, k_0), a0)
+            a1 = tl.dot(g, _x_quarter(X, rows, k0 + 16 + j, D, inside, k_1), a1)
+            a2 = tl.dot(g, _x_quarter(X, rows, k0 + 32 + j, D, inside, k_2), a2)
+            a3 = tl.dot(g, _x_quarter(X, rows, k0 + 48 + j, D, inside, k_3), a3)
+        out = OUT + split.to(tl.int64) * R * D
+        _grad_quarter(out, a0 * scale, rr, k0 + j, D, R)
+        _grad_quarter(out, a1 * scale, rr, k0 + 16 + j, D, R)
+        _grad_quarter(out, a2 * scale, rr, k0 + 32 + j, D, R)
+        _grad_quarter(out, a3 * scale, rr, k0 + 48 + j, D, R)
 
     @triton.jit
-    def _mm_drop_add(G, A, OUT, SEED, T, D, R, p, scale, BT: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr):
-        """OUT [T, D] += scale * keep * (G @ A): the LoRA branch's input gradient through the dropout."""
-        rows = tl.program_id(0) * BT + tl.arange(0, BT)
-        cols = tl.program_id(1) * BK + tl.arange(0, BK)
-        rr = tl.arange(0, RP)
-        g = tl.load(G + rows[:, None] * R + rr[None, :], mask=(rows[:, None] < T) & (rr[None, :] < R), other=0.0)
-        a = tl.load(A + rr[:, None] * D + cols[None, :], mask=(rr[:, None] < R) & (cols[None, :] < D), other=0.0)
+    def _add_quarter(OUT, g, A, rows, cols, rr, D, R, inside, keep, scale):
+        a = tl.load(A + rr[:, None] * D + cols[None, :], mask=rr[:, None] < R, other=0.0)
         t = tl.dot(g, a) * scale
-        inside = (rows[:, None] < T) & (cols[None, :] < D)
         at = rows[:, None].to(tl.int64) * D + cols[None, :]
-        o = tl.load(OUT + at, mask=inside, other=0.0).to(tl.float32)
-        o += tl.where(_keep_tile(SEED, rows, tl.program_id(1) * BK, D, p, BK), t, 0.0)
-        tl.store(OUT + at, o.to(OUT.dtype.element_ty), mask=inside)
+        o = tl.load(OUT + at, mask=inside[:, None], other=0.0).to(tl.float32)
+        tl.store(OUT + at, (o + tl.where(keep, t, 0.0)).to(OUT.dtype.element_ty), mask=inside[:, None])
+
+    @triton.jit
+    def _mm_drop_add(G, A, OUT, SEED, T, D, R, p, scale, BT: tl.constexpr, RP: tl.constexpr):
+        """OUT [T, D] += scale * keep * (G @ A), one [BT, 64] tile a program: the LoRA branch's
+        input gradient through the dropout."""
+        rows = tl.program_id(0) * BT + tl.arange(0, BT)
+        k0 = tl.program_id(1) * 64
+        inside = rows < T
+        rr = tl.arange(0, RP)
+        j = tl.arange(0, 16)
+        g = tl.load(G + rows[:, None] * R + rr[None, :], mask=inside[:, None] & (rr[None, :] < R), other=0.0)
+        k_0, k_1, k_2, k_3 = _keep_quarters(SEED, rows * (D // 64) + k0 // 64, p)
+        _add_quarter(OUT, g, A, rows, k0 + j, rr, D, R, inside, k_0, scale)
+        _add_quarter(OUT, g, A, rows, k0 + 16 + j, rr, D, R, inside, k_1, scale)
+        _add_quarter(OUT, g, A, rows, k0 + 32 + j, rr, D, R, inside, k_2, scale)
+        _add_quarter(OUT, g, A, rows, k0 + 48 + j, rr, D, R, inside, k_3, scale)
 
     @triton.jit
     def _rope(X, COS, SIN, Y, heads, HALF, X_TOKEN_STRIDE, sign, H_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
@@ -376,37 +415,49 @@ def new_dropout_seed(device) -> torch.Tensor:
     return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
 
 
-SEEDED_Q = 512  # Philox draws a program: 4 x 512 elements
+SEEDED_GROUPS = 32  # 64-element groups a program of _seeded_dropout: 2,048 elements
 
 
 def dropout_seeded(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
     """x * keep / (1 - p) with the mask of `seed` (contiguous x; seeded_dropout_ok)."""
     y = torch.empty_like(x)
     n = x.numel()
-    _seeded_dropout[_elementwise_grid(n, 4 * SEEDED_Q)](y, x, seed, n, p, 1.0 / (1.0 - p), ADD=False, Q=SEEDED_Q)
+    _seeded_dropout[_elementwise_grid(n, 64 * SEEDED_GROUPS)](y, x, seed, n, p, 1.0 / (1.0 - p), ADD=False,
+                                                              NG=SEEDED_GROUPS)
     return y
 
 
 def seeded_masked_add_(out: torch.Tensor, t: torch.Tensor, seed: torch.Tensor, p: float) -> None:
     """out += t * keep / (1 - p) with dropout_seeded's mask for `seed` (contiguous, one shape)."""
     n = out.numel()
-    _seeded_dropout[_elementwise_grid(n, 4 * SEEDED_Q)](out, t, seed, n, p, 1.0 / (1.0 - p), ADD=True, Q=SEEDED_Q)
+    _seeded_dropout[_elementwise_grid(n, 64 * SEEDED_GROUPS)](out, t, seed, n, p, 1.0 / (1.0 - p), ADD=True,
+                                                              NG=SEEDED_GROUPS)
 
 
 # ---- the LoRA A matmuls with the seeded dropout inside (ops.lora_group) ----
 # x [T, D] is never dropped into a tensor of its own: each kernel draws the keep mask of the
 # tile it loads (dropout_seeded's mask, element for element). Per LoRA group that saves, against
-# dropout_seeded + matmul, a kernel forward, two backward and a [T, D] write and read each time
-# (W1: ~290 of a step's ~2,200 kernels; W2: ~40% of the bytes its LoRA branches move).
+# dropout_seeded + cuBLAS, the dropped input's write and its reads (forward, A's gradient) and
+# the [T, D] product that the masked add read back.
 
 DROP_MM_MAX_R = 256  # rows of A_all (n x r) the kernels take; more: dropout_seeded + cuBLAS
+_SMS: dict = {}
+
+
+def _programs_wanted(device) -> int:
+    """Two programs per SM: enough to cover the GPU's latency with these small tiles."""
+    if device.type != "cuda":
+        return 8
+    if device.index not in _SMS:
+        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 * _SMS[device.index]
 
 
 def drop_matmul_ok(x: torch.Tensor, a: torch.Tensor) -> bool:
     """Whether drop_matmul / drop_matmul_grad / matmul_drop_add_ take x [T, D] and A [R, D]."""
     from hivetune.fastpath import forced
 
-    return (fused_ok(x) and x.dim() == 2 and x.is_contiguous() and x.numel() < 2**31 and x.shape[1] % 4 == 0
+    return (fused_ok(x) and x.dim() == 2 and x.is_contiguous() and x.numel() < 2**31 and x.shape[1] % 64 == 0
             and a.dtype == x.dtype and a.is_contiguous() and a.shape[0] <= DROP_MM_MAX_R
             and not forced("dropout_matmul"))
 
@@ -415,29 +466,38 @@ def _r_pad(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
 
+def _splits(n_programs: int, chunks: int, device) -> int:
+    """Pieces to cut `chunks` of a reduction into so that n_programs x pieces fills the GPU."""
+    return max(1, min(chunks, triton.cdiv(_programs_wanted(device), n_programs), 16))
+
+
 def drop_matmul(x: torch.Tensor, a: torch.Tensor, seed: torch.Tensor, p: float, scale: float) -> torch.Tensor:
-    """scale * dropout_seeded(x, seed, p) @ a^T, [T, R] in x's dtype, in one kernel."""
+    """scale * dropout_seeded(x, seed, p) @ a^T: [T, R] in x's dtype. Long rows are cut into
+    column splits whose fp32 partial sums are added after (T / BT programs alone leave an H100
+    mostly idle on W1, and W2's down_proj would loop over 296 column blocks)."""
     t, d = x.shape
     r = a.shape[0]
-    out = x.new_empty((t, r))
-    bt = 16 if triton.cdiv(t, 32) < 256 else 32  # enough programs to fill the GPU
-    _drop_mm[(triton.cdiv(t, bt),)](x, a, out, seed, t, d, r, p, scale / (1.0 - p), BT=bt, BK=64, RP=_r_pad(r),
-                                    num_warps=4)
-    return out
+    bt = 64 if t >= 64 * _programs_wanted(x.device) else 16
+    blocks = d // 64
+    splits = _splits(triton.cdiv(t, bt), triton.cdiv(blocks, 4), x.device)
+    cols = triton.cdiv(blocks, splits) * 64
+    splits = triton.cdiv(d, cols)
+    out = x.new_empty((t, r)) if splits == 1 else torch.empty((splits, t, r), dtype=torch.float32, device=x.device)
+    _drop_mm[(triton.cdiv(t, bt), splits)](x, a, out, seed, t, d, r, p, scale / (1.0 - p), cols, BT=bt,
+                                           RP=_r_pad(r), num_warps=4)
+    return out if splits == 1 else out.sum(0).to(x.dtype)
 
 
 def drop_matmul_grad(g: torch.Tensor, x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
     """g^T @ dropout_seeded(x, seed, p): A's gradient [R, D] in fp32 (g [T, R] = d loss / d xa)."""
     t, d = x.shape
     r = g.shape[1]
-    rp = _r_pad(r)
-    bk = 64 if rp <= 64 else 32
-    blocks = triton.cdiv(d, bk)
-    splits = max(1, min(triton.cdiv(t, 128), 256 // blocks))  # rows split when D alone gives few programs
+    blocks = d // 64
+    splits = _splits(blocks, triton.cdiv(t, 64), x.device)
     rows = triton.cdiv(triton.cdiv(t, splits), 64) * 64
     splits = triton.cdiv(t, rows)
     out = torch.empty((splits, r, d), dtype=torch.float32, device=x.device)
-    _drop_mm_grad[(blocks, splits)](g, x, out, seed, t, d, r, p, 1.0 / (1.0 - p), rows, BT=64, BK=bk, RP=rp,
+    _drop_mm_grad[(blocks, splits)](g, x, out, seed, t, d, r, p, 1.0 / (1.0 - p), rows, BT=64, RP=_r_pad(r),
                                     num_warps=4)
     return out[0] if splits == 1 else out.sum(0)
 
@@ -446,8 +506,8 @@ def matmul_drop_add_(out: torch.Tensor, g: torch.Tensor, a: torch.Tensor, seed: 
     """out [T, D] += dropout_seeded(g @ a, seed, p) (g [T, R], a [R, D]), in one kernel."""
     t, d = out.shape
     r = a.shape[0]
-    _mm_drop_add[(triton.cdiv(t, 64), triton.cdiv(d, 64))](g, a, out, seed, t, d, r, p, 1.0 / (1.0 - p),
-                                                           BT=64, BK=64, RP=_r_pad(r), num_warps=4)
+    _mm_drop_add[(triton.cdiv(t, 64), d // 64)](g, a, out, seed, t, d, r, p, 1.0 / (1.0 - p), BT=64,
+                                                RP=_r_pad(r), num_warps=4)
 
 
 def swiglu_raw(gate_up: torch.Tensor) -> torch.Tensor:
