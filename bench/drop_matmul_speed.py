@@ -1,0 +1,83 @@
+"""GPU microseconds of a LoRA group's dropout + A matmuls, two ways, at W1's and W2's shapes:
+dropout_seeded + cuBLAS (the path before the dropout moved into the matmuls) against the
+Triton kernels that drop x's tiles as they load them (ops.elementwise.drop_matmul & co).
+
+    python bench/drop_matmul_speed.py [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from hivetune.ops import elementwise as ew  # noqa: E402
+from hivetune.ops.lora_group import mm_fp32  # noqa: E402
+
+# (workload, group, tokens, d, n x r)
+SHAPES = [("W1", "q/k/v", 1600, 896, 24), ("W1", "gate/up", 1600, 896, 16), ("W1", "o", 1600, 896, 8),
+          ("W1", "down", 1600, 4864, 8), ("W2", "q/k/v", 3000, 3584, 96), ("W2", "gate/up", 3000, 3584, 64),
+          ("W2", "o", 3000, 3584, 32), ("W2", "down", 3000, 18944, 32)]
+
+
+def gpu_us(fn, reps: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / reps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="")
+    opts = parser.parse_args()
+    rows = []
+    p, s = 0.05, 2.0
+    for workload, group, t, d, r in SHAPES:
+        x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+        a = torch.randn(r, d, device="cuda", dtype=torch.bfloat16) * 0.02
+        g = torch.randn(t, r, device="cuda", dtype=torch.bfloat16)
+        out = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+        seed = torch.tensor([7], device="cuda")
+
+        def old_fwd():
+            xd = ew.dropout_seeded(x, seed, p)
+            xa = x.new_empty((t, r))
+            torch.addmm(xa, xd, a.t(), beta=0, alpha=s, out=xa)
+
+        def old_grad():
+            mm_fp32(g.t(), ew.dropout_seeded(x, seed, p))
+
+        def old_add():
+            ew.seeded_masked_add_(out, g @ a, seed, p)
+
+        times = {"old_forward": gpu_us(old_fwd), "old_grad_a": gpu_us(old_grad), "old_masked_add": gpu_us(old_add),
+                 "new_forward": gpu_us(lambda: ew.drop_matmul(x, a, seed, p, s)),
+                 "new_grad_a": gpu_us(lambda: ew.drop_matmul_grad(g, x, seed, p)),
+                 "new_masked_add": gpu_us(lambda: ew.matmul_drop_add_(out, g, a, seed, p))}
+        old = times["old_forward"] + times["old_grad_a"] + times["old_masked_add"]
+        new = times["new_forward"] + times["new_grad_a"] + times["new_masked_add"]
+        rows.append({"workload": workload, "group": group, "tokens": t, "d": d, "r_total": r,
+                     **{k: round(v, 1) for k, v in times.items()}, "old_us": round(old, 1), "new_us": round(new, 1)})
+        print(f"{workload} {group:8s} T {t} d {d:5d} R {r:3d}: old {old:7.1f} us "
+              f"({times['old_forward']:.1f} + {times['old_grad_a']:.1f} + {times['old_masked_add']:.1f}), "
+              f"new {new:7.1f} us ({times['new_forward']:.1f} + {times['new_grad_a']:.1f} + "
+              f"{times['new_masked_add']:.1f})")
+    if opts.out:
+        Path(opts.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                              "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
