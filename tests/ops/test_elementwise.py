@@ -155,3 +155,26 @@ def test_dropout_matmul_takes_what_its_kernels_can():
     assert not ew.drop_matmul_ok(x96, torch.zeros(16, 96, dtype=torch.float16, device=DEVICE))
     assert not ew.drop_matmul_ok(x, torch.zeros(ew.DROP_MM_MAX_R + 1, 64, dtype=torch.float16, device=DEVICE))
     assert not ew.drop_matmul_ok(x.t(), a[:, :8].contiguous())  # not contiguous
+
+
+@pytest.mark.skipif(ew.triton is None, reason="needs Triton (no GPU: it compiles for sm_90)")
+@pytest.mark.parametrize("kernel, ints", [("_drop_mm", "cols_per_split"), ("_drop_mm_grad", "rows_per_split"),
+                                          ("_mm_drop_add", "")])
+def test_dropout_matmul_kernels_compile_for_hopper(kernel, ints):
+    """Triton 3.6's lowering asserted on a tl.where over these tiles with 16-divisible sizes (the
+    device's specialisation, not the CPU interpreter's): compile each kernel as the H100 would."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(ew, kernel)
+    names = [n for n in fn.arg_names]
+    pointers = {"X": "*bf16", "A": "*bf16", "G": "*bf16", "SEED": "*i64",
+                "OUT": "*bf16" if kernel == "_mm_drop_add" else "*fp32"}
+    sig = {n: pointers.get(n, "fp32" if n in ("p", "scale") else "constexpr" if n in ("BT", "RP") else "i32")
+           for n in names}
+    divisible = [n for n in names if sig[n].startswith("*") or n in ("T", "D", ints)]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    for bt, rp in ((16, 32), (64, 128)):
+        src = ASTSource(fn, sig, {"BT": bt, "RP": rp}, attrs)
+        compiled = ew.triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert ".entry" in compiled.asm["ptx"]

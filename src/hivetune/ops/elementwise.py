@@ -169,7 +169,7 @@ if triton is not None:
     @triton.jit
     def _x_quarter(X, rows, cols, D, inside, keep):
         x = tl.load(X + rows[:, None].to(tl.int64) * D + cols[None, :], mask=inside[:, None], other=0.0)
-        return tl.where(keep, x, tl.zeros_like(x))
+        return x * keep.to(x.dtype)  # (tl.where here trips an assertion in Triton 3.6's LLVM lowering)
 
     @triton.jit
     def _a_quarter_t(A, cols, rr, D, R):  # A[rr, cols]^T: [16, RP]
@@ -234,7 +234,7 @@ if triton is not None:
         t = tl.dot(g, a) * scale
         at = rows[:, None].to(tl.int64) * D + cols[None, :]
         o = tl.load(OUT + at, mask=inside[:, None], other=0.0).to(tl.float32)
-        tl.store(OUT + at, (o + tl.where(keep, t, 0.0)).to(OUT.dtype.element_ty), mask=inside[:, None])
+        tl.store(OUT + at, (o + t * keep.to(tl.float32)).to(OUT.dtype.element_ty), mask=inside[:, None])
 
     @triton.jit
     def _mm_drop_add(G, A, OUT, SEED, T, D, R, p, scale, BT: tl.constexpr, RP: tl.constexpr):
