@@ -118,11 +118,11 @@ DOT_DTYPES = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() el
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
-@pytest.mark.parametrize("t, d, r", [(37, 512, 24), (130, 192, 8), (300, 64, 40)])
+@pytest.mark.parametrize("t, d, r", [(37, 512, 24), (130, 192, 8), (300, 64, 32)])
 def test_dropout_matmuls_match_dropout_seeded_then_matmul(dtype, t, d, r):
     """The LoRA A matmuls with the dropout inside (forward xa, A's gradient, dx's masked add) draw
     dropout_seeded's mask element for element and match float64 math with it; rows and columns
-    off the tile grid, column splits of the forward (d 512), row splits of A's gradient (t 300), r padded to 16."""
+    off the tile grid, column splits of the forward (d 512), row splits of A's gradient (t 300), R padded to 16 / 32."""
     gen = torch.Generator().manual_seed(t)
     x = torch.randn(t, d, generator=gen).to(DEVICE, dtype)
     a = (torch.randn(r, d, generator=gen) * 0.1).to(DEVICE, dtype)
@@ -157,7 +157,8 @@ def test_dropout_matmul_takes_what_its_kernels_can():
     assert not ew.drop_matmul_ok(x.t(), a[:, :8].contiguous())  # not contiguous
 
 
-@pytest.mark.skipif(ew.triton is None, reason="needs Triton (no GPU: it compiles for sm_90)")
+@pytest.mark.skipif(ew.triton is None or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs Triton, compiling (no GPU needed: it compiles for sm_90)")
 @pytest.mark.parametrize("kernel, ints", [("_drop_mm", "cols_per_split"), ("_drop_mm_grad", "rows_per_split"),
                                           ("_mm_drop_add", "")])
 def test_dropout_matmul_kernels_compile_for_hopper(kernel, ints):

@@ -175,7 +175,7 @@ if triton is not None:
     def _a_quarter_t(A, cols, rr, D, R):  # A[rr, cols]^T: [16, RP]
         return tl.load(A + rr[None, :] * D + cols[:, None], mask=rr[None, :] < R, other=0.0)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "cols_per_split"])
     def _drop_mm(X, A, OUT, SEED, T, D, R, p, scale, cols_per_split, BT: tl.constexpr, RP: tl.constexpr):
         """OUT[s] [T, R] = scale * (X * keep)[:, split s's columns] @ A[:, those]^T."""
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -198,7 +198,7 @@ if triton is not None:
     def _grad_quarter(OUT, acc, rr, cols, D, R):
         tl.store(OUT + rr[:, None] * D + cols[None, :], acc, mask=rr[:, None] < R)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "rows_per_split"])
     def _drop_mm_grad(G, X, OUT, SEED, T, D, R, p, scale, rows_per_split, BT: tl.constexpr, RP: tl.constexpr):
         """OUT[s] [R, 64-column block] (fp32) = scale * G[t]^T @ (X[t] * keep) over split s's rows
         t: the gradient of A (G = d loss / d xa, [T, R]). One program and one summation order per
@@ -236,7 +236,7 @@ if triton is not None:
         o = tl.load(OUT + at, mask=inside[:, None], other=0.0).to(tl.float32)
         tl.store(OUT + at, (o + t * keep.to(tl.float32)).to(OUT.dtype.element_ty), mask=inside[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])
     def _mm_drop_add(G, A, OUT, SEED, T, D, R, p, scale, BT: tl.constexpr, RP: tl.constexpr):
         """OUT [T, D] += scale * keep * (G @ A), one [BT, 64] tile a program: the LoRA branch's
         input gradient through the dropout."""
@@ -440,7 +440,11 @@ def seeded_masked_add_(out: torch.Tensor, t: torch.Tensor, seed: torch.Tensor, p
 # dropout_seeded + cuBLAS, the dropped input's write and its reads (forward, A's gradient) and
 # the [T, D] product that the masked add read back.
 
-DROP_MM_MAX_R = 256  # rows of A_all (n x r) the kernels take; more: dropout_seeded + cuBLAS
+# Rows of A_all (n x r) the kernels take; more: dropout_seeded + cuBLAS. GPU us per group on an
+# H100 (bench/drop_matmul_speed.py, forward + A's gradient + masked add, old -> new): W1 (R 8-24)
+# 28 -> 27, W2 at r 32: o 97 -> 89, down 486 -> 428, but gate/up (R 64) 97 -> 103, q/k/v (R 96)
+# 101 -> 129: the [T, R] accumulator of the forward grows with R.
+DROP_MM_MAX_R = 32
 _SMS: dict = {}
 
 
