@@ -19,33 +19,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from hivetune.ops import elementwise as ew  # noqa: E402
 from hivetune.ops.lora_group import mm_fp32  # noqa: E402
 
+from dropout_speed import gpu_us  # noqa: E402  (bench/: CUDA-graph replays, so no launch cost)
+
 # (workload, group, tokens, d, n x r)
 SHAPES = [("W1", "q/k/v", 1600, 896, 24), ("W1", "gate/up", 1600, 896, 16), ("W1", "o", 1600, 896, 8),
           ("W1", "down", 1600, 4864, 8), ("W2", "q/k/v", 3000, 3584, 96), ("W2", "gate/up", 3000, 3584, 64),
           ("W2", "o", 3000, 3584, 32), ("W2", "down", 3000, 18944, 32)]
-
-
-def gpu_us(fn, reps: int = 50) -> float:
-    """GPU time of one call: `reps` calls captured in a CUDA graph and replayed (timing the calls
-    eagerly would time the host's launches: ~40-80 us each at these sizes)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / reps
 
 
 def main() -> None:

@@ -4,11 +4,7 @@
 # $OUT/results with the cache warm (the JSON records it). Usage (device tool):
 #   HIVETUNE_COMMIT=<commit, typed here: the device has no .git of its own> bash bench/warm_run.sh
 set -u
-export PYTHONUNBUFFERED=1 HIVETUNE_CACHE=/tmp/hc PYTHONPATH=$PWD/src TRITON_CACHE_DIR=/tmp/triton-cache
-nvidia-smi --query-gpu=name --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-mkdir -p $OUT/results
-timeout 200 python3 -m pytest tests/gpu tests/ops/test_elementwise.py -q -p no:cacheprovider -o addopts="-W ignore::FutureWarning" > $OUT/gpu-tests.log 2>&1; tail -3 $OUT/gpu-tests.log; grep -E "^FAILED|Error" $OUT/gpu-tests.log | head
+source bench/device_prelude.sh
 timeout 60 python3 -m hivetune bench W1 --out /tmp/warm --max-steps 30 2>&1 | grep -E "^W1"
 timeout 60 python3 -m hivetune bench W2 --out /tmp/warm --max-steps 5 2>&1 | grep -E "^W2"
 timeout 60 python3 -m hivetune bench W2 --out /tmp/warm --max-steps 5 --set batch_size=8 --set grad_accum=2 2>&1 | grep -E "^W2"
