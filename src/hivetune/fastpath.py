@@ -13,10 +13,14 @@ fallback and one log line when it falls back.
     fused LM-head CE             config fused_loss (plain PyTorch, any device) ops.loss.target_loss_sum
     joined q/k/v, gate/up with   always in training (plain PyTorch, any        layer by layer LoRALinear
       LoRA (ops.lora_group)        device), except FSDP                          (model.lora)
+    LoRA dropout inside the A    Triton on a GPU, bf16 / fp16, inputs in       dropout_seeded, then
+      matmuls (ops.elementwise     64-column blocks, n x r <= 32                 cuBLAS
+      drop_matmul & co)
 
 A fallback on a device where the fast path is expected (a GPU for varlen and fused AdamW; a CPU
 asked for auto precision) prints ``hivetune: note: <what> unavailable (<why>); using <reference>``
-once per process. ``HIVETUNE_REFERENCE=varlen,fused_adamw,cpu_bf16,gpu_bf16`` (or ``all``)
+once per process. ``HIVETUNE_REFERENCE=varlen,fused_adamw,cpu_bf16,gpu_bf16`` (also fused_lora,
+fused_layers, dropout_matmul; or ``all``)
 forces the reference paths, for tests and A/B runs; the fast and reference paths are compared in
 tests/test_robust_fallbacks.py (CPU) and tests/gpu/test_fallbacks.py (CUDA).
 """
