@@ -146,3 +146,22 @@ def test_auto_strategy_follows_the_planner():
     assert choose_strategy("fsdp", 0, cuda, cfg, small, total_bytes=141 * gib) == "fsdp"
     assert choose_strategy("auto", 10**12, torch.device("cpu")) == "ddp"
     assert choose_strategy("auto", 20 * gib, cuda, total_bytes=24 * gib) == "fsdp"  # no plan: the base's size
+
+
+def test_torchrun_worker_exit_keeps_output_and_exit_code(tmp_path):
+    """Under torchrun (WORLD_SIZE > 1) `python -m hivetune` leaves with os._exit, skipping the
+    interpreter's teardown (a joinable gloo thread aborted it): what was printed to a pipe still
+    arrives, the file is whole, and the exit code is main's."""
+    env = {**os.environ, "WORLD_SIZE": "2"}
+    env.pop("PYTHONUNBUFFERED", None)  # a pipe is block-buffered: only a flush before os._exit keeps it
+    out = tmp_path / "synth.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "hivetune", "data", "synth", "--n", "5", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"wrote 5 examples to {out}\n") and "near-duplicate rate" in proc.stdout
+    assert len(out.read_text().splitlines()) == 5
+    missing = tmp_path / "missing.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "hivetune", "data", "validate", str(missing)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr == f"hivetune: error: {missing}: data file not found\n"
