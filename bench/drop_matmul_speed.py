@@ -6,8 +6,7 @@ Triton kernels that drop x's tiles as they load them (ops.elementwise.drop_matmu
     python bench/drop_matmul_speed.py --sweep [--out FILE.json]   # the kernels' split choices
 
 --sweep times the forward kernel at every (row block, column split) and A's gradient at every
-row split, the partial sums added by sum + cast or by one sum into the bf16 output, against what
-drop_matmul / drop_matmul_grad choose: the data for their split rules.
+row split against what drop_matmul / drop_matmul_grad choose: the data for their split rules.
 """
 
 from __future__ import annotations
@@ -32,35 +31,6 @@ SHAPES = [("W1", "q/k/v", 1600, 896, 24), ("W1", "gate/up", 1600, 896, 16), ("W1
           ("W2", "o", 3000, 3584, 32), ("W2", "down", 3000, 18944, 32)]
 
 
-def forward_split(x, a, seed, p, scale, bt, splits, one_sum):
-    """drop_matmul's kernel with a given row block and column split (splits > 1: fp32 partials,
-    added by sum then cast, or by one sum written into the bf16 result when one_sum)."""
-    t, d = x.shape
-    r = a.shape[0]
-    blocks = d // 64
-    cols = ew.triton.cdiv(blocks, splits) * 64
-    splits = ew.triton.cdiv(d, cols)
-    out = x.new_empty((t, r)) if splits == 1 else torch.empty((splits, t, r), dtype=torch.float32, device=x.device)
-    ew._drop_mm[(ew.triton.cdiv(t, bt), splits)](x, a, out, seed, t, d, r, p, scale / (1.0 - p), cols, BT=bt,
-                                                 RP=ew._r_pad(r), num_warps=4)
-    if splits == 1:
-        return out
-    if one_sum:
-        return torch.sum(out, 0, out=x.new_empty((t, r)))
-    return out.sum(0).to(x.dtype)
-
-
-def grad_split(g, x, seed, p, splits):
-    t, d = x.shape
-    r = g.shape[1]
-    rows = ew.triton.cdiv(ew.triton.cdiv(t, splits), 64) * 64
-    splits = ew.triton.cdiv(t, rows)
-    out = torch.empty((splits, r, d), dtype=torch.float32, device=x.device)
-    ew._drop_mm_grad[(d // 64, splits)](g, x, out, seed, t, d, r, p, 1.0 / (1.0 - p), rows, BT=64, RP=ew._r_pad(r),
-                                        num_warps=4)
-    return out[0] if splits == 1 else out.sum(0)
-
-
 def sweep(out_path: str) -> None:
     rows = []
     p, s = 0.05, 2.0
@@ -78,13 +48,12 @@ def sweep(out_path: str) -> None:
                "forward": {}, "grad_a": {}}
         for bt in (16, 64):
             for splits in (1, 2, 4, 8, 16):
-                for one_sum in ((False, True) if splits > 1 else (False,)):
-                    got = forward_split(x, a, seed, p, s, bt, splits, one_sum).float()
-                    assert torch.allclose(got, want, atol=2e-2, rtol=2e-2), (bt, splits, one_sum)
-                    key = f"bt{bt}-s{splits}{'-onesum' if one_sum else ''}"
-                    row["forward"][key] = round(gpu_us(lambda: forward_split(x, a, seed, p, s, bt, splits, one_sum)), 1)
+                got = ew.drop_matmul(x, a, seed, p, s, bt=bt, splits=splits).float()
+                assert torch.allclose(got, want, atol=2e-2, rtol=2e-2), (bt, splits)
+                row["forward"][f"bt{bt}-s{splits}"] = round(
+                    gpu_us(lambda: ew.drop_matmul(x, a, seed, p, s, bt=bt, splits=splits)), 1)
         for splits in (1, 2, 4, 8, 16, 32):
-            row["grad_a"][f"s{splits}"] = round(gpu_us(lambda: grad_split(g, x, seed, p, splits)), 1)
+            row["grad_a"][f"s{splits}"] = round(gpu_us(lambda: ew.drop_matmul_grad(g, x, seed, p, splits=splits)), 1)
         best_f = min(row["forward"], key=row["forward"].get)
         best_g = min(row["grad_a"], key=row["grad_a"].get)
         print(f"{workload} {group:8s}: forward chosen {row['chosen_forward']} us, best {best_f} "

@@ -122,7 +122,8 @@ DOT_DTYPES = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() el
 def test_dropout_matmuls_match_dropout_seeded_then_matmul(dtype, t, d, r):
     """The LoRA A matmuls with the dropout inside (forward xa, A's gradient, dx's masked add) draw
     dropout_seeded's mask element for element and match float64 math with it; rows and columns
-    off the tile grid, column splits of the forward (d 512), row splits of A's gradient (t 300), R padded to 16 / 32."""
+    off the tile grid, column splits of the forward (d 512), row splits of A's gradient (t 300),
+    R padded to 16 / 32."""
     gen = torch.Generator().manual_seed(t)
     x = torch.randn(t, d, generator=gen).to(DEVICE, dtype)
     a = (torch.randn(r, d, generator=gen) * 0.1).to(DEVICE, dtype)
@@ -135,9 +136,12 @@ def test_dropout_matmuls_match_dropout_seeded_then_matmul(dtype, t, d, r):
     xd = x.double() * keep
     xa = ew.drop_matmul(x, a, seed, p, 2.0)
     assert xa.dtype == dtype and rel(xa, 2.0 * xd @ a.double().t()) < 4e-3
+    for bt, splits in ((64, 1), (16, 2)):  # the sweep's overrides of the split rules
+        assert rel(ew.drop_matmul(x, a, seed, p, 2.0, bt=bt, splits=splits), 2.0 * xd @ a.double().t()) < 4e-3
     grad_a = ew.drop_matmul_grad(g, x, seed, p)
     assert grad_a.dtype == torch.float32 and grad_a.shape == (r, d)
     assert rel(grad_a, g.double().t() @ xd) < 1e-5  # fp32 accumulation of exact products
+    assert rel(ew.drop_matmul_grad(g, x, seed, p, splits=1), g.double().t() @ xd) < 1e-5
     want = out.double() + (g.double() @ a.double()) * keep
     ew.matmul_drop_add_(out, g, a, seed, p)
     assert rel(out, want) < 4e-3
@@ -168,7 +172,7 @@ def test_dropout_matmul_kernels_compile_for_hopper(kernel, ints):
     from triton.compiler import ASTSource
 
     fn = getattr(ew, kernel)
-    names = [n for n in fn.arg_names]
+    names = list(fn.arg_names)
     pointers = {"X": "*bf16", "A": "*bf16", "G": "*bf16", "SEED": "*i64",
                 "OUT": "*bf16" if kernel == "_mm_drop_add" else "*fp32"}
     sig = {n: pointers.get(n, "fp32" if n in ("p", "scale") else "constexpr" if n in ("BT", "RP") else "i32")

@@ -475,15 +475,17 @@ def _splits(n_programs: int, chunks: int, device) -> int:
     return max(1, min(chunks, triton.cdiv(_programs_wanted(device), n_programs), 16))
 
 
-def drop_matmul(x: torch.Tensor, a: torch.Tensor, seed: torch.Tensor, p: float, scale: float) -> torch.Tensor:
+def drop_matmul(x: torch.Tensor, a: torch.Tensor, seed: torch.Tensor, p: float, scale: float,
+                bt: int | None = None, splits: int | None = None) -> torch.Tensor:
     """scale * dropout_seeded(x, seed, p) @ a^T: [T, R] in x's dtype. Long rows are cut into
     column splits whose fp32 partial sums are added after (T / BT programs alone leave an H100
-    mostly idle on W1, and W2's down_proj would loop over 296 column blocks)."""
+    mostly idle on W1, and W2's down_proj would loop over 296 column blocks). `bt` (rows a
+    program) and `splits` override the rules below (bench/drop_matmul_speed.py --sweep)."""
     t, d = x.shape
     r = a.shape[0]
-    bt = 64 if t >= 64 * _programs_wanted(x.device) else 16
+    bt = bt or (64 if t >= 64 * _programs_wanted(x.device) else 16)
     blocks = d // 64
-    splits = _splits(triton.cdiv(t, bt), triton.cdiv(blocks, 4), x.device)
+    splits = splits or _splits(triton.cdiv(t, bt), triton.cdiv(blocks, 4), x.device)
     cols = triton.cdiv(blocks, splits) * 64
     splits = triton.cdiv(d, cols)
     out = x.new_empty((t, r)) if splits == 1 else torch.empty((splits, t, r), dtype=torch.float32, device=x.device)
@@ -492,12 +494,14 @@ def drop_matmul(x: torch.Tensor, a: torch.Tensor, seed: torch.Tensor, p: float, 
     return out if splits == 1 else out.sum(0).to(x.dtype)
 
 
-def drop_matmul_grad(g: torch.Tensor, x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
-    """g^T @ dropout_seeded(x, seed, p): A's gradient [R, D] in fp32 (g [T, R] = d loss / d xa)."""
+def drop_matmul_grad(g: torch.Tensor, x: torch.Tensor, seed: torch.Tensor, p: float,
+                     splits: int | None = None) -> torch.Tensor:
+    """g^T @ dropout_seeded(x, seed, p): A's gradient [R, D] in fp32 (g [T, R] = d loss / d xa),
+    its rows cut into `splits` (default: enough programs to fill the GPU) summed after."""
     t, d = x.shape
     r = g.shape[1]
     blocks = d // 64
-    splits = _splits(blocks, triton.cdiv(t, 64), x.device)
+    splits = splits or _splits(blocks, triton.cdiv(t, 64), x.device)
     rows = triton.cdiv(triton.cdiv(t, splits), 64) * 64
     splits = triton.cdiv(t, rows)
     out = torch.empty((splits, r, d), dtype=torch.float32, device=x.device)
