@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from hivetune.bench import environment  # noqa: E402  (versions, driver, commit)
 from hivetune.ops import elementwise as ew  # noqa: E402
 from hivetune.ops.lora_group import mm_fp32  # noqa: E402
 
@@ -61,8 +62,8 @@ def sweep(out_path: str) -> None:
               f"{row['grad_a'][best_g]} us")
         rows.append(row)
     if out_path:
-        Path(out_path).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                              "sweep": rows}, indent=1))
+        Path(out_path).write_text(json.dumps({"device": torch.cuda.get_device_name(), "sweep": rows,
+                                              "environment": environment(torch.device("cuda"))}, indent=1))
 
 
 def main() -> None:
@@ -106,8 +107,8 @@ def main() -> None:
               f"new {new:7.1f} us ({times['new_forward']:.1f} + {times['new_grad_a']:.1f} + "
               f"{times['new_masked_add']:.1f})")
     if opts.out:
-        Path(opts.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                              "rows": rows}, indent=1))
+        Path(opts.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows,
+                                              "environment": environment(torch.device("cuda"))}, indent=1))
 
 
 if __name__ == "__main__":
