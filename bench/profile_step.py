@@ -5,6 +5,7 @@
     python bench/profile_step.py W1 --steps 203 --cprofile                  # host time by function
     python bench/profile_step.py W2 --narrow --no-profile --set cuda_graphs=false  # host dispatch alone
     python bench/profile_step.py W1 --first --steps 3   # cProfile over a fresh process's first steps
+    python bench/profile_step.py W2 --memory --steps 2  # what is alive at the peak, by allocating line
 
 --narrow keeps the workload's layers, heads, LoRA and data but shrinks the widths (head_dim 16,
 intermediate 512, vocab 8192): the GPU work becomes negligible, so an eager step's wall time is
@@ -50,6 +51,8 @@ def main() -> None:
     parser.add_argument("--narrow", action="store_true", help="tiny widths: wall time = host dispatch time")
     parser.add_argument("--first", action="store_true",
                         help="cProfile over the first --steps steps, lazy inits and graph capture included")
+    parser.add_argument("--memory", action="store_true",
+                        help="the allocations alive at the steps' peak, grouped by the hivetune line that made them")
     parser.add_argument("--bucket", type=int, default=0, help="CUDA-graph bucket in tokens (default 256)")
     opts = parser.parse_args()
     if opts.bucket:
@@ -92,6 +95,9 @@ def main() -> None:
         return
     if opts.cprofile:
         print_host_profile(run)
+        return
+    if opts.memory:
+        print_memory_peak(run)
         return
     if opts.no_profile:
         t0 = time.perf_counter()
@@ -140,6 +146,48 @@ def print_host_profile(run) -> None:
     stats = pstats.Stats(prof)
     stats.sort_stats("cumulative").print_stats(60)
     stats.sort_stats("tottime").print_stats(30)
+
+
+def print_memory_peak(run) -> None:
+    """Replays the allocator's trace of the steps: at the peak of allocated bytes, what is alive,
+    grouped by the innermost hivetune frame (file:line function) that allocated it. Blocks alive
+    before the steps (weights, LoRA, optimizer state) are one row."""
+    from collections import defaultdict
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    fit(run, progress=False)
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live, total, peak, at_peak = {}, 0, 0, {}
+    for e in snap["device_traces"][0]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif e["action"] in ("free_requested",) and e["addr"] in live:
+            total -= live.pop(e["addr"])["size"]
+
+    def where(e):
+        frames = [f for f in e.get("frames", []) if "hivetune" in f["filename"] or "bench/" in f["filename"]]
+        if not frames:
+            return "(no hivetune frame)"
+        f = frames[0]
+        return f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+
+    groups, counts = defaultdict(int), defaultdict(int)
+    for e in at_peak.values():
+        groups[where(e)] += e["size"]
+        counts[where(e)] += 1
+    gib = 2 ** 30
+    print(f"allocated before the steps: {before / gib:.3f} GiB; the steps' peak: {(before + peak) / gib:.3f} GiB "
+          f"(torch says {torch.cuda.max_memory_allocated() / gib:.3f}); alive at the peak, by allocating line:")
+    for name in sorted(groups, key=groups.get, reverse=True)[:40]:
+        print(f"{groups[name] / gib:8.3f} GiB {counts[name]:6d} blocks  {name}")
 
 
 def print_syncs(run) -> None:
