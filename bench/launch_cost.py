@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -57,6 +58,23 @@ def main() -> None:
         y = lora_group(xg, weight, None, (16, 16, 16), 0.05, 2.0, lora_a, lora_b)
         y.sum().backward()
 
+    # The same Triton kernel launched through its CompiledKernel's C launcher, skipping
+    # JITFunction.run's per-call binding, specialisation key and option checks.
+    y = torch.empty_like(a)
+    n = a.numel()
+    thr, scale = elementwise.keep_threshold(0.05)
+    grid = (triton.cdiv(n, 128 * elementwise.SEEDED_GROUPS),)
+    compiled = elementwise._seeded_dropout[grid](y, a, seed, n, thr, scale, ADD=False, NG=elementwise.SEEDED_GROUPS)
+    compiled._init_handles()
+
+    def direct():
+        compiled.run(grid[0], 1, 1, torch.cuda.current_stream().cuda_stream, compiled.function,
+                     compiled.packed_metadata, None, None, None, y, a, seed, n, thr, scale, False,
+                     elementwise.SEEDED_GROUPS)
+
+    def jit_run():
+        elementwise._seeded_dropout[grid](y, a, seed, n, thr, scale, ADD=False, NG=elementwise.SEEDED_GROUPS)
+
     cases = {
         "torch.empty": lambda: torch.empty(64, 64, device=dev, dtype=bf),
         "torch.mm": lambda: torch.mm(a, b),
@@ -67,6 +85,8 @@ def main() -> None:
         "tensor.add_": lambda: c.add_(a),
         "rms_norm (Triton fwd)": lambda: elementwise.rms_norm(x, w, 1e-6),
         "dropout_seeded (Triton)": lambda: elementwise.dropout_seeded(a, seed, 0.05),
+        "_seeded_dropout[grid](...) alone (JITFunction.run)": jit_run,
+        "_seeded_dropout CompiledKernel.run (C launcher)": direct,
         "lora_group q/k/v fwd+bwd (12 kernels + autograd)": group_fwd_bwd,
     }
     with torch.no_grad():

@@ -14,7 +14,7 @@ fallback and one log line when it falls back.
     joined q/k/v, gate/up with   always in training (plain PyTorch, any        layer by layer LoRALinear
       LoRA (ops.lora_group)        device), except FSDP                          (model.lora)
     LoRA dropout inside the A    Triton on a GPU, bf16 / fp16, inputs in       dropout_seeded, then
-      matmuls (ops.elementwise     64-column blocks, n x r <= 32                 cuBLAS
+      matmuls (ops.elementwise     128-column blocks, n x r <= 32                cuBLAS
       drop_matmul & co)
 
 A fallback on a device where the fast path is expected (a GPU for varlen and fused AdamW; a CPU

@@ -112,13 +112,39 @@ def keep_mask(shape, seed, p, dtype):
     return ew.dropout_seeded(torch.ones(shape, dtype=dtype, device=DEVICE), seed, p) != 0
 
 
+def test_keep_threshold_rounds_p_to_16_bits():
+    assert ew.keep_threshold(0.25) == (16384, 65536 / 49152)
+    thr, scale = ew.keep_threshold(0.05)
+    assert thr == 3277 and abs(thr / 65536 - 0.05) < 2**-17 and scale == 65536 / (65536 - 3277)
+    assert ew.keep_threshold(0.0) == (0, 1.0)
+
+
+@needs_triton
+def test_seeded_dropout_keeps_1_minus_p_in_every_piece_of_its_groups():
+    """Each Philox draw gives 8 elements their 16 random bits (2 per 32-bit word): every one of
+    the 8 pieces of a 128-element group keeps ~1 - p, the halves of one word disagree as often as
+    independent draws would, and the kept values are x * scale exactly."""
+    seed, p = torch.tensor([77], device=DEVICE), 0.05
+    x = torch.randn(512, 384, generator=torch.Generator().manual_seed(0)).to(DEVICE, torch.float16)
+    y = ew.dropout_seeded(x, seed, p)
+    keep = (y != 0).cpu().view(-1, 8, 16).double()  # [group, piece, j]
+    rates = keep.mean((0, 2))
+    assert ((rates - 0.95).abs() < 0.006).all(), rates
+    lo, hi = keep[:, 0::2], keep[:, 1::2]  # the low and high halves of the same words
+    both_dropped = ((1 - lo) * (1 - hi)).mean().item()
+    assert abs(both_dropped - 0.05**2) < 0.0015
+    thr, scale = ew.keep_threshold(p)
+    kept = y != 0
+    assert torch.equal(y[kept], (x[kept].float() * scale).to(torch.float16))
+
+
 # bf16 under the CPU interpreter: its tl.dot on bf16 returns garbage (fp16 exercises the same code)
 DOT_DTYPES = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
-@pytest.mark.parametrize("t, d, r", [(37, 512, 24), (130, 192, 8), (300, 64, 32)])
+@pytest.mark.parametrize("t, d, r", [(37, 512, 24), (130, 384, 8), (300, 128, 32)])
 def test_dropout_matmuls_match_dropout_seeded_then_matmul(dtype, t, d, r):
     """The LoRA A matmuls with the dropout inside (forward xa, A's gradient, dx's masked add) draw
     dropout_seeded's mask element for element and match float64 math with it; rows and columns
@@ -147,17 +173,21 @@ def test_dropout_matmuls_match_dropout_seeded_then_matmul(dtype, t, d, r):
     assert rel(out, want) < 4e-3
     # another seed, another mask
     assert not torch.equal(xa, ew.drop_matmul(x, a, seed + 1, p, 2.0))
+    # the split kernels' last programs summed the partials and left their counters at zero
+    counters = ew._COUNTERS[x.device]
+    assert counters.abs().sum().item() == 0
+    assert torch.equal(ew.drop_matmul(x, a, seed, p, 2.0, bt=16, splits=2), ew.drop_matmul(x, a, seed, p, 2.0, bt=16, splits=2))
 
 
 def test_dropout_matmul_takes_what_its_kernels_can():
-    x = torch.zeros(8, 64, dtype=torch.float16, device=DEVICE)
-    a = torch.zeros(16, 64, dtype=torch.float16, device=DEVICE)
+    x = torch.zeros(8, 128, dtype=torch.float16, device=DEVICE)
+    a = torch.zeros(16, 128, dtype=torch.float16, device=DEVICE)
     usable = RUNS_TRITON
     assert ew.drop_matmul_ok(x, a) == usable
     assert not ew.drop_matmul_ok(x.float(), a.float())  # fp32: cuBLAS's fp32 matmuls
-    x96 = torch.zeros(8, 96, dtype=torch.float16, device=DEVICE)  # rows not in 64-column blocks
-    assert not ew.drop_matmul_ok(x96, torch.zeros(16, 96, dtype=torch.float16, device=DEVICE))
-    assert not ew.drop_matmul_ok(x, torch.zeros(ew.DROP_MM_MAX_R + 1, 64, dtype=torch.float16, device=DEVICE))
+    x192 = torch.zeros(8, 192, dtype=torch.float16, device=DEVICE)  # rows not in 128-column blocks
+    assert not ew.drop_matmul_ok(x192, torch.zeros(16, 192, dtype=torch.float16, device=DEVICE))
+    assert not ew.drop_matmul_ok(x, torch.zeros(ew.DROP_MM_MAX_R + 1, 128, dtype=torch.float16, device=DEVICE))
     assert not ew.drop_matmul_ok(x.t(), a[:, :8].contiguous())  # not contiguous
 
 
@@ -173,8 +203,8 @@ def test_dropout_matmul_kernels_compile_for_hopper(kernel, ints):
 
     fn = getattr(ew, kernel)
     names = list(fn.arg_names)
-    pointers = {"X": "*bf16", "A": "*bf16", "G": "*bf16", "SEED": "*i64",
-                "OUT": "*bf16" if kernel == "_mm_drop_add" else "*fp32"}
+    pointers = {"X": "*bf16", "A": "*bf16", "G": "*bf16", "SEED": "*i64", "PART": "*fp32", "COUNT": "*i32",
+                "OUT": "*fp32" if kernel == "_drop_mm_grad" else "*bf16"}
     sig = {n: pointers.get(n, "fp32" if n in ("p", "scale") else "constexpr" if n in ("BT", "RP") else "i32")
            for n in names}
     divisible = [n for n in names if sig[n].startswith("*") or n in ("T", "D", ints)]

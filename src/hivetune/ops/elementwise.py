@@ -133,18 +133,23 @@ if triton is not None:
         tl.store(OUT + i, (o + t * m * keep).to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _keep_quarters(SEED, groups, p):
-        """The dropout's keep masks of 64-element groups, as 4 quarters of 16: element
-        e = 64 g + 16 q + j (j < 16) is kept when rand4x(seed, 16 g + j)[q] >= p. One Philox draw
-        covers 4 elements (tl.rand per element ran Philox 4 times as often: W2's dropout ran at
-        ~480 GB/s), and each quarter comes out in the layout of a [.., 16] tile, so a kernel
-        loads x by quarters and never reshuffles the mask. groups: [N] group indices."""
+    def _keep_eighths(SEED, groups, thr):
+        """The dropout's keep masks of 128-element groups, as 8 pieces of 16: element
+        e = 128 g + 16 q + j (j < 16) is kept when the 16-bit half q % 2 of
+        randint4x(seed, 16 g + j)[q // 2] is >= thr (= round(p 65536): see keep_threshold).
+        One Philox draw covers 8 elements: the mask's random bits are most of these kernels' work
+        (W2's down_proj ran ~3x its memory time drawing 32 bits per element), and each piece
+        comes out in the layout of a [.., 16] tile, so a kernel loads x by 16 columns and never
+        reshuffles the mask. groups: [N] group indices."""
         offsets = groups[:, None] * 16 + tl.arange(0, 16)[None, :]
-        r0, r1, r2, r3 = tl.rand4x(tl.load(SEED), offsets)
-        return r0 >= p, r1 >= p, r2 >= p, r3 >= p
+        u0, u1, u2, u3 = tl.randint4x(tl.load(SEED), offsets)
+        return (((u0 & 0xFFFF).to(tl.int32) >= thr), ((u0 >> 16).to(tl.int32) >= thr),
+                ((u1 & 0xFFFF).to(tl.int32) >= thr), ((u1 >> 16).to(tl.int32) >= thr),
+                ((u2 & 0xFFFF).to(tl.int32) >= thr), ((u2 >> 16).to(tl.int32) >= thr),
+                ((u3 & 0xFFFF).to(tl.int32) >= thr), ((u3 >> 16).to(tl.int32) >= thr))
 
     @triton.jit
-    def _dropout_quarter(OUT, X, e, n, keep, scale, ADD: tl.constexpr):
+    def _dropout_piece(OUT, X, e, n, keep, scale, ADD: tl.constexpr):
         m = e < n
         y = tl.where(keep, tl.load(X + e, mask=m, other=0.0).to(tl.float32) * scale, 0.0)
         if ADD:
@@ -152,32 +157,54 @@ if triton is not None:
         tl.store(OUT + e, y.to(OUT.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _seeded_dropout(OUT, X, SEED, n, p, scale, ADD: tl.constexpr, NG: tl.constexpr):
-        """OUT = X * keep / (1 - p), or with ADD, OUT += X * keep / (1 - p) (the dropout's
-        backward, which draws the mask again: it is never stored). NG groups of 64 a program."""
+    def _seeded_dropout(OUT, X, SEED, n, thr, scale, ADD: tl.constexpr, NG: tl.constexpr):
+        """OUT = X * keep * scale, or with ADD, OUT += X * keep * scale (the dropout's backward,
+        which draws the mask again: it is never stored). NG groups of 128 a program."""
         groups = tl.program_id(0) * NG + tl.arange(0, NG)
-        k0, k1, k2, k3 = _keep_quarters(SEED, groups, p)
-        e = groups[:, None].to(tl.int64) * 64 + tl.arange(0, 16)[None, :]
-        _dropout_quarter(OUT, X, e, n, k0, scale, ADD)
-        _dropout_quarter(OUT, X, e + 16, n, k1, scale, ADD)
-        _dropout_quarter(OUT, X, e + 32, n, k2, scale, ADD)
-        _dropout_quarter(OUT, X, e + 48, n, k3, scale, ADD)
+        k0, k1, k2, k3, k4, k5, k6, k7 = _keep_eighths(SEED, groups, thr)
+        e = groups[:, None].to(tl.int64) * 128 + tl.arange(0, 16)[None, :]
+        _dropout_piece(OUT, X, e, n, k0, scale, ADD)
+        _dropout_piece(OUT, X, e + 16, n, k1, scale, ADD)
+        _dropout_piece(OUT, X, e + 32, n, k2, scale, ADD)
+        _dropout_piece(OUT, X, e + 48, n, k3, scale, ADD)
+        _dropout_piece(OUT, X, e + 64, n, k4, scale, ADD)
+        _dropout_piece(OUT, X, e + 80, n, k5, scale, ADD)
+        _dropout_piece(OUT, X, e + 96, n, k6, scale, ADD)
+        _dropout_piece(OUT, X, e + 112, n, k7, scale, ADD)
 
-    # The LoRA A matmuls with the dropout inside. x is row-major [T, D] with D a multiple of 64,
-    # so a row's 64-column blocks are _keep_quarters' groups: (t D + k0) / 64.
+    # The LoRA A matmuls with the dropout inside. x is row-major [T, D] with D a multiple of 128,
+    # so a row's 128-column blocks are _keep_eighths' groups: (t D + k0) / 128.
 
     @triton.jit
-    def _x_quarter(X, rows, cols, D, inside, keep):
+    def _x_piece(X, rows, cols, D, inside, keep):
         x = tl.load(X + rows[:, None].to(tl.int64) * D + cols[None, :], mask=inside[:, None], other=0.0)
         return x * keep.to(x.dtype)  # (tl.where here trips an assertion in Triton 3.6's LLVM lowering)
 
     @triton.jit
-    def _a_quarter_t(A, cols, rr, D, R):  # A[rr, cols]^T: [16, RP]
+    def _a_piece_t(A, cols, rr, D, R):  # A[rr, cols]^T: [16, RP]
         return tl.load(A + rr[None, :] * D + cols[:, None], mask=rr[None, :] < R, other=0.0)
 
-    @triton.jit(do_not_specialize=["T", "cols_per_split"])
-    def _drop_mm(X, A, OUT, SEED, T, D, R, p, scale, cols_per_split, BT: tl.constexpr, RP: tl.constexpr):
-        """OUT[s] [T, R] = scale * (X * keep)[:, split s's columns] @ A[:, those]^T."""
+    @triton.jit
+    def _dot_piece(acc, X, A, rows, cols, rr, D, R, inside, keep):
+        return tl.dot(_x_piece(X, rows, cols, D, inside, keep), _a_piece_t(A, cols, rr, D, R), acc)
+
+    @triton.jit
+    def _last_arrival(COUNT, i, splits):
+        """Whether this program is the last of `splits` to finish block i (its partial result
+        stored before): the one that then sums every split's partial, in split order (the same
+        bits whichever program comes last), and resets the counter for the next launch. The
+        barrier orders the program's stores before the counter's release; the acquire orders
+        the partial loads after it."""
+        tl.debug_barrier()
+        last = tl.atomic_add(COUNT + i, 1, sem="acq_rel") == splits - 1
+        tl.debug_barrier()
+        return last
+
+    @triton.jit(do_not_specialize=["T", "cols_per_split", "splits"])
+    def _drop_mm(X, A, OUT, PART, COUNT, SEED, T, D, R, thr, scale, cols_per_split, splits,
+                 BT: tl.constexpr, RP: tl.constexpr):
+        """OUT [T, R] = scale * (X * keep) @ A^T, the columns cut into `splits`: each program
+        stores its split's fp32 partial to PART[s] and the last of a row block sums them."""
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
         split = tl.program_id(1)
         inside = rows < T
@@ -185,25 +212,50 @@ if triton is not None:
         j = tl.arange(0, 16)
         acc = tl.zeros((BT, RP), dtype=tl.float32)
         start = split * cols_per_split
-        for k0 in range(start, tl.minimum(start + cols_per_split, D), 64):
-            k_0, k_1, k_2, k_3 = _keep_quarters(SEED, rows * (D // 64) + k0 // 64, p)
-            acc = tl.dot(_x_quarter(X, rows, k0 + j, D, inside, k_0), _a_quarter_t(A, k0 + j, rr, D, R), acc)
-            acc = tl.dot(_x_quarter(X, rows, k0 + 16 + j, D, inside, k_1), _a_quarter_t(A, k0 + 16 + j, rr, D, R), acc)
-            acc = tl.dot(_x_quarter(X, rows, k0 + 32 + j, D, inside, k_2), _a_quarter_t(A, k0 + 32 + j, rr, D, R), acc)
-            acc = tl.dot(_x_quarter(X, rows, k0 + 48 + j, D, inside, k_3), _a_quarter_t(A, k0 + 48 + j, rr, D, R), acc)
-        tl.store(OUT + split.to(tl.int64) * T * R + rows[:, None] * R + rr[None, :],
-                 (acc * scale).to(OUT.dtype.element_ty), mask=inside[:, None] & (rr[None, :] < R))
+        for k0 in range(start, tl.minimum(start + cols_per_split, D), 128):
+            k_0, k_1, k_2, k_3, k_4, k_5, k_6, k_7 = _keep_eighths(SEED, rows * (D // 128) + k0 // 128, thr)
+            acc = _dot_piece(acc, X, A, rows, k0 + j, rr, D, R, inside, k_0)
+            acc = _dot_piece(acc, X, A, rows, k0 + 16 + j, rr, D, R, inside, k_1)
+            acc = _dot_piece(acc, X, A, rows, k0 + 32 + j, rr, D, R, inside, k_2)
+            acc = _dot_piece(acc, X, A, rows, k0 + 48 + j, rr, D, R, inside, k_3)
+            acc = _dot_piece(acc, X, A, rows, k0 + 64 + j, rr, D, R, inside, k_4)
+            acc = _dot_piece(acc, X, A, rows, k0 + 80 + j, rr, D, R, inside, k_5)
+            acc = _dot_piece(acc, X, A, rows, k0 + 96 + j, rr, D, R, inside, k_6)
+            acc = _dot_piece(acc, X, A, rows, k0 + 112 + j, rr, D, R, inside, k_7)
+        at = rows[:, None] * R + rr[None, :]
+        inside2 = inside[:, None] & (rr[None, :] < R)
+        if splits == 1:
+            tl.store(OUT + at, (acc * scale).to(OUT.dtype.element_ty), mask=inside2)
+        else:
+            tl.store(PART + split.to(tl.int64) * T * R + at, acc * scale, mask=inside2)
+            if _last_arrival(COUNT, tl.program_id(0), splits):
+                total = tl.zeros((BT, RP), dtype=tl.float32)
+                for s in range(0, splits):
+                    total += tl.load(PART + s * T * R + at, mask=inside2, other=0.0, cache_modifier=".cg")
+                tl.store(OUT + at, total.to(OUT.dtype.element_ty), mask=inside2)
+                tl.atomic_xchg(COUNT + tl.program_id(0), 0)
 
     @triton.jit
-    def _grad_quarter(OUT, acc, rr, cols, D, R):
+    def _grad_piece(OUT, acc, rr, cols, D, R):
         tl.store(OUT + rr[:, None] * D + cols[None, :], acc, mask=rr[:, None] < R)
 
-    @triton.jit(do_not_specialize=["T", "rows_per_split"])
-    def _drop_mm_grad(G, X, OUT, SEED, T, D, R, p, scale, rows_per_split, BT: tl.constexpr, RP: tl.constexpr):
-        """OUT[s] [R, 64-column block] (fp32) = scale * G[t]^T @ (X[t] * keep) over split s's rows
-        t: the gradient of A (G = d loss / d xa, [T, R]). One program and one summation order per
-        output element: deterministic."""
-        k0 = tl.program_id(0) * 64
+    @triton.jit
+    def _sum_splits(OUT, PART, rr, cols, D, R, splits, RP: tl.constexpr):
+        m = rr[:, None] < R
+        at = rr[:, None] * D + cols[None, :]
+        total = tl.zeros((RP, 16), dtype=tl.float32)
+        for s in range(0, splits):
+            total += tl.load(PART + s * R * D + at, mask=m, other=0.0, cache_modifier=".cg")
+        tl.store(OUT + at, total, mask=m)
+
+    @triton.jit(do_not_specialize=["T", "rows_per_split", "splits"])
+    def _drop_mm_grad(G, X, OUT, PART, COUNT, SEED, T, D, R, thr, scale, rows_per_split, splits,
+                      BT: tl.constexpr, RP: tl.constexpr):
+        """OUT [R, 128-column block] (fp32) = scale * G^T @ (X * keep): the gradient of A
+        (G = d loss / d xa, [T, R]). The rows are cut into `splits`: each program stores its
+        split's sum to PART[s], and the last of a column block adds them in split order. One
+        summation order per output element: deterministic."""
+        k0 = tl.program_id(0) * 128
         split = tl.program_id(1)
         rr = tl.arange(0, RP)
         j = tl.arange(0, 16)
@@ -211,25 +263,42 @@ if triton is not None:
         a1 = tl.zeros((RP, 16), dtype=tl.float32)
         a2 = tl.zeros((RP, 16), dtype=tl.float32)
         a3 = tl.zeros((RP, 16), dtype=tl.float32)
+        a4 = tl.zeros((RP, 16), dtype=tl.float32)
+        a5 = tl.zeros((RP, 16), dtype=tl.float32)
+        a6 = tl.zeros((RP, 16), dtype=tl.float32)
+        a7 = tl.zeros((RP, 16), dtype=tl.float32)
         start = split * rows_per_split
         end = tl.minimum(start + rows_per_split, T)
         for t0 in range(start, end, BT):
             rows = t0 + tl.arange(0, BT)
             inside = rows < end
-            k_0, k_1, k_2, k_3 = _keep_quarters(SEED, rows * (D // 64) + k0 // 64, p)
+            k_0, k_1, k_2, k_3, k_4, k_5, k_6, k_7 = _keep_eighths(SEED, rows * (D // 128) + k0 // 128, thr)
             g = tl.load(G + rows[None, :] * R + rr[:, None], mask=inside[None, :] & (rr[:, None] < R), other=0.0)
-            a0 = tl.dot(g, _x_quarter(X, rows, k0 + j, D, inside, k_0), a0)
-            a1 = tl.dot(g, _x_quarter(X, rows, k0 + 16 + j, D, inside, k_1), a1)
-            a2 = tl.dot(g, _x_quarter(X, rows, k0 + 32 + j, D, inside, k_2), a2)
-            a3 = tl.dot(g, _x_quarter(X, rows, k0 + 48 + j, D, inside, k_3), a3)
-        out = OUT + split.to(tl.int64) * R * D
-        _grad_quarter(out, a0 * scale, rr, k0 + j, D, R)
-        _grad_quarter(out, a1 * scale, rr, k0 + 16 + j, D, R)
-        _grad_quarter(out, a2 * scale, rr, k0 + 32 + j, D, R)
-        _grad_quarter(out, a3 * scale, rr, k0 + 48 + j, D, R)
+            a0 = tl.dot(g, _x_piece(X, rows, k0 + j, D, inside, k_0), a0)
+            a1 = tl.dot(g, _x_piece(X, rows, k0 + 16 + j, D, inside, k_1), a1)
+            a2 = tl.dot(g, _x_piece(X, rows, k0 + 32 + j, D, inside, k_2), a2)
+            a3 = tl.dot(g, _x_piece(X, rows, k0 + 48 + j, D, inside, k_3), a3)
+            a4 = tl.dot(g, _x_piece(X, rows, k0 + 64 + j, D, inside, k_4), a4)
+            a5 = tl.dot(g, _x_piece(X, rows, k0 + 80 + j, D, inside, k_5), a5)
+            a6 = tl.dot(g, _x_piece(X, rows, k0 + 96 + j, D, inside, k_6), a6)
+            a7 = tl.dot(g, _x_piece(X, rows, k0 + 112 + j, D, inside, k_7), a7)
+        out = PART + split.to(tl.int64) * R * D  # PART is OUT itself when there is one split
+        _grad_piece(out, a0 * scale, rr, k0 + j, D, R)
+        _grad_piece(out, a1 * scale, rr, k0 + 16 + j, D, R)
+        _grad_piece(out, a2 * scale, rr, k0 + 32 + j, D, R)
+        _grad_piece(out, a3 * scale, rr, k0 + 48 + j, D, R)
+        _grad_piece(out, a4 * scale, rr, k0 + 64 + j, D, R)
+        _grad_piece(out, a5 * scale, rr, k0 + 80 + j, D, R)
+        _grad_piece(out, a6 * scale, rr, k0 + 96 + j, D, R)
+        _grad_piece(out, a7 * scale, rr, k0 + 112 + j, D, R)
+        if splits > 1:
+            if _last_arrival(COUNT, tl.program_id(0), splits):
+                for q in range(0, 8):
+                    _sum_splits(OUT, PART, rr, k0 + 16 * q + j, D, R, splits, RP)
+                tl.atomic_xchg(COUNT + tl.program_id(0), 0)
 
     @triton.jit
-    def _add_quarter(OUT, g, A, rows, cols, rr, D, R, inside, keep, scale):
+    def _add_piece(OUT, g, A, rows, cols, rr, D, R, inside, keep, scale):
         a = tl.load(A + rr[:, None] * D + cols[None, :], mask=rr[:, None] < R, other=0.0)
         t = tl.dot(g, a) * scale
         at = rows[:, None].to(tl.int64) * D + cols[None, :]
@@ -237,20 +306,24 @@ if triton is not None:
         tl.store(OUT + at, (o + t * keep.to(tl.float32)).to(OUT.dtype.element_ty), mask=inside[:, None])
 
     @triton.jit(do_not_specialize=["T"])
-    def _mm_drop_add(G, A, OUT, SEED, T, D, R, p, scale, BT: tl.constexpr, RP: tl.constexpr):
-        """OUT [T, D] += scale * keep * (G @ A), one [BT, 64] tile a program: the LoRA branch's
+    def _mm_drop_add(G, A, OUT, SEED, T, D, R, thr, scale, BT: tl.constexpr, RP: tl.constexpr):
+        """OUT [T, D] += scale * keep * (G @ A), one [BT, 128] tile a program: the LoRA branch's
         input gradient through the dropout."""
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
-        k0 = tl.program_id(1) * 64
+        k0 = tl.program_id(1) * 128
         inside = rows < T
         rr = tl.arange(0, RP)
         j = tl.arange(0, 16)
         g = tl.load(G + rows[:, None] * R + rr[None, :], mask=inside[:, None] & (rr[None, :] < R), other=0.0)
-        k_0, k_1, k_2, k_3 = _keep_quarters(SEED, rows * (D // 64) + k0 // 64, p)
-        _add_quarter(OUT, g, A, rows, k0 + j, rr, D, R, inside, k_0, scale)
-        _add_quarter(OUT, g, A, rows, k0 + 16 + j, rr, D, R, inside, k_1, scale)
-        _add_quarter(OUT, g, A, rows, k0 + 32 + j, rr, D, R, inside, k_2, scale)
-        _add_quarter(OUT, g, A, rows, k0 + 48 + j, rr, D, R, inside, k_3, scale)
+        k_0, k_1, k_2, k_3, k_4, k_5, k_6, k_7 = _keep_eighths(SEED, rows * (D // 128) + k0 // 128, thr)
+        _add_piece(OUT, g, A, rows, k0 + j, rr, D, R, inside, k_0, scale)
+        _add_piece(OUT, g, A, rows, k0 + 16 + j, rr, D, R, inside, k_1, scale)
+        _add_piece(OUT, g, A, rows, k0 + 32 + j, rr, D, R, inside, k_2, scale)
+        _add_piece(OUT, g, A, rows, k0 + 48 + j, rr, D, R, inside, k_3, scale)
+        _add_piece(OUT, g, A, rows, k0 + 64 + j, rr, D, R, inside, k_4, scale)
+        _add_piece(OUT, g, A, rows, k0 + 80 + j, rr, D, R, inside, k_5, scale)
+        _add_piece(OUT, g, A, rows, k0 + 96 + j, rr, D, R, inside, k_6, scale)
+        _add_piece(OUT, g, A, rows, k0 + 112 + j, rr, D, R, inside, k_7, scale)
 
     @triton.jit
     def _rope(X, COS, SIN, Y, heads, HALF, X_TOKEN_STRIDE, sign, H_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
@@ -409,29 +482,41 @@ def seeded_dropout_ok(x: torch.Tensor) -> bool:
     return fused_ok(x) and x.is_contiguous() and x.numel() < 2**31
 
 
-def new_dropout_seed(device) -> torch.Tensor:
-    """A seed for _seeded_dropout, drawn from torch's CUDA generator (so torch.manual_seed and the
-    checkpointed RNG state decide it, and CUDA graphs draw a new one at each replay)."""
-    return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
+def new_dropout_seed(device, n: int = 1) -> torch.Tensor:
+    """A seed for _seeded_dropout (n of them), drawn from torch's CUDA generator (so
+    torch.manual_seed and the checkpointed RNG state decide it, and CUDA graphs draw a new one at
+    each replay)."""
+    return torch.randint(0, 2**31 - 1, (n,), device=device, dtype=torch.int64)
 
 
-SEEDED_GROUPS = 32  # 64-element groups a program of _seeded_dropout: 2,048 elements
+SEEDED_GROUPS = 16  # 128-element groups a program of _seeded_dropout: 2,048 elements
+
+
+def keep_threshold(p: float) -> tuple[int, float]:
+    """(thr, scale) of the seeded dropout: an element is dropped when its 16 random bits are
+    below thr = round(p 65536), so the dropout probability is thr / 65536 (p to within 2^-17:
+    0.05 -> 0.0500031), and kept elements are scaled by 1 / (1 - thr / 65536)."""
+    thr = min(65535, max(0, round(p * 65536)))
+    return thr, 65536.0 / (65536 - thr)
 
 
 def dropout_seeded(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
-    """x * keep / (1 - p) with the mask of `seed` (contiguous x; seeded_dropout_ok)."""
+    """x * keep / (1 - p) with the mask of `seed` (contiguous x; seeded_dropout_ok; p as keep_threshold
+    rounds it)."""
     y = torch.empty_like(x)
     n = x.numel()
-    _seeded_dropout[_elementwise_grid(n, 64 * SEEDED_GROUPS)](y, x, seed, n, p, 1.0 / (1.0 - p), ADD=False,
-                                                              NG=SEEDED_GROUPS)
+    thr, scale = keep_threshold(p)
+    _seeded_dropout[_elementwise_grid(n, 128 * SEEDED_GROUPS)](y, x, seed, n, thr, scale, ADD=False,
+                                                               NG=SEEDED_GROUPS)
     return y
 
 
 def seeded_masked_add_(out: torch.Tensor, t: torch.Tensor, seed: torch.Tensor, p: float) -> None:
     """out += t * keep / (1 - p) with dropout_seeded's mask for `seed` (contiguous, one shape)."""
     n = out.numel()
-    _seeded_dropout[_elementwise_grid(n, 64 * SEEDED_GROUPS)](out, t, seed, n, p, 1.0 / (1.0 - p), ADD=True,
-                                                              NG=SEEDED_GROUPS)
+    thr, scale = keep_threshold(p)
+    _seeded_dropout[_elementwise_grid(n, 128 * SEEDED_GROUPS)](out, t, seed, n, thr, scale, ADD=True,
+                                                               NG=SEEDED_GROUPS)
 
 
 # ---- the LoRA A matmuls with the seeded dropout inside (ops.lora_group) ----
@@ -461,9 +546,23 @@ def drop_matmul_ok(x: torch.Tensor, a: torch.Tensor) -> bool:
     """Whether drop_matmul / drop_matmul_grad / matmul_drop_add_ take x [T, D] and A [R, D]."""
     from hivetune.fastpath import forced
 
-    return (fused_ok(x) and x.dim() == 2 and x.is_contiguous() and x.numel() < 2**31 and x.shape[1] % 64 == 0
+    return (fused_ok(x) and x.dim() == 2 and x.is_contiguous() and x.numel() < 2**31 and x.shape[1] % 128 == 0
             and a.dtype == x.dtype and a.is_contiguous() and a.shape[0] <= DROP_MM_MAX_R
             and not forced("dropout_matmul"))
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters of the split kernels, one per output block, kept per device
+    (each launch leaves them zero again). Made once, large, before any CUDA graph captures a
+    kernel that reads them; launches on one stream only, as training's are."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 def _r_pad(r: int) -> int:
@@ -484,14 +583,16 @@ def drop_matmul(x: torch.Tensor, a: torch.Tensor, seed: torch.Tensor, p: float, 
     t, d = x.shape
     r = a.shape[0]
     bt = bt or (64 if t >= 64 * _programs_wanted(x.device) else 16)
-    blocks = d // 64
-    splits = splits or _splits(triton.cdiv(t, bt), triton.cdiv(blocks, 4), x.device)
-    cols = triton.cdiv(blocks, splits) * 64
+    blocks = d // 128
+    splits = splits or _splits(triton.cdiv(t, bt), triton.cdiv(blocks, 2), x.device)
+    cols = triton.cdiv(blocks, splits) * 128
     splits = triton.cdiv(d, cols)
-    out = x.new_empty((t, r)) if splits == 1 else torch.empty((splits, t, r), dtype=torch.float32, device=x.device)
-    _drop_mm[(triton.cdiv(t, bt), splits)](x, a, out, seed, t, d, r, p, scale / (1.0 - p), cols, BT=bt,
-                                           RP=_r_pad(r), num_warps=4)
-    return out if splits == 1 else out.sum(0).to(x.dtype)
+    out = x.new_empty((t, r))
+    part = out if splits == 1 else torch.empty((splits, t, r), dtype=torch.float32, device=x.device)
+    thr, keep_scale = keep_threshold(p)
+    _drop_mm[(triton.cdiv(t, bt), splits)](x, a, out, part, _counters(x.device, triton.cdiv(t, bt)), seed, t, d, r,
+                                           thr, scale * keep_scale, cols, splits, BT=bt, RP=_r_pad(r), num_warps=4)
+    return out
 
 
 def drop_matmul_grad(g: torch.Tensor, x: torch.Tensor, seed: torch.Tensor, p: float,
@@ -500,22 +601,25 @@ def drop_matmul_grad(g: torch.Tensor, x: torch.Tensor, seed: torch.Tensor, p: fl
     its rows cut into `splits` (default: enough programs to fill the GPU) summed after."""
     t, d = x.shape
     r = g.shape[1]
-    blocks = d // 64
+    blocks = d // 128
     splits = splits or _splits(blocks, triton.cdiv(t, 64), x.device)
     rows = triton.cdiv(triton.cdiv(t, splits), 64) * 64
     splits = triton.cdiv(t, rows)
-    out = torch.empty((splits, r, d), dtype=torch.float32, device=x.device)
-    _drop_mm_grad[(blocks, splits)](g, x, out, seed, t, d, r, p, 1.0 / (1.0 - p), rows, BT=64, RP=_r_pad(r),
-                                    num_warps=4)
-    return out[0] if splits == 1 else out.sum(0)
+    out = torch.empty((r, d), dtype=torch.float32, device=x.device)
+    part = out if splits == 1 else torch.empty((splits, r, d), dtype=torch.float32, device=x.device)
+    thr, scale = keep_threshold(p)
+    _drop_mm_grad[(blocks, splits)](g, x, out, part, _counters(x.device, blocks), seed, t, d, r, thr, scale, rows,
+                                    splits, BT=64, RP=_r_pad(r), num_warps=4)
+    return out
 
 
 def matmul_drop_add_(out: torch.Tensor, g: torch.Tensor, a: torch.Tensor, seed: torch.Tensor, p: float) -> None:
     """out [T, D] += dropout_seeded(g @ a, seed, p) (g [T, R], a [R, D]), in one kernel."""
     t, d = out.shape
     r = a.shape[0]
-    _mm_drop_add[(triton.cdiv(t, 64), d // 64)](g, a, out, seed, t, d, r, p, 1.0 / (1.0 - p), BT=64,
-                                                RP=_r_pad(r), num_warps=4)
+    thr, scale = keep_threshold(p)
+    _mm_drop_add[(triton.cdiv(t, 64), d // 128)](g, a, out, seed, t, d, r, thr, scale, BT=64,
+                                                 RP=_r_pad(r), num_warps=4)
 
 
 def swiglu_raw(gate_up: torch.Tensor) -> torch.Tensor:

@@ -110,6 +110,7 @@ class CastCache:
                 b = tuple(kind.b[layer * kind.n:(layer + 1) * kind.n])
                 self.slots[id(a[0])] = (a, b, kind, layer)
         self.dtype = None
+        self.seeds, self.seeds_used = None, 0
 
     @contextmanager
     def fresh(self, dtype: torch.dtype):
@@ -118,11 +119,21 @@ class CastCache:
         with torch.no_grad():
             for kind in self.kinds:
                 kind.refresh(dtype)
+        self.seeds, self.seeds_used = None, 0
         self.dtype, previous, _ACTIVE = dtype, _ACTIVE, self
         try:
             yield
         finally:
             _ACTIVE = previous
+
+    def next_seed(self, device) -> torch.Tensor:
+        """The seeded dropout's seed for the next group call of this forward: one draw of a seed
+        per group for the whole model at the first call (one kernel a forward, not one a group:
+        W1 ran 96 of them a step), then a view of the next one."""
+        if self.seeds is None or self.seeds_used == self.seeds.numel():
+            self.seeds, self.seeds_used = elementwise.new_dropout_seed(device, len(self.slots)), 0
+        self.seeds_used += 1
+        return self.seeds[self.seeds_used - 1:self.seeds_used]
 
     def lookup(self, a_params, b_params, dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(A_all, Bd) of this group call, or None when it is not the cached group in `dtype`."""
@@ -210,12 +221,12 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
     seeded = p > 0 and elementwise.seeded_dropout_ok(x2)
     if seeded and elementwise.drop_matmul_ok(x2, a_all):  # the dropout rides in the A matmuls
         seeded = "in_matmul"
-        mask = elementwise.new_dropout_seed(x2.device)
+        mask = _ACTIVE.next_seed(x2.device) if cached is not None else elementwise.new_dropout_seed(x2.device)
         xa = elementwise.drop_matmul(x2, a_all, mask, p, scale)
         xd = x2  # kept undropped: the backward kernels draw the mask again
     else:
         if seeded:  # the mask is drawn again from the seed in backward: nothing stored
-            mask = elementwise.new_dropout_seed(x2.device)
+            mask = _ACTIVE.next_seed(x2.device) if cached is not None else elementwise.new_dropout_seed(x2.device)
             xd = elementwise.dropout_seeded(x2, mask, p)
         elif p > 0:
             xd, mask = torch.native_dropout(x2, p, True)

@@ -167,7 +167,7 @@ def fused_layers_standin():
     seeded = {"seeded_dropout_ok": lambda x: x.dtype in half and x.is_contiguous(),
               "rms_norm_fused": lambda x, weight: x.dtype in half and weight.dtype == x.dtype
               and not weight.requires_grad,
-              "new_dropout_seed": lambda device: torch.randint(0, 2**31 - 1, (1,), device=device),
+              "new_dropout_seed": lambda device, n=1: torch.randint(0, 2**31 - 1, (n,), device=device),
               "dropout_seeded": dropout_seeded, "seeded_masked_add_": seeded_masked_add_, "swiglu_raw": swiglu_raw}
     seeded_before = {name: getattr(elementwise, name) for name in seeded}
     elementwise.rms_norm, elementwise.swiglu, elementwise.swiglu_joined = rms_norm, swiglu, swiglu_joined
