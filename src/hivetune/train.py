@@ -147,6 +147,7 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.max_length > args.max_position_embeddings:
         raise UserError(f"max_length: {cfg.max_length} exceeds the model's context "
                         f"({args.max_position_embeddings})")
+    check_offload_layers(cfg, args.num_hidden_layers)
     device = distributed.device_for(parallel, resolve_device(cfg.device))
     precision = resolve_precision(cfg.precision, device)
     prewarm_triton(device)  # overlaps the tokenizer and the weights' load
@@ -193,6 +194,7 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
         strategy = distributed.choose_strategy(cfg.distributed, base_bytes, device, cfg, model.args)
     if strategy != "fsdp" and fused_lora_usable():  # FSDP shards each weight: it keeps them apart
         fuse_projections(model)
+    model.activation_offload = activation_offload(cfg, model, device, strategy)  # after the fusing: it reads the storages
     if parallel.enabled:
         module = distributed.wrap(model, strategy, parallel, device)
 
@@ -220,6 +222,34 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     return Run(cfg, folder, model_path, device, precision, tokenizer, data, model, spec, steps,
                optimizer, scheduler, scaler, val=(data, val_ids) if val_ids else None,
                train_examples=len(train_ids), parallel=parallel, strategy=strategy, module=module)
+
+
+def check_offload_layers(cfg: TrainConfig, layers: int) -> None:
+    if cfg.activation_offload > layers:
+        raise UserError(f"activation_offload: {cfg.activation_offload} exceeds the model's {layers} decoder "
+                        f"layers (offload at most {layers})")
+
+
+def activation_offload(cfg: TrainConfig, model: CausalLM, device: torch.device, strategy: str):
+    """The ops.offload.ActivationOffload of cfg.activation_offload layers, or None: off, with one
+    line on stderr, on the CPU, with gradient checkpointing and under FSDP (its per-layer weight
+    gathers are saved too). CUDA-graphed micro-batches skip it at capture (ops.offload)."""
+    if not cfg.activation_offload:
+        return None
+    check_offload_layers(cfg, model.args.num_hidden_layers)
+    reason = None
+    if device.type != "cuda":
+        reason = f"CUDA only, this run is on {device.type}"
+    elif cfg.gradient_checkpointing:
+        reason = "gradient_checkpointing keeps only each layer's input already"
+    elif strategy == "fsdp":
+        reason = "not under FSDP"
+    if reason:
+        print(f"hivetune: activation_offload off ({reason})", file=sys.stderr)
+        return None
+    from hivetune.ops.offload import ActivationOffload
+
+    return ActivationOffload(model, cfg.activation_offload)
 
 
 def restore_rank_rng(run: Run) -> None:

@@ -92,12 +92,15 @@ def test_seeded_dropout_kernels_share_one_mask():
 
 
 @pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
-def test_seeded_lora_group_matches_fp32_with_its_mask_and_recomputes_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("in_matmul", [False, True])
+def test_seeded_lora_group_matches_fp32_with_its_mask_and_recomputes_bit_for_bit(monkeypatch, in_matmul):
     """lora_group with the seeded dropout against fp32 math with the same mask; keeping the
     source (x recomputed from the gate/up output in backward, as down_proj does) gives the same
-    bits as keeping the dropped input, and saves neither a mask nor a tensor of x's size."""
+    bits as keeping the dropped input, and saves neither a mask nor a tensor of x's size. Both
+    ways: dropout_seeded + cuBLAS, and the dropout inside the A matmuls (drop_matmul & co)."""
     from hivetune.ops.lora_group import lora_group
 
+    monkeypatch.setattr(elementwise, "DROP_MM_MIN_D", 128 if in_matmul else 1 << 30)
     torch.manual_seed(0)
     n_tok, inter, out_dim, r, p, scale = 300, 256, 96, 8, 0.3, 2.0
     gate_up = torch.randn(n_tok, 2 * inter, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -106,7 +109,7 @@ def test_seeded_lora_group_matches_fp32_with_its_mask_and_recomputes_bit_for_bit
     b0 = torch.randn(out_dim, r, device="cuda") * 0.1
     dy = torch.randn(n_tok, out_dim, device="cuda", dtype=torch.bfloat16)
     seed = torch.tensor([77], device="cuda")
-    monkeypatch.setattr(elementwise, "new_dropout_seed", lambda device: seed.clone())
+    monkeypatch.setattr(elementwise, "new_dropout_seed", lambda device, n=1: seed.clone())
 
     def run(source: bool):
         gu = gate_up.detach().clone().requires_grad_()

@@ -145,7 +145,7 @@ DOT_DTYPES = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() el
 @needs_triton
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize("t, d, r", [(37, 512, 24), (130, 384, 8), (300, 128, 32)])
-def test_dropout_matmuls_match_dropout_seeded_then_matmul(dtype, t, d, r):
+def test_dropout_matmuls_match_dropout_seeded_then_matmul(monkeypatch, dtype, t, d, r):
     """The LoRA A matmuls with the dropout inside (forward xa, A's gradient, dx's masked add) draw
     dropout_seeded's mask element for element and match float64 math with it; rows and columns
     off the tile grid, column splits of the forward (d 512), row splits of A's gradient (t 300),
@@ -156,6 +156,7 @@ def test_dropout_matmuls_match_dropout_seeded_then_matmul(dtype, t, d, r):
     g = torch.randn(t, r, generator=gen).to(DEVICE, dtype)
     out = torch.randn(t, d, generator=gen).to(DEVICE, dtype)
     seed, p = torch.tensor([4321 + t], device=DEVICE), 0.25
+    monkeypatch.setattr(ew, "DROP_MM_MIN_D", 128)  # the kernels take any width; training, where they win
     assert ew.drop_matmul_ok(x, a)
     keep = keep_mask(x.shape, seed, p, dtype).double() / (1 - p)
     assert abs(keep.gt(0).double().mean().item() - 0.75) < 0.03
@@ -180,14 +181,15 @@ def test_dropout_matmuls_match_dropout_seeded_then_matmul(dtype, t, d, r):
 
 
 def test_dropout_matmul_takes_what_its_kernels_can():
-    x = torch.zeros(8, 128, dtype=torch.float16, device=DEVICE)
-    a = torch.zeros(16, 128, dtype=torch.float16, device=DEVICE)
+    x = torch.zeros(8, 2048, dtype=torch.float16, device=DEVICE)
+    a = torch.zeros(16, 2048, dtype=torch.float16, device=DEVICE)
     usable = RUNS_TRITON
     assert ew.drop_matmul_ok(x, a) == usable
+    assert not ew.drop_matmul_ok(x[:, :1920].contiguous(), a[:, :1920].contiguous())  # narrower: cuBLAS wins
     assert not ew.drop_matmul_ok(x.float(), a.float())  # fp32: cuBLAS's fp32 matmuls
-    x192 = torch.zeros(8, 192, dtype=torch.float16, device=DEVICE)  # rows not in 128-column blocks
-    assert not ew.drop_matmul_ok(x192, torch.zeros(16, 192, dtype=torch.float16, device=DEVICE))
-    assert not ew.drop_matmul_ok(x, torch.zeros(ew.DROP_MM_MAX_R + 1, 128, dtype=torch.float16, device=DEVICE))
+    x2112 = torch.zeros(8, 2112, dtype=torch.float16, device=DEVICE)  # rows not in 128-column blocks
+    assert not ew.drop_matmul_ok(x2112, torch.zeros(16, 2112, dtype=torch.float16, device=DEVICE))
+    assert not ew.drop_matmul_ok(x, torch.zeros(ew.DROP_MM_MAX_R + 1, 2048, dtype=torch.float16, device=DEVICE))
     assert not ew.drop_matmul_ok(x.t(), a[:, :8].contiguous())  # not contiguous
 
 

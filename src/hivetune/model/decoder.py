@@ -174,6 +174,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self.gradient_checkpointing = False
+        self.activation_offload = None  # an ops.offload.ActivationOffload (train setup, activation_offload)
 
     def forward(self, input_ids, position_ids=None, layout=None, cache=None) -> torch.Tensor:
         """input_ids, position_ids: [B, T] -> hidden states [B, T, hidden] after the final norm."""
@@ -188,10 +189,16 @@ class CausalLM(nn.Module):
         casts = getattr(self, "lora_casts", None)  # lora.fuse_projections: the LoRA casts, one refresh
         if casts is None or not self.training or not torch.is_grad_enabled() or self.gradient_checkpointing:
             casts = None  # (a checkpointed layer's recompute runs outside this forward: it casts its own)
+        offload = getattr(self, "activation_offload", None)
         with casts.fresh(dtype) if casts is not None else nullcontext():
-            for layer in self.model.layers:
+            # the first layers' saved activations wait in host memory until backward (ops.offload)
+            offload = (offload.begin(x, (cos, sin)) if offload is not None and self.training and cache is None
+                       and not self.gradient_checkpointing else None)
+            for i, layer in enumerate(self.model.layers):
                 if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                     x = checkpoint(layer, x, cos, sin, layout, None, use_reentrant=False)
+                elif offload is not None:
+                    x = offload.layer(i, layer, x, cos, sin, layout)
                 else:
                     x = layer(x, cos, sin, layout, cache)
         if cache is not None:

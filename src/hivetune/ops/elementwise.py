@@ -525,21 +525,14 @@ def seeded_masked_add_(out: torch.Tensor, t: torch.Tensor, seed: torch.Tensor, p
 # dropout_seeded + cuBLAS, the dropped input's write and its reads (forward, A's gradient) and
 # the [T, D] product that the masked add read back.
 
-# Rows of A_all (n x r) the kernels take; more: dropout_seeded + cuBLAS. GPU us per group on an
-# H100 (bench/drop_matmul_speed.py, forward + A's gradient + masked add, old -> new): W1 (R 8-24)
-# 28 -> 27, W2 at r 32: o 97 -> 89, down 486 -> 428, but gate/up (R 64) 97 -> 103, q/k/v (R 96)
-# 101 -> 129: the [T, R] accumulator of the forward grows with R.
+# Where the kernels beat dropout_seeded + cuBLAS (GPU us per group, forward + A's gradient +
+# masked add, H200, 16-bit masks, bench/drop_matmul_speed.py at 4dc46f6 with the best splits of
+# its sweep): W2 down (d 18944, R 32) 395 -> 340, W2 o (d 3584, R 32) 88 -> 79, W1 down (d 4864,
+# R 8) 68 -> 62; but not on W1's 896-wide inputs (27 -> 32-34: cuBLAS + one elementwise pass are
+# faster there) nor with more rows of A (W2 gate/up R 64: 89 -> 100; q/k/v R 96: 93 -> 133; the
+# forward's [T, R] accumulator grows with R).
+DROP_MM_MIN_D = 2048
 DROP_MM_MAX_R = 32
-_SMS: dict = {}
-
-
-def _programs_wanted(device) -> int:
-    """Two programs per SM: enough to cover the GPU's latency with these small tiles."""
-    if device.type != "cuda":
-        return 8
-    if device.index not in _SMS:
-        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return 2 * _SMS[device.index]
 
 
 def drop_matmul_ok(x: torch.Tensor, a: torch.Tensor) -> bool:
@@ -547,8 +540,8 @@ def drop_matmul_ok(x: torch.Tensor, a: torch.Tensor) -> bool:
     from hivetune.fastpath import forced
 
     return (fused_ok(x) and x.dim() == 2 and x.is_contiguous() and x.numel() < 2**31 and x.shape[1] % 128 == 0
-            and a.dtype == x.dtype and a.is_contiguous() and a.shape[0] <= DROP_MM_MAX_R
-            and not forced("dropout_matmul"))
+            and x.shape[1] >= DROP_MM_MIN_D and a.dtype == x.dtype and a.is_contiguous()
+            and a.shape[0] <= DROP_MM_MAX_R and not forced("dropout_matmul"))
 
 
 _COUNTERS: dict = {}
@@ -569,22 +562,19 @@ def _r_pad(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
 
-def _splits(n_programs: int, chunks: int, device) -> int:
-    """Pieces to cut `chunks` of a reduction into so that n_programs x pieces fills the GPU."""
-    return max(1, min(chunks, triton.cdiv(_programs_wanted(device), n_programs), 16))
-
-
 def drop_matmul(x: torch.Tensor, a: torch.Tensor, seed: torch.Tensor, p: float, scale: float,
                 bt: int | None = None, splits: int | None = None) -> torch.Tensor:
-    """scale * dropout_seeded(x, seed, p) @ a^T: [T, R] in x's dtype. Long rows are cut into
-    column splits whose fp32 partial sums are added after (T / BT programs alone leave an H100
-    mostly idle on W1, and W2's down_proj would loop over 296 column blocks). `bt` (rows a
-    program) and `splits` override the rules below (bench/drop_matmul_speed.py --sweep)."""
+    """scale * dropout_seeded(x, seed, p) @ a^T: [T, R] in x's dtype. The rows are cut into
+    column splits, each program's fp32 partial sum added by the last of its row block (T / BT
+    programs alone leave the GPU mostly idle, and W2's down_proj would loop over 148 column
+    blocks). `bt` (rows a program) and `splits` override the rules below, which are the best of
+    bench/drop_matmul_speed.py --sweep on an H200 (8 splits of 64-row blocks at W2's ~3,000
+    tokens: down 119 us against 427 with 2 splits of 16 rows; 16 splits of 16 rows at W1's 1,600)."""
     t, d = x.shape
     r = a.shape[0]
-    bt = bt or (64 if t >= 64 * _programs_wanted(x.device) else 16)
+    bt = bt or (64 if t >= 2048 else 16)
     blocks = d // 128
-    splits = splits or _splits(triton.cdiv(t, bt), triton.cdiv(blocks, 2), x.device)
+    splits = min(blocks, splits or (8 if bt == 64 else 16))
     cols = triton.cdiv(blocks, splits) * 128
     splits = triton.cdiv(d, cols)
     out = x.new_empty((t, r))
@@ -598,11 +588,12 @@ def drop_matmul(x: torch.Tensor, a: torch.Tensor, seed: torch.Tensor, p: float, 
 def drop_matmul_grad(g: torch.Tensor, x: torch.Tensor, seed: torch.Tensor, p: float,
                      splits: int | None = None) -> torch.Tensor:
     """g^T @ dropout_seeded(x, seed, p): A's gradient [R, D] in fp32 (g [T, R] = d loss / d xa),
-    its rows cut into `splits` (default: enough programs to fill the GPU) summed after."""
+    its rows cut into `splits` (default: the sweep's best, 8; 16 for rows of at most 8 column
+    blocks) summed in split order by the last program of each column block."""
     t, d = x.shape
     r = g.shape[1]
     blocks = d // 128
-    splits = splits or _splits(blocks, triton.cdiv(t, 64), x.device)
+    splits = min(triton.cdiv(t, 64), splits or (16 if blocks <= 8 else 8))
     rows = triton.cdiv(triton.cdiv(t, splits), 64) * 64
     splits = triton.cdiv(t, rows)
     out = torch.empty((r, d), dtype=torch.float32, device=x.device)

@@ -85,10 +85,10 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
     if precision == "auto":
         precision = "bf16" if device.type != "cuda" or torch.cuda.is_bf16_supported() else "fp16"
     for ckpt in (False, True):
-        mc = _memory_config(cfg, precision, ckpt)
+        mcs = {graphed: _memory_config(cfg, precision, ckpt, graphs=graphed) for graphed in (False, True)}
         for b in _divisors_desc(effective):
             tokens = bucketed(b * cfg.max_length, uses_graphs(cfg, precision, ckpt), args)
-            peak = breakdown(args, mc, tokens).total
+            peak = breakdown(args, mcs[tokens != b * cfg.max_length], tokens).total  # graphed: no offload
             if peak <= budget:
                 new = _with(cfg, batch_size=b, grad_accum=effective // b, gradient_checkpointing=ckpt)
                 return new, (f"auto: batch_size {b} x grad_accum {effective // b}, checkpointing "

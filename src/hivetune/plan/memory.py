@@ -39,6 +39,12 @@ Peaks (measured on an H200, bench/results/plan-grid-*.json): without checkpointi
 everything saved + the chunk buffers; the backward pass adds less (about 1.7 s I per token).
 With checkpointing, in backward: the recomputed layer + about 1.7 s I per token of gradient
 buffers; or in forward, a layer's gate, up, silu and product (4 s I per token).
+
+Activation offload (train's activation_offload = N, ops.offload): the first N layers' saved
+storages of at least 1 MiB wait in pinned host memory ("pinned host memory", outside the GPU
+totals); in backward they come back ahead of their layers, at most N + 1 layers' worth at once
+(ops.offload.peak_resident_layers), which adds to the backward phase only when N >= L / 2
+("offloaded, fetched back").
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from dataclasses import dataclass, field
 
 from hivetune.model.config import ModelArgs
 from hivetune.ops.fused_ce import chunk_rows_for
+from hivetune.ops.offload import THRESHOLD_BYTES as OFFLOAD_THRESHOLD, peak_resident_layers
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -82,6 +89,7 @@ class MemoryConfig:
     mask_bytes: int = 1  # layer-by-layer dropout mask element: bool on CUDA, the input dtype on the CPU
     joined: bool = True  # LoRA groups through ops.lora_group (training's path); False: layer by layer (FSDP)
     fused_layers: bool = False  # the Triton RMSNorm / SwiGLU save less (CUDA, bf16 / fp16, Triton present)
+    offload_layers: int = 0  # train's activation_offload: the first N layers' saved tensors in host memory
 
     @property
     def s(self) -> int:
@@ -96,6 +104,7 @@ class Breakdown:
     targets: int
     parts: dict = field(default_factory=dict)  # name -> bytes (the rows of the table)
     peak_phase: str = ""  # "loss" or "backward": where the peak falls
+    host: dict = field(default_factory=dict)  # name -> bytes of host memory (not in the totals)
 
     @property
     def reserved(self) -> int:
@@ -151,18 +160,23 @@ def lora_groups(mc: MemoryConfig) -> list[tuple[str, ...]]:
     return calls
 
 
-def layer_saved_bytes_per_token(args: ModelArgs, mc: MemoryConfig) -> float:
-    """Bytes autograd saves per token in one decoder layer (not the first: see module doc)."""
+def layer_saved_items(args: ModelArgs, mc: MemoryConfig) -> list[tuple[float, bool]]:
+    """Per token, the bytes of each distinct storage autograd saves in one decoder layer (not the
+    first: see module doc), each with whether it scales with the padded token count (the SDPA
+    attention tensors): the pack hook of ops.offload moves the large ones."""
     s, h, hd = mc.s, args.hidden_size, args.head_dim
     q, kv, heads, inter = args.num_attention_heads * hd, args.num_key_value_heads * hd, args.num_attention_heads, args.intermediate_size
-    total = 2 * norm_saved_bytes_per_token(args, mc)
-    if mc.attention == "varlen" and mc.gqa_native:
-        total += s * (2 * q + 2 * kv) + 4 * heads
-    elif mc.attention == "varlen":
-        total += 4 * s * q + 4 * heads
+    norm_x = (mc.s if mc.fused_layers else 4) * h
+    items = [(norm_x, False), (4, False)] * 2  # each norm: x and 1/rms (norm_saved_bytes_per_token)
+    if mc.attention == "varlen" and mc.gqa_native:  # q, k, v, the output; the log-sum-exp
+        items += [(s * q, False), (s * kv, False), (s * kv, False), (s * q, False)]
+    else:  # K / V repeated to every head; SDPA pads each example to the longest
+        items += [(s * q, mc.attention != "varlen")] * 4
+    items.append((4 * heads, False))
+    if mc.fused_layers:
+        items.append((2 * s * inter, False))  # the Triton SwiGLU: the gate|up output
     else:
-        total += 4 * s * q + 4 * heads
-    total += (2 if mc.fused_layers else 3) * s * inter
+        items += [(2 * s * inter, False), (s * inter, False)] if mc.joined else [(s * inter, False)] * 3
     d = dims(args)
     mask = 1 if mc.joined else mc.mask_bytes  # lora_group: torch.native_dropout's bool mask
     seeded = seeded_dropout(mc)
@@ -180,13 +194,19 @@ def layer_saved_bytes_per_token(args: ModelArgs, mc: MemoryConfig) -> float:
             if group == ("down_proj",) or (group == ("o_proj",) and mc.attention == "varlen") or shared:
                 pass
             else:
-                total += draws * s * dim
+                items += [(s * dim, False)] * draws
         elif mc.dropout > 0:
-            total += draws * (mask + s) * dim
+            items += [(mask * dim, False), (s * dim, False)] * draws
         elif group != ("o_proj",) or mc.attention != "varlen":
-            total += s * dim  # varlen: o_proj's input is the attention output, saved already
-        total += s * mc.r * len(adapted)
-    return total
+            items.append((s * dim, False))  # varlen: o_proj's input is the attention output, saved already
+        # the rank-r activations: one [T, n r] tensor for a shared group, one [T, r] per layer alone
+        items += [(s * mc.r * len(adapted), False)] if shared else [(s * mc.r, False)] * len(adapted)
+    return items
+
+
+def layer_saved_bytes_per_token(args: ModelArgs, mc: MemoryConfig) -> float:
+    """Bytes autograd saves per token in one decoder layer (not the first: see module doc)."""
+    return sum(b for b, _ in layer_saved_items(args, mc))
 
 
 def seeded_dropout(mc: MemoryConfig) -> bool:
@@ -195,19 +215,63 @@ def seeded_dropout(mc: MemoryConfig) -> bool:
     return mc.joined and mc.fused_layers and mc.dropout > 0
 
 
+def first_layer_items(args: ModelArgs, mc: MemoryConfig) -> list[float]:
+    """Per token, the storages the first layer does not save (first_layer_saving)."""
+    items = [4]  # the input norm's 1/rms
+    if not (seeded_dropout(mc) and all(t in mc.targets for t in GROUPS[0])):
+        items.append(norm_saved_bytes_per_token(args, mc) - 4)  # its x (the seeded q/k/v keep that)
+    if mc.dropout > 0 and not mc.joined:
+        adapted = [t for t in GROUPS[0] if t in mc.targets]
+        draws = 1 if len(adapted) == len(GROUPS[0]) else len(adapted)
+        items += [mc.mask_bytes * args.hidden_size] * draws
+    return items
+
+
 def first_layer_saving(args: ModelArgs, mc: MemoryConfig) -> int:
     """Per token, what the first layer does not save: its input norm (no gradient flows into
     the frozen embedding; but under the seeded dropout q/k/v keep that input themselves), and
     layer by layer the dropout masks of q/k/v (needed only for d loss / d input; lora_group's
     Function saves its mask regardless)."""
-    saving = norm_saved_bytes_per_token(args, mc)
-    if seeded_dropout(mc) and all(t in mc.targets for t in GROUPS[0]):
-        saving -= mc.s * args.hidden_size  # q/k/v keep the norm's input, the embedding output
-    if mc.dropout > 0 and not mc.joined:
-        adapted = [t for t in GROUPS[0] if t in mc.targets]
-        draws = 1 if len(adapted) == len(GROUPS[0]) else len(adapted)
-        saving += draws * mc.mask_bytes * args.hidden_size
-    return saving
+    return sum(first_layer_items(args, mc))
+
+
+def offload_layers(args: ModelArgs, mc: MemoryConfig) -> int:
+    """Decoder layers whose saved activations ops.offload keeps in host memory (none with
+    gradient checkpointing, where train turns it off)."""
+    return 0 if mc.gradient_checkpointing else min(mc.offload_layers, args.num_hidden_layers)
+
+
+def offloaded_layer_bytes(args: ModelArgs, mc: MemoryConfig, tokens: int, padded_tokens: int | None = None,
+                          threshold: int = OFFLOAD_THRESHOLD) -> int:
+    """What the pack hook of ops.offload moves out of one layer (not the first): its saved
+    storages of at least `threshold` bytes (W2 at 3,400 tokens: all but 1/rms, the attention's
+    log-sum-exp and the rank-r activations)."""
+    total = 0
+    for b, padded in layer_saved_items(args, mc):
+        size = b * ((padded_tokens or tokens) if padded else tokens)
+        total += size if size >= threshold else 0
+    return int(total)
+
+
+def offloaded_bytes(args: ModelArgs, mc: MemoryConfig, tokens: int, padded_tokens: int | None = None,
+                    threshold: int = OFFLOAD_THRESHOLD) -> int:
+    """Saved bytes of one micro-batch that wait in host memory between forward and backward:
+    offload_layers layers' large storages, less what the first layer does not save."""
+    n = offload_layers(args, mc)
+    if not n:
+        return 0
+    first = sum(b * tokens for b in first_layer_items(args, mc) if b * tokens >= threshold)
+    return n * offloaded_layer_bytes(args, mc, tokens, padded_tokens, threshold) - int(first)
+
+
+def offload_fetched_bytes(args: ModelArgs, mc: MemoryConfig, tokens: int, padded_tokens: int | None = None) -> int:
+    """The offloaded layers back on the GPU during backward beyond the layers that never left
+    (ops.offload.peak_resident_layers): nonzero only when N >= L / 2."""
+    n = offload_layers(args, mc)
+    if not n:
+        return 0
+    extra = peak_resident_layers(n, args.num_hidden_layers) - (args.num_hidden_layers - n)
+    return max(0, extra) * offloaded_layer_bytes(args, mc, tokens, padded_tokens)
 
 
 def layer_cast_bytes(args: ModelArgs, mc: MemoryConfig) -> int:
@@ -273,7 +337,8 @@ def breakdown(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | Non
     else:
         kept = (layers * per_layer_real - first_layer_saving(args, mc)) * tokens + layers * attn * t_attn
         recompute = 0
-    parts["activations"] = int(kept + (rope + final_norm) * tokens + loss_saved)
+    moved = offloaded_bytes(args, mc, tokens, t_attn)  # to host memory until backward (ops.offload)
+    parts["activations"] = int(kept + (rope + final_norm) * tokens + loss_saved - moved)
     hidden = s * h * tokens  # fit's `hidden` (final norm output) lives through backward
     copies, per_logit = (1, s) if mc.fused_layers else (LOSS_CHUNK_COPIES, 4)  # Triton chunk, or PyTorch's
     chunk = min(n, chunk_rows_for(args.vocab_size, bytes_per_logit=per_logit)) if mc.fused_loss else 0
@@ -283,16 +348,20 @@ def breakdown(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | Non
     if mc.gradient_checkpointing:  # a layer's forward under checkpoint: its MLP intermediates
         loss_transient = max(loss_transient, FORWARD_I * s * args.intermediate_size * tokens)
     backward_i = BACKWARD_I + (RECOMPUTE_I if seeded_dropout(mc) and "down_proj" in mc.targets else 0.0)
-    backward = hidden + recompute + backward_i * s * args.intermediate_size * tokens
+    fetched = offload_fetched_bytes(args, mc, tokens, t_attn)
+    backward = hidden + recompute + backward_i * s * args.intermediate_size * tokens + fetched
     parts["logits / loss buffers"] = int(loss_transient if loss_transient >= backward else 0)
-    parts["backward buffers"] = int(backward if backward > loss_transient else 0)
+    parts["backward buffers"] = int(backward - fetched if backward > loss_transient else 0)
+    if moved:
+        parts["offloaded, fetched back"] = int(fetched if backward > loss_transient else 0)
     if mc.gradient_checkpointing and backward > loss_transient:
         parts["backward buffers"] = int(backward - recompute)
         parts["recomputed layer"] = int(recompute)
     torch_bytes = sum(parts.values())
     parts["allocator slack"] = int(ALLOCATOR_SLACK_BYTES + ALLOCATOR_SLACK_FRACTION * torch_bytes)
     parts["CUDA context"] = CUDA_CONTEXT_BYTES
-    return Breakdown(tokens, n, parts, "loss" if loss_transient >= backward else "backward")
+    host = {"pinned host (offload)": moved} if moved else {}
+    return Breakdown(tokens, n, parts, "loss" if loss_transient >= backward else "backward", host)
 
 
 def activation_bytes(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | None = None) -> int:

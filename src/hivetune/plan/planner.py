@@ -54,9 +54,12 @@ class Plan:
     epoch_seconds: float | None = None
     scaling: list[dict] = field(default_factory=list)  # examples, tokens, steps, seconds per epoch
     notes: list[str] = field(default_factory=list)
+    activation_offload: int = 0  # decoder layers whose saved activations wait in host memory
+    host_gib: dict = field(default_factory=dict)  # host memory the run holds (not GPU memory)
 
 
-def _memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: bool = True) -> MemoryConfig:
+def _memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: bool = True,
+                   graphs: bool = False) -> MemoryConfig:
     from hivetune.ops.attention import _varlen_fn
 
     fn, _, has_gqa = _varlen_fn()
@@ -66,7 +69,14 @@ def _memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: 
                         gradient_checkpointing=checkpointing, fused_loss=cfg.fused_loss, packing=cfg.packing,
                         attention="varlen" if varlen else "sdpa", gqa_native=has_gqa,
                         mask_bytes=1 if cuda else (4 if precision == "fp32" else 2),
-                        **training_path(precision, cuda, cfg.distributed))
+                        offload_layers=offload_in_force(cfg, cuda, graphs), **training_path(precision, cuda, cfg.distributed))
+
+
+def offload_in_force(cfg: TrainConfig, cuda: bool, graphs: bool) -> int:
+    """train's activation_offload where it applies: CUDA, eager micro-batches (a captured graph
+    skips it), not FSDP (checkpointing: plan.memory.offload_layers)."""
+    n = getattr(cfg, "activation_offload", 0)
+    return n if cuda and not graphs and cfg.distributed != "fsdp" else 0
 
 
 def training_path(precision: str, cuda: bool = True, distributed: str = "auto") -> dict:
@@ -189,9 +199,9 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
 
     ckpt = cfg.gradient_checkpointing
     graphs = uses_graphs(cfg, precision, ckpt)
-    mc = _memory_config(cfg, precision, ckpt)
     tokens = bucketed(worst, graphs, args)
     graphs = graphs and tokens != worst
+    mc = _memory_config(cfg, precision, ckpt, graphs=graphs)
     b = breakdown(args, mc, tokens, max(1, int(tokens * target_fraction)))
     other = breakdown(args, _memory_config(cfg, precision, not ckpt), tokens, max(1, int(tokens * target_fraction)))
     act = {("checkpointing on" if ckpt else "checkpointing off"): b.parts["activations"] / GIB,
@@ -211,7 +221,10 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
              parts_gib={k: v / GIB for k, v in b.parts.items()}, activations_gib=act, peak_gib=b.total / GIB,
              fits=fits, largest_micro_batch_tokens=largest, largest_micro_batch_tokens_checkpointing=largest_ckpt,
              suggestion=suggestion, tokens_source=source, examples=examples, tokens_per_epoch=tokens_epoch,
-             notes=notes)
+             notes=notes, activation_offload=mc.offload_layers, host_gib={k: v / GIB for k, v in b.host.items()})
+    if getattr(cfg, "activation_offload", 0) and not mc.offload_layers:
+        notes.append("activation_offload does not apply here (" + ("CUDA-graphed micro-batches" if graphs else "FSDP")
+                     + "): not counted")
     if entry is not None:
         tflops = entry.tflops(precision)
         micro_tokens = cfg.batch_size * avg_len
@@ -257,6 +270,8 @@ def format_plan(p: Plan) -> str:
             lines.append(f"  {name:<24}{gib:>8.2f}")
     lines.append(f"  {'predicted peak':<24}{p.peak_gib:>8.2f}   of {p.memory_gib:g} GiB: "
                  f"{'FITS' if p.fits else 'DOES NOT FIT'}")
+    for name, gib in p.host_gib.items():
+        lines.append(f"  {name:<24}{gib:>8.2f}   (host memory, not in the peak)")
     for name, gib in p.activations_gib.items():
         lines.append(f"  {'activations, ' + name.replace('checkpointing', 'ckpt'):<24}{gib:>8.2f}")
     lines += ["", f"largest micro-batch that fits: {p.largest_micro_batch_tokens:,} tokens "
