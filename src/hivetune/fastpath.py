@@ -40,9 +40,17 @@ NOTED: dict[str, str] = {}  # fast path -> the line printed when it fell back (t
 _VARLEN_OK: dict[tuple[str, torch.dtype], str] = {}  # (device, dtype) -> "" when it works, else why not
 
 
+_WANTED: tuple[str, frozenset] = ("", frozenset())  # the last HIVETUNE_REFERENCE value, parsed
+
+
 def forced(name: str) -> bool:
-    """Whether HIVETUNE_REFERENCE asks for the reference path instead of `name`."""
-    wanted = {w.strip() for w in os.environ.get(FORCE_ENV, "").split(",")}
+    """Whether HIVETUNE_REFERENCE asks for the reference path instead of `name`. (Asked ~10 times
+    a layer each step: the parsed value is kept until the variable changes.)"""
+    global _WANTED
+    raw = os.environ.get(FORCE_ENV, "")
+    if raw != _WANTED[0]:
+        _WANTED = (raw, frozenset(w.strip() for w in raw.split(",")))
+    wanted = _WANTED[1]
     return name in wanted or "all" in wanted
 
 

@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from hivetune.fastpath import forced, note_fallback
+
 try:  # Triton is optional: CPUs, ROCm builds without it, old GPUs take the references
     import triton
     import triton.language as tl
@@ -30,12 +32,13 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
 def fused_ok(x: torch.Tensor) -> bool:
     """Whether the Triton kernels take this tensor (else the PyTorch reference runs).
     HIVETUNE_FUSED_OPS=0, or HIVETUNE_REFERENCE=fused_layers (or all), forces the references."""
-    from hivetune.fastpath import forced, note_fallback
-
-    if x.dtype not in (torch.bfloat16, torch.float16) or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if x.dtype not in _HALF or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     if os.environ.get("HIVETUNE_FUSED_OPS", "1") == "0" or forced("fused_layers"):
         note_fallback("fused_layers", "fused RMSNorm / RoPE / SwiGLU", "asked for the reference", "PyTorch ops")
@@ -537,8 +540,6 @@ DROP_MM_MAX_R = 32
 
 def drop_matmul_ok(x: torch.Tensor, a: torch.Tensor) -> bool:
     """Whether drop_matmul / drop_matmul_grad / matmul_drop_add_ take x [T, D] and A [R, D]."""
-    from hivetune.fastpath import forced
-
     return (fused_ok(x) and x.dim() == 2 and x.is_contiguous() and x.numel() < 2**31 and x.shape[1] % 128 == 0
             and x.shape[1] >= DROP_MM_MIN_D and a.dtype == x.dtype and a.is_contiguous()
             and a.shape[0] <= DROP_MM_MAX_R and not forced("dropout_matmul"))
