@@ -196,3 +196,18 @@ def test_prewarm_triton_computes_the_cache_key_in_the_background(monkeypatch):
     assert cache.triton_key.cache_info().currsize == 1
     fastpath.prewarm_triton(torch.device("cuda"))
     assert fastpath._PREWARM is thread
+
+
+def test_quiet_gc_freezes_the_loops_start_and_restores_the_collector(monkeypatch):
+    import gc
+
+    from hivetune.fastpath import quiet_gc
+
+    before = gc.get_threshold()
+    with quiet_gc():
+        assert gc.get_threshold()[0] == 50_000
+        assert gc.get_freeze_count() > 1000  # the test process's objects, frozen
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "gc")
+    with quiet_gc():
+        assert gc.get_threshold() == before and gc.get_freeze_count() == 0

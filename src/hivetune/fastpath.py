@@ -20,7 +20,7 @@ fallback and one log line when it falls back.
 A fallback on a device where the fast path is expected (a GPU for varlen and fused AdamW; a CPU
 asked for auto precision) prints ``hivetune: note: <what> unavailable (<why>); using <reference>``
 once per process. ``HIVETUNE_REFERENCE=varlen,fused_adamw,cpu_bf16,gpu_bf16`` (also fused_lora,
-fused_layers, dropout_matmul; or ``all``)
+fused_layers, dropout_matmul, gc; or ``all``)
 forces the reference paths, for tests and A/B runs; the fast and reference paths are compared in
 tests/test_robust_fallbacks.py (CPU) and tests/gpu/test_fallbacks.py (CUDA).
 """
@@ -31,6 +31,7 @@ import os
 import sys
 import threading
 import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -52,6 +53,30 @@ def forced(name: str) -> bool:
         _WANTED = (raw, frozenset(w.strip() for w in raw.split(",")))
     wanted = _WANTED[1]
     return name in wanted or "all" in wanted
+
+
+@contextmanager
+def quiet_gc():
+    """The training loop's garbage collector: the objects alive at its start (model, data,
+    optimizer: hundreds of thousands) are frozen out of the collector's scans, and young
+    collections run every 50,000 allocations instead of 700 (a step makes tens of thousands of
+    short-lived autograd objects, nearly all freed by reference counting). Python's collector
+    otherwise interrupts the host's kernel dispatch, which bounds W2's eager step. Restored
+    after; HIVETUNE_REFERENCE=gc keeps the defaults."""
+    if forced("gc"):
+        yield
+        return
+    import gc
+
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, threshold[1], threshold[2])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
 
 
 def note_fallback(name: str, what: str, reason: str, reference: str) -> None:

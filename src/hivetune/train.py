@@ -30,7 +30,7 @@ from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset
 from hivetune import distributed
 from hivetune.device import DTYPES, peak_memory_bytes, resolve_device, resolve_precision, set_threads
 from hivetune.doctor.preflight import check_stack
-from hivetune.fastpath import adamw, clip_grad_norm, fused_lora_usable, prewarm_triton
+from hivetune.fastpath import adamw, clip_grad_norm, fused_lora_usable, prewarm_triton, quiet_gc
 from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.errors import UserError
 from hivetune.fileio import atomic_write_bytes, check_writable, hold_run_lock, write_folder_atomically
@@ -352,7 +352,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     # CUDA with fused AdamW: a non-finite step is skipped by the optimizer kernel itself (its
     # found_inf input), so no step waits for the GPU; the host reads what happened in batches.
     ledger = StepLedger(deferred=defer_steps(run))
-    with _stop_signals() as stop, (run.sink or nullcontext()):
+    with _stop_signals() as stop, (run.sink or nullcontext()), quiet_gc():
         while step < len(run.steps):
             example_ids = run.steps[step]
             n_targets = sum(run.data.n_targets[i] for i in example_ids)  # the whole step's, all ranks
