@@ -13,3 +13,5 @@ timeout 120 python3 -m hivetune bench W2 --out $OUT/results --set activation_off
 HIVETUNE_REFERENCE=gc timeout 120 python3 -m hivetune bench W2 --out $OUT/results --set activation_offload=$N 2>&1 | grep -E "^W2"
 timeout 120 python3 bench/profile_step.py W2 --memory --steps 5 --set activation_offload=$N > $OUT/w2-memory-offload.txt 2>&1; head -16 $OUT/w2-memory-offload.txt
 timeout 90 python3 bench/profile_step.py W2 --narrow --cprofile --steps 13 --set cuda_graphs=false > $OUT/w2-narrow-host.txt 2>&1; grep -E "steps in" $OUT/w2-narrow-host.txt
+timeout 90 python3 bench/profile_step.py W1 --steps 20 --set cuda_graphs=false > $OUT/w1-kernels.txt 2>&1; grep -A30 "GPU kernels per step" $OUT/w1-kernels.txt
+timeout 90 python3 bench/profile_step.py W1 --steps 203 --no-profile 2>&1 | grep -E "steps in|replay"
