@@ -116,3 +116,50 @@ def test_compute_bound_micro_batches_stay_eager(tmp_path, monkeypatch, capsys):
     assert graphed.off.startswith("compute-bound micro-batches, ~0 TFLOP each")
     assert graphed.stats["graphs"] == 0 and graphed.stats["eager"] == 1
     assert "hivetune: CUDA graphs off (compute-bound micro-batches" in capsys.readouterr().err
+
+
+def test_planned_sizes_hold_every_micro_batch_and_the_timing_replay_adds_nothing(tmp_path):
+    """Default graphs (no fixed bucket): plan_sizes picks the sizes at the first micro-batch from
+    the step plan, after a timing replay whose loss is divided by infinity. The first call's loss
+    and gradients are the eager ones (nothing added by that replay, no NaN), every planned
+    micro-batch gets a captured size above its token count, and later calls replay."""
+    run, examples = small_run(tmp_path, batch_size=4)
+    run.model.train()
+    steps = run.steps
+    first = next(iter(graphs_micro_batches(run, steps[0])))
+    for p in lora_parameters(run.model):
+        p.grad = None
+    want_loss = forward_backward(run, first.to(run.device), 1000, fused_target_loss_sum)
+    want = grads_of(run)
+    for p in lora_parameters(run.model):
+        p.grad = None
+    graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None)
+    got_loss = graphed(first, 1000)
+    got = grads_of(run)
+    assert torch.isfinite(got).all() and torch.isfinite(got_loss)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-3, atol=1e-3)
+    assert torch.nn.functional.cosine_similarity(got, want, dim=0).item() > 0.9999
+    assert graphed.stats["capture_tokens"] > 0 and graphed.stats["sizes"]
+    for tokens, segments in graphs.planned_micro_batches(run):
+        size, seg = graphed.key_of(_fake(tokens, segments))
+        assert seg == segments and size > tokens and (size, seg) in graphed.buckets
+    replays = graphed.stats["replays"]
+    second = next(iter(graphs_micro_batches(run, steps[1])))
+    assert torch.isfinite(graphed(second, 1000)) and graphed.stats["replays"] == replays + 1
+
+
+def graphs_micro_batches(run, step):
+    from hivetune.train import micro_batches
+
+    return micro_batches(run, step)
+
+
+def _fake(tokens, segments):
+    """A host micro-batch with `tokens` tokens and segments - 2 examples (for key_of)."""
+    from hivetune.data.batch import MicroBatch
+    from hivetune.ops.attention import Packed
+
+    cu = torch.zeros(segments - 1, dtype=torch.int32)
+    ids = torch.zeros(1, tokens, dtype=torch.long)
+    return MicroBatch(ids, ids, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                      Packed(cu, tokens, ()), segments - 2, tokens)

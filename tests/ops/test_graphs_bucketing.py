@@ -158,3 +158,38 @@ def test_planned_keys_under_ddp_are_the_rank_shares(tmp_path, rank):
     assert planned_keys(run, 32) == sorted(met)
     whole_steps = {batch_key(b, 32) for step in run.steps for b in micro_batches(run, step)}
     assert whole_steps != met  # the one-process plan would capture the wrong graphs here
+
+
+def _plan_cost(sizes, tokens, capture):
+    return capture * len(sizes) + sum(min(s for s in sizes if s > t) - t for t in tokens)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_sizes_is_the_cheapest_set_of_graph_sizes(seed):
+    """Against brute force over every set of grain-rounded sizes that holds the largest count."""
+    import itertools
+    import random
+
+    from hivetune.ops.graphs import plan_sizes
+
+    rng = random.Random(seed)
+    tokens = [rng.randint(100, 900) for _ in range(rng.randint(5, 40))]
+    capture = rng.choice([0, 50, 400, 3000, 10**6])
+    sizes = plan_sizes(tokens, capture, grain=64)
+    assert all(s % 64 == 0 for s in sizes) and all(any(s > t for s in sizes) for t in tokens)
+    need = sorted({bucket_tokens(t, 64) for t in tokens})
+    best = min(_plan_cost(list(c) + [need[-1]], tokens, capture)
+               for k in range(len(need)) for c in itertools.combinations(need[:-1], k))
+    assert _plan_cost(sizes, tokens, capture) == best
+    if capture == 0:
+        assert sizes == need
+    if capture == 10**6:
+        assert sizes == [need[-1]]
+
+
+def test_planned_micro_batches_are_what_the_loop_meets(tmp_path):
+    from hivetune.ops.graphs import planned_micro_batches
+
+    run = tiny_run(tmp_path, batch_size=3, grad_accum=2, max_steps=4)
+    met = [(b.input_ids.shape[1], len(b.layout.cu_seqlens) + 1) for step in run.steps for b in micro_batches(run, step)]
+    assert planned_micro_batches(run) == met

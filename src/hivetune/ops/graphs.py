@@ -5,17 +5,23 @@ step; the rest is host time dispatching ~3,300 kernels. A graph replays them all
 
 How. A graph fixes every shape and address, so each micro-batch is padded to a bucket:
 
-- tokens: T real tokens -> Tb = ceil((T + 1) / bucket) * bucket. The Tb - T pad tokens form
+- tokens: T real tokens -> Tb, the smallest graph size above T (below). The Tb - T pad tokens form
   their own segment of ``cu_seqlens`` (attention never crosses a segment), so real tokens see
   exactly what they saw unpadded; ``max_seqlen`` is Tb (an upper bound; flash skips empty blocks).
 - targets: padded to Tb entries (never fewer than the real ones, as targets < tokens) with id
   -100, which the loss ignores (no loss, no gradient); their index points at the last pad token.
 - the step's target count (the loss divisor) is a device scalar filled before each replay.
 
-One graph per (Tb, segments) key, captured the first time a key is met: that micro-batch runs
-eagerly (its real work, and the warm-up capture needs), then the same step is captured (capture
-runs nothing). All graphs share one memory pool; each replay's loss is cloned at once, so no
-graph's output is alive while another replays. Gradients accumulate in place into persistent
+Which sizes Tb: plan_sizes weighs a graph's capture (a host pass, ~0.2 s on W1) against the
+padding a coarser set of sizes costs on the GPU, over the token counts of every micro-batch the
+step plan holds (known before the first step). The first micro-batch runs eagerly (its real
+work, and the warm-up capture needs); the largest graph is captured and timed, and one replay of
+it with the loss divided by infinity (exact zeros everywhere) gives the GPU time a token; then
+every planned size is captured (capture runs nothing). A micro-batch no size holds takes the
+256-token grid (bucket_tokens), captured when met.
+
+All graphs share one memory pool; each replay's loss is cloned at once, so no graph's output is
+alive while another replays. Gradients accumulate in place into persistent
 .grad tensors: fit may set grads to None between steps, they are re-attached (zeroed) before the
 next micro-batch. Dropout draws from the default CUDA generator, whose offset each replay
 advances (torch registers it with every capture), so every replay gets fresh masks.
@@ -42,6 +48,7 @@ IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index; fused_target_loss
 # W1: 7 token buckets, 8% pad tokens (128: 13 buckets, 4%; 512: 4, 16%). HIVETUNE_GRAPH_BUCKET
 # overrides it for experiments (bench/profile_step.py --bucket).
 BUCKET_TOKENS = 256
+GRAIN = 64  # graph sizes chosen by plan_sizes are multiples of this
 MAX_GRAPHS = 48  # keys beyond this many run eagerly
 # Above this many matmul TFLOP per micro-batch (4 x linear weights x tokens) the GPU outruns the
 # host's dispatch anyway: W2 (7B) with 16 examples (~2,900 tokens: ~82 TFLOP) measured 23.8 s with
@@ -88,21 +95,56 @@ def batch_key(batch: MicroBatch, bucket: int = BUCKET_TOKENS) -> tuple[int, int]
     return bucket_tokens(batch.input_ids.shape[1], bucket), len(batch.layout.cu_seqlens) + 1
 
 
-def planned_keys(run, bucket: int = BUCKET_TOKENS) -> list[tuple[int, int]]:
-    """batch_key of every micro-batch left in the run's step plan, from the example lengths
-    (collate_packed: one segment per example, no padding); under torchrun, of this rank's
-    share of each step (Dist.shard), as the training loop cuts it."""
+def planned_micro_batches(run) -> list[tuple[int, int]]:
+    """(tokens, cu_seqlens entries once padded) of every micro-batch left in the run's step
+    plan, from the example lengths (collate_packed: one segment per example, no padding); under
+    torchrun, of this rank's share of each step (Dist.shard), as the training loop cuts it."""
     lengths = getattr(run.data, "lengths", None)
     if lengths is None:
         return []
     size = run.cfg.batch_size
-    keys = set()
+    out = []
     for step in run.steps[run.start_step:]:
         step = run.parallel.shard(step, lengths)
         for i in range(0, len(step), size):
             chunk = step[i:i + size]
-            keys.add((bucket_tokens(sum(lengths[j] for j in chunk), bucket), len(chunk) + 2))
-    return sorted(keys)
+            out.append((sum(lengths[j] for j in chunk), len(chunk) + 2))
+    return out
+
+
+def planned_keys(run, bucket: int = BUCKET_TOKENS) -> list[tuple[int, int]]:
+    """batch_key of every micro-batch left in the run's step plan (fixed `bucket` grid)."""
+    return sorted({(bucket_tokens(t, bucket), segments) for t, segments in planned_micro_batches(run)})
+
+
+def plan_sizes(tokens: list[int], capture_tokens: float, grain: int = GRAIN) -> list[int]:
+    """The graph sizes (multiples of `grain`) that minimise capture cost + padding for these
+    micro-batch token counts, a graph's capture counted as `capture_tokens` tokens of GPU work
+    (its host pass over the GPU's time per token): each micro-batch takes the smallest size that
+    holds it and a pad token. Exact, by dynamic programming over the grain-rounded sizes sorted:
+    cost(j) = min over i < j of cost(i) + capture_tokens + the padding of the counts in (i, j]
+    padded to size j. W1 (562 micro-batches) at 15,000 tokens a capture (~0.2 s at ~13 us a
+    token): 5 graphs and 68,887 pad tokens, against the 256-token grid's 7 graphs and 71,895."""
+    if not tokens:
+        return []
+    need = sorted({bucket_tokens(t, grain) for t in tokens})
+    by_size: dict[int, list[int]] = {}
+    for t in tokens:
+        by_size.setdefault(bucket_tokens(t, grain), []).append(t)
+    n = len(need)
+    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)
+    for j in range(1, n + 1):
+        size, pad = need[j - 1], 0
+        for i in range(j - 1, -1, -1):  # sizes i+1..j all padded to size j
+            pad += sum(size - t for t in by_size[need[i]])
+            cost = best[i] + capture_tokens + pad
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    sizes, j = [], n
+    while j > 0:
+        sizes.append(need[j - 1])
+        j = cut[j]
+    return sorted(sizes)
 
 
 def ignoring_loss_fn(loss_fn):
@@ -183,7 +225,11 @@ class GraphedForwardBackward:
 
         self.run, self.eager = run, eager
         self.loss_fn = ignoring_loss_fn(loss_fn)
-        self.bucket = bucket or int(os.environ.get("HIVETUNE_GRAPH_BUCKET", BUCKET_TOKENS))
+        # A fixed grid when asked for (experiments: HIVETUNE_GRAPH_BUCKET, bench/profile_step.py
+        # --bucket), else the sizes plan_sizes picks at the first capture (self.sizes).
+        fixed = bucket or int(os.environ.get("HIVETUNE_GRAPH_BUCKET", 0))
+        self.bucket, self.planned = fixed or BUCKET_TOKENS, not fixed
+        self.sizes: dict[int, list[int]] = {}  # cu_seqlens entries -> graph sizes (tokens)
         self.max_graphs = max_graphs
         self.params = lora_parameters(run.model)
         self.grads = [torch.zeros_like(p) for p in self.params]
@@ -195,7 +241,8 @@ class GraphedForwardBackward:
         self.flops_per_token = 4 * run.model.args.linear_weight_count
         self.replay_events: list | None = [] if os.environ.get("HIVETUNE_GRAPH_TIMING") else None
         self.stats = {"graphs": 0, "replays": 0, "eager": 0, "capture_s": 0.0, "pad_tokens": 0, "tokens": 0,
-                      "bucket_tokens": self.bucket, "off": None}
+                      "bucket_tokens": self.bucket if not self.planned else "planned", "sizes": None,
+                      "capture_tokens": None, "off": None}
         global last_stats, last_graphed
         last_stats = self.stats
         last_graphed = self if self.replay_events is not None else None
@@ -207,7 +254,7 @@ class GraphedForwardBackward:
             self.stats["eager"] += 1
             return self.eager(batch, n_targets)
         self._attach_grads()
-        key = batch_key(batch, self.bucket)
+        key = self.key_of(batch)
         tokens = key[0]
         bucket = self.buckets.get(key)
         if bucket is None and len(self.buckets) >= self.max_graphs:
@@ -221,6 +268,13 @@ class GraphedForwardBackward:
         bucket.load(padded, n_targets)
         self._replay(bucket)
         return bucket.loss.clone()  # now: the next replay of a graph in this pool may overwrite it
+
+    def key_of(self, batch: MicroBatch) -> tuple[int, int]:
+        """The graph of a micro-batch: the smallest planned size that holds it and a pad token,
+        with its segment count; the fixed grid's bucket where nothing is planned for it."""
+        t, segments = batch.input_ids.shape[1], len(batch.layout.cu_seqlens) + 1
+        size = next((s for s in self.sizes.get(segments, ()) if s > t), None)
+        return (size, segments) if size else batch_key(batch, self.bucket)
 
     def _check_launch_bound(self, batch: MicroBatch) -> None:
         """Graphs remove host dispatch time (~5 ms a layer); a micro-batch whose matmuls alone
@@ -297,8 +351,9 @@ class GraphedForwardBackward:
             # graphs' private pool cannot reuse them: hand them back first, or the run reserves
             # one micro-batch of activations twice (W2 2 x 8: 36.9 GiB reserved, 22.9 allocated).
             torch.cuda.empty_cache()
-            for planned in sorted(set(planned_keys(self.run, self.bucket)) | {key}, reverse=True)[:self.max_graphs]:
-                if not self._capture_key(planned, bucket if planned == key else None):
+            keys = self._plan(batch) if self.planned else planned_keys(self.run, self.bucket)
+            for planned in sorted(set(keys) | {self.key_of(batch)}, reverse=True)[:self.max_graphs]:
+                if self.off or (planned not in self.buckets and not self._capture_key(planned, None)):
                     break
         elif self._capture_key(key, None):
             bucket = self.buckets[key]
@@ -307,6 +362,40 @@ class GraphedForwardBackward:
             loss = bucket.loss.clone()
         self.stats["capture_s"] = round(self.stats["capture_s"] + time.perf_counter() - t0, 3)
         return loss if loss is not None else self.eager(batch, n_targets)
+
+    def _plan(self, batch: MicroBatch) -> list[tuple[int, int]]:
+        """Capture the largest graph the plan needs, time its capture (the host pass every graph
+        costs) and one replay of it (GPU seconds a token), then let plan_sizes pick the rest.
+        The timing replay runs the warm-up micro-batch, padded to the largest size, with the
+        loss divided by infinity: its loss and every gradient it adds are exact zeros."""
+        own = (batch.input_ids.shape[1], len(batch.layout.cu_seqlens) + 1)
+        micro = planned_micro_batches(self.run) or [own]
+        top_t, top_segments = max(micro)
+        top = (bucket_tokens(top_t, GRAIN), top_segments)
+        t0 = time.perf_counter()
+        if not self._capture_key(top, None):
+            return []
+        capture_s = time.perf_counter() - t0
+        big = self.buckets[top]
+        if own[1] == top_segments and own[0] < top[0]:
+            big.load(pad_packed_batch(batch, top[0], self.run.pad_id), 1)
+            big.n_targets.fill_(float("inf"))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            big.graph.replay()
+            end.record()
+            end.synchronize()
+            gpu_s_per_token = start.elapsed_time(end) / 1000 / top[0]
+            capture_tokens = capture_s / max(gpu_s_per_token, 1e-9)
+        else:  # no micro-batch of the plan's shape at hand: the grid
+            return planned_keys(self.run, self.bucket)
+        self.stats["capture_tokens"] = round(capture_tokens)
+        groups: dict[int, list[int]] = {}
+        for t, segments in micro:
+            groups.setdefault(segments, []).append(t)
+        self.sizes = {seg: plan_sizes(ts, capture_tokens) for seg, ts in groups.items()}
+        self.stats["sizes"] = {seg: sizes for seg, sizes in self.sizes.items()}
+        return [(size, seg) for seg, sizes in self.sizes.items() for size in sizes]
 
     def _capture_key(self, key, bucket: _Bucket | None) -> bool:
         bucket = bucket or _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device)
@@ -323,6 +412,7 @@ class GraphedForwardBackward:
         self.buckets[key] = bucket
         self.stats["graphs"] += 1
         return True
+
 
 def with_buckets(batch: MicroBatch, bucket: int = BUCKET_TOKENS, pad_id: int = 0) -> MicroBatch:
     """The padded batch a graph would see (tests: padding must not change loss or gradients)."""
