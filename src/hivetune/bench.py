@@ -364,8 +364,11 @@ def results_table(folder: Path) -> str:
             setting += f"; CUDA graphs off: {graphs['off']}"
         elif graphs:
             setting += f"; {graphs['graphs']} CUDA graphs, capture {graphs['capture_s']} s"
-            if graphs.get("bucket_tokens", 256) != 256:
+            if graphs.get("bucket_tokens", 256) not in (256, "planned"):
                 setting += f", {graphs['bucket_tokens']}-token buckets"
+            elif graphs.get("sizes"):
+                sizes = sorted({s for group in graphs["sizes"].values() for s in group})
+                setting += f", sizes {', '.join(map(str, sizes))} (pad {graphs['pad_tokens']:,} tokens)"
         steps = f"{h['steps']}" + ("" if not r.get("max_steps") else " (max_steps)")
         base = r.get("baseline")
         if base:
