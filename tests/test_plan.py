@@ -258,3 +258,24 @@ def test_train_auto_flag_reports_its_choice(tiny_model_dir, alpaca_file, tmp_pat
                  "--output", str(tmp_path / "run"), "--set", "eval_prompts=0"]) == 0
     assert "auto: CPU run, config unchanged" in capsys.readouterr().err
     assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_plan_with_activation_offload(tmp_path):
+    """activation_offload moves the first N layers' large saved tensors to a host row outside
+    the peak; CUDA-graphed micro-batches skip it, so there the planner counts none (a note)."""
+    from hivetune.plan.planner import format_plan
+
+    model = write_config(tmp_path, QWEN25_7B, "qwen2.5-7b")
+    base = {"precision": "bf16", "batch_size": 4, "max_length": 1024}
+    plain = plan(train_config(model, **base), gpu="RTX 4090")
+    off = plan(train_config(model, activation_offload=8, **base), gpu="RTX 4090")
+    host = off.host_gib["pinned host (offload)"]
+    assert off.activation_offload == 8 and plain.host_gib == {} and 4.5 < host < 5  # ~150 KB a token a layer
+    assert plain.parts_gib["activations"] - off.parts_gib["activations"] == pytest.approx(host)
+    assert off.peak_gib < plain.peak_gib - 4.5 and off.largest_micro_batch_tokens > plain.largest_micro_batch_tokens
+    assert "pinned host (offload)" in format_plan(off) and "not in the peak" in format_plan(off)
+    graphed_cfg = train_config(model, activation_offload=8, **{**base, "batch_size": 1})
+    graphed_cfg.cuda_graphs = True  # 1,024 tokens: graphed (not compute-bound), so no offload
+    graphed = plan(graphed_cfg, gpu="RTX 4090")
+    assert graphed.cuda_graphs and graphed.activation_offload == 0 and graphed.host_gib == {}
+    assert any("activation_offload does not apply here" in n for n in graphed.notes)

@@ -1,6 +1,6 @@
 """ops.offload (activation_offload) on the CPU, in its test mode (plain CPU tensors stand in for
 the pinned host copies): loss and LoRA gradients bit for bit those of no offload, the pack hook's
-choices, the planner's numbers, the config key's checks. tests/gpu/test_offload.py runs CUDA."""
+choices, the planner's numbers, the config key's checks. tests/gpu/test_cuda_offload.py runs CUDA."""
 
 from __future__ import annotations
 
