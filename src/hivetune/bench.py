@@ -159,8 +159,11 @@ def environment(device) -> dict:
     return env
 
 
-def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = None, max_steps: int = 0) -> dict:
-    """Train the workload with hivetune's loop; return the measured figures."""
+def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = None, max_steps: int = 0,
+                 memory_cap_gib: float = 0.0) -> dict:
+    """Train the workload with hivetune's loop; return the measured figures. memory_cap_gib: the
+    caching allocator may hold at most this much during the loop (as on a card of that size;
+    set after the model is built: W2's random init runs in fp32)."""
     from hivetune.fastpath import prewarm_triton
     from hivetune.train import assemble, fit
 
@@ -178,13 +181,19 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
         run = assemble(cfg, model, examples, None, device, cfg.precision, Path(tmp) / "run", Path("random"))
         if device.type == "cuda":
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+            if memory_cap_gib:
+                total = torch.cuda.get_device_properties(device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib * 2**30 / total), device)
         graphs.last_stats = {}
         t0 = time.perf_counter()
         result = fit(run, progress=False)
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
+        if device.type == "cuda" and memory_cap_gib:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
         losses = [json.loads(line)["loss"] for line in (run.folder / "metrics.jsonl").read_text().splitlines()]
     tokens = sum(examples.lengths[i] for step in run.steps for i in step)
     flops_per_token = 4 * w.args.linear_weight_count
@@ -200,6 +209,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
         "peak_memory_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 3) if device.type == "cuda" else None,
         "final_loss": result.final_loss, "losses_logged": losses,
         "cuda_graphs": dict(graphs.last_stats) if cfg.cuda_graphs and graphs.last_stats else None,
+        "memory_cap_gib": memory_cap_gib or None,
     }
 
 
@@ -293,7 +303,8 @@ BASELINES = ("hf-peft",)
 
 
 def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "bench/results", overrides: dict | None = None,
-          baseline: str = "", baseline_steps: int = 0, table: str | None = "BENCHMARKS.md") -> dict:
+          baseline: str = "", baseline_steps: int = 0, table: str | None = "BENCHMARKS.md",
+          memory_cap_gib: float = 0.0) -> dict:
     """`hivetune bench`: time a workload (and, with `baseline`, HF Trainer + PEFT on it in the same
     process), write its JSON under out_dir, and rewrite the generated table of `table`."""
     names = list(WORKLOADS) if workload == "all" else [workload]
@@ -304,13 +315,15 @@ def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "bench/result
         raise UserError(f"--baseline: unknown baseline {baseline!r} ({', '.join(BASELINES)})")
     if baseline_steps < 0:
         raise UserError(f"--baseline-steps: must be >= 0, got {baseline_steps}")
+    if memory_cap_gib < 0:
+        raise UserError(f"--memory-cap: must be >= 0 GiB, got {memory_cap_gib}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results = {}
     for name in names:
         w = WORKLOADS[name]
         record = {"workload": name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "environment": environment(device), "max_steps": max_steps, "overrides": overrides or {},
-                  "hivetune": run_hivetune(w, device, overrides, max_steps)}
+                  "hivetune": run_hivetune(w, device, overrides, max_steps, memory_cap_gib)}
         if baseline:
             _release_memory(device)
             record["baseline"] = {"name": baseline, **run_hf_peft(w, device, baseline_steps)}
@@ -357,6 +370,8 @@ def results_table(folder: Path) -> str:
             setting += f"; micro-batch {h['micro_batch']}"
         if env.get("reference_paths"):
             setting += f"; reference paths: {env['reference_paths']}"
+        if h.get("memory_cap_gib"):
+            setting += f"; allocator capped at {h['memory_cap_gib']:g} GiB"
         if env.get("triton_cache"):
             setting += f"; Triton kernel cache {env['triton_cache']} at start"
         graphs = h.get("cuda_graphs")

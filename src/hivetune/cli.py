@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also time HF Trainer + PEFT (the seeds' config) on the same workload")
     bench.add_argument("--baseline-steps", type=int, default=0, metavar="N",
                        help="time N baseline steps (after 2 warm-up steps) and extrapolate (0: the full run)")
+    bench.add_argument("--memory-cap", type=float, default=0.0, metavar="GIB",
+                       help="let the training loop's allocator hold at most GIB (as a card of that size would)")
     bench.add_argument("--table-only", action="store_true",
                        help="only rewrite BENCHMARKS.md's generated table from bench/results/*.json")
     doctor = sub.add_parser("doctor", help="check the torch / GPU stack, self-test it, and name known fixes",
@@ -199,7 +201,8 @@ def run_bench(ns) -> int:
 
         write_table(Path("BENCHMARKS.md"), Path(ns.out))
         return 0
-    results = bench(ns.workload, ns.max_steps, ns.out, parse_overrides(ns.overrides), ns.baseline, ns.baseline_steps)
+    results = bench(ns.workload, ns.max_steps, ns.out, parse_overrides(ns.overrides), ns.baseline, ns.baseline_steps,
+                    memory_cap_gib=ns.memory_cap)
     for name, record in results.items():
         h = record["hivetune"]
         mfu = f", MFU {h['mfu']:.1%}" if h["mfu"] else ""

@@ -216,3 +216,25 @@ def test_flash_varlen_takes_grouped_heads_and_matches_sdpa():
     for got, want in ((out, ref), (dq, rq), (dk, rk), (dv, rv)):
         err = ((got.float() - want).abs().max() / want.abs().max()).item()
         assert err < 2e-2, err
+
+
+@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+def test_split_dropout_matmuls_are_deterministic():
+    """The split kernels' last program of a block sums every split's partial in split order:
+    the same bits on every call (a partial read before its store landed would differ), and
+    within fp32 rounding of the one-split result. W2's down_proj shape and W1's."""
+    torch.manual_seed(0)
+    seed, p = torch.tensor([99], device="cuda"), 0.05
+    for t, d, r in ((3000, 18944, 32), (1600, 4864, 8)):
+        x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+        a = torch.randn(r, d, device="cuda", dtype=torch.bfloat16) * 0.02
+        g = torch.randn(t, r, device="cuda", dtype=torch.bfloat16)
+        xa = elementwise.drop_matmul(x, a, seed, p, 2.0)
+        ga = elementwise.drop_matmul_grad(g, x, seed, p)
+        for _ in range(20):
+            assert torch.equal(elementwise.drop_matmul(x, a, seed, p, 2.0), xa)
+            assert torch.equal(elementwise.drop_matmul_grad(g, x, seed, p), ga)
+        torch.testing.assert_close(xa.float(), elementwise.drop_matmul(x, a, seed, p, 2.0, splits=1).float(),
+                                   rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(ga, elementwise.drop_matmul_grad(g, x, seed, p, splits=1), rtol=1e-4, atol=1e-4)
+        assert elementwise._COUNTERS[x.device].abs().sum().item() == 0
