@@ -184,8 +184,9 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             if memory_cap_gib:
-                total = torch.cuda.get_device_properties(device).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib * 2**30 / total), device)
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                total = torch.cuda.get_device_properties(index).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib * 2**30 / total), index)
         graphs.last_stats = {}
         t0 = time.perf_counter()
         result = fit(run, progress=False)
@@ -193,7 +194,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         if device.type == "cuda" and memory_cap_gib:
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            torch.cuda.set_per_process_memory_fraction(1.0, index)
         losses = [json.loads(line)["loss"] for line in (run.folder / "metrics.jsonl").read_text().splitlines()]
     tokens = sum(examples.lengths[i] for step in run.steps for i in step)
     flops_per_token = 4 * w.args.linear_weight_count

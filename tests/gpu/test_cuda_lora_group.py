@@ -236,5 +236,6 @@ def test_split_dropout_matmuls_are_deterministic():
             assert torch.equal(elementwise.drop_matmul_grad(g, x, seed, p), ga)
         torch.testing.assert_close(xa.float(), elementwise.drop_matmul(x, a, seed, p, 2.0, splits=1).float(),
                                    rtol=1e-2, atol=1e-2)
-        torch.testing.assert_close(ga, elementwise.drop_matmul_grad(g, x, seed, p, splits=1), rtol=1e-4, atol=1e-4)
+        # fp32 sums of 1,600-3,000 products in another order: ~1e-5 of the gradient's scale (~50)
+        torch.testing.assert_close(ga, elementwise.drop_matmul_grad(g, x, seed, p, splits=1), rtol=1e-4, atol=2e-3)
         assert elementwise._COUNTERS[x.device].abs().sum().item() == 0

@@ -33,6 +33,7 @@ Under DDP each rank replays its own graphs; the gradient all-reduce runs after t
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -95,16 +96,17 @@ def batch_key(batch: MicroBatch, bucket: int = BUCKET_TOKENS) -> tuple[int, int]
     return bucket_tokens(batch.input_ids.shape[1], bucket), len(batch.layout.cu_seqlens) + 1
 
 
-def planned_micro_batches(run) -> list[tuple[int, int]]:
-    """(tokens, cu_seqlens entries once padded) of every micro-batch left in the run's step
-    plan, from the example lengths (collate_packed: one segment per example, no padding); under
-    torchrun, of this rank's share of each step (Dist.shard), as the training loop cuts it."""
+def planned_micro_batches(run, start: int | None = None) -> list[tuple[int, int]]:
+    """(tokens, cu_seqlens entries once padded) of every micro-batch of the run's step plan from
+    step `start` (default: where the run starts), from the example lengths (collate_packed: one
+    segment per example, no padding); under torchrun, of this rank's share of each step
+    (Dist.shard), as the training loop cuts it."""
     lengths = getattr(run.data, "lengths", None)
     if lengths is None:
         return []
     size = run.cfg.batch_size
     out = []
-    for step in run.steps[run.start_step:]:
+    for step in run.steps[run.start_step if start is None else start:]:
         step = run.parallel.shard(step, lengths)
         for i in range(0, len(step), size):
             chunk = step[i:i + size]
@@ -367,9 +369,12 @@ class GraphedForwardBackward:
         """Capture the largest graph the plan needs, time its capture (the host pass every graph
         costs) and one replay of it (GPU seconds a token), then let plan_sizes pick the rest.
         The timing replay runs the warm-up micro-batch, padded to the largest size, with the
-        loss divided by infinity: its loss and every gradient it adds are exact zeros."""
+        loss divided by infinity: its loss and every gradient it adds are exact zeros, and the
+        CUDA generator is set back after it (a resumed run draws the masks an unbroken one does)."""
         own = (batch.input_ids.shape[1], len(batch.layout.cu_seqlens) + 1)
-        micro = planned_micro_batches(self.run) or [own]
+        # The whole plan, resumed or not, and the capture cost rounded to a power of two: the
+        # same sizes (the same padding, so the same matmul shapes) in a run and its resumption.
+        micro = planned_micro_batches(self.run, start=0) or [own]
         top_t, top_segments = max(micro)
         top = (bucket_tokens(top_t, GRAIN), top_segments)
         t0 = time.perf_counter()
@@ -381,12 +386,14 @@ class GraphedForwardBackward:
             big.load(pad_packed_batch(batch, top[0], self.run.pad_id), 1)
             big.n_targets.fill_(float("inf"))
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            rng = torch.cuda.get_rng_state(self.run.device)  # the replay's dropout draws are not the run's
             start.record()
             big.graph.replay()
             end.record()
             end.synchronize()
+            torch.cuda.set_rng_state(rng, self.run.device)
             gpu_s_per_token = start.elapsed_time(end) / 1000 / top[0]
-            capture_tokens = capture_s / max(gpu_s_per_token, 1e-9)
+            capture_tokens = 2.0 ** round(math.log2(max(capture_s / max(gpu_s_per_token, 1e-9), 1.0)))
         else:  # no micro-batch of the plan's shape at hand: the grid
             return planned_keys(self.run, self.bucket)
         self.stats["capture_tokens"] = round(capture_tokens)
