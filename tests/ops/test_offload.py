@@ -226,3 +226,23 @@ def test_config_key_checks(tiny_model_dir, alpaca_file, tmp_path, capsys):
     run = setup(load_config(None, {**values, "activation_offload": 2}))
     assert run.model.activation_offload is None
     assert "activation_offload off (CUDA only, this run is on cpu)" in capsys.readouterr().err
+
+
+def test_reserved_host_memory_is_all_the_steps_take():
+    """ActivationOffload.reserve with the planner's bytes (what train's setup does before the
+    loop): two training passes then take no new host chunk."""
+    from hivetune.plan.measure import fused_layers_standin, varlen_standin
+    from hivetune.plan.memory import MemoryConfig, offloaded_bytes, offloaded_layer_bytes
+
+    model = tiny_lora_model(0.2, torch.bfloat16)
+    model.activation_offload = offload = ActivationOffload(model, 3, threshold=0, cpu_test=True)
+    batch = packed_batch()
+    mc = MemoryConfig(precision="bf16", r=4, dropout=0.2, fused_layers=True, offload_layers=3)
+    t = batch.input_ids.shape[1]
+    offload.reserve(offloaded_bytes(model.args, mc, t, threshold=0), offloaded_layer_bytes(model.args, mc, t, threshold=0))
+    reserved = offload.host_bytes
+    assert reserved >= offloaded_bytes(model.args, mc, t, threshold=0)
+    with varlen_standin(), fused_layers_standin():
+        loss_and_grads(model, batch)
+        loss_and_grads(model, batch)
+    assert offload.stats["passes"] == 2 and offload.host_bytes == reserved

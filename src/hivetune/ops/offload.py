@@ -93,7 +93,9 @@ class _HostArena:
         for k, c in enumerate(self.free):
             if c.numel() >= nbytes:
                 return self.free.pop(k)
-        size = max(nbytes, min(CHUNK_BYTES, max(16 << 20, self.allocated)))  # doubles up to CHUNK_BYTES
+        return self.new(max(nbytes, min(CHUNK_BYTES, max(16 << 20, self.allocated))))  # doubles up to CHUNK_BYTES
+
+    def new(self, size: int) -> torch.Tensor:
         self.allocated += size
         return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
 
@@ -186,6 +188,13 @@ class ActivationOffload:
         for h in handles:
             h.gpu.record_stream(self.stream)  # freed unused (a node never run): not reused mid-copy
             h.ready = ready
+
+    def reserve(self, total: int, largest: int) -> None:
+        """Allocate (pin) the arena's chunks ahead: `total` bytes a forward moves out, none of
+        its storages above `largest` bytes; a quarter more, as the leases leave chunk ends unused."""
+        size = max(CHUNK_BYTES, largest)
+        while self.arena.allocated < total * 1.25 + size:
+            self.arena.free.append(self.arena.new(size))
 
     @property
     def host_bytes(self) -> int:
