@@ -13,9 +13,9 @@ fallback and one log line when it falls back.
     fused LM-head CE             config fused_loss (plain PyTorch, any device) ops.loss.target_loss_sum
     joined q/k/v, gate/up with   always in training (plain PyTorch, any        layer by layer LoRALinear
       LoRA (ops.lora_group)        device), except FSDP                          (model.lora)
-    LoRA dropout inside the A    Triton on a GPU, bf16 / fp16, inputs in       dropout_seeded, then
-      matmuls (ops.elementwise     128-column blocks, n x r <= 32                cuBLAS
-      drop_matmul & co)
+    LoRA dropout inside the A    Triton on a GPU, bf16 / fp16, inputs          dropout_seeded, then
+      matmuls (ops.elementwise     2,048+ wide in 128-column blocks, n x r       cuBLAS
+      drop_matmul & co)            <= 32
 
 A fallback on a device where the fast path is expected (a GPU for varlen and fused AdamW; a CPU
 asked for auto precision) prints ``hivetune: note: <what> unavailable (<why>); using <reference>``
@@ -61,8 +61,8 @@ def quiet_gc():
     optimizer: hundreds of thousands) are frozen out of the collector's scans, and young
     collections run every 50,000 allocations instead of 700 (a step makes tens of thousands of
     short-lived autograd objects, nearly all freed by reference counting). Python's collector
-    otherwise interrupts the host's kernel dispatch, which bounds W2's eager step. Restored
-    after; HIVETUNE_REFERENCE=gc keeps the defaults."""
+    otherwise runs in the middle of the host's kernel dispatch, which W2's eager step waits on
+    (not timed on its own yet). Restored after; HIVETUNE_REFERENCE=gc keeps the defaults."""
     if forced("gc"):
         yield
         return
