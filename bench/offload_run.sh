@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (~7 min): the GPU tests, then W1, W2 eager (16 x 1), and W2 with $N layers'
 # activations offloaded, without and with a 24 GiB allocator cap.
-# Usage: HIVETUNE_COMMIT=<commit> N=8 bash bench/final_run.sh
+# Usage: HIVETUNE_COMMIT=<commit> N=8 bash bench/offload_run.sh
 set -u
 source bench/device_prelude.sh
 timeout 60 python3 -m hivetune bench W1 --out /tmp/warm --max-steps 30 2>&1 | grep -E "^W1"
