@@ -1,0 +1,77 @@
+"""Where a CUDA-graph replay's time goes: its GPU wall time against the sum of its kernels.
+
+    python bench/graph_gaps.py W2 [--steps 6]   # W2's 16-example micro-batch, graphed
+
+Trains a few steps with graphs forced on (HIVETUNE_GRAPH_MAX_TFLOP), then replays the largest
+graph 5 times with the loss divided by infinity (its gradients are exact zeros) under the
+profiler: wall time per replay (CUDA events) against the sum of the kernels' times inside it,
+and the kernel count. The difference is what the graph spends between kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+os.environ.setdefault("HIVETUNE_GRAPH_MAX_TFLOP", "1000")
+os.environ["HIVETUNE_GRAPH_TIMING"] = "1"
+
+from hivetune.bench import WORKLOADS, random_model, workload_examples  # noqa: E402
+from hivetune.config import load_config  # noqa: E402
+from hivetune.data.dataset import TokenizedExamples  # noqa: E402
+from hivetune.ops import graphs  # noqa: E402
+from hivetune.train import assemble, fit  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("workload", default="W2", nargs="?")
+    parser.add_argument("--steps", type=int, default=6)
+    opts = parser.parse_args()
+    w = WORKLOADS[opts.workload]
+    values = {"model": "random", "data": "generator", "precision": "bf16", "device": "cuda",
+              "max_steps": opts.steps, "batch_size": w.micro_batch or w.examples_per_step,
+              "grad_accum": w.examples_per_step // (w.micro_batch or w.examples_per_step), "lora": w.lora,
+              "eval_prompts": 0, "max_length": 4096, "log_every": 1000}
+    cfg = load_config(None, values)
+    examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))
+    model = random_model(w.args, torch.device("cuda"), torch.bfloat16)
+    run = assemble(cfg, model, examples, None, torch.device("cuda"), "bf16", Path(f"/tmp/gaps-{time.time()}"),
+                   Path("random"))
+    fit(run, progress=False)
+    g = graphs.last_graphed
+    if g is None or not g.buckets:
+        print(f"no graphs: {graphs.last_stats}")
+        return
+    key = max(g.buckets)
+    bucket = g.buckets[key]
+    bucket.n_targets.fill_(float("inf"))
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    walls = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            bucket.graph.replay()
+            end.record()
+            end.synchronize()
+            walls.append(start.elapsed_time(end))
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in kernels) / 1000
+    print(f"{opts.workload}: graph of {key[0]} tokens; replay wall {sum(walls) / 5:.1f} ms (each: "
+          f"{', '.join(f'{x:.1f}' for x in walls)}); kernels {len(kernels) / 5:.0f} a replay, "
+          f"their sum {busy / 5:.1f} ms a replay; between kernels {sum(walls) / 5 - busy / 5:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
