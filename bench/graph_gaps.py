@@ -3,7 +3,7 @@
     python bench/graph_gaps.py W2 [--steps 6]   # W2's 16-example micro-batch, graphed
 
 Trains a few steps with graphs forced on (HIVETUNE_GRAPH_MAX_TFLOP), then replays the largest
-graph 5 times with the loss divided by infinity (its gradients are exact zeros) under the
+graph --replays times with the loss divided by infinity (its gradients are exact zeros) under the
 profiler: wall time per replay (CUDA events) against the sum of the kernels' times inside it,
 and the kernel count. The difference is what the graph spends between kernels.
 """
@@ -33,6 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("workload", default="W2", nargs="?")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--replays", type=int, default=5, help="timed replays (more: a GPU at sustained clocks)")
     opts = parser.parse_args()
     w = WORKLOADS[opts.workload]
     values = {"model": "random", "data": "generator", "precision": "bf16", "device": "cuda",
@@ -57,7 +58,7 @@ def main() -> None:
     torch.cuda.synchronize()
     walls = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+        for _ in range(opts.replays):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             bucket.graph.replay()
@@ -68,9 +69,10 @@ def main() -> None:
 
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in kernels) / 1000
-    print(f"{opts.workload}: graph of {key[0]} tokens; replay wall {sum(walls) / 5:.1f} ms (each: "
-          f"{', '.join(f'{x:.1f}' for x in walls)}); kernels {len(kernels) / 5:.0f} a replay, "
-          f"their sum {busy / 5:.1f} ms a replay; between kernels {sum(walls) / 5 - busy / 5:.1f} ms")
+    n = opts.replays
+    print(f"{opts.workload}: graph of {key[0]} tokens; replay wall {sum(walls) / n:.1f} ms (first, last: "
+          f"{walls[0]:.1f}, {walls[-1]:.1f}); kernels {len(kernels) / n:.0f} a replay, "
+          f"their sum {busy / n:.1f} ms a replay; between kernels {(sum(walls) - busy) / n:.1f} ms")
 
 
 if __name__ == "__main__":
