@@ -279,3 +279,19 @@ def test_plan_with_activation_offload(tmp_path):
     graphed = plan(graphed_cfg, gpu="RTX 4090")
     assert graphed.cuda_graphs and graphed.activation_offload == 0 and graphed.host_gib == {}
     assert any("activation_offload does not apply here" in n for n in graphed.notes)
+
+
+def test_plan_suggests_the_fewest_offloaded_layers_that_fit(tmp_path):
+    """A micro-batch that does not fit: the suggestion names the smallest activation_offload with
+    which it fits, and the plan with that many layers fits while one fewer does not."""
+    import re
+
+    model = write_config(tmp_path, QWEN25_7B, "qwen2.5-7b")
+    base = {"precision": "bf16", "batch_size": 4, "max_length": 1024}
+    tight = plan(train_config(model, **base), memory_gib=28)
+    assert not tight.fits
+    n = int(re.search(r"activation_offload=(\d+)", tight.suggestion).group(1))
+    assert plan(train_config(model, activation_offload=n, **base), memory_gib=28).fits
+    assert not plan(train_config(model, activation_offload=n - 1, **base), memory_gib=28).fits
+    roomy = plan(train_config(model, **base), memory_gib=80)
+    assert roomy.fits and "activation_offload" not in roomy.suggestion
