@@ -229,8 +229,8 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
 
 def reserve_offload(run: Run) -> None:
     """Pin the host memory activation_offload will use, before the loop: the planner's bytes for
-    the largest micro-batch of the step plan (W2 with 8 layers: ~2.9 GB, about a second of
-    page pinning that the first step would otherwise spend)."""
+    the largest micro-batch of the step plan (W2 with 8 layers: ~2.9 GB; pinned in its first
+    steps instead, the run took 20.8 s against 19.8 with this, in two H200 calls)."""
     from hivetune.ops.graphs import planned_micro_batches
     from hivetune.plan.memory import offloaded_bytes, offloaded_layer_bytes
     from hivetune.plan.planner import _memory_config
