@@ -211,3 +211,51 @@ def test_quiet_gc_freezes_the_loops_start_and_restores_the_collector(monkeypatch
     monkeypatch.setenv("HIVETUNE_REFERENCE", "gc")
     with quiet_gc():
         assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_bf16_weights_train_without_autocast_to_the_same_bits(monkeypatch, tmp_path, dropout):
+    """A model whose frozen weights are bf16 and whose LoRA layers all run through lora_group
+    trains without autocast (train.autocast): the same loss and LoRA gradients, bit for bit, as
+    with it (HIVETUNE_REFERENCE=autocast); an fp32 model keeps autocast."""
+    from hivetune.bench import qwen25_shape, random_model, workload_examples
+    from hivetune.config import load_config
+    from hivetune.data.batch import collate_packed
+    from hivetune.data.dataset import TokenizedExamples
+    from hivetune.model.lora import lora_parameters
+    from hivetune.ops.loss import target_loss_sum
+    from hivetune.train import assemble, autocast, forward_backward
+    from pathlib import Path
+
+    args = qwen25_shape(vocab=2100, hidden=64, intermediate=128, layers=2, heads=4, kv=2, tied=True)
+    values = {"model": "random", "data": "generator", "device": "cpu", "precision": "bf16", "eval_prompts": 0,
+              "lora": {"r": 4, "alpha": 8, "dropout": dropout}}
+    examples = TokenizedExamples(workload_examples(8, 2100, cap=160, seed=3))
+    run = assemble(load_config(None, values), random_model(args, "cpu", torch.bfloat16), examples, None,
+                   torch.device("cpu"), "bf16", tmp_path / "run", Path("random"))
+    with torch.no_grad():
+        for p in lora_parameters(run.model):
+            p.normal_(0, 0.05)
+    run.model.train()
+    assert run.model.runs_in_dtype and not torch.is_autocast_enabled("cpu")
+    batch = collate_packed([examples.example(i) for i in range(4)], pad_id=0)
+    assert batch.target_ids.numel() > 100
+
+    def loss_and_grads():
+        for p in lora_parameters(run.model):
+            p.grad = None
+        torch.manual_seed(5)
+        loss = forward_backward(run, batch, 100, target_loss_sum)
+        return loss, [p.grad.clone() for p in lora_parameters(run.model)]
+
+    with autocast(run):
+        assert not torch.is_autocast_enabled("cpu")
+    loss, grads = loss_and_grads()
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "autocast")
+    with autocast(run):
+        assert torch.is_autocast_enabled("cpu")
+    loss_ref, grads_ref = loss_and_grads()
+    assert torch.equal(loss, loss_ref) and all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
+    fp32 = assemble(load_config(None, {**values, "precision": "fp32"}), random_model(args, "cpu", torch.float32),
+                    examples, None, torch.device("cpu"), "bf16", tmp_path / "run32", Path("random"))
+    assert not fp32.model.runs_in_dtype

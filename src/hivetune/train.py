@@ -30,7 +30,7 @@ from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset
 from hivetune import distributed
 from hivetune.device import DTYPES, peak_memory_bytes, resolve_device, resolve_precision, set_threads
 from hivetune.doctor.preflight import check_stack
-from hivetune.fastpath import adamw, clip_grad_norm, fused_lora_usable, prewarm_triton, quiet_gc
+from hivetune.fastpath import adamw, clip_grad_norm, forced, fused_lora_usable, prewarm_triton, quiet_gc
 from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.errors import UserError
 from hivetune.fileio import atomic_write_bytes, check_writable, hold_run_lock, write_folder_atomically
@@ -195,6 +195,7 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     if strategy != "fsdp" and fused_lora_usable():  # FSDP shards each weight: it keeps them apart
         fuse_projections(model)
     model.activation_offload = activation_offload(cfg, model, device, strategy)  # after the fusing: it reads the storages
+    model.runs_in_dtype = runs_in_dtype(model, precision, strategy)
     if parallel.enabled:
         module = distributed.wrap(model, strategy, parallel, device)
 
@@ -312,9 +313,21 @@ def micro_batches(run: Run, example_ids: list[int], size: int = 0):
 
 
 def autocast(run: Run):
-    if run.precision == "fp32":
+    """Autocast to the run's precision, unless nothing needs it: fp32, or a model whose frozen
+    weights are in that dtype already and whose every LoRA layer runs through ops.lora_group
+    (which casts the fp32 LoRA weights itself). There autocast would change no result and only
+    cost host time: a dispatch wrapper on each of ~1,200 matmuls and a context switch in each
+    of 112 group calls a W2 step. HIVETUNE_REFERENCE=autocast keeps it on."""
+    if run.precision == "fp32" or (getattr(run.model, "runs_in_dtype", False) and not forced("autocast")):
         return nullcontext()
     return torch.autocast(run.device.type, dtype=DTYPES[run.precision])
+
+
+def runs_in_dtype(model: CausalLM, precision: str, strategy: str) -> bool:
+    """Whether the model computes in `precision` without autocast (see autocast)."""
+    if precision == "fp32" or strategy == "fsdp" or getattr(model, "lora_casts", None) is None:
+        return False
+    return all(p.dtype == DTYPES[precision] for p in model.parameters() if not p.requires_grad)
 
 
 def forward_backward(run: Run, batch, n_targets: int, loss_fn) -> torch.Tensor:

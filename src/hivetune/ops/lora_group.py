@@ -234,7 +234,7 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
             xd = x2
         xa = x2.new_empty((x2.shape[0], a_all.shape[0]))
         torch.addmm(xa, xd, a_all.t(), beta=0, alpha=scale, out=xa)  # s (xd A^T): the scale is free
-    y = F.linear(x2, w, None if bias is None else bias.to(dtype))
+    y = torch.mm(x2, w.t()) if bias is None else F.linear(x2, w, bias.to(dtype))  # (mm: less dispatch than linear)
     y.addmm_(xa, bd.t())
     recompute = bool(seeded) and source is not None and source.dtype == dtype
     kept = source if recompute else xd  # x itself is not needed: W is frozen
@@ -262,15 +262,15 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
     del xd
     grad_x = None
     if ctx.needs_input_grad[0]:
-        grad_x = g @ w
+        grad_x = torch.mm(g, w)
         if in_matmul:
             elementwise.matmul_drop_add_(grad_x, g_xa, a_all, mask, ctx.p)
         elif ctx.seeded:
-            elementwise.seeded_masked_add_(grad_x, g_xa @ a_all, mask, ctx.p)
+            elementwise.seeded_masked_add_(grad_x, torch.mm(g_xa, a_all), mask, ctx.p)
         elif mask is None:
             grad_x.addmm_(g_xa, a_all)
         else:
-            masked_add_(grad_x, g_xa @ a_all, mask, 1.0 / (1.0 - ctx.p))
+            masked_add_(grad_x, torch.mm(g_xa, a_all), mask, 1.0 / (1.0 - ctx.p))
         grad_x = grad_x.view(ctx.x_shape)
         if grad_x.dtype != ctx.x_dtype:
             grad_x = grad_x.to(ctx.x_dtype)
