@@ -503,23 +503,24 @@ def keep_threshold(p: float) -> tuple[int, float]:
     return thr, 65536.0 / (65536 - thr)
 
 
+def _seeded_launch(out: torch.Tensor, x: torch.Tensor, seed: torch.Tensor, p: float, add: bool) -> None:
+    n = out.numel()
+    thr, scale = keep_threshold(p)
+    _seeded_dropout[_elementwise_grid(n, 128 * SEEDED_GROUPS)](out, x, seed, n, thr, scale, ADD=add,
+                                                               NG=SEEDED_GROUPS)
+
+
 def dropout_seeded(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
     """x * keep / (1 - p) with the mask of `seed` (contiguous x; seeded_dropout_ok; p as keep_threshold
     rounds it)."""
     y = torch.empty_like(x)
-    n = x.numel()
-    thr, scale = keep_threshold(p)
-    _seeded_dropout[_elementwise_grid(n, 128 * SEEDED_GROUPS)](y, x, seed, n, thr, scale, ADD=False,
-                                                               NG=SEEDED_GROUPS)
+    _seeded_launch(y, x, seed, p, add=False)
     return y
 
 
 def seeded_masked_add_(out: torch.Tensor, t: torch.Tensor, seed: torch.Tensor, p: float) -> None:
     """out += t * keep / (1 - p) with dropout_seeded's mask for `seed` (contiguous, one shape)."""
-    n = out.numel()
-    thr, scale = keep_threshold(p)
-    _seeded_dropout[_elementwise_grid(n, 128 * SEEDED_GROUPS)](out, t, seed, n, thr, scale, ADD=True,
-                                                               NG=SEEDED_GROUPS)
+    _seeded_launch(out, t, seed, p, add=True)
 
 
 # ---- the LoRA A matmuls with the seeded dropout inside (ops.lora_group) ----

@@ -219,14 +219,14 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
     a_all, bd = cached if cached is not None else _casts(x2, weight, sizes, a_params, b_params, dtype)
     mask = None
     seeded = p > 0 and elementwise.seeded_dropout_ok(x2)
+    if seeded:  # the mask is drawn again from the seed in backward: nothing stored
+        mask = _ACTIVE.next_seed(x2.device) if cached is not None else elementwise.new_dropout_seed(x2.device)
     if seeded and elementwise.drop_matmul_ok(x2, a_all):  # the dropout rides in the A matmuls
         seeded = "in_matmul"
-        mask = _ACTIVE.next_seed(x2.device) if cached is not None else elementwise.new_dropout_seed(x2.device)
         xa = elementwise.drop_matmul(x2, a_all, mask, p, scale)
         xd = x2  # kept undropped: the backward kernels draw the mask again
     else:
-        if seeded:  # the mask is drawn again from the seed in backward: nothing stored
-            mask = _ACTIVE.next_seed(x2.device) if cached is not None else elementwise.new_dropout_seed(x2.device)
+        if seeded:
             xd = elementwise.dropout_seeded(x2, mask, p)
         elif p > 0:
             xd, mask = torch.native_dropout(x2, p, True)
