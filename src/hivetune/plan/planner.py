@@ -212,7 +212,7 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     largest_ckpt = largest if ckpt else largest_micro_batch(args, _memory_config(cfg, precision, True), budget,
                                                             target_fraction)
     suggestion = _suggest(cfg, fits, ckpt, worst, largest, largest_ckpt, avg_len)
-    if not fits and not graphs and not ckpt and cfg.distributed != "fsdp":
+    if not fits and not graphs and not ckpt:
         n = offload_to_fit(args, cfg, precision, tokens, target_fraction, budget)
         if n and n != getattr(cfg, "activation_offload", 0):
             suggestion += (f"; or keep it and set activation_offload={n} (saved activations of {n} layers wait in "
@@ -250,9 +250,12 @@ def offload_to_fit(args: ModelArgs, cfg: TrainConfig, precision: str, tokens: in
                    budget: int) -> int:
     """The fewest layers of activation_offload with which a micro-batch of `tokens` fits
     `budget` bytes (eager, on CUDA), or 0 when none does."""
+    eager = _memory_config(dataclasses.replace(cfg, activation_offload=args.num_hidden_layers), precision, False)
+    if not eager.offload_layers:  # where train would not offload (FSDP)
+        return 0
+    targets = max(1, int(tokens * target_fraction))
     for n in range(1, args.num_hidden_layers + 1):
-        mc = _memory_config(dataclasses.replace(cfg, activation_offload=n), precision, False)
-        if breakdown(args, mc, tokens, max(1, int(tokens * target_fraction))).total <= budget:
+        if breakdown(args, dataclasses.replace(eager, offload_layers=n), tokens, targets).total <= budget:
             return n
     return 0
 
