@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("workload", default="W2", nargs="?")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--replays", type=int, default=5, help="timed replays (more: a GPU at sustained clocks)")
+    parser.add_argument("--out", default="", help="folder for graph-gaps-<commit>-<time>.json")
     opts = parser.parse_args()
     w = WORKLOADS[opts.workload]
     values = {"model": "random", "data": "generator", "precision": "bf16", "device": "cuda",
@@ -70,6 +71,19 @@ def main() -> None:
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in kernels) / 1000
     n = opts.replays
+    if opts.out:
+        import json
+
+        from hivetune.bench import environment
+
+        env = environment(torch.device("cuda"))
+        record = {"environment": env, "workload": opts.workload, "steps_before": opts.steps, "graph_tokens": key[0],
+                  "replays": n, "replay_ms": [round(x, 3) for x in walls], "kernels_per_replay": len(kernels) / n,
+                  "kernel_ms_per_replay": round(busy / n, 3)}
+        out = Path(opts.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"graph-gaps-{env.get('commit', 'unknown')}-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(
+            json.dumps(record, indent=1) + "\n")
     print(f"{opts.workload}: graph of {key[0]} tokens; replay wall {sum(walls) / n:.1f} ms (first, last: "
           f"{walls[0]:.1f}, {walls[-1]:.1f}); kernels {len(kernels) / n:.0f} a replay, "
           f"their sum {busy / n:.1f} ms a replay; between kernels {(sum(walls) - busy) / n:.1f} ms")
