@@ -216,7 +216,7 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
         n = offload_to_fit(args, cfg, precision, tokens, target_fraction, budget)
         if n and n != getattr(cfg, "activation_offload", 0):
             suggestion += (f"; or keep it and set activation_offload={n} (saved activations of {n} layers wait in "
-                           f"pinned host memory; on an H200, W2 with 8 ran 5.5% slower)")
+                           f"pinned host memory; on H200s, W2 with 8 ran 2.9-5.5% slower)")
 
     p = Plan(model=str(model_path), gpu=label, memory_gib=round(mem_gib, 2), precision=precision,
              batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, max_length=cfg.max_length,
