@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("workload", default="W2", nargs="?")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--replays", type=int, default=5, help="timed replays (more: a GPU at sustained clocks)")
+    parser.add_argument("--top", type=int, default=60, help="kernels listed by name (all go to the JSON)")
     parser.add_argument("--out", default="", help="folder for graph-gaps-<commit>-<time>.json")
     opts = parser.parse_args()
     w = WORKLOADS[opts.workload]
@@ -71,6 +72,12 @@ def main() -> None:
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in kernels) / 1000
     n = opts.replays
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        by_name.setdefault(e.name[:100], []).append(t)
+    mix = [{"kernel": name, "per_replay": len(ts) / n, "us_per_replay": round(sum(ts) / n, 1)}
+           for name, ts in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))]
     if opts.out:
         import json
 
@@ -79,7 +86,7 @@ def main() -> None:
         env = environment(torch.device("cuda"))
         record = {"environment": env, "workload": opts.workload, "steps_before": opts.steps, "graph_tokens": key[0],
                   "replays": n, "replay_ms": [round(x, 3) for x in walls], "kernels_per_replay": len(kernels) / n,
-                  "kernel_ms_per_replay": round(busy / n, 3)}
+                  "kernel_ms_per_replay": round(busy / n, 3), "kernel_mix": mix}
         out = Path(opts.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"graph-gaps-{env.get('commit', 'unknown')}-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(
@@ -87,6 +94,8 @@ def main() -> None:
     print(f"{opts.workload}: graph of {key[0]} tokens; replay wall {sum(walls) / n:.1f} ms (first, last: "
           f"{walls[0]:.1f}, {walls[-1]:.1f}); kernels {len(kernels) / n:.0f} a replay, "
           f"their sum {busy / n:.1f} ms a replay; between kernels {(sum(walls) - busy) / n:.1f} ms")
+    for row in mix[:opts.top]:
+        print(f"{row['per_replay']:8.1f} {row['us_per_replay']:9.1f} us  {row['kernel']}")
 
 
 if __name__ == "__main__":
