@@ -4,6 +4,7 @@ the OOM fallback, auto_config and the CLI. Everything from config dicts; no weig
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -48,7 +49,8 @@ def train_config(model: Path, **values):
 # The training path: q/k/v and gate/up joined through ops.lora_group (lora.fuse_projections, every
 # run but FSDP's); on a GPU in bf16 also the Triton RMSNorm / SwiGLU (their saved sets stood in on
 # the CPU). The layer-by-layer path is what FSDP trains (and HIVETUNE_REFERENCE=fused_lora).
-PATHS = [(precision, path) for precision in ("fp32", "bf16") for path in ("layered", "joined")] + [("bf16", "triton")]
+PATHS = ([(precision, path) for precision in ("fp32", "bf16") for path in ("layered", "joined")]
+         + [("bf16", "triton"), ("bf16", "triton-keep")])  # keep: lora_inputs=keep
 
 
 @pytest.mark.parametrize("precision, path", PATHS)
@@ -69,6 +71,7 @@ def test_activation_bytes_match_saved_tensors(precision, path, dropout, targets)
     apply_lora(model, LoRASpec(8, 16, dropout, targets))
     if path != "layered":
         assert fuse_projections(model) == 2 * args.num_hidden_layers
+        model.lora_casts.keep_inputs = path == "triton-keep"
     model.train()
     rng = random.Random(0)
     examples = [Encoded([rng.randrange(300) for _ in range(n)], [False] * (n // 3) + [True] * (n - n // 3), False)
@@ -77,11 +80,11 @@ def test_activation_bytes_match_saved_tensors(precision, path, dropout, targets)
     if dropout and path != "layered":  # the joined path's mask: bool on the CPU too
         x = torch.ones(4, 64, dtype=dtype)
         assert torch.native_dropout(x, dropout, True)[1].dtype == torch.bool
-    with varlen_standin(), (fused_layers_standin() if path == "triton" else contextlib.nullcontext()):
+    with varlen_standin(), (fused_layers_standin() if path.startswith("triton") else contextlib.nullcontext()):
         measured = saved_activation_bytes(model, batch, precision)
     mc = MemoryConfig(precision=precision, r=8, targets=targets, dropout=dropout,
                       mask_bytes=2 if precision == "bf16" else 4, joined=path != "layered",
-                      fused_layers=path == "triton")
+                      fused_layers=path.startswith("triton"), keep_inputs=path == "triton-keep")
     predicted = activation_bytes(args, mc, batch.input_ids.shape[1], len(batch.target_ids))
     assert abs(predicted / measured - 1) < 0.01, (predicted, measured)
 
@@ -295,3 +298,25 @@ def test_plan_suggests_the_fewest_offloaded_layers_that_fit(tmp_path):
     assert not plan(train_config(model, activation_offload=n - 1, **base), memory_gib=28).fits
     roomy = plan(train_config(model, **base), memory_gib=80)
     assert roomy.fits and "activation_offload" not in roomy.suggestion
+
+
+def test_lora_inputs_auto_keeps_what_costs_at_most_a_gib():
+    """lora_inputs auto: W1 (0.5B, 2,496 tokens) keeps the dropped inputs (~0.84 GiB more),
+    W2 (7B, 3,426 tokens) recomputes them (~5.3 GiB more); keep / recompute are obeyed, and
+    nothing is kept where nothing is recomputed (no seeded dropout: dropout 0, the CPU)."""
+    from hivetune.bench import WORKLOADS
+    from hivetune.plan.memory import KEEP_INPUTS_MAX_BYTES, keep_inputs_extra_bytes, resolve_keep_inputs
+
+    seeded = MemoryConfig(precision="bf16", r=8, dropout=0.05, fused_layers=True)
+    w1, w2 = WORKLOADS["W1"].args, WORKLOADS["W2"].args
+    extra_w1 = keep_inputs_extra_bytes(w1, seeded, 2496)
+    h, inter = w1.hidden_size, w1.intermediate_size
+    # q/k/v, o, gate/up: [T, h] each; down: [T, I]; less the first layer's norm input, which
+    # only its recomputing q/k/v kept (the frozen embedding needs no gradient)
+    assert extra_w1 == 24 * 2496 * 2 * (3 * h + inter) - 2496 * 2 * h
+    assert extra_w1 <= KEEP_INPUTS_MAX_BYTES < keep_inputs_extra_bytes(w2, dataclasses.replace(seeded, r=32), 3426)
+    assert resolve_keep_inputs("auto", w1, seeded, 2496)
+    assert not resolve_keep_inputs("auto", w2, dataclasses.replace(seeded, r=32), 3426)
+    assert resolve_keep_inputs("keep", w2, seeded, 3426) and not resolve_keep_inputs("recompute", w1, seeded, 2496)
+    for unseeded in (dataclasses.replace(seeded, dropout=0.0), dataclasses.replace(seeded, fused_layers=False)):
+        assert keep_inputs_extra_bytes(w1, unseeded, 2496) == 0 and not resolve_keep_inputs("keep", w1, unseeded, 2496)

@@ -211,6 +211,8 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
         "final_loss": result.final_loss, "losses_logged": losses,
         "cuda_graphs": dict(graphs.last_stats) if cfg.cuda_graphs and graphs.last_stats else None,
         "memory_cap_gib": memory_cap_gib or None,
+        "lora_inputs": f"{cfg.lora_inputs}: " + ("kept" if getattr(run.model.lora_casts, "keep_inputs", False)
+                                                 else "recomputed"),
     }
 
 

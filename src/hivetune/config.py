@@ -21,6 +21,7 @@ from hivetune.model.lora import DEFAULT_TARGETS
 FORMATS = ("auto", "alpaca", "chat", "text")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "linear", "constant")
+LORA_INPUTS = ("auto", "keep", "recompute")
 DEVICES = ("auto", "cpu", "cuda")
 # Names people bring from HF Trainer / PEFT / other tools, mapped to ours for "did you mean".
 KEY_ALIASES = {
@@ -104,6 +105,12 @@ class TrainConfig:
     forward and backward: less GPU memory (W2, a 7B model: ~0.34 GiB a layer at 3,400 tokens),
     the PCIe copies overlapped with compute. CUDA only; not with gradient_checkpointing, FSDP or
     inside CUDA-graphed micro-batches; at most the model's layer count. 0: off."""
+    lora_inputs: str = "auto"
+    """With LoRA dropout on a GPU (the seeded Triton dropout): keep each LoRA group's dropped
+    input from forward for its backward, or recompute it there from tensors saved anyway (the
+    norm's input, the attention output, the gate/up output). keep runs ~150 fewer kernels a W1
+    step and costs memory (W1: ~0.9 GB at 2,500 tokens; W2: ~7 GB); auto keeps when that costs
+    at most 1 GiB at the step plan's largest micro-batch (the planner's figure)."""
     fused_loss: bool = True
     """Chunked LM head + cross-entropy with the gradient taken in forward (one chunk of logits
     alive at a time); false: the plain reference path."""
@@ -347,6 +354,7 @@ def validate(cfg: TrainConfig) -> list[str]:
     choice("format", cfg.format, FORMATS)
     choice("precision", cfg.precision, PRECISIONS)
     choice("schedule", cfg.schedule, SCHEDULES)
+    choice("lora_inputs", cfg.lora_inputs, LORA_INPUTS)
     choice("device", cfg.device, DEVICES)
     choice("on_bad_steps", cfg.on_bad_steps, ("stop", "rollback"))
     choice("distributed", cfg.distributed, ("auto", "ddp", "fsdp"))

@@ -219,6 +219,12 @@ def allreduce_gradients(params: list[torch.nn.Parameter], d: Dist) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
+    from hivetune.fastpath import one_buffer
+
+    arena = one_buffer(grads)  # CUDA graphs' GradArena: reduced where it is, no copies
+    if arena is not None:
+        dist.all_reduce(arena, op=dist.ReduceOp.SUM)
+        return
     flat = torch._utils._flatten_dense_tensors(grads)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     torch._foreach_copy_(grads, torch._utils._unflatten_dense_tensors(flat, grads))

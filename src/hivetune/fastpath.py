@@ -16,11 +16,14 @@ fallback and one log line when it falls back.
     LoRA dropout inside the A    Triton on a GPU, bf16 / fp16, inputs          dropout_seeded, then
       matmuls (ops.elementwise     2,048+ wide in 128-column blocks, n x r       cuBLAS
       drop_matmul & co)            <= 32
+    LoRA gradients added into    CUDA graphs' persistent gradients, one        autograd adds fresh
+      one buffer (ops.lora_group   buffer (GradArena); any .grad present         gradients
+      GradArena, grads_into)       (a later micro-batch)
 
 A fallback on a device where the fast path is expected (a GPU for varlen and fused AdamW; a CPU
 asked for auto precision) prints ``hivetune: note: <what> unavailable (<why>); using <reference>``
 once per process. ``HIVETUNE_REFERENCE=varlen,fused_adamw,cpu_bf16,gpu_bf16`` (also fused_lora,
-fused_layers, dropout_matmul, gc, autocast; or ``all``)
+fused_layers, dropout_matmul, gc, autocast, grad_arena; or ``all``)
 forces the reference paths, for tests and A/B runs; the fast and reference paths are compared in
 tests/test_robust_fallbacks.py (CPU) and tests/gpu/test_fallbacks.py (CUDA).
 """
@@ -271,12 +274,30 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ (2-norm), without its per-call grouping, for gradients on
     one CUDA device in one dtype: the same foreach kernels in the same order, so the same bits
     (tests/test_fast_optimizer.py, tests/gpu/test_cuda_fast_optimizer.py); about 4 ms of host time less per W1 step. Anything else
-    (CPU, where torch takes another path; DTensors; mixed dtypes) goes to torch's."""
+    (CPU, where torch takes another path; DTensors; mixed dtypes) goes to torch's. Gradients that
+    are one buffer (CUDA graphs' GradArena) take one norm and one scale of it: the same result
+    but for the norm's summation order."""
     grads = [p.grad for p in params if p.grad is not None]
     first = grads[0] if grads else None
     if (first is None or first.device.type != "cuda" or type(first) is not torch.Tensor
             or any(g.dtype != first.dtype or g.device != first.device for g in grads)):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    flat = one_buffer(grads)
+    if flat is not None:  # a GradArena: one norm and one scale over the whole buffer
+        total = torch.linalg.vector_norm(flat, 2.0)
+        flat.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
     total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
     torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
+
+
+def one_buffer(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The contiguous buffer these tensors are views of when together they are all of it (the
+    gradients of a lora_group.GradArena), else None."""
+    base = tensors[0]._base if tensors else None
+    if (base is None or not base.is_contiguous() or any(t._base is not base for t in tensors)
+            or sum(t.numel() for t in tensors) != base.numel()
+            or len({t.data_ptr() for t in tensors}) != len(tensors)):
+        return None
+    return base

@@ -239,3 +239,88 @@ def test_split_dropout_matmuls_are_deterministic():
         # fp32 sums of 1,600-3,000 products in another order: ~1e-5 of the gradient's scale (~50)
         torch.testing.assert_close(ga, elementwise.drop_matmul_grad(g, x, seed, p, splits=1), rtol=1e-4, atol=2e-3)
         assert elementwise._COUNTERS[x.device].abs().sum().item() == 0
+
+
+@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+@pytest.mark.parametrize("in_matmul", [False, True])
+@pytest.mark.parametrize("sizes", [(96,), (64, 32, 32)])
+def test_grads_added_into_arena_match_autograd_accumulation(monkeypatch, in_matmul, sizes):
+    """Two calls of lora_group accumulating: adding into the GradArena's views (cuBLAS's beta
+    = 1 epilogue, drop_matmul_grad's into=) against autograd's add of fresh gradients, on the
+    same seeds: equal to fp32 rounding, and every .grad still the arena's view."""
+    from hivetune.ops import lora_group as lg
+
+    monkeypatch.setattr(elementwise, "DROP_MM_MIN_D", 128 if in_matmul else 1 << 30)
+    torch.manual_seed(0)
+    n_tok, d, r, p = 300, 256, 8, 0.3
+    weight = torch.randn(sum(sizes), d, device="cuda", dtype=torch.bfloat16) * 0.05
+    a0 = [torch.randn(r, d, device="cuda") * 0.1 for _ in sizes]
+    b0 = [torch.randn(o, r, device="cuda") * 0.1 for o in sizes]
+    xs = [torch.randn(n_tok, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    dys = [torch.randn(n_tok, sum(sizes), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    seeds = iter(torch.tensor([[11], [12], [11], [12]], device="cuda"))
+    monkeypatch.setattr(elementwise, "new_dropout_seed", lambda device, n=1: next(seeds))
+
+    def run(arena: bool):
+        a = [t.clone().requires_grad_() for t in a0]
+        b = [t.clone().requires_grad_() for t in b0]
+        grads = lg.GradArena(a + b, None).grads if arena else None
+        if arena:
+            for t, g in zip(a + b, grads):
+                t.grad = g
+        for x, dy in zip(xs, dys):
+            lora_group(x, weight, None, sizes, p, 2.0, a, b).backward(dy)
+        assert not arena or all(t.grad is g for t, g in zip(a + b, grads))
+        return [t.grad.clone() for t in a + b]
+
+    from hivetune.ops.lora_group import lora_group
+
+    real = lg.grads_into
+    monkeypatch.setattr(lg, "grads_into", lambda *a: None)
+    want = run(False)
+    monkeypatch.setattr(lg, "grads_into", real)
+    got = run(True)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+        assert w.abs().sum() > 0
+
+
+@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+def test_kept_lora_inputs_give_the_recomputed_gradients_bit_for_bit(lora_model_and_batch):
+    """lora_inputs keep (CastCache.keep_inputs): every group keeps its dropped input instead of
+    recomputing it in backward; the same loss and LoRA gradients bit for bit, and the saved
+    bytes grow by what plan.memory.keep_inputs_extra_bytes predicts."""
+    from hivetune.model.lora import LoRALinear
+    from hivetune.plan.memory import MemoryConfig, keep_inputs_extra_bytes
+
+    ref, batch = lora_model_and_batch
+    model = copy.deepcopy(ref)
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            m.lora_dropout = torch.nn.Dropout(0.1)
+    fuse_projections(model)
+    model.train()
+
+    def run(keep: bool):
+        saved = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        model.lora_casts.keep_inputs = keep
+        for p in lora_parameters(model):
+            p.grad = None
+        torch.manual_seed(3)
+        with torch.autocast("cuda", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            hidden = model(batch.input_ids, batch.position_ids, batch.layout)
+            loss = target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in lora_parameters(model)], sum(saved.values())
+
+    loss, grads, saved = run(False)
+    kept_loss, kept_grads, kept_saved = run(True)
+    assert loss == kept_loss
+    assert all(torch.equal(a, b) for a, b in zip(grads, kept_grads))
+    mc = MemoryConfig(precision="bf16", r=model.lora_casts.kinds[0].r, dropout=0.1, fused_layers=True)
+    assert kept_saved - saved == keep_inputs_extra_bytes(model.args, mc, batch.input_ids.shape[1])

@@ -169,6 +169,12 @@ def test_dropout_matmuls_match_dropout_seeded_then_matmul(monkeypatch, dtype, t,
     assert grad_a.dtype == torch.float32 and grad_a.shape == (r, d)
     assert rel(grad_a, g.double().t() @ xd) < 1e-5  # fp32 accumulation of exact products
     assert rel(ew.drop_matmul_grad(g, x, seed, p, splits=1), g.double().t() @ xd) < 1e-5
+    # into=: added to what is there, the bits of `into += product`, one split or several
+    for splits in (1, None):
+        before = torch.randn(r, d, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+        into = before.clone()
+        assert ew.drop_matmul_grad(g, x, seed, p, splits=splits, into=into) is into
+        assert torch.equal(into, before + ew.drop_matmul_grad(g, x, seed, p, splits=splits)), splits
     want = out.double() + (g.double() @ a.double()) * keep
     ew.matmul_drop_add_(out, g, a, seed, p)
     assert rel(out, want) < 4e-3

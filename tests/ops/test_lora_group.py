@@ -179,3 +179,66 @@ def test_seeded_dropout_recompute_equals_keeping_the_input(monkeypatch):
     for name in grads_a:
         assert torch.equal(grads_a[name], grads_b[name]), name
     assert any(g.abs().sum() > 0 for g in grads_a.values())
+
+
+@pytest.mark.parametrize("dtype,dropout", [(torch.float32, 0.0), (torch.float32, 0.3), (torch.bfloat16, 0.2)])
+def test_grads_added_into_arena_equal_autograd_accumulation(monkeypatch, dtype, dropout):
+    """Two micro-batches accumulated: with every LoRA .grad a view of a GradArena, LoRAGroup adds
+    its gradients into them (autograd gets None) and the result equals autograd's own
+    accumulation of fresh gradients bit for bit; the views stay the .grads, each group's A
+    gradients are one block, and the arena order follows the groups."""
+    from hivetune.plan.measure import fused_layers_standin
+
+    model = with_lora(tiny("qwen2", True), dropout).to(dtype)
+    for p in lora_parameters(model):
+        p.data = p.data.float()  # fp32 LoRA weights on a bf16 base, as training has them
+    fuse_projections(model)
+    params = lora_parameters(model)
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, 97, (2, 11), generator=gen), torch.randint(0, 97, (1, 7), generator=gen)]
+    calls = []
+    real_into = lg.grads_into
+
+    def two_micro_batches(arena):
+        model.zero_grad(set_to_none=True)
+        if arena is not None:
+            for p, g in zip(params, arena.grads):
+                p.grad = g
+        torch.manual_seed(9)
+        for ids in batches:
+            model.logits(model(ids)).float().logsumexp(-1).mean().backward()
+        return [p.grad.clone() for p in params]
+
+    standin = fused_layers_standin() if dtype == torch.bfloat16 else contextlib.nullcontext()
+    with standin:
+        monkeypatch.setattr(lg, "grads_into", lambda *a: None)  # autograd accumulates everything
+        want = two_micro_batches(None)
+        monkeypatch.setattr(lg, "grads_into", lambda *a: calls.append(real_into(*a)) or calls[-1])
+        arena = lg.GradArena(params, model.lora_casts)
+        got = two_micro_batches(arena)
+    assert len(calls) == 2 * 2 * 8 and all(c is not None for c in calls)  # A and B, 8 groups, 2 micro-batches
+    assert all(p.grad is g for p, g in zip(params, arena.grads))
+    assert arena.flat.numel() == sum(p.numel() for p in params)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    assert any(w.abs().sum() > 0 for w in want)
+    qkv_a = [m.lora_A.weight for m in model.model.layers[0].self_attn.qkv.layers]
+    grads = [p.grad for p in qkv_a]
+    assert all(g.data_ptr() == grads[0].data_ptr() + i * grads[0].numel() * 4 for i, g in enumerate(grads))
+
+
+def test_grads_into_declines_what_autograd_must_accumulate():
+    a, b = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(2, 3))
+    assert lg.grads_into([a, b]) is None  # no .grad yet: autograd takes the fresh tensor
+    flat = torch.zeros(12)
+    a.grad, b.grad = flat[:6].view(2, 3), flat[6:].view(2, 3)
+    with torch.no_grad():
+        assert lg.grads_into([a, b]) == (a.grad, b.grad)
+        joined = lg.grads_into([a, b], joined_rows=4)[0]
+        assert joined.shape == (4, 3) and joined.data_ptr() == flat.data_ptr()
+        b.grad = torch.zeros(2, 3)  # not next to a's
+        assert lg.grads_into([a, b]) is not None and lg.grads_into([a, b], joined_rows=4) is None
+    assert lg.grads_into([a, b]) is None  # grad mode on: a double backward needs autograd's graph
+    b.grad = torch.zeros(3, 2).t()  # not contiguous
+    with torch.no_grad():
+        assert lg.grads_into([b]) is None

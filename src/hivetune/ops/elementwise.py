@@ -243,21 +243,24 @@ if triton is not None:
         tl.store(OUT + rr[:, None] * D + cols[None, :], acc, mask=rr[:, None] < R)
 
     @triton.jit
-    def _sum_splits(OUT, PART, rr, cols, D, R, splits, RP: tl.constexpr):
+    def _sum_splits(OUT, PART, rr, cols, D, R, splits, RP: tl.constexpr, ACC: tl.constexpr):
         m = rr[:, None] < R
         at = rr[:, None] * D + cols[None, :]
         total = tl.zeros((RP, 16), dtype=tl.float32)
         for s in range(0, splits):
             total += tl.load(PART + s * R * D + at, mask=m, other=0.0, cache_modifier=".cg")
+        if ACC:  # OUT + (the splits' sum): the bits of adding the finished product to OUT
+            total = tl.load(OUT + at, mask=m, other=0.0) + total
         tl.store(OUT + at, total, mask=m)
 
     @triton.jit(do_not_specialize=["T", "rows_per_split", "splits"])
     def _drop_mm_grad(G, X, OUT, PART, COUNT, SEED, T, D, R, thr, scale, rows_per_split, splits,
-                      BT: tl.constexpr, RP: tl.constexpr):
+                      BT: tl.constexpr, RP: tl.constexpr, ACC: tl.constexpr):
         """OUT [R, 128-column block] (fp32) = scale * G^T @ (X * keep): the gradient of A
-        (G = d loss / d xa, [T, R]). The rows are cut into `splits`: each program stores its
-        split's sum to PART[s], and the last of a column block adds them in split order. One
-        summation order per output element: deterministic."""
+        (G = d loss / d xa, [T, R]); with ACC, OUT += that. The rows are cut into `splits`: each
+        program stores its split's sum to PART[s], and the last of a column block adds them in
+        split order (and then OUT's value, with ACC). One summation order per output element:
+        deterministic."""
         k0 = tl.program_id(0) * 128
         split = tl.program_id(1)
         rr = tl.arange(0, RP)
@@ -294,10 +297,10 @@ if triton is not None:
         _grad_piece(out, a5 * scale, rr, k0 + 80 + j, D, R)
         _grad_piece(out, a6 * scale, rr, k0 + 96 + j, D, R)
         _grad_piece(out, a7 * scale, rr, k0 + 112 + j, D, R)
-        if splits > 1:
+        if splits > 1 or ACC:
             if _last_arrival(COUNT, tl.program_id(0), splits):
                 for q in range(0, 8):
-                    _sum_splits(OUT, PART, rr, k0 + 16 * q + j, D, R, splits, RP)
+                    _sum_splits(OUT, PART, rr, k0 + 16 * q + j, D, R, splits, RP, ACC)
                 tl.atomic_xchg(COUNT + tl.program_id(0), 0)
 
     @triton.jit
@@ -588,21 +591,23 @@ def drop_matmul(x: torch.Tensor, a: torch.Tensor, seed: torch.Tensor, p: float, 
 
 
 def drop_matmul_grad(g: torch.Tensor, x: torch.Tensor, seed: torch.Tensor, p: float,
-                     splits: int | None = None) -> torch.Tensor:
+                     splits: int | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
     """g^T @ dropout_seeded(x, seed, p): A's gradient [R, D] in fp32 (g [T, R] = d loss / d xa),
     its rows cut into `splits` (default: the sweep's best, 8; 16 for rows of at most 8 column
-    blocks) summed in split order by the last program of each column block."""
+    blocks) summed in split order by the last program of each column block. `into` (fp32
+    [R, D], contiguous): add the product to it (the same bits as ``into += product``) and
+    return it."""
     t, d = x.shape
     r = g.shape[1]
     blocks = d // 128
     splits = min(triton.cdiv(t, 64), splits or (16 if blocks <= 8 else 8))
     rows = triton.cdiv(triton.cdiv(t, splits), 64) * 64
     splits = triton.cdiv(t, rows)
-    out = torch.empty((r, d), dtype=torch.float32, device=x.device)
-    part = out if splits == 1 else torch.empty((splits, r, d), dtype=torch.float32, device=x.device)
+    out = into if into is not None else torch.empty((r, d), dtype=torch.float32, device=x.device)
+    part = out if splits == 1 and into is None else torch.empty((splits, r, d), dtype=torch.float32, device=x.device)
     thr, scale = keep_threshold(p)
     _drop_mm_grad[(blocks, splits)](g, x, out, part, _counters(x.device, blocks), seed, t, d, r, thr, scale, rows,
-                                    splits, BT=64, RP=_r_pad(r), num_warps=4)
+                                    splits, BT=64, RP=_r_pad(r), ACC=into is not None, num_warps=4)
     return out
 
 

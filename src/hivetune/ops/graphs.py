@@ -21,9 +21,9 @@ every planned size is captured (capture runs nothing). A micro-batch no size hol
 256-token grid (bucket_tokens), captured when met.
 
 All graphs share one memory pool; each replay's loss is cloned at once, so no graph's output is
-alive while another replays. Gradients accumulate in place into persistent
-.grad tensors: fit may set grads to None between steps, they are re-attached (zeroed) before the
-next micro-batch. Dropout draws from the default CUDA generator, whose offset each replay
+alive while another replays. Gradients accumulate in place into persistent .grad tensors, views
+of one buffer (lora_group.GradArena) that LoRAGroup's backward adds into: fit may set grads to
+None between steps, they are re-attached (zeroed, one kernel) before the next micro-batch. Dropout draws from the default CUDA generator, whose offset each replay
 advances (torch registers it with every capture), so every replay gets fresh masks.
 
 Falls back to eager with one line on stderr when the run is on CUDA but cannot be graphed
@@ -41,6 +41,7 @@ import time
 import torch
 
 from hivetune.data.batch import MicroBatch
+from hivetune.fastpath import forced
 from hivetune.ops.attention import Packed, varlen_supported
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.ops.loss import target_loss_sum
@@ -224,6 +225,7 @@ class GraphedForwardBackward:
 
     def __init__(self, run, loss_fn, eager, bucket: int = 0, max_graphs: int = MAX_GRAPHS):
         from hivetune.model.lora import lora_parameters
+        from hivetune.ops.lora_group import GradArena
 
         self.run, self.eager = run, eager
         self.loss_fn = ignoring_loss_fn(loss_fn)
@@ -234,7 +236,10 @@ class GraphedForwardBackward:
         self.sizes: dict[int, list[int]] = {}  # cu_seqlens entries -> graph sizes (tokens)
         self.max_graphs = max_graphs
         self.params = lora_parameters(run.model)
-        self.grads = [torch.zeros_like(p) for p in self.params]
+        # The persistent gradients, in one buffer: LoRAGroup adds into them (no autograd adds)
+        self.arena = (GradArena(self.params, getattr(run.model, "lora_casts", None))
+                      if GradArena.usable(self.params) and not forced("grad_arena") else None)
+        self.grads = self.arena.grads if self.arena is not None else [torch.zeros_like(p) for p in self.params]
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=run.device)
@@ -310,6 +315,11 @@ class GraphedForwardBackward:
 
     def _attach_grads(self) -> None:
         """Point every LoRA .grad at its persistent tensor (the graphs accumulate into those)."""
+        if self.arena is not None and all(p.grad is None for p in self.params):  # after zero_grad: one memset
+            self.arena.flat.zero_()
+            for p, g in zip(self.params, self.grads):
+                p.grad = g
+            return
         fresh = []
         for p, g in zip(self.params, self.grads):
             current = p.grad

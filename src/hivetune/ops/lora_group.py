@@ -50,6 +50,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from hivetune.fastpath import forced
 from hivetune.ops import elementwise
 
 _ACTIVE: "CastCache | None" = None  # the cache refreshed by the model forward now running
@@ -111,6 +112,9 @@ class CastCache:
                 self.slots[id(a[0])] = (a, b, kind, layer)
         self.dtype = None
         self.seeds, self.seeds_used = None, 0
+        # Keep each group's dropped input for backward instead of recomputing it from its
+        # `source` (train's lora_inputs: fewer kernels, more memory).
+        self.keep_inputs = False
 
     @contextmanager
     def fresh(self, dtype: torch.dtype):
@@ -191,6 +195,7 @@ class LoRAGroup(torch.autograd.Function):
                 x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached)
         ctx.save_for_backward(kept, mask, xa, a_all, bd, w)
         ctx.recompute, ctx.source_fn, ctx.seeded = recompute, source_fn, seeded
+        ctx.a_params, ctx.b_params = a_params, b_params  # backward adds into their .grad where they have one
         ctx.sizes, ctx.p, ctx.scale, ctx.r, ctx.x_shape, ctx.x_dtype = sizes, p, scale, a_params[0].shape[0], x.shape, x.dtype
         return y.view(*x.shape[:-1], weight.shape[0])
 
@@ -208,6 +213,79 @@ class LoRAGroup(torch.autograd.Function):
         else:
             grad_x, grads_a, grads_b = _group_backward(ctx, g, *saved)
         return (grad_x, None, None, None, None, None, None, None, *grads_a, *grads_b)
+
+
+_ADDMM_OUT_DTYPE: bool | None = None  # whether torch.addmm takes out_dtype with out= (tried once)
+
+
+def add_mm_fp32_(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """into (fp32) += a @ b. On CUDA with bf16 / fp16 inputs the addition rides in cuBLAS's
+    epilogue (beta = 1); elsewhere the product then the add, which is what autograd's gradient
+    accumulation does (the same bits)."""
+    global _ADDMM_OUT_DTYPE
+    if _ADDMM_OUT_DTYPE is not False and a.is_cuda and a.dtype != torch.float32:
+        try:
+            torch.addmm(into, a, b, out_dtype=torch.float32, out=into)
+            _ADDMM_OUT_DTYPE = True
+            return
+        except (TypeError, RuntimeError):  # torch without addmm(out_dtype=)
+            _ADDMM_OUT_DTYPE = False
+    into.add_(mm_fp32(a, b))
+
+
+def grads_into(params, joined_rows: int = 0) -> tuple | None:
+    """The .grad tensors the backward adds into (autograd then has nothing to accumulate), or
+    None where it must hand fresh gradients to autograd: a parameter without a .grad yet (the
+    first micro-batch of an eager step, which autograd takes as it is, no copy), a .grad autograd
+    would not simply add to, or grad mode on (a double backward). `joined_rows`: the .grads must
+    also be consecutive in one buffer (GradArena), returned as one [n r, d] view.
+    HIVETUNE_REFERENCE=grad_arena: always None (autograd accumulates, as before the arena)."""
+    if forced("grad_arena"):
+        return None
+    grads = []
+    for p in params:
+        g = p.grad
+        if g is None or g.dtype != p.dtype or g.shape != p.shape or not g.is_contiguous():
+            return None
+        grads.append(g)
+    if torch.is_grad_enabled():
+        return None
+    if not joined_rows:
+        return tuple(grads)
+    first = grads[0]
+    step = first.numel() * first.element_size()
+    if any(g.data_ptr() != first.data_ptr() + i * step for i, g in enumerate(grads)):
+        return None
+    return (first.as_strided((joined_rows, first.shape[1]), (first.shape[1], 1)),)
+
+
+class GradArena:
+    """The LoRA parameters' gradients as views of one flat buffer, each group's A gradients
+    consecutive (one [n r, d] block: LoRAGroup adds dA of q/k/v with one matmul), for training
+    that keeps its gradients between micro-batches (CUDA graphs). Zeroing them is one kernel,
+    and LoRAGroup's backward adds each gradient into its view (grads_into) instead of handing
+    autograd a fresh tensor to add: W1 ran 336 such adds a micro-batch, 0.47 ms of GPU time and
+    a kernel launch each. `casts`: the model's CastCache (its groups), or None."""
+
+    def __init__(self, params: list, casts: "CastCache | None"):
+        order, seen = [], set()
+        wanted = {id(p) for p in params}
+        for a, b, _, _ in (casts.slots.values() if casts is not None else ()):
+            for p in (*a, *b):
+                if id(p) in wanted and id(p) not in seen:
+                    order.append(p)
+                    seen.add(id(p))
+        order += [p for p in params if id(p) not in seen]
+        self.flat = torch.zeros(sum(p.numel() for p in order), dtype=params[0].dtype, device=params[0].device)
+        views, at = {}, 0
+        for p in order:
+            views[id(p)] = self.flat[at:at + p.numel()].view(p.shape)
+            at += p.numel()
+        self.grads = [views[id(p)] for p in params]  # in the order of `params`
+
+    @staticmethod
+    def usable(params: list) -> bool:
+        return bool(params) and all(p.dtype == params[0].dtype and p.device == params[0].device for p in params)
 
 
 def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached):
@@ -236,7 +314,8 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
         torch.addmm(xa, xd, a_all.t(), beta=0, alpha=scale, out=xa)  # s (xd A^T): the scale is free
     y = torch.mm(x2, w.t()) if bias is None else F.linear(x2, w, bias.to(dtype))  # (mm: less dispatch than linear)
     y.addmm_(xa, bd.t())
-    recompute = bool(seeded) and source is not None and source.dtype == dtype
+    recompute = (bool(seeded) and source is not None and source.dtype == dtype
+                 and not (cached is not None and _ACTIVE.keep_inputs))
     kept = source if recompute else xd  # x itself is not needed: W is frozen
     return y, kept, mask, xa, a_all, bd, w, recompute, seeded
 
@@ -254,11 +333,17 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
         del x2  # only the (dropped) input is needed from here
     g_xa = torch.empty((g.shape[0], a_all.shape[0]), dtype=g.dtype, device=g.device)
     torch.addmm(g_xa, g, bd, beta=0, alpha=ctx.scale, out=g_xa)  # d loss / d (xd A^T)
-    # A's gradient first: a recomputed xd (down_proj: [T, I]) is freed before grad_x is made
+    # A's gradient first: a recomputed xd (down_proj: [T, I]) is freed before grad_x is made.
+    # Where the parameters have their .grad (GradArena), added into it: autograd gets None.
+    n = len(sizes)
+    into_a = grads_into(ctx.a_params, n * r if n > 1 else 0)
     if in_matmul:
-        grads_a = elementwise.drop_matmul_grad(g_xa, xd, mask, ctx.p).split(r)
+        product = elementwise.drop_matmul_grad(g_xa, xd, mask, ctx.p, into=into_a[0] if into_a else None)
+    elif into_a:
+        add_mm_fp32_(into_a[0], g_xa.t(), xd)
     else:
-        grads_a = mm_fp32(g_xa.t(), xd).split(r)  # [n r, d]: A_1 .. A_n's rows, contiguous blocks
+        product = mm_fp32(g_xa.t(), xd)  # [n r, d]: A_1 .. A_n's rows, contiguous blocks
+    grads_a = (None,) * n if into_a else product.split(r)
     del xd
     grad_x = None
     if ctx.needs_input_grad[0]:
@@ -275,7 +360,12 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
         if grad_x.dtype != ctx.x_dtype:
             grad_x = grad_x.to(ctx.x_dtype)
     # dB_i = g_i^T xa_i (xa holds s): one matmul each, so each gradient is contiguous
-    g_parts = g.split(sizes, 1) if len(sizes) > 1 else (g,)
+    g_parts = g.split(sizes, 1) if n > 1 else (g,)
+    into_b = grads_into(ctx.b_params)
+    if into_b:
+        for into, gi, xai in zip(into_b, g_parts, xa.split(r, 1)):
+            add_mm_fp32_(into, gi.t(), xai)
+        return grad_x, grads_a, (None,) * n
     grads_b = [mm_fp32(gi.t(), xai) for gi, xai in zip(g_parts, xa.split(r, 1))]
     return grad_x, grads_a, grads_b
 

@@ -49,7 +49,7 @@ totals); in backward they come back ahead of their layers, at most N + 1 layers'
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hivetune.model.config import ModelArgs
 from hivetune.ops.fused_ce import chunk_rows_for
@@ -90,6 +90,7 @@ class MemoryConfig:
     joined: bool = True  # LoRA groups through ops.lora_group (training's path); False: layer by layer (FSDP)
     fused_layers: bool = False  # the Triton RMSNorm / SwiGLU save less (CUDA, bf16 / fp16, Triton present)
     offload_layers: int = 0  # train's activation_offload: the first N layers' saved tensors in host memory
+    keep_inputs: bool = False  # train's lora_inputs resolved: the seeded groups keep their dropped inputs
 
     @property
     def s(self) -> int:
@@ -190,8 +191,12 @@ def layer_saved_items(args: ModelArgs, mc: MemoryConfig) -> list[tuple[float, bo
         if mc.dropout > 0 and seeded:
             # no mask; o_proj keeps the attention output (saved by varlen already), down_proj
             # the gate/up output (SwiGLU's), and a whole q/k/v or gate/up group the norm's
-            # input (RMSNorm.source), each recomputing its dropped input in backward
-            if group == ("down_proj",) or (group == ("o_proj",) and mc.attention == "varlen") or shared:
+            # input (RMSNorm.source), each recomputing its dropped input in backward; with
+            # keep_inputs each keeps its dropped input (down_proj's dropout in the A matmuls:
+            # its undropped input), the same size
+            if mc.keep_inputs:
+                items += [(s * dim, False)] * draws
+            elif group == ("down_proj",) or (group == ("o_proj",) and mc.attention == "varlen") or shared:
                 pass
             else:
                 items += [(s * dim, False)] * draws
@@ -215,10 +220,31 @@ def seeded_dropout(mc: MemoryConfig) -> bool:
     return mc.joined and mc.fused_layers and mc.dropout > 0
 
 
+KEEP_INPUTS_MAX_BYTES = 2**30  # lora_inputs auto: keep the dropped inputs when they cost at most this
+
+
+def keep_inputs_extra_bytes(args: ModelArgs, mc: MemoryConfig, tokens: int) -> int:
+    """What keeping the LoRA groups' dropped inputs adds to the saved activations of a
+    micro-batch of `tokens` (0 where nothing is recomputed: no seeded dropout)."""
+    if not seeded_dropout(mc):
+        return 0
+    keep, plain = replace(mc, keep_inputs=True), replace(mc, keep_inputs=False)
+    return activation_bytes(args, keep, tokens) - activation_bytes(args, plain, tokens)
+
+
+def resolve_keep_inputs(setting: str, args: ModelArgs, mc: MemoryConfig, tokens: int) -> bool:
+    """train's lora_inputs: keep, recompute, or auto (keep when it costs at most
+    KEEP_INPUTS_MAX_BYTES at the largest micro-batch, `tokens`). False where it changes
+    nothing (no seeded dropout)."""
+    if not seeded_dropout(mc) or setting == "recompute":
+        return False
+    return setting == "keep" or keep_inputs_extra_bytes(args, mc, tokens) <= KEEP_INPUTS_MAX_BYTES
+
+
 def first_layer_items(args: ModelArgs, mc: MemoryConfig) -> list[float]:
     """Per token, the storages the first layer does not save (first_layer_saving)."""
     items = [4]  # the input norm's 1/rms
-    if not (seeded_dropout(mc) and all(t in mc.targets for t in GROUPS[0])):
+    if not (seeded_dropout(mc) and not mc.keep_inputs and all(t in mc.targets for t in GROUPS[0])):
         items.append(norm_saved_bytes_per_token(args, mc) - 4)  # its x (the seeded q/k/v keep that)
     if mc.dropout > 0 and not mc.joined:
         adapted = [t for t in GROUPS[0] if t in mc.targets]

@@ -16,8 +16,8 @@ from hivetune.config import TrainConfig
 from hivetune.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.plan.gpus import GPU, find_gpu, gpu_for_device_name
-from hivetune.plan.memory import (GIB, MemoryConfig, breakdown, largest_micro_batch, lora_parameter_count,
-                                  base_parameter_count)
+from hivetune.plan.memory import (GIB, MemoryConfig, breakdown, keep_inputs_extra_bytes, largest_micro_batch,
+                                  lora_parameter_count, base_parameter_count, resolve_keep_inputs)
 from hivetune.plan.timing import micro_batch_seconds
 
 SCALING_EXAMPLES = (10_000, 50_000, 100_000)
@@ -59,17 +59,23 @@ class Plan:
 
 
 def _memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: bool = True,
-                   graphs: bool = False) -> MemoryConfig:
+                   graphs: bool = False, args: ModelArgs | None = None, tokens: int = 0) -> MemoryConfig:
+    """`args` and `tokens` (the largest micro-batch): resolve lora_inputs auto as train does;
+    without them auto counts as recompute."""
     from hivetune.ops.attention import _varlen_fn
 
     fn, _, has_gqa = _varlen_fn()
     varlen = (cuda and precision != "fp32" and cfg.packing and fn is not None
               and os.environ.get("HIVETUNE_ATTENTION") != "sdpa")
-    return MemoryConfig(precision=precision, r=cfg.lora.r, targets=tuple(cfg.lora.targets), dropout=cfg.lora.dropout,
+    mc = MemoryConfig(precision=precision, r=cfg.lora.r, targets=tuple(cfg.lora.targets), dropout=cfg.lora.dropout,
                         gradient_checkpointing=checkpointing, fused_loss=cfg.fused_loss, packing=cfg.packing,
                         attention="varlen" if varlen else "sdpa", gqa_native=has_gqa,
                         mask_bytes=1 if cuda else (4 if precision == "fp32" else 2),
                         offload_layers=offload_in_force(cfg, cuda, graphs), **training_path(precision, cuda, cfg.distributed))
+    setting = getattr(cfg, "lora_inputs", "recompute")
+    if setting == "auto" and (args is None or not tokens):
+        setting = "recompute"
+    return dataclasses.replace(mc, keep_inputs=resolve_keep_inputs(setting, args, mc, tokens))
 
 
 def offload_in_force(cfg: TrainConfig, cuda: bool, graphs: bool) -> int:
@@ -201,7 +207,10 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     graphs = uses_graphs(cfg, precision, ckpt)
     tokens = bucketed(worst, graphs, args)
     graphs = graphs and tokens != worst
-    mc = _memory_config(cfg, precision, ckpt, graphs=graphs)
+    mc = _memory_config(cfg, precision, ckpt, graphs=graphs, args=args, tokens=tokens)
+    if mc.keep_inputs and not ckpt:
+        notes.append(f"lora_inputs {cfg.lora_inputs}: the LoRA groups keep their dropped inputs "
+                     f"(+{keep_inputs_extra_bytes(args, mc, tokens) / GIB:.2f} GiB of activations)")
     b = breakdown(args, mc, tokens, max(1, int(tokens * target_fraction)))
     other = breakdown(args, _memory_config(cfg, precision, not ckpt), tokens, max(1, int(tokens * target_fraction)))
     act = {("checkpointing on" if ckpt else "checkpointing off"): b.parts["activations"] / GIB,
