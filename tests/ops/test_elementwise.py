@@ -213,11 +213,12 @@ def test_dropout_matmul_kernels_compile_for_hopper(kernel, ints):
     names = list(fn.arg_names)
     pointers = {"X": "*bf16", "A": "*bf16", "G": "*bf16", "SEED": "*i64", "PART": "*fp32", "COUNT": "*i32",
                 "OUT": "*fp32" if kernel == "_drop_mm_grad" else "*bf16"}
-    sig = {n: pointers.get(n, "fp32" if n in ("p", "scale") else "constexpr" if n in ("BT", "RP") else "i32")
+    sig = {n: pointers.get(n, "fp32" if n in ("p", "scale") else "constexpr" if n in ("BT", "RP", "ACC") else "i32")
            for n in names}
     divisible = [n for n in names if sig[n].startswith("*") or n in ("T", "D", ints)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    for bt, rp in ((16, 32), (64, 128)):
-        src = ASTSource(fn, sig, {"BT": bt, "RP": rp}, attrs)
+    for bt, rp, acc in ((16, 32, False), (64, 128, True)):
+        constants = {"BT": bt, "RP": rp, **({"ACC": acc} if "ACC" in names else {})}  # ACC: _drop_mm_grad's into=
+        src = ASTSource(fn, sig, constants, attrs)
         compiled = ew.triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         assert ".entry" in compiled.asm["ptx"]
