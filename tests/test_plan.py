@@ -320,3 +320,28 @@ def test_lora_inputs_auto_keeps_what_costs_at_most_a_gib():
     assert resolve_keep_inputs("keep", w2, seeded, 3426) and not resolve_keep_inputs("recompute", w1, seeded, 2496)
     for unseeded in (dataclasses.replace(seeded, dropout=0.0), dataclasses.replace(seeded, fused_layers=False)):
         assert keep_inputs_extra_bytes(w1, unseeded, 2496) == 0 and not resolve_keep_inputs("keep", w1, unseeded, 2496)
+
+
+def test_host_embeddings_move_the_untied_table_out_of_gpu_memory():
+    """host_embeddings: the untied input embedding (W2: 152,064 x 3,584 bf16) leaves the GPU's
+    base weights for pinned host memory; a tied table (W1: the LM head reads it) stays."""
+    from hivetune.bench import WORKLOADS
+
+    mc = MemoryConfig(precision="bf16", r=32)
+    moved = dataclasses.replace(mc, host_embeddings=True)
+    w1, w2 = WORKLOADS["W1"].args, WORKLOADS["W2"].args
+    table = 152064 * 3584 * 2
+    a, b = breakdown(w2, mc, 3000), breakdown(w2, moved, 3000)
+    assert a.parts["base weights"] - b.parts["base weights"] == table
+    assert b.host["pinned host (input embedding)"] == table and "pinned host (input embedding)" not in a.host
+    assert breakdown(w1, moved, 2000).parts == breakdown(w1, mc, 2000).parts
+
+
+def test_plan_suggests_host_embeddings_where_they_are_untied(tmp_path):
+    model = write_config(tmp_path, QWEN25_7B, "q7")
+    cfg = train_config(model.parent, batch_size=16, max_length=256, precision="bf16")
+    p = plan(cfg, memory_gib=20)
+    assert not p.fits and "host_embeddings=true (the input embedding in pinned host memory: 1.02 GiB less)" in p.suggestion
+    moved = plan(dataclasses.replace(cfg, host_embeddings=True), memory_gib=20)
+    assert "host_embeddings" not in moved.suggestion
+    assert p.parts_gib["base weights"] - moved.parts_gib["base weights"] == pytest.approx(152064 * 3584 * 2 / 2**30)

@@ -194,6 +194,13 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
         strategy = distributed.choose_strategy(cfg.distributed, base_bytes, device, cfg, model.args)
     if strategy != "fsdp" and fused_lora_usable():  # FSDP shards each weight: it keeps them apart
         fuse_projections(model)
+    if cfg.host_embeddings and device.type == "cuda":
+        from hivetune.ops.host_embedding import move_embeddings
+
+        if strategy == "fsdp":
+            print("hivetune: host_embeddings: off under FSDP (it shards the table with the rest)", file=sys.stderr)
+        else:
+            move_embeddings(model)
     model.activation_offload = activation_offload(cfg, model, device, strategy)  # after the fusing: it reads the storages
     model.runs_in_dtype = runs_in_dtype(model, precision, strategy)
     if parallel.enabled:

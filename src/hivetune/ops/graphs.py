@@ -249,7 +249,8 @@ class GraphedForwardBackward:
         self.replay_events: list | None = [] if os.environ.get("HIVETUNE_GRAPH_TIMING") else None
         self.stats = {"graphs": 0, "replays": 0, "eager": 0, "capture_s": 0.0, "pad_tokens": 0, "tokens": 0,
                       "bucket_tokens": self.bucket if not self.planned else "planned", "sizes": None,
-                      "capture_tokens": None, "off": None}
+                      "capture_tokens": None, "off": None,
+                      "warmup_s": None, "capture_each_s": []}  # where capture_s went
         global last_stats, last_graphed
         last_stats = self.stats
         last_graphed = self if self.replay_events is not None else None
@@ -359,6 +360,7 @@ class GraphedForwardBackward:
             main.wait_stream(self.stream)
             loss.record_stream(main)
             self.warmed = True
+            self.stats["warmup_s"] = round(time.perf_counter() - t0, 3)  # host time; the GPU runs on
             # The warm-up's activations went back to the ordinary allocator's cache, where the
             # graphs' private pool cannot reuse them: hand them back first, or the run reserves
             # one micro-batch of activations twice (W2 2 x 8: 36.9 GiB reserved, 22.9 allocated).
@@ -415,6 +417,7 @@ class GraphedForwardBackward:
         return [(size, seg) for seg, sizes in self.sizes.items() for size in sizes]
 
     def _capture_key(self, key, bucket: _Bucket | None) -> bool:
+        t0 = time.perf_counter()
         bucket = bucket or _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device)
         graph = torch.cuda.CUDAGraph()
         try:
@@ -428,6 +431,7 @@ class GraphedForwardBackward:
         bucket.graph = graph
         self.buckets[key] = bucket
         self.stats["graphs"] += 1
+        self.stats["capture_each_s"].append(round(time.perf_counter() - t0, 3))
         return True
 
 

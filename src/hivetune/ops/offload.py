@@ -134,7 +134,7 @@ class ActivationOffload:
     device and lora.fuse_projections ran: the storages it never moves are read then."""
 
     def __init__(self, model, layers: int, threshold: int | None = None, cpu_test: bool = False):
-        self.device = next(model.parameters()).device
+        self.device = model.lm_head.weight.device  # (not the first parameter: host_embeddings)
         self.cuda = self.device.type == "cuda"
         if not self.cuda and not cpu_test:
             raise ValueError(f"ActivationOffload runs on CUDA (cpu_test=True: the CPU test mode), not {self.device}")

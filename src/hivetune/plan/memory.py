@@ -91,6 +91,7 @@ class MemoryConfig:
     fused_layers: bool = False  # the Triton RMSNorm / SwiGLU save less (CUDA, bf16 / fp16, Triton present)
     offload_layers: int = 0  # train's activation_offload: the first N layers' saved tensors in host memory
     keep_inputs: bool = False  # train's lora_inputs resolved: the seeded groups keep their dropped inputs
+    host_embeddings: bool = False  # train's host_embeddings: the untied input embedding in pinned host memory
 
     @property
     def s(self) -> int:
@@ -373,7 +374,8 @@ def breakdown(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | Non
         loss_transient = hidden + min(n, 4096) * args.vocab_size * (2 + 4)
     if mc.gradient_checkpointing:  # a layer's forward under checkpoint: its MLP intermediates
         loss_transient = max(loss_transient, FORWARD_I * s * args.intermediate_size * tokens)
-    backward_i = BACKWARD_I + (RECOMPUTE_I if seeded_dropout(mc) and "down_proj" in mc.targets else 0.0)
+    recomputes = seeded_dropout(mc) and not mc.keep_inputs and "down_proj" in mc.targets
+    backward_i = BACKWARD_I + (RECOMPUTE_I if recomputes else 0.0)
     fetched = offload_fetched_bytes(args, mc, tokens, t_attn)
     backward = hidden + recompute + backward_i * s * args.intermediate_size * tokens + fetched
     parts["logits / loss buffers"] = int(loss_transient if loss_transient >= backward else 0)
@@ -387,6 +389,10 @@ def breakdown(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | Non
     parts["allocator slack"] = int(ALLOCATOR_SLACK_BYTES + ALLOCATOR_SLACK_FRACTION * torch_bytes)
     parts["CUDA context"] = CUDA_CONTEXT_BYTES
     host = {"pinned host (offload)": moved} if moved else {}
+    if mc.host_embeddings and not args.tie_word_embeddings:  # ops.host_embedding
+        table = args.vocab_size * h * s
+        parts["base weights"] -= table
+        host["pinned host (input embedding)"] = table
     return Breakdown(tokens, n, parts, "loss" if loss_transient >= backward else "backward", host)
 
 

@@ -75,7 +75,9 @@ def _memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: 
     setting = getattr(cfg, "lora_inputs", "recompute")
     if setting == "auto" and (args is None or not tokens):
         setting = "recompute"
-    return dataclasses.replace(mc, keep_inputs=resolve_keep_inputs(setting, args, mc, tokens))
+    return dataclasses.replace(mc, keep_inputs=resolve_keep_inputs(setting, args, mc, tokens),
+                               host_embeddings=bool(getattr(cfg, "host_embeddings", False)) and cuda
+                               and cfg.distributed != "fsdp")
 
 
 def offload_in_force(cfg: TrainConfig, cuda: bool, graphs: bool) -> int:
@@ -221,6 +223,10 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     largest_ckpt = largest if ckpt else largest_micro_batch(args, _memory_config(cfg, precision, True), budget,
                                                             target_fraction)
     suggestion = _suggest(cfg, fits, ckpt, worst, largest, largest_ckpt, avg_len)
+    if not fits and not args.tie_word_embeddings and not mc.host_embeddings:
+        table = args.vocab_size * args.hidden_size * mc.s
+        suggestion += (f"; or set host_embeddings=true (the input embedding in pinned host memory: "
+                       f"{table / GIB:.2f} GiB less)")
     if not fits and not graphs and not ckpt:
         n = offload_to_fit(args, cfg, precision, tokens, target_fraction, budget)
         if n and n != getattr(cfg, "activation_offload", 0):
