@@ -181,5 +181,8 @@ def test_fused_loss_trains_like_reference_loss(tiny_model_dir, alpaca_file, tmp_
         run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / f"run-{fused}", fused_loss=fused))
         fit(run, progress=False)
         adapters.append(lora_state_dict(run.model))
+    # atol 5e-6 (was 1e-6): another summation order of the loss, magnified by Adam where the
+    # gradients are near zero; 1.7e-6 with the residual add outside the matmul, 2.1e-6 inside
+    # (the same reason test_distributed's adapter tolerance is 5e-6)
     for key, value in adapters[0].items():
-        assert torch.allclose(value, adapters[1][key], atol=1e-6, rtol=1e-5), key
+        assert torch.allclose(value, adapters[1][key], atol=5e-6, rtol=1e-5), key

@@ -23,7 +23,7 @@ fallback and one log line when it falls back.
 A fallback on a device where the fast path is expected (a GPU for varlen and fused AdamW; a CPU
 asked for auto precision) prints ``hivetune: note: <what> unavailable (<why>); using <reference>``
 once per process. ``HIVETUNE_REFERENCE=varlen,fused_adamw,cpu_bf16,gpu_bf16`` (also fused_lora,
-fused_layers, dropout_matmul, gc, autocast, grad_arena; or ``all``)
+fused_layers, dropout_matmul, gc, autocast, grad_arena, residual_epilogue; or ``all``)
 forces the reference paths, for tests and A/B runs; the fast and reference paths are compared in
 tests/test_robust_fallbacks.py (CPU) and tests/gpu/test_fallbacks.py (CUDA).
 """

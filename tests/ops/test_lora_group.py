@@ -170,7 +170,7 @@ def test_seeded_dropout_recompute_equals_keeping_the_input(monkeypatch):
         with monkeypatch.context() as m, fused_layers_standin():
             if not keep_source:
                 real = lora_module.lora_group
-                m.setattr(lora_module, "lora_group", lambda *a, **k: real(*a[:8]))  # drops `source`
+                m.setattr(lora_module, "lora_group", lambda *a, **k: real(*a[:8], None, *a[9:]))  # drops `source`
             torch.manual_seed(9)
             results.append(loss_and_grads(model, ids))
     (loss_a, grads_a), (loss_b, grads_b) = results
@@ -242,3 +242,34 @@ def test_grads_into_declines_what_autograd_must_accumulate():
     b.grad = torch.zeros(3, 2).t()  # not contiguous
     with torch.no_grad():
         assert lg.grads_into([b]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_rides_in_the_base_matmul(monkeypatch, dtype):
+    """lora_group(residual=r) = r + lora_group(...): the add in the base matmul's epilogue
+    (addmm with C = r) to rounding, the reference (HIVETUNE_REFERENCE=residual_epilogue) the
+    same bits as adding after; r's gradient is the output's, x's and the LoRA gradients agree."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 48, dtype=dtype)
+    r = torch.randn(2, 9, 40, dtype=dtype)
+    w = torch.randn(40, 48, dtype=dtype) * 0.1
+    a0, b0 = torch.randn(4, 48) * 0.1, torch.randn(40, 4) * 0.1
+    dy = torch.randn(2, 9, 40, dtype=dtype)
+
+    def run(with_residual: bool, reference: bool = False):
+        monkeypatch.setenv("HIVETUNE_REFERENCE", "residual_epilogue" if reference else "")
+        xs, rs = x.clone().requires_grad_(), r.clone().requires_grad_()
+        a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+        y = (lg.lora_group(xs, w, None, (40,), 0.0, 2.0, [a], [b], residual=rs) if with_residual
+             else rs + lg.lora_group(xs, w, None, (40,), 0.0, 2.0, [a], [b]))
+        y.backward(dy)
+        return y.detach(), xs.grad, rs.grad, a.grad, b.grad
+
+    plain, fused, reference = run(False), run(True), run(True, reference=True)
+    for u, v in zip(plain, reference):
+        assert torch.equal(u, v)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused[0], plain[0], rtol=tol, atol=tol)
+    assert torch.equal(fused[2], dy) and torch.equal(plain[2], dy)
+    for u, v in zip(fused[1:], plain[1:]):
+        assert torch.equal(u, v)  # the backward does not see where the add happened

@@ -96,8 +96,9 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.qkv = None  # a lora.FusedProjections of q/k/v once lora.fuse_projections ran
 
-    def forward(self, x, cos, sin, layout=None, cache=None, source=None):
-        """`source`: (fn, tensor) with x = fn(tensor), kept for backward anyway (RMSNorm.source)."""
+    def forward(self, x, cos, sin, layout=None, cache=None, source=None, residual=None):
+        """`source`: (fn, tensor) with x = fn(tensor), kept for backward anyway (RMSNorm.source).
+        `residual`: returned added to the output (in o_proj's matmul where LoRA joins it)."""
         b, t, _ = x.shape
         joined = self.qkv(x, source) if self.qkv is not None else None
         if joined is not None:
@@ -114,8 +115,8 @@ class Attention(nn.Module):
         out = causal_attention(q, k, v, layout, cache, self.layer_idx)  # [B, T, H, D] in and out
         out = out.reshape(b, t, self.n_heads * self.head_dim)
         if isinstance(self.o_proj, LoRALinear):  # the attention kernel keeps `out` for its backward
-            return self.o_proj(out, source=(None, out))
-        return self.o_proj(out)
+            return self.o_proj(out, source=(None, out), residual=residual)
+        return self.o_proj(out) if residual is None else residual + self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -128,15 +129,18 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
         self.gate_up = None  # a lora.FusedProjections of gate/up once lora.fuse_projections ran
 
-    def forward(self, x, source=None):
+    def forward(self, x, source=None, residual=None):
+        """`residual`: returned added to the output (in down_proj's matmul where LoRA joins it)."""
         joined = self.gate_up(x, source) if self.gate_up is not None else None
         if joined is not None:
             h = elementwise.swiglu_joined(joined, reuse=True)  # its gradient goes over `joined`
-            if isinstance(self.down_proj, LoRALinear):  # SwiGLU keeps `joined`: h is recomputed from it
-                return self.down_proj(h, source=(elementwise.swiglu_raw, joined))
-            return self.down_proj(h)
-        gate, up = project_shared_input(x, self.gate_proj, self.up_proj)
-        return self.down_proj(elementwise.swiglu(gate, up))  # saves gate and up only
+        else:
+            gate, up = project_shared_input(x, self.gate_proj, self.up_proj)
+            h = elementwise.swiglu(gate, up)  # saves gate and up only
+        if isinstance(self.down_proj, LoRALinear):  # SwiGLU keeps `joined`: h is recomputed from it
+            return self.down_proj(h, source=(elementwise.swiglu_raw, joined) if joined is not None else None,
+                                  residual=residual)
+        return self.down_proj(h) if residual is None else residual + self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
@@ -148,10 +152,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, x, cos, sin, layout=None, cache=None):
+        # each residual add rides in the block's last matmul (o_proj, down_proj) where it can
         norm = self.input_layernorm
-        x = x + self.self_attn(norm(x), cos, sin, layout, cache, norm.source(x))
+        x = self.self_attn(norm(x), cos, sin, layout, cache, norm.source(x), residual=x)
         norm = self.post_attention_layernorm
-        return x + self.mlp(norm(x), norm.source(x))
+        return self.mlp(norm(x), norm.source(x), residual=x)
 
 
 class DecoderBody(nn.Module):

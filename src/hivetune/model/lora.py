@@ -64,20 +64,23 @@ class LoRALinear(nn.Module):
     def out_features(self) -> int:
         return self.base_layer.out_features
 
-    def forward(self, x: torch.Tensor, dropped: torch.Tensor | None = None, source=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, dropped: torch.Tensor | None = None, source=None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """`dropped`: dropout(x) already drawn for a sibling layer reading the same x. `source`:
-        (fn, tensor) with x = fn(tensor), a tensor kept for backward anyway (ops.lora_group)."""
+        (fn, tensor) with x = fn(tensor), a tensor kept for backward anyway (ops.lora_group).
+        `residual`: returns residual + the layer's output (the decoder's residual stream; inside
+        the base matmul on the joined path)."""
         if self.fused and self.enabled and dropped is None:
             base = self.base_layer
             return lora_group(x, base.weight, base.bias, (base.out_features,), self.dropout_p(), self.scaling,
-                              [self.lora_A.weight], [self.lora_B.weight], source)
+                              [self.lora_A.weight], [self.lora_B.weight], source, residual)
         y = self.base_layer(x)
-        if not self.enabled:
-            return y
-        if dropped is None:
-            dropped = self.lora_dropout(x)
-        a = self.lora_A(dropped.to(self._compute_dtype(x))) * self.scaling  # scale the rank-r side
-        return add_low_rank(y, a, self.lora_B.weight)
+        if self.enabled:
+            if dropped is None:
+                dropped = self.lora_dropout(x)
+            a = self.lora_A(dropped.to(self._compute_dtype(x))) * self.scaling  # scale the rank-r side
+            y = add_low_rank(y, a, self.lora_B.weight)
+        return y if residual is None else residual + y
 
     def dropout_p(self) -> float:
         """The dropout probability in force now (0 in eval mode)."""

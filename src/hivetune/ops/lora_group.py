@@ -175,11 +175,12 @@ class LoRAGroup(torch.autograd.Function):
     slice per layer, a single check for mm's fp32 output."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sizes, p, scale, source_fn, source, *lora):
+    def forward(ctx, x, weight, bias, sizes, p, scale, source_fn, source, residual, *lora):
         """x [..., d]; weight [O, d] (frozen, rows per layer); lora = A_1..A_n, B_1..B_n.
         `source`: a tensor kept for backward anyway with x = source_fn(source) (or x itself
         when source_fn is None); with the seeded dropout, x is recomputed from it in backward
-        instead of saving the dropped input."""
+        instead of saving the dropped input. `residual` [..., O] or None: returned added to the
+        output (the decoder's residual stream; in the base matmul's epilogue where it can)."""
         n = len(sizes)
         a_params, b_params = lora[:n], lora[n:]
         device_type = x.device.type
@@ -189,10 +190,10 @@ class LoRAGroup(torch.autograd.Function):
         if autocast:
             with torch.autocast(device_type, enabled=False):
                 y, kept, mask, xa, a_all, bd, w, recompute, seeded = _group_forward(
-                    x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached)
+                    x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual)
         else:
             y, kept, mask, xa, a_all, bd, w, recompute, seeded = _group_forward(
-                x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached)
+                x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual)
         ctx.save_for_backward(kept, mask, xa, a_all, bd, w)
         ctx.recompute, ctx.source_fn, ctx.seeded = recompute, source_fn, seeded
         ctx.a_params, ctx.b_params = a_params, b_params  # backward adds into their .grad where they have one
@@ -212,7 +213,8 @@ class LoRAGroup(torch.autograd.Function):
                 grad_x, grads_a, grads_b = _group_backward(ctx, g, *saved)
         else:
             grad_x, grads_a, grads_b = _group_backward(ctx, g, *saved)
-        return (grad_x, None, None, None, None, None, None, None, *grads_a, *grads_b)
+        grad_residual = grad if ctx.needs_input_grad[8] else None  # y = residual + ...: its gradient as it is
+        return (grad_x, None, None, None, None, None, None, None, grad_residual, *grads_a, *grads_b)
 
 
 _ADDMM_OUT_DTYPE: bool | None = None  # whether torch.addmm takes out_dtype with out= (tried once)
@@ -288,8 +290,11 @@ class GradArena:
         return bool(params) and all(p.dtype == params[0].dtype and p.device == params[0].device for p in params)
 
 
-def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached):
-    """LoRAGroup's forward outside autocast: y and what backward keeps (see the module doc)."""
+def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual=None):
+    """LoRAGroup's forward outside autocast: y and what backward keeps (see the module doc).
+    `residual`: added to y; as the base matmul's C (cuBLAS beta = 1: no add kernel, no [N, O]
+    pass) when it is in the compute dtype and there is no bias, else added at the end (the
+    reference: HIVETUNE_REFERENCE=residual_epilogue)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != dtype:
         x2 = x2.to(dtype)
@@ -312,8 +317,14 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
             xd = x2
         xa = x2.new_empty((x2.shape[0], a_all.shape[0]))
         torch.addmm(xa, xd, a_all.t(), beta=0, alpha=scale, out=xa)  # s (xd A^T): the scale is free
-    y = torch.mm(x2, w.t()) if bias is None else F.linear(x2, w, bias.to(dtype))  # (mm: less dispatch than linear)
+    r2 = residual.reshape(-1, w.shape[0]) if residual is not None else None
+    if r2 is not None and bias is None and r2.dtype == dtype and not forced("residual_epilogue"):
+        y, r2 = torch.addmm(r2, x2, w.t()), None  # residual + x W^T in one kernel
+    else:
+        y = torch.mm(x2, w.t()) if bias is None else F.linear(x2, w, bias.to(dtype))  # (mm: less dispatch than linear)
     y.addmm_(xa, bd.t())
+    if r2 is not None:
+        y = r2 + y
     recompute = (bool(seeded) and source is not None and source.dtype == dtype
                  and not (cached is not None and _ACTIVE.keep_inputs))
     kept = source if recompute else xd  # x itself is not needed: W is frozen
@@ -394,10 +405,11 @@ def masked_add_(out: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, keep: fl
 
 
 def lora_group(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, ...],
-               p: float, scale: float, a_params, b_params, source=None) -> torch.Tensor:
+               p: float, scale: float, a_params, b_params, source=None, residual=None) -> torch.Tensor:
     """y [..., sum(sizes)] = x W^T (+ bias) + the LoRA update of each row block (see the module doc).
     `source`: (fn, tensor) with x = fn(tensor) (fn None: x itself) where that tensor is saved for
     backward by another op anyway (the attention output; the gate/up output that SwiGLU keeps):
     under the seeded dropout the Function then keeps it instead of the dropped input."""
     fn, tensor = source if source is not None else (None, None)
-    return LoRAGroup.apply(x, weight, bias, tuple(sizes), float(p), float(scale), fn, tensor, *a_params, *b_params)
+    return LoRAGroup.apply(x, weight, bias, tuple(sizes), float(p), float(scale), fn, tensor, residual,
+                           *a_params, *b_params)
