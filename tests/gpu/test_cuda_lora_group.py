@@ -15,6 +15,39 @@ from hivetune.ops.loss import target_loss_sum
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def dropout_model(lora_model_and_batch):
+    """A copy of the fixture's model with LoRA dropout 0.1, joined groups, in training mode."""
+    from hivetune.model.lora import LoRALinear
+
+    ref, batch = lora_model_and_batch
+    model = copy.deepcopy(ref)
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            m.lora_dropout = torch.nn.Dropout(0.1)
+    fuse_projections(model)
+    model.train()
+    return model, batch
+
+
+def loss_grads_saved(model, batch):
+    """(loss, LoRA gradients, bytes of the distinct storages saved for backward) of one bf16
+    forward + backward with dropout seed 3."""
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    for p in lora_parameters(model):
+        p.grad = None
+    torch.manual_seed(3)
+    with torch.autocast("cuda", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hidden = model(batch.input_ids, batch.position_ids, batch.layout)
+        loss = target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in lora_parameters(model)], sum(saved.values())
+
+
 def test_joined_projections_match_layer_by_layer(lora_model_and_batch):
     ref, batch = lora_model_and_batch
     fused = copy.deepcopy(ref)
@@ -153,40 +186,17 @@ def test_norm_sources_recompute_the_same_gradients_bit_for_bit(lora_model_and_ba
     bit for bit, as saving it; and one [T, hidden] tensor less per norm among the saved ones
     (but the first layer's, whose input the norm itself does not keep: the embedding is frozen)."""
     from hivetune.model.decoder import RMSNorm
-    from hivetune.model.lora import LoRALinear
 
-    ref, batch = lora_model_and_batch
-    model = copy.deepcopy(ref)
-    for m in model.modules():
-        if isinstance(m, LoRALinear):
-            m.lora_dropout = torch.nn.Dropout(0.1)
-    fuse_projections(model)
-    model.train()
+    model, batch = dropout_model(lora_model_and_batch)
 
-    def run():
-        saved = {}
-
-        def pack(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        for p in lora_parameters(model):
-            p.grad = None
-        torch.manual_seed(3)
-        with torch.autocast("cuda", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            hidden = model(batch.input_ids, batch.position_ids, batch.layout)
-            loss = target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
-        loss.backward()
-        return loss.item(), [p.grad.clone() for p in lora_parameters(model)], saved
-
-    loss, grads, saved = run()
+    loss, grads, saved = loss_grads_saved(model, batch)
     monkeypatch.setattr(RMSNorm, "source", lambda self, x: None)
-    ref_loss, ref_grads, ref_saved = run()
+    ref_loss, ref_grads, ref_saved = loss_grads_saved(model, batch)
     assert loss == ref_loss
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
     tokens, hidden = batch.input_ids.shape[1], model.args.hidden_size
     # 2 layers x 2 norms no longer save their dropped output, and layer 0's q/k/v keep the embedding output
-    assert sum(ref_saved.values()) - sum(saved.values()) == 3 * tokens * hidden * 2
+    assert ref_saved - saved == 3 * tokens * hidden * 2
 
 
 def test_flash_varlen_takes_grouped_heads_and_matches_sdpa():
@@ -249,6 +259,7 @@ def test_grads_added_into_arena_match_autograd_accumulation(monkeypatch, in_matm
     = 1 epilogue, drop_matmul_grad's into=) against autograd's add of fresh gradients, on the
     same seeds: equal to fp32 rounding, and every .grad still the arena's view."""
     from hivetune.ops import lora_group as lg
+    from hivetune.ops.lora_group import lora_group
 
     monkeypatch.setattr(elementwise, "DROP_MM_MIN_D", 128 if in_matmul else 1 << 30)
     torch.manual_seed(0)
@@ -273,8 +284,6 @@ def test_grads_added_into_arena_match_autograd_accumulation(monkeypatch, in_matm
         assert not arena or all(t.grad is g for t, g in zip(a + b, grads))
         return [t.grad.clone() for t in a + b]
 
-    from hivetune.ops.lora_group import lora_group
-
     real = lg.grads_into
     monkeypatch.setattr(lg, "grads_into", lambda *a: None)
     want = run(False)
@@ -290,33 +299,13 @@ def test_kept_lora_inputs_give_the_recomputed_gradients_bit_for_bit(lora_model_a
     """lora_inputs keep (CastCache.keep_inputs): every group keeps its dropped input instead of
     recomputing it in backward; the same loss and LoRA gradients bit for bit, and the saved
     bytes grow by what plan.memory.keep_inputs_extra_bytes predicts."""
-    from hivetune.model.lora import LoRALinear
     from hivetune.plan.memory import MemoryConfig, keep_inputs_extra_bytes
 
-    ref, batch = lora_model_and_batch
-    model = copy.deepcopy(ref)
-    for m in model.modules():
-        if isinstance(m, LoRALinear):
-            m.lora_dropout = torch.nn.Dropout(0.1)
-    fuse_projections(model)
-    model.train()
+    model, batch = dropout_model(lora_model_and_batch)
 
     def run(keep: bool):
-        saved = {}
-
-        def pack(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
         model.lora_casts.keep_inputs = keep
-        for p in lora_parameters(model):
-            p.grad = None
-        torch.manual_seed(3)
-        with torch.autocast("cuda", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            hidden = model(batch.input_ids, batch.position_ids, batch.layout)
-            loss = target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
-        loss.backward()
-        return loss.item(), [p.grad.clone() for p in lora_parameters(model)], sum(saved.values())
+        return loss_grads_saved(model, batch)
 
     loss, grads, saved = run(False)
     kept_loss, kept_grads, kept_saved = run(True)
