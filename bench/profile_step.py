@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true",
                         help="the allocations alive at the steps' peak, grouped by the hivetune line that made them")
     parser.add_argument("--bucket", type=int, default=0, help="CUDA-graph bucket in tokens (default 256)")
+    parser.add_argument("--gaps", default="", help="with the profiler: write the GPU's idle gaps between kernels "
+                        "(and what ran around the longest) as JSON to this file")
     opts = parser.parse_args()
     if opts.bucket:
         os.environ["HIVETUNE_GRAPH_BUCKET"] = str(opts.bucket)
@@ -136,6 +138,8 @@ def main() -> None:
     print(table.table(sort_by="cuda_time_total", row_limit=25))
     print(table.table(sort_by="self_cpu_time_total", row_limit=15))
     print_kernels(prof, len(rest))
+    if opts.gaps:
+        write_gaps(prof, len(rest), seconds, opts.gaps)
 
 
 def print_host_profile(run) -> None:
@@ -219,6 +223,42 @@ def print_syncs(run) -> None:
     print(f"synchronising calls in {len(run.steps)} steps: {sum(seen.values())}")
     for where, n in seen.most_common(15):
         print(f"{n:6d}  {where}")
+
+
+def write_gaps(prof, steps: int, seconds: float, path: str) -> None:
+    """The GPU timeline of the profiled steps: busy time (kernels and copies, overlaps merged)
+    against the wall, the idle gaps by size, and the 30 longest with the kernels before and
+    after them: where a graphed loop waits on the host."""
+    import json
+
+    from torch.autograd import DeviceType
+
+    events = sorted((e.time_range.start, e.time_range.end, e.name[:80]) for e in prof.events()
+                    if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, gaps, end, last = 0.0, [], None, ""
+    for start, stop, name in events:
+        if end is not None and start > end:
+            gaps.append((start - end, last, name))
+        if end is None or start > end:
+            busy += stop - start
+        elif stop > end:
+            busy += stop - end
+        if end is None or stop > end:
+            end, last = stop, name
+    span = (events[-1][1] - events[0][0]) if events else 0
+    sizes = {"<2us": 0, "2-10us": 0, "10-100us": 0, "100us-1ms": 0, ">1ms": 0}
+    totals = dict.fromkeys(sizes, 0.0)
+    for g, _, _ in gaps:
+        key = "<2us" if g < 2 else "2-10us" if g < 10 else "10-100us" if g < 100 else "100us-1ms" if g < 1000 else ">1ms"
+        sizes[key] += 1
+        totals[key] += g
+    record = {"steps": steps, "wall_s": seconds, "gpu_span_us": span, "gpu_busy_us": busy,
+              "idle_us_per_step": (span - busy) / steps, "gaps_by_size": sizes,
+              "gap_us_by_size": {k: round(v, 1) for k, v in totals.items()},
+              "longest": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in sorted(gaps, reverse=True)[:30]]}
+    Path(path).write_text(json.dumps(record, indent=1) + "\n")
+    print(f"GPU busy {busy / 1000:.1f} of {span / 1000:.1f} ms over {steps} steps "
+          f"({(span - busy) / steps / 1000:.2f} ms idle a step); gaps by size: {sizes}; us: {record['gap_us_by_size']}")
 
 
 def print_kernels(prof, steps: int) -> None:
