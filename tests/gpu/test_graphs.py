@@ -163,3 +163,34 @@ def _fake(tokens, segments):
     ids = torch.zeros(1, tokens, dtype=torch.long)
     return MicroBatch(ids, ids, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
                       Packed(cu, tokens, ()), segments - 2, tokens)
+
+
+def test_planned_sizes_are_captured_in_turn_and_a_resumed_run_uses_the_same_graphs(tmp_path, monkeypatch):
+    """After the warm-up the largest planned size is captured; the others one every
+    CAPTURE_EVERY micro-batches (counted from the plan's first), largest first, and until then a
+    micro-batch takes the smallest captured size holding it. A run resumed at step 3 captures
+    what was due by then at its first call, and from there every micro-batch takes the graph it
+    took in the unbroken run."""
+    monkeypatch.setattr(graphs, "CAPTURE_EVERY", 2)
+    monkeypatch.setattr(graphs, "plan_sizes",  # every 64-token size: many graphs to capture in turn
+                        lambda tokens, capture_tokens, grain=64: sorted({graphs.bucket_tokens(t, grain) for t in tokens}))
+
+    def keys_taken(start_step):
+        run, _ = small_run(tmp_path / f"from-{start_step}", batch_size=4)
+        run.model.train()
+        run.start_step = start_step
+        graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None)
+        taken = []
+        for i, step in enumerate(run.steps[start_step:], start=start_step):
+            (batch,) = graphs_micro_batches(run, step)
+            graphed(batch, 1000)
+            planned = sorted({(s, seg) for seg, sizes in graphed.sizes.items() for s in sizes}, reverse=True)
+            due = {planned[0]} | {k for j, k in enumerate(planned[1:]) if 2 * (j + 1) <= i}
+            assert {k for k in planned if k in graphed.buckets} == due, i
+            taken.append(graphed.key_of(batch) if i > start_step else None)  # (the first call runs eagerly)
+        assert graphed.off is None and len(planned) > 3
+        return taken
+
+    unbroken = keys_taken(0)
+    resumed = keys_taken(3)
+    assert resumed[1:] == unbroken[4:]

@@ -16,9 +16,13 @@ Which sizes Tb: plan_sizes weighs a graph's capture (a host pass, ~0.2 s on W1) 
 padding a coarser set of sizes costs on the GPU, over the token counts of every micro-batch the
 step plan holds (known before the first step). The first micro-batch runs eagerly (its real
 work, and the warm-up capture needs); the largest graph is captured and timed, and one replay of
-it with the loss divided by infinity (exact zeros everywhere) gives the GPU time a token; then
-every planned size is captured (capture runs nothing). A micro-batch no size holds takes the
-256-token grid (bucket_tokens), captured when met.
+it with the loss divided by infinity (exact zeros everywhere) gives the GPU time a token. The
+other planned sizes are captured one every CAPTURE_EVERY micro-batches, largest first, without
+synchronising the device: each capture's host pass then overlaps the GPU's work on the replays
+queued before it, and until a size is captured its micro-batches take the smallest captured size
+that holds them. The turns count from the step plan's first micro-batch, so a resumed run uses
+the same graphs for the same micro-batches. A micro-batch no size holds takes the 256-token grid
+(bucket_tokens), captured when met.
 
 All graphs share one memory pool; each replay's loss is cloned at once, so no graph's output is
 alive while another replays. Gradients accumulate in place into persistent .grad tensors, views
@@ -52,6 +56,11 @@ IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index; fused_target_loss
 BUCKET_TOKENS = 256
 GRAIN = 64  # graph sizes chosen by plan_sizes are multiples of this
 MAX_GRAPHS = 48  # keys beyond this many run eagerly
+# The planned sizes after the largest are captured one every this many micro-batches (counted
+# from the step plan's first), so that each capture's host pass (~0.15 s on W1) runs while the
+# GPU works through the replays queued before it; until then a micro-batch takes the smallest
+# captured size that holds it. 0: capture every planned size at the first micro-batch.
+CAPTURE_EVERY = int(os.environ.get("HIVETUNE_GRAPH_CAPTURE_EVERY", 10))  # env: experiments, A/B
 # Above this many matmul TFLOP per micro-batch (4 x linear weights x tokens) the GPU outruns the
 # host's dispatch anyway: W2 (7B) with 16 examples (~2,900 tokens: ~82 TFLOP) measured 23.8 s with
 # graphs against 21.4 s eager (capture time, padding) and 65 against 40 GiB reserved. With 8
@@ -245,6 +254,8 @@ class GraphedForwardBackward:
         self.stream = torch.cuda.Stream(device=run.device)
         self.warmed = False
         self.off: str | None = None
+        self.index: int | None = None  # the next call's micro-batch, counted from the step plan's first
+        self.pending: list[tuple[tuple[int, int], int]] = []  # (planned key, index from which it is captured)
         self.flops_per_token = 4 * run.model.args.linear_weight_count
         self.replay_events: list | None = [] if os.environ.get("HIVETUNE_GRAPH_TIMING") else None
         self.stats = {"graphs": 0, "replays": 0, "eager": 0, "capture_s": 0.0, "pad_tokens": 0, "tokens": 0,
@@ -262,6 +273,10 @@ class GraphedForwardBackward:
             self.stats["eager"] += 1
             return self.eager(batch, n_targets)
         self._attach_grads()
+        if self.index is None:  # a resumed run starts inside the plan
+            self.index = len(planned_micro_batches(self.run, start=0)) - len(planned_micro_batches(self.run))
+        self.index += 1
+        self._capture_due(self.index - 1)
         key = self.key_of(batch)
         tokens = key[0]
         bucket = self.buckets.get(key)
@@ -278,11 +293,20 @@ class GraphedForwardBackward:
         return bucket.loss.clone()  # now: the next replay of a graph in this pool may overwrite it
 
     def key_of(self, batch: MicroBatch) -> tuple[int, int]:
-        """The graph of a micro-batch: the smallest planned size that holds it and a pad token,
-        with its segment count; the fixed grid's bucket where nothing is planned for it."""
+        """The graph of a micro-batch: the smallest planned size captured so far that holds it
+        and a pad token, with its segment count; the fixed grid's bucket where nothing planned
+        holds it."""
         t, segments = batch.input_ids.shape[1], len(batch.layout.cu_seqlens) + 1
-        size = next((s for s in self.sizes.get(segments, ()) if s > t), None)
+        size = next((s for s in self.sizes.get(segments, ()) if s > t and (s, segments) in self.buckets), None)
         return (size, segments) if size else batch_key(batch, self.bucket)
+
+    def _capture_due(self, index: int) -> None:
+        """Capture the planned sizes whose turn has come by micro-batch `index` (all of them at
+        once for a run resumed past their turns: the same graphs for the same micro-batches)."""
+        while self.pending and self.pending[0][1] <= index and not self.off:
+            key, _ = self.pending.pop(0)
+            if key not in self.buckets and len(self.buckets) < self.max_graphs:
+                self._capture_key(key, None)
 
     def _check_launch_bound(self, batch: MicroBatch) -> None:
         """Graphs remove host dispatch time (~5 ms a layer); a micro-batch whose matmuls alone
@@ -366,9 +390,14 @@ class GraphedForwardBackward:
             # one micro-batch of activations twice (W2 2 x 8: 36.9 GiB reserved, 22.9 allocated).
             torch.cuda.empty_cache()
             keys = self._plan(batch) if self.planned else planned_keys(self.run, self.bucket)
-            for planned in sorted(set(keys) | {self.key_of(batch)}, reverse=True)[:self.max_graphs]:
-                if self.off or (planned not in self.buckets and not self._capture_key(planned, None)):
-                    break
+            if self.sizes and CAPTURE_EVERY > 0:  # planned: the largest is captured, the rest in turn
+                rest = [k for k in sorted(set(keys), reverse=True) if k not in self.buckets]
+                self.pending = [(k, (i + 1) * CAPTURE_EVERY) for i, k in enumerate(rest)]
+                self._capture_due(self.index - 1)
+            else:
+                for planned in sorted(set(keys) | {self.key_of(batch)}, reverse=True)[:self.max_graphs]:
+                    if self.off or (planned not in self.buckets and not self._capture_key(planned, None)):
+                        break
         elif self._capture_key(key, None):
             bucket = self.buckets[key]
             bucket.load(padded, n_targets)
@@ -421,8 +450,15 @@ class GraphedForwardBackward:
         bucket = bucket or _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                bucket.loss = self._body(bucket)
+            # Not torch.cuda.graph: it synchronises the device first, which would idle the GPU
+            # for the whole host pass instead of letting it work through the queued replays
+            # (capture executes nothing, and replays run in stream order after them).
+            with torch.cuda.stream(self.stream):
+                graph.capture_begin(self.pool)
+                try:
+                    bucket.loss = self._body(bucket)
+                finally:
+                    graph.capture_end()
         except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly from now on
             torch.cuda.synchronize()
             self._turn_off(f"capture of a {key[0]}-token bucket failed: {type(e).__name__}: "
