@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (~6 min): the GPU tests, then W1 with every planned graph captured at the
-# first micro-batch (HIVETUNE_GRAPH_CAPTURE_EVERY=0) and captured in turn (the default, 10) and
+# first micro-batch (HIVETUNE_GRAPH_CAPTURE_EVERY=0, the default) and captured in turn (10) and
 # every 20, three rounds alternating, into $OUT/results.
 # Usage: HIVETUNE_COMMIT=<commit> [SKIP_TESTS=1] bash bench/defer_run.sh
 set -u

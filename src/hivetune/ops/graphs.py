@@ -16,13 +16,12 @@ Which sizes Tb: plan_sizes weighs a graph's capture (a host pass, ~0.2 s on W1) 
 padding a coarser set of sizes costs on the GPU, over the token counts of every micro-batch the
 step plan holds (known before the first step). The first micro-batch runs eagerly (its real
 work, and the warm-up capture needs); the largest graph is captured and timed, and one replay of
-it with the loss divided by infinity (exact zeros everywhere) gives the GPU time a token. The
-other planned sizes are captured one every CAPTURE_EVERY micro-batches, largest first, without
-synchronising the device: each capture's host pass then overlaps the GPU's work on the replays
-queued before it, and until a size is captured its micro-batches take the smallest captured size
-that holds them. The turns count from the step plan's first micro-batch, so a resumed run uses
-the same graphs for the same micro-batches. A micro-batch no size holds takes the 256-token grid
-(bucket_tokens), captured when met.
+it with the loss divided by infinity (exact zeros everywhere) gives the GPU time a token; then
+every planned size is captured, largest first, without synchronising the device (capture runs
+nothing). With CAPTURE_EVERY > 0 (an experiment) the other sizes are captured in turn instead,
+one every CAPTURE_EVERY micro-batches counted from the step plan's first (a resumed run uses the
+same graphs for the same micro-batches), each capture's host pass overlapping the replays queued
+before it. A micro-batch no size holds takes the 256-token grid (bucket_tokens), captured when met.
 
 All graphs share one memory pool; each replay's loss is cloned at once, so no graph's output is
 alive while another replays. Gradients accumulate in place into persistent .grad tensors, views
@@ -56,11 +55,15 @@ IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index; fused_target_loss
 BUCKET_TOKENS = 256
 GRAIN = 64  # graph sizes chosen by plan_sizes are multiples of this
 MAX_GRAPHS = 48  # keys beyond this many run eagerly
-# The planned sizes after the largest are captured one every this many micro-batches (counted
-# from the step plan's first), so that each capture's host pass (~0.15 s on W1) runs while the
-# GPU works through the replays queued before it; until then a micro-batch takes the smallest
-# captured size that holds it. 0: capture every planned size at the first micro-batch.
-CAPTURE_EVERY = int(os.environ.get("HIVETUNE_GRAPH_CAPTURE_EVERY", 10))  # env: experiments, A/B
+# > 0: the planned sizes after the largest are captured one every this many micro-batches
+# (counted from the step plan's first), so that each capture's host pass could run while the GPU
+# works through the replays queued before it; until then a micro-batch takes the smallest
+# captured size that holds it. 0 (the default): every planned size at the first micro-batch.
+# Measured on W1 (H200, 91912cc, w1-capture-every-91912cc-h200.json): 11.55-11.58 s with 0,
+# 11.46-11.57 with 10, 11.43-11.85 with 20: no gain. The graphed loop's host still spends ~8 ms
+# of each ~18 ms step (a replay's launch ~3 ms, fused AdamW's 336 tensors ~2 ms), so too little
+# GPU work queues up to hide a 0.2-0.3 s capture, and the larger graphs' padding costs as much.
+CAPTURE_EVERY = int(os.environ.get("HIVETUNE_GRAPH_CAPTURE_EVERY", 0))  # env: experiments, A/B
 # Above this many matmul TFLOP per micro-batch (4 x linear weights x tokens) the GPU outruns the
 # host's dispatch anyway: W2 (7B) with 16 examples (~2,900 tokens: ~82 TFLOP) measured 23.8 s with
 # graphs against 21.4 s eager (capture time, padding) and 65 against 40 GiB reserved. With 8
