@@ -165,3 +165,47 @@ def test_torchrun_worker_exit_keeps_output_and_exit_code(tmp_path):
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr == f"hivetune: error: {missing}: data file not found\n"
+
+
+def _allreduce_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from hivetune.distributed import Dist, allreduce_gradients
+    from hivetune.ops.lora_group import GradArena
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        params = [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(5)),
+                  torch.nn.Parameter(torch.zeros(2, 2))]
+        arena = GradArena(params, None)  # the CUDA graphs' gradients: views of one buffer
+        for i, (p, g) in enumerate(zip(params, arena.grads)):
+            g.copy_(torch.arange(g.numel(), dtype=torch.float32).view(g.shape) * (rank + 1) + i)
+            p.grad = g
+        from hivetune.fastpath import one_buffer
+
+        assert one_buffer([p.grad for p in params]) is arena.flat  # so the in-place path is the one taken
+        allreduce_gradients(params, Dist(rank=rank, world=2))
+        assert all(p.grad is g for p, g in zip(params, arena.grads))  # reduced where they are
+        torch.save([p.grad.clone() for p in params], f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_allreduce_sums_a_gradient_arena_in_place(tmp_path):
+    """ddp's allreduce_gradients over gradients that are views of one GradArena buffer reduces
+    the buffer itself (no flat copy): every rank ends with the sum over ranks, in its views."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_allreduce_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for i, shape in enumerate([(3, 4), (5,), (2, 2)]):
+        n = 1
+        for d in shape:
+            n *= d
+        want = torch.arange(n, dtype=torch.float32).view(shape) * 3 + 2 * i  # (rank 0 + 1) + (rank 1 + 1) = 3
+        assert torch.equal(got[0][i], want) and torch.equal(got[1][i], want)
