@@ -58,3 +58,47 @@ def test_new_gradient_tensors_and_a_loaded_state_go_through_torch():
     assert calls == []
     opt.load_state_dict(opt.state_dict())
     assert opt._lists is None
+
+
+def test_flat_step_over_a_gradient_arena_equals_torch_fused_bit_for_bit():
+    """Gradients that are views of one GradArena buffer (CUDA graphs'): after torch's first step
+    the parameters and both moments move into buffers laid out alike, one step count shared,
+    and each step is one fused call over the flat tensors: torch's fused AdamW to fp32 rounding
+    (the CPU kernel rounds a vectorised body and a scalar tail apart, so a small tensor's
+    elements can move from one to the other; tests/gpu checks the CUDA kernel bit for bit). A
+    step through torch's path afterwards (a new gradient tensor) counts each parameter's step
+    once, and the state round-trips through state_dict."""
+    from hivetune.ops.lora_group import GradArena
+
+    fast_params, ref_params = make_params(), make_params()
+    arena = GradArena(fast_params, None, move_params=True)
+    fast = adamw(fast_params, 1e-2, 0.01, fused=True)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.01, fused=True)
+    calls = []
+    real = fast._known_step
+    fast._known_step = lambda *a: (calls.append(len(a[0])), real(*a))
+    a = run_steps(fast, fast_params, arena.grads)
+    b = run_steps(ref, ref_params, [torch.zeros_like(p) for p in ref_params])
+    assert calls == [1] * 5  # one flat tensor a step after torch's first
+    storages = {p.untyped_storage().data_ptr() for p in fast_params}
+    assert len(storages) == 1 and fast_params[0].untyped_storage().nbytes() == arena.flat.numel() * 4
+    assert len({id(fast.state[p]["step"]) for p in fast_params}) == 1
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-9)
+    for p, q in zip(fast_params, ref_params):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(fast.state[p][key], ref.state[q][key], rtol=1e-6, atol=1e-9, msg=key)
+    # a new gradient tensor: torch's step, each parameter's count + 1 (not + 4 through a shared one)
+    for opt, params in ((fast, fast_params), (ref, ref_params)):
+        params[1].grad = torch.full_like(params[1], 0.5)
+        opt.found_inf = torch.tensor(0.0)
+        opt.step()
+    for p, q in zip(fast_params, ref_params):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-9)
+        assert torch.equal(fast.state[p]["step"], ref.state[q]["step"]) and float(fast.state[p]["step"]) == 6.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(fast.state[p][key], ref.state[q][key], rtol=1e-6, atol=1e-9, msg=key)
+    loaded = adamw(make_params(), 1e-2, 0.01, fused=True)
+    loaded.load_state_dict(fast.state_dict())
+    assert all(torch.equal(loaded.state[p]["exp_avg"], fast.state[q]["exp_avg"])
+               for p, q in zip(loaded.param_groups[0]["params"], fast_params))

@@ -54,3 +54,41 @@ def test_fused_adamw_kept_lists_equal_torch_on_cuda():
     for p, q in zip(fast_params, ref_params):
         assert torch.equal(p, q)
         assert torch.equal(fast.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+
+
+def test_flat_adamw_and_clip_over_a_gradient_arena_on_cuda():
+    """Gradients in a GradArena (CUDA graphs'): FusedAdamW's flat step (one kernel over the
+    whole buffer) gives torch's fused AdamW's bits (the CUDA kernel's arithmetic does not
+    depend on where an element sits), and clip_grad_norm's one norm of the buffer equals
+    torch's to fp32 rounding."""
+    from hivetune.ops.lora_group import GradArena
+
+    fast_params, ref_params = lora_like(1), lora_like(1)
+    arena = GradArena(fast_params, None, move_params=True)
+    for p, t in zip(fast_params, arena.grads):
+        p.grad = t
+    ref_grads = [torch.zeros_like(p) for p in ref_params]
+    for p, t in zip(ref_params, ref_grads):
+        p.grad = t
+    fast = FusedAdamW(fast_params, lr=2e-4, weight_decay=0.0, fused=True)
+    ref = torch.optim.AdamW(ref_params, lr=2e-4, weight_decay=0.0, fused=True)
+    calls = []
+    real = fast._known_step
+    fast._known_step = lambda *a: (calls.append(len(a[0])), real(*a))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for k in range(6):
+        for ta, tb in zip(arena.grads, ref_grads):
+            ta.copy_(torch.randn(ta.shape, device="cuda", generator=g))
+            tb.copy_(ta)
+        mine, theirs = clip_grad_norm(fast_params, 1.0), torch.nn.utils.clip_grad_norm_(ref_params, 1.0)
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=0)
+        for ta, tb in zip(arena.grads, ref_grads):
+            tb.copy_(ta)  # the same clipped gradients into both optimizers
+        fast.found_inf = ref.found_inf = torch.tensor(float(k == 2), device="cuda")
+        for opt in (fast, ref):
+            opt.param_groups[0]["lr"] = 2e-4 * (0.8 ** k)
+            opt.step()
+    assert calls == [1] * 5
+    for p, q in zip(fast_params, ref_params):
+        assert torch.equal(p, q)
+        assert torch.equal(fast.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])

@@ -249,7 +249,8 @@ class GraphedForwardBackward:
         self.max_graphs = max_graphs
         self.params = lora_parameters(run.model)
         # The persistent gradients, in one buffer: LoRAGroup adds into them (no autograd adds)
-        self.arena = (GradArena(self.params, getattr(run.model, "lora_casts", None))
+        # (and the parameters in a buffer laid out alike, for FusedAdamW's flat step: before capture)
+        self.arena = (GradArena(self.params, getattr(run.model, "lora_casts", None), move_params=True)
                       if GradArena.usable(self.params) and not forced("grad_arena") else None)
         self.grads = self.arena.grads if self.arena is not None else [torch.zeros_like(p) for p in self.params]
         self.buckets: dict[tuple[int, int], _Bucket] = {}

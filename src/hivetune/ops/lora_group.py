@@ -267,9 +267,13 @@ class GradArena:
     that keeps its gradients between micro-batches (CUDA graphs). Zeroing them is one kernel,
     and LoRAGroup's backward adds each gradient into its view (grads_into) instead of handing
     autograd a fresh tensor to add: W1 ran 336 such adds a micro-batch, 0.47 ms of GPU time and
-    a kernel launch each. `casts`: the model's CastCache (its groups), or None."""
+    a kernel launch each. `casts`: the model's CastCache (its groups), or None.
 
-    def __init__(self, params: list, casts: "CastCache | None"):
+    `move_params`: the parameters' values move into a buffer laid out like the gradients' (each
+    becomes a view of it), so that FusedAdamW steps them all with one kernel over flat tensors.
+    Before any CUDA graph is captured: a graph reads its parameters at the addresses it saw."""
+
+    def __init__(self, params: list, casts: "CastCache | None", move_params: bool = False):
         order, seen = [], set()
         wanted = {id(p) for p in params}
         for a, b, _, _ in (casts.slots.values() if casts is not None else ()):
@@ -284,6 +288,13 @@ class GradArena:
             views[id(p)] = self.flat[at:at + p.numel()].view(p.shape)
             at += p.numel()
         self.grads = [views[id(p)] for p in params]  # in the order of `params`
+        if move_params:
+            self.params = torch.empty_like(self.flat)
+            with torch.no_grad():
+                for p in params:
+                    view = self.params[views[id(p)].storage_offset():][:p.numel()].view(p.shape)
+                    view.copy_(p)
+                    p.data = view
 
     @staticmethod
     def usable(params: list) -> bool:
