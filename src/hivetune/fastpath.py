@@ -23,7 +23,7 @@ fallback and one log line when it falls back.
 A fallback on a device where the fast path is expected (a GPU for varlen and fused AdamW; a CPU
 asked for auto precision) prints ``hivetune: note: <what> unavailable (<why>); using <reference>``
 once per process. ``HIVETUNE_REFERENCE=varlen,fused_adamw,cpu_bf16,gpu_bf16`` (also fused_lora,
-fused_layers, dropout_matmul, gc, autocast, grad_arena, residual_epilogue; or ``all``)
+fused_layers, dropout_matmul, gc, autocast, grad_arena, residual_epilogue, flat_adamw; or ``all``)
 forces the reference paths, for tests and A/B runs; the fast and reference paths are compared in
 tests/test_robust_fallbacks.py (CPU) and tests/gpu/test_fallbacks.py (CUDA).
 """
@@ -260,7 +260,9 @@ class FusedAdamW(torch.optim.AdamW):
         alike too, sharing one step count: each step is then one fused kernel over flat tensors
         instead of a launch per ~36 of them (W1: 336 tensors, ~2 ms of host and ~0.25 ms of GPU
         a step). The parameters are not moved here: captured graphs read them where they are.
-        Returns the flat lists, or None (as they are)."""
+        Returns the flat lists, or None (as they are; and with HIVETUNE_REFERENCE=flat_adamw)."""
+        if forced("flat_adamw"):
+            return None
         flat = one_buffer(grads)
         if flat is None or any(p.dtype != flat.dtype or p.device != flat.device for p in params):
             return None
