@@ -25,8 +25,10 @@ before it. A micro-batch no size holds takes the 256-token grid (bucket_tokens),
 
 All graphs share one memory pool; each replay's loss is cloned at once, so no graph's output is
 alive while another replays. Gradients accumulate in place into persistent .grad tensors, views
-of one buffer (lora_group.GradArena) that LoRAGroup's backward adds into: fit may set grads to
-None between steps, they are re-attached (zeroed, one kernel) before the next micro-batch. Dropout draws from the default CUDA generator, whose offset each replay
+of one buffer (lora_group.GradArena) that LoRAGroup's backward adds into; the LoRA parameters
+sit in a buffer laid out alike (FusedAdamW's flat step), placed there before any capture. fit
+may set grads to None between steps: they are re-attached (zeroed, one kernel) before the next
+micro-batch. Dropout draws from the default CUDA generator, whose offset each replay
 advances (torch registers it with every capture), so every replay gets fresh masks.
 
 Falls back to eager with one line on stderr when the run is on CUDA but cannot be graphed
