@@ -392,7 +392,7 @@ def breakdown(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | Non
     if mc.host_embeddings and not args.tie_word_embeddings:  # ops.host_embedding
         table = args.vocab_size * h * s
         parts["base weights"] -= table
-        host["pinned host (input embedding)"] = table
+        host["pinned host (embeddings)"] = table
     return Breakdown(tokens, n, parts, "loss" if loss_transient >= backward else "backward", host)
 
 

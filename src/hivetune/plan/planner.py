@@ -223,15 +223,15 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     largest_ckpt = largest if ckpt else largest_micro_batch(args, _memory_config(cfg, precision, True), budget,
                                                             target_fraction)
     suggestion = _suggest(cfg, fits, ckpt, worst, largest, largest_ckpt, avg_len)
-    if not fits and not args.tie_word_embeddings and not mc.host_embeddings:
-        table = args.vocab_size * args.hidden_size * mc.s
-        suggestion += (f"; or set host_embeddings=true (the input embedding in pinned host memory: "
-                       f"{table / GIB:.2f} GiB less)")
     if not fits and not graphs and not ckpt:
         n = offload_to_fit(args, cfg, precision, tokens, target_fraction, budget)
         if n and n != getattr(cfg, "activation_offload", 0):
             suggestion += (f"; or keep it and set activation_offload={n} (saved activations of {n} layers wait in "
                            f"pinned host memory; on H200s, W2 with 8 ran 2.9-5.5% slower)")
+    if not fits and not args.tie_word_embeddings and not mc.host_embeddings:
+        table = args.vocab_size * args.hidden_size * mc.s
+        suggestion += (f"; and with any of these, host_embeddings=true (the input embedding in pinned host memory: "
+                       f"{table / GIB:.2f} GiB less)")
 
     p = Plan(model=str(model_path), gpu=label, memory_gib=round(mem_gib, 2), precision=precision,
              batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, max_length=cfg.max_length,
