@@ -114,7 +114,7 @@ class TrainConfig:
     """With LoRA dropout on a GPU (the seeded Triton dropout): keep each LoRA group's dropped
     input from forward for its backward, or recompute it there from tensors saved anyway (the
     norm's input, the attention output, the gate/up output). keep runs ~150 fewer kernels a W1
-    step and costs memory (W1: ~0.9 GB at 2,500 tokens; W2: ~7 GB); auto keeps when that costs
+    step and costs memory (W1: 0.84 GiB at 2,496 tokens; W2: ~5.3 GiB); auto keeps when that costs
     at most 1 GiB at the step plan's largest micro-batch (the planner's figure)."""
     fused_loss: bool = True
     """Chunked LM head + cross-entropy with the gradient taken in forward (one chunk of logits

@@ -230,47 +230,31 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     run = Run(cfg, folder, model_path, device, precision, tokenizer, data, model, spec, steps,
               optimizer, scheduler, scaler, val=(data, val_ids) if val_ids else None,
               train_examples=len(train_ids), parallel=parallel, strategy=strategy, module=module)
-    choose_lora_inputs(run)
-    if model.activation_offload is not None:
-        reserve_offload(run)
+    planned_memory(run)
     return run
 
 
-def largest_planned_tokens(run: Run) -> int:
-    """Tokens of the step plan's largest micro-batch (0 when the data has no lengths)."""
+def planned_memory(run: Run) -> None:
+    """What the planner's memory model decides for the run, at the step plan's largest
+    micro-batch (so a resumed run decides the same): cfg.lora_inputs on the model's CastCache
+    (whether the seeded-dropout LoRA groups keep their dropped inputs for backward; auto:
+    plan.memory.resolve_keep_inputs), and the host memory activation_offload will use, pinned
+    before the loop (W2 with 8 layers: ~2.9 GB; pinned in its first steps instead, the run took
+    20.8 s against 19.8 with this, in two H200 calls)."""
     from hivetune.ops.graphs import planned_micro_batches
-
-    return max((t for t, _ in planned_micro_batches(run, start=0)), default=0)
-
-
-def choose_lora_inputs(run: Run) -> None:
-    """cfg.lora_inputs on the model's CastCache: whether the seeded-dropout LoRA groups keep
-    their dropped inputs for backward (auto: the planner's rule, plan.memory.resolve_keep_inputs,
-    at the step plan's largest micro-batch, so a resumed run decides the same)."""
-    from hivetune.plan.planner import _memory_config
-
-    casts = getattr(run.model, "lora_casts", None)
-    if casts is None:
-        return
-    mc = _memory_config(run.cfg, run.precision, run.cfg.gradient_checkpointing, cuda=run.device.type == "cuda",
-                        args=run.model.args, tokens=largest_planned_tokens(run))
-    casts.keep_inputs = mc.keep_inputs
-
-
-def reserve_offload(run: Run) -> None:
-    """Pin the host memory activation_offload will use, before the loop: the planner's bytes for
-    the largest micro-batch of the step plan (W2 with 8 layers: ~2.9 GB; pinned in its first
-    steps instead, the run took 20.8 s against 19.8 with this, in two H200 calls)."""
     from hivetune.plan.memory import offloaded_bytes, offloaded_layer_bytes
     from hivetune.plan.planner import _memory_config
 
-    tokens = largest_planned_tokens(run)
-    if not tokens:
+    casts, offload = getattr(run.model, "lora_casts", None), run.model.activation_offload
+    if casts is None and offload is None:
         return
-    mc = _memory_config(run.cfg, run.precision, run.cfg.gradient_checkpointing, cuda=True, args=run.model.args,
-                        tokens=tokens)
-    run.model.activation_offload.reserve(offloaded_bytes(run.model.args, mc, tokens),
-                                         offloaded_layer_bytes(run.model.args, mc, tokens))
+    tokens = max((t for t, _ in planned_micro_batches(run, start=0)), default=0)
+    mc = _memory_config(run.cfg, run.precision, run.cfg.gradient_checkpointing, cuda=run.device.type == "cuda",
+                        args=run.model.args, tokens=tokens)
+    if casts is not None:
+        casts.keep_inputs = mc.keep_inputs
+    if offload is not None and tokens:
+        offload.reserve(offloaded_bytes(run.model.args, mc, tokens), offloaded_layer_bytes(run.model.args, mc, tokens))
 
 
 def check_offload_layers(cfg: TrainConfig, layers: int) -> None:

@@ -279,10 +279,11 @@ class GraphedForwardBackward:
             self.stats["eager"] += 1
             return self.eager(batch, n_targets)
         self._attach_grads()
-        if self.index is None:  # a resumed run starts inside the plan
-            self.index = len(planned_micro_batches(self.run, start=0)) - len(planned_micro_batches(self.run))
-        self.index += 1
-        self._capture_due(self.index - 1)
+        if CAPTURE_EVERY > 0:  # captures in turn: count the micro-batches from the plan's first
+            if self.index is None:  # a resumed run starts inside the plan
+                self.index = len(planned_micro_batches(self.run, start=0)) - len(planned_micro_batches(self.run))
+            self.index += 1
+            self._capture_due(self.index - 1)
         key = self.key_of(batch)
         tokens = key[0]
         bucket = self.buckets.get(key)

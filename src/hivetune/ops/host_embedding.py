@@ -40,8 +40,9 @@ class HostEmbedding(nn.Module):
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        table = weight.detach().to("cpu")
-        self.weight = nn.Parameter(table.pin_memory(), requires_grad=False)
+        table = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=True)
+        table.copy_(weight.detach())  # one copy straight into pinned memory (no pageable staging)
+        self.weight = nn.Parameter(table, requires_grad=False)
         self.num_embeddings, self.embedding_dim = self.weight.shape
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
