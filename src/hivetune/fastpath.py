@@ -19,11 +19,16 @@ fallback and one log line when it falls back.
     LoRA gradients added into    CUDA graphs' persistent gradients, one        autograd adds fresh
       one buffer (ops.lora_group   buffer (GradArena); any .grad present         gradients
       GradArena, grads_into)       (a later micro-batch)
+    RMSNorm and the q/k/v or     Triton on a GPU, seeded dropout, rows of      the norm, then
+      gate/up LoRA dropout as      128-column blocks, not the in-matmul          dropout_seeded
+      one kernel (elementwise      dropout                                       (norm_dropout)
+      rms_norm_dropped)
 
 A fallback on a device where the fast path is expected (a GPU for varlen and fused AdamW; a CPU
 asked for auto precision) prints ``hivetune: note: <what> unavailable (<why>); using <reference>``
 once per process. ``HIVETUNE_REFERENCE=varlen,fused_adamw,cpu_bf16,gpu_bf16`` (also fused_lora,
-fused_layers, dropout_matmul, gc, autocast, grad_arena, residual_epilogue, flat_adamw; or ``all``)
+fused_layers, dropout_matmul, gc, autocast, grad_arena, residual_epilogue, flat_adamw, norm_dropout;
+or ``all``)
 forces the reference paths, for tests and A/B runs; the fast and reference paths are compared in
 tests/test_robust_fallbacks.py (CPU) and tests/gpu/test_fallbacks.py (CUDA).
 """

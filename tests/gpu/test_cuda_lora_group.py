@@ -188,6 +188,7 @@ def test_norm_sources_recompute_the_same_gradients_bit_for_bit(lora_model_and_ba
     from hivetune.model.decoder import RMSNorm
 
     model, batch = dropout_model(lora_model_and_batch)
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "norm_dropout")  # the norm apart from the group's dropout
 
     loss, grads, saved = loss_grads_saved(model, batch)
     monkeypatch.setattr(RMSNorm, "source", lambda self, x: None)
@@ -313,3 +314,25 @@ def test_kept_lora_inputs_give_the_recomputed_gradients_bit_for_bit(lora_model_a
     assert all(torch.equal(a, b) for a, b in zip(grads, kept_grads))
     mc = MemoryConfig(precision="bf16", r=model.lora_casts.kinds[0].r, dropout=0.1, fused_layers=True)
     assert kept_saved - saved == keep_inputs_extra_bytes(model.args, mc, batch.input_ids.shape[1])
+
+
+@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+def test_norm_with_the_groups_dropout_matches_the_norm_then_the_dropout(lora_model_and_batch, monkeypatch):
+    """q/k/v and gate/up read norm(x) and its dropped copy from one kernel (FusedProjections.normed,
+    elementwise.rms_norm_dropped), whose backward also applies the dropout's mask and adds the
+    residual stream's gradient: the loss and LoRA gradients of the norm, then dropout_seeded, then
+    autograd's adds (HIVETUNE_REFERENCE=norm_dropout), to rounding: the masks are the same (one
+    seed per group, drawn in the same order). Each of the 2 layers' 2 norms took the kernel."""
+    model, batch = dropout_model(lora_model_and_batch)
+    calls = []
+    real = elementwise.rms_norm_dropped
+    monkeypatch.setattr(elementwise, "rms_norm_dropped", lambda *a: calls.append(a[0].shape) or real(*a))
+    loss, grads, saved = loss_grads_saved(model, batch)
+    assert len(calls) == 4
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "norm_dropout")
+    ref_loss, ref_grads, ref_saved = loss_grads_saved(model, batch)
+    assert len(calls) == 4
+    assert loss == pytest.approx(ref_loss, rel=2e-3)
+    flat, ref_flat = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in ref_grads])
+    assert ((flat - ref_flat).norm() / ref_flat.norm()).item() < 1e-2
+    assert saved == ref_saved  # the same tensors kept: the norm's input and 1/rms, the groups' sources

@@ -138,6 +138,59 @@ def test_seeded_dropout_keeps_1_minus_p_in_every_piece_of_its_groups():
     assert torch.equal(y[kept], (x[kept].float() * scale).to(torch.float16))
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 5, 384), (1, 37, 896), (3, 128)])  # 3, 7 and 1 mask groups a row
+def test_rms_norm_dropped_is_the_norm_then_dropout_seeded(dtype, shape):
+    """rms_norm_dropped gives rms_norm's output, dropout_seeded's dropped copy of it (the same
+    mask and bits), and x itself; its backward takes the gradients of all three: the norm's
+    gradient of dy + the dropout's backward of dyd, plus dr (the residual stream's), each as
+    close to float64 math as the unfused ops are; unused outputs' gradients may be absent."""
+    gen = torch.Generator().manual_seed(shape[-2])
+    x = (torch.randn(shape, generator=gen) * 3).to(DEVICE, dtype)
+    w = (1 + 0.2 * torch.randn(shape[-1], generator=gen)).to(DEVICE, dtype)
+    seed, p = torch.tensor([99], device=DEVICE), 0.25
+    assert ew.rms_norm_dropped_ok(x, w) and not ew.rms_norm_dropped_ok(x[..., :shape[-1] - 64].contiguous(), w[:-64])
+    y, yd, same = ew.rms_norm_dropped(x, w, 1e-6, seed, p)
+    plain = ew.rms_norm(x, w, 1e-6)
+    assert same.data_ptr() == x.data_ptr() and torch.equal(same, x)
+    assert (y != plain).float().mean().item() < 0.01 and rel(y, plain) < 1e-3  # rstd summed in another order
+    assert torch.equal(yd, ew.dropout_seeded(y, seed, p))
+    assert torch.equal(ew.rms_norm_dropped_only(x, w, 1e-6, seed, p), yd)
+    keep = keep_mask(shape, seed, p, torch.float64).double() / (1 - p)
+    kept = keep_mask(shape, seed, p, torch.float64).float() * ew.keep_threshold(p)[1]  # the unfused dropout
+    dy, dyd, dr = (torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(3))
+    slack = 3.0 if dtype == torch.bfloat16 and not x.is_cuda else 1.5
+
+    def grad_of(fn, inputs):
+        leaf = inputs.detach().clone().requires_grad_(True)
+        fn(leaf).backward()
+        return leaf.grad
+
+    w64 = w.double()
+    for with_dyd, with_dr in ((True, True), (True, False), (False, True)):
+        def loss64(a):
+            y64 = ew.rms_norm_reference(a, w64, 1e-6)
+            return ((y64 * dy.double()).sum() + with_dyd * (y64 * keep * dyd.double()).sum()
+                    + with_dr * (a * dr.double()).sum())
+
+        def loss_fused(a):
+            y_, yd_, x_ = ew.rms_norm_dropped(a, w, 1e-6, seed, p)
+            total = (y_ * dy).float().sum()
+            total = total + (yd_ * dyd).float().sum() if with_dyd else total
+            return total + (x_ * dr).float().sum() if with_dr else total
+
+        def loss_unfused(a):  # what the decoder ran before: norm, dropout, autograd's adds
+            y_ = ew.rms_norm(a, w, 1e-6)
+            total = (y_ * dy).float().sum()
+            total = total + (y_.float() * kept * dyd.float()).sum() if with_dyd else total
+            return total + (a * dr).float().sum() if with_dr else total
+
+        dx64 = grad_of(loss64, x.double())
+        dx, dx_ref = grad_of(loss_fused, x), grad_of(loss_unfused, x)
+        assert dx.dtype == dtype and rel(dx, dx64) <= slack * rel(dx_ref, dx64) + 1e-4, (rel(dx, dx64), rel(dx_ref, dx64))
+
+
 # bf16 under the CPU interpreter: its tl.dot on bf16 returns garbage (fp16 exercises the same code)
 DOT_DTYPES = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 

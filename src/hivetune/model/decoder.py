@@ -78,6 +78,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return elementwise.apply_rope(x, cos, sin)
 
 
+def read_input(fused, norm, x):
+    """(h, joined, residual) for a block reading the residual stream x: its input h = norm(x)
+    (x without a norm), the joined output of its fused projections (None without them, or where
+    they decline), and the stream to add back (None without a norm). Where the norm and the
+    group's LoRA dropout run as one kernel (FusedProjections.normed), h is not made apart (None)
+    and the residual comes through the norm's kernel, whose backward adds its gradient."""
+    if norm is None:
+        return x, (fused(x) if fused is not None else None), None
+    if fused is None:
+        return norm(x), None, x
+    normed = fused.normed(norm, x)
+    if normed is not None:
+        return None, *normed
+    h = norm(x)
+    return h, fused(h, norm.source(x)), x
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
@@ -96,16 +113,17 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.qkv = None  # a lora.FusedProjections of q/k/v once lora.fuse_projections ran
 
-    def forward(self, x, cos, sin, layout=None, cache=None, source=None, residual=None):
-        """`source`: (fn, tensor) with x = fn(tensor), kept for backward anyway (RMSNorm.source).
-        `residual`: returned added to the output (in o_proj's matmul where LoRA joins it)."""
+    def forward(self, x, cos, sin, layout=None, cache=None, norm=None):
+        """x: the residual stream. With `norm` (the layer's RMSNorm) the block reads norm(x) and
+        returns x + its output (the add in o_proj's matmul where LoRA joins it); without, it
+        reads x and returns its output alone."""
         b, t, _ = x.shape
-        joined = self.qkv(x, source) if self.qkv is not None else None
+        h, joined, residual = read_input(self.qkv, norm, x)
         if joined is not None:
             q, k, v = joined.split(self.qkv.sizes, dim=-1)  # views: RoPE reads q and k in place
             v = v.contiguous()  # attention saves v: a view would keep all of q/k/v alive
         else:
-            q, k, v = project_shared_input(x, self.q_proj, self.k_proj, self.v_proj)
+            q, k, v = project_shared_input(h, self.q_proj, self.k_proj, self.v_proj)
         q = q.view(b, t, self.n_heads, self.head_dim)
         k = k.view(b, t, self.n_kv, self.head_dim)
         v = v.view(b, t, self.n_kv, self.head_dim)
@@ -129,9 +147,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
         self.gate_up = None  # a lora.FusedProjections of gate/up once lora.fuse_projections ran
 
-    def forward(self, x, source=None, residual=None):
-        """`residual`: returned added to the output (in down_proj's matmul where LoRA joins it)."""
-        joined = self.gate_up(x, source) if self.gate_up is not None else None
+    def forward(self, x, norm=None):
+        """x: the residual stream; `norm` as in Attention.forward (the add in down_proj's matmul
+        where LoRA joins it)."""
+        x, joined, residual = read_input(self.gate_up, norm, x)
         if joined is not None:
             h = elementwise.swiglu_joined(joined, reuse=True)  # its gradient goes over `joined`
         else:
@@ -153,10 +172,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, layout=None, cache=None):
         # each residual add rides in the block's last matmul (o_proj, down_proj) where it can
-        norm = self.input_layernorm
-        x = self.self_attn(norm(x), cos, sin, layout, cache, norm.source(x), residual=x)
-        norm = self.post_attention_layernorm
-        return self.mlp(norm(x), norm.source(x), residual=x)
+        x = self.self_attn(x, cos, sin, layout, cache, norm=self.input_layernorm)
+        return self.mlp(x, norm=self.post_attention_layernorm)
 
 
 class DecoderBody(nn.Module):

@@ -11,13 +11,15 @@ import json
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from hivetune.errors import UserError
-from hivetune.ops.lora_group import CastCache, lora_group
+from hivetune.ops import elementwise
+from hivetune.ops.lora_group import CastCache, dropout_seed, lora_group
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_CONFIG = "adapter_config.json"
@@ -171,6 +173,32 @@ class FusedProjections:
         first = lora[0]
         return lora_group(x, self.weight, self.bias, self.sizes, first.dropout_p(), first.scaling,
                           [m.lora_A.weight for m in lora], [m.lora_B.weight for m in lora], source)
+
+    def normed(self, norm: nn.Module, x: torch.Tensor):
+        """(self(norm(x)), x') with the norm and the group's LoRA dropout as one kernel each way
+        (elementwise.rms_norm_dropped): the base matmul reads norm(x), the A matmul its dropped
+        copy, and x' is x for the residual add, whose gradient the norm's backward adds. W1 ran
+        ~140 kernels a step fewer: the dropout, its masked add into dx and autograd's add of the
+        residual's gradient, per group and layer. None where that does not apply (no seeded
+        dropout in force, a norm that is not the Triton one, autocast into another dtype, the
+        in-matmul dropout kernels chosen for the group, the reference asked for:
+        HIVETUNE_REFERENCE=norm_dropout); the caller then runs norm(x) and the group."""
+        lora = [m for m in self.layers if isinstance(m, LoRALinear) and m.enabled]
+        if not lora or not shares_one_update(lora, self.layers) or not torch.is_grad_enabled():
+            return None
+        first = lora[0]
+        p = first.dropout_p()
+        device = x.device.type
+        if (p <= 0 or not elementwise.rms_norm_dropped_ok(x, norm.weight)
+                or (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != x.dtype)
+                or elementwise.drop_matmul_shape(x.shape[-1], len(lora) * first.lora_A.out_features)):
+            return None
+        seed = dropout_seed(x.device)
+        y, yd, residual = elementwise.rms_norm_dropped(x, norm.weight, norm.eps, seed, p)
+        redo = partial(elementwise.rms_norm_dropped_only, weight=norm.weight, eps=norm.eps, seed=seed, p=p)
+        joined = lora_group(y, self.weight, self.bias, self.sizes, p, first.scaling, [m.lora_A.weight for m in lora],
+                            [m.lora_B.weight for m in lora], (redo, x), xd=yd)
+        return joined, residual
 
 
 def fuse_projections(model: nn.Module) -> int:

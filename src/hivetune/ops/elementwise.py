@@ -175,6 +175,112 @@ if triton is not None:
         _dropout_piece(OUT, X, e + 96, n, k6, scale, ADD)
         _dropout_piece(OUT, X, e + 112, n, k7, scale, ADD)
 
+    # RMSNorm with the LoRA dropout of its output in the same pass (a q/k/v or gate/up group
+    # reads norm(x) undropped for its base matmul and dropped for its A matmul). A row of
+    # N = 128 G columns is read as _keep_eighths' 8 pieces of [GP, 16] (GP: G to a power of two),
+    # so each piece's keep mask comes out of one Philox draw per 8 elements, in its layout.
+
+    @triton.jit
+    def _row_piece(X, at, inside):
+        return tl.load(X + at, mask=inside, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _norm_drop_piece(Y, YD, W, x, rstd, at, wat, inside, keep, scale, WRITE_Y: tl.constexpr):
+        w = tl.load(W + wat, mask=inside, other=0.0).to(tl.float32)
+        y = (w * (x * rstd).to(YD.dtype.element_ty).to(tl.float32)).to(YD.dtype.element_ty)  # rms_norm's bits
+        if WRITE_Y:
+            tl.store(Y + at, y, mask=inside)
+        tl.store(YD + at, tl.where(keep, y.to(tl.float32) * scale, 0.0).to(YD.dtype.element_ty), mask=inside)
+
+    @triton.jit(do_not_specialize=["eps"])
+    def _rms_norm_drop_fwd(X, W, Y, YD, RSTD, SEED, N, eps, thr, scale, GP: tl.constexpr, WRITE_Y: tl.constexpr):
+        """One row: Y = rms_norm(X) (with WRITE_Y, and RSTD) and YD = dropout_seeded(Y) (the same
+        mask, element for element)."""
+        row = tl.program_id(0).to(tl.int64)
+        groups = N // 128
+        g = tl.arange(0, GP)
+        inside = (g < groups)[:, None]
+        wat = g[:, None] * 128 + tl.arange(0, 16)[None, :]
+        at = row * N + wat
+        x0 = _row_piece(X, at, inside)
+        x1 = _row_piece(X, at + 16, inside)
+        x2 = _row_piece(X, at + 32, inside)
+        x3 = _row_piece(X, at + 48, inside)
+        x4 = _row_piece(X, at + 64, inside)
+        x5 = _row_piece(X, at + 80, inside)
+        x6 = _row_piece(X, at + 96, inside)
+        x7 = _row_piece(X, at + 112, inside)
+        ss = tl.sum(x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3 + x4 * x4 + x5 * x5 + x6 * x6 + x7 * x7)
+        rstd = 1.0 / tl.sqrt(ss / N + eps)
+        k0, k1, k2, k3, k4, k5, k6, k7 = _keep_eighths(SEED, row * groups + g, thr)
+        _norm_drop_piece(Y, YD, W, x0, rstd, at, wat, inside, k0, scale, WRITE_Y)
+        _norm_drop_piece(Y, YD, W, x1, rstd, at + 16, wat + 16, inside, k1, scale, WRITE_Y)
+        _norm_drop_piece(Y, YD, W, x2, rstd, at + 32, wat + 32, inside, k2, scale, WRITE_Y)
+        _norm_drop_piece(Y, YD, W, x3, rstd, at + 48, wat + 48, inside, k3, scale, WRITE_Y)
+        _norm_drop_piece(Y, YD, W, x4, rstd, at + 64, wat + 64, inside, k4, scale, WRITE_Y)
+        _norm_drop_piece(Y, YD, W, x5, rstd, at + 80, wat + 80, inside, k5, scale, WRITE_Y)
+        _norm_drop_piece(Y, YD, W, x6, rstd, at + 96, wat + 96, inside, k6, scale, WRITE_Y)
+        _norm_drop_piece(Y, YD, W, x7, rstd, at + 112, wat + 112, inside, k7, scale, WRITE_Y)
+        if WRITE_Y:
+            tl.store(RSTD + row, rstd)
+
+    @triton.jit
+    def _grad_in_piece(DY, DYD, W, at, wat, inside, keep, scale, HAS_DYD: tl.constexpr):
+        """g = (dy + keep * scale * dyd) * w: the gradient reaching the norm's output through
+        both of its uses, the dropout's backward drawn again from the seed."""
+        g = tl.load(DY + at, mask=inside, other=0.0).to(tl.float32)
+        if HAS_DYD:
+            g += tl.where(keep, tl.load(DYD + at, mask=inside, other=0.0).to(tl.float32) * scale, 0.0)
+        return g * tl.load(W + wat, mask=inside, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _norm_dx_piece(DX, DR, x, g, r, dot, N, at, inside, HAS_DR: tl.constexpr):
+        xhat = x * r
+        dx = r * (g - xhat * (dot / N))
+        if HAS_DR:
+            dx += tl.load(DR + at, mask=inside, other=0.0).to(tl.float32)
+        tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _rms_norm_drop_bwd(DY, DYD, DR, X, W, RSTD, DX, SEED, N, thr, scale, GP: tl.constexpr,
+                           HAS_DYD: tl.constexpr, HAS_DR: tl.constexpr):
+        """dx of _rms_norm_drop_fwd given dy (d loss / d Y), dyd (d loss / d YD) and dr, the
+        gradient of the residual stream that bypasses the norm (added here, not by autograd):
+        g = (dy + keep * scale * dyd) * w, dx = r (g - xhat mean(g xhat)) + dr."""
+        row = tl.program_id(0).to(tl.int64)
+        groups = N // 128
+        g = tl.arange(0, GP)
+        inside = (g < groups)[:, None]
+        wat = g[:, None] * 128 + tl.arange(0, 16)[None, :]
+        at = row * N + wat
+        k0, k1, k2, k3, k4, k5, k6, k7 = _keep_eighths(SEED, row * groups + g, thr)
+        g0 = _grad_in_piece(DY, DYD, W, at, wat, inside, k0, scale, HAS_DYD)
+        g1 = _grad_in_piece(DY, DYD, W, at + 16, wat + 16, inside, k1, scale, HAS_DYD)
+        g2 = _grad_in_piece(DY, DYD, W, at + 32, wat + 32, inside, k2, scale, HAS_DYD)
+        g3 = _grad_in_piece(DY, DYD, W, at + 48, wat + 48, inside, k3, scale, HAS_DYD)
+        g4 = _grad_in_piece(DY, DYD, W, at + 64, wat + 64, inside, k4, scale, HAS_DYD)
+        g5 = _grad_in_piece(DY, DYD, W, at + 80, wat + 80, inside, k5, scale, HAS_DYD)
+        g6 = _grad_in_piece(DY, DYD, W, at + 96, wat + 96, inside, k6, scale, HAS_DYD)
+        g7 = _grad_in_piece(DY, DYD, W, at + 112, wat + 112, inside, k7, scale, HAS_DYD)
+        x0 = _row_piece(X, at, inside)
+        x1 = _row_piece(X, at + 16, inside)
+        x2 = _row_piece(X, at + 32, inside)
+        x3 = _row_piece(X, at + 48, inside)
+        x4 = _row_piece(X, at + 64, inside)
+        x5 = _row_piece(X, at + 80, inside)
+        x6 = _row_piece(X, at + 96, inside)
+        x7 = _row_piece(X, at + 112, inside)
+        r = tl.load(RSTD + row)
+        dot = tl.sum(g0 * x0 + g1 * x1 + g2 * x2 + g3 * x3 + g4 * x4 + g5 * x5 + g6 * x6 + g7 * x7) * r
+        _norm_dx_piece(DX, DR, x0, g0, r, dot, N, at, inside, HAS_DR)
+        _norm_dx_piece(DX, DR, x1, g1, r, dot, N, at + 16, inside, HAS_DR)
+        _norm_dx_piece(DX, DR, x2, g2, r, dot, N, at + 32, inside, HAS_DR)
+        _norm_dx_piece(DX, DR, x3, g3, r, dot, N, at + 48, inside, HAS_DR)
+        _norm_dx_piece(DX, DR, x4, g4, r, dot, N, at + 64, inside, HAS_DR)
+        _norm_dx_piece(DX, DR, x5, g5, r, dot, N, at + 80, inside, HAS_DR)
+        _norm_dx_piece(DX, DR, x6, g6, r, dot, N, at + 96, inside, HAS_DR)
+        _norm_dx_piece(DX, DR, x7, g7, r, dot, N, at + 112, inside, HAS_DR)
+
     # The LoRA A matmuls with the dropout inside. x is row-major [T, D] with D a multiple of 128,
     # so a row's 128-column blocks are _keep_eighths' groups: (t D + k0) / 128.
 
@@ -389,6 +495,47 @@ class RMSNormFunction(torch.autograd.Function):
         return dx.view(dy.shape), None, None
 
 
+def _norm_drop_launch(x2, weight, eps, seed, p, write_y: bool):
+    n = x2.shape[1]
+    yd = torch.empty_like(x2)
+    y = torch.empty_like(x2) if write_y else yd
+    rstd = torch.empty(x2.shape[0] if write_y else 1, dtype=torch.float32, device=x2.device)
+    thr, scale = keep_threshold(p)
+    gp = triton.next_power_of_2(n // 128)
+    _rms_norm_drop_fwd[(x2.shape[0],)](x2, weight, y, yd, rstd, seed, n, eps, thr, scale, GP=gp, WRITE_Y=write_y,
+                                       num_warps=min(8, max(1, gp // 2)))
+    return y, yd, rstd
+
+
+class RMSNormDropFunction(torch.autograd.Function):
+    """(rms_norm(x), dropout_seeded(rms_norm(x), seed, p), x) in one kernel each way (see
+    rms_norm_dropped). Saves what RMSNormFunction saves (x and 1/rms) and the seed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, seed: torch.Tensor, p: float):
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros read
+        x2 = x.reshape(-1, x.shape[-1])
+        y, yd, rstd = _norm_drop_launch(x2, weight, eps, seed, p, True)
+        ctx.save_for_backward(x2, weight, rstd, seed)
+        ctx.p, ctx.x_shape = p, x.shape
+        return y.view(x.shape), yd.view(x.shape), x  # x as it is: autograd hands its gradient here
+
+    @staticmethod
+    def backward(ctx, dy, dyd, dr):
+        x2, weight, rstd, seed = ctx.saved_tensors
+        n = x2.shape[1]
+        dx = torch.empty_like(x2)
+        if dy is None:
+            dy = torch.zeros_like(x2)
+        thr, scale = keep_threshold(ctx.p)
+        gp = triton.next_power_of_2(n // 128)
+        dy, dyd, dr = (t.reshape(x2.shape).contiguous() if t is not None else None for t in (dy, dyd, dr))
+        _rms_norm_drop_bwd[(x2.shape[0],)](dy, dyd if dyd is not None else dy, dr if dr is not None else dy, x2,
+                                           weight, rstd, dx, seed, n, thr, scale, GP=gp, HAS_DYD=dyd is not None,
+                                           HAS_DR=dr is not None, num_warps=min(8, max(1, gp // 2)))
+        return dx.view(ctx.x_shape), None, None, None, None
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """silu(gate) * up; `joined`: gate and up are the halves of one [.., 2 I] tensor (a fused
     gate/up projection), read in place, and the gradient comes back as one [.., 2 I] tensor."""
@@ -470,6 +617,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
 
 
+def rms_norm_dropped_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether rms_norm_dropped takes x: the Triton norm (rms_norm_fused), the seeded dropout's
+    conditions, rows of a multiple of 128 columns (the mask's groups then stay within a row).
+    HIVETUNE_REFERENCE=norm_dropout: never (the norm, then dropout_seeded, as before)."""
+    return (rms_norm_fused(x, weight) and seeded_dropout_ok(x) and x.shape[-1] % 128 == 0
+            and not forced("norm_dropout"))
+
+
+def rms_norm_dropped(x: torch.Tensor, weight: torch.Tensor, eps: float, seed: torch.Tensor, p: float):
+    """(y, yd, x'): y = rms_norm(x), yd = dropout_seeded(y, seed, p), and x' = x for the residual
+    add that bypasses the norm, whose gradient the norm's backward then adds in its own kernel
+    (no add by autograd). For a LoRA group reading y in its base matmul and yd in its A matmul
+    (lora.FusedProjections.normed): against rms_norm then dropout_seeded, one kernel and one
+    read of y less forward, and backward the dropout's masked add and the residual's add ride in
+    the norm's backward kernel. rms_norm_dropped_ok(x, weight) must hold."""
+    return RMSNormDropFunction.apply(x, weight, eps, seed, p)
+
+
+def rms_norm_dropped_only(x: torch.Tensor, weight: torch.Tensor, eps: float, seed: torch.Tensor,
+                          p: float) -> torch.Tensor:
+    """rms_norm_dropped's yd alone, outside autograd (the same bits): a LoRA group's backward
+    recomputes its dropped input from the norm's input with it."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return _norm_drop_launch(x2, weight, eps, seed, p, False)[1].view(x.shape)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if fused_ok(gate) and up.dtype == gate.dtype and up.shape == gate.shape:
         return SwiGLUFunction.apply(gate, up)
@@ -542,11 +715,15 @@ DROP_MM_MIN_D = 2048
 DROP_MM_MAX_R = 32
 
 
+def drop_matmul_shape(d: int, r: int) -> bool:
+    """Whether the in-matmul dropout kernels are chosen for inputs d wide and A of r rows."""
+    return d % 128 == 0 and d >= DROP_MM_MIN_D and r <= DROP_MM_MAX_R and not forced("dropout_matmul")
+
+
 def drop_matmul_ok(x: torch.Tensor, a: torch.Tensor) -> bool:
     """Whether drop_matmul / drop_matmul_grad / matmul_drop_add_ take x [T, D] and A [R, D]."""
-    return (fused_ok(x) and x.dim() == 2 and x.is_contiguous() and x.numel() < 2**31 and x.shape[1] % 128 == 0
-            and x.shape[1] >= DROP_MM_MIN_D and a.dtype == x.dtype and a.is_contiguous()
-            and a.shape[0] <= DROP_MM_MAX_R and not forced("dropout_matmul"))
+    return (fused_ok(x) and x.dim() == 2 and x.is_contiguous() and x.numel() < 2**31 and a.dtype == x.dtype
+            and a.is_contiguous() and drop_matmul_shape(x.shape[1], a.shape[0]))
 
 
 _COUNTERS: dict = {}

@@ -150,6 +150,12 @@ class CastCache:
         return kind.a_buf[layer], kind.bd_buf[layer]
 
 
+def dropout_seed(device) -> torch.Tensor:
+    """The seeded dropout's seed for the next group call: the refreshed CastCache's (one draw a
+    forward), else a fresh one."""
+    return _ACTIVE.next_seed(device) if _ACTIVE is not None else elementwise.new_dropout_seed(device)
+
+
 _MM_OUT_DTYPE: bool | None = None  # whether torch.mm takes out_dtype (tried once)
 
 
@@ -175,12 +181,15 @@ class LoRAGroup(torch.autograd.Function):
     slice per layer, a single check for mm's fp32 output."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sizes, p, scale, source_fn, source, residual, *lora):
+    def forward(ctx, x, weight, bias, sizes, p, scale, source_fn, source, residual, xd, *lora):
         """x [..., d]; weight [O, d] (frozen, rows per layer); lora = A_1..A_n, B_1..B_n.
         `source`: a tensor kept for backward anyway with x = source_fn(source) (or x itself
         when source_fn is None); with the seeded dropout, x is recomputed from it in backward
         instead of saving the dropped input. `residual` [..., O] or None: returned added to the
-        output (the decoder's residual stream; in the base matmul's epilogue where it can)."""
+        output (the decoder's residual stream; in the base matmul's epilogue where it can).
+        `xd`: x already dropped by the caller (elementwise.rms_norm_dropped), or None. Its
+        gradient goes back unmasked (the caller's backward applies the mask), and source_fn
+        then recomputes xd itself from `source`."""
         n = len(sizes)
         a_params, b_params = lora[:n], lora[n:]
         device_type = x.device.type
@@ -190,10 +199,10 @@ class LoRAGroup(torch.autograd.Function):
         if autocast:
             with torch.autocast(device_type, enabled=False):
                 y, kept, mask, xa, a_all, bd, w, recompute, seeded = _group_forward(
-                    x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual)
+                    x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual, xd)
         else:
             y, kept, mask, xa, a_all, bd, w, recompute, seeded = _group_forward(
-                x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual)
+                x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual, xd)
         ctx.save_for_backward(kept, mask, xa, a_all, bd, w)
         ctx.recompute, ctx.source_fn, ctx.seeded = recompute, source_fn, seeded
         ctx.a_params, ctx.b_params = a_params, b_params  # backward adds into their .grad where they have one
@@ -210,11 +219,11 @@ class LoRAGroup(torch.autograd.Function):
             g = g.contiguous()
         if torch.is_autocast_enabled(g.device.type):
             with torch.autocast(g.device.type, enabled=False):
-                grad_x, grads_a, grads_b = _group_backward(ctx, g, *saved)
+                grad_x, grad_xd, grads_a, grads_b = _group_backward(ctx, g, *saved)
         else:
-            grad_x, grads_a, grads_b = _group_backward(ctx, g, *saved)
+            grad_x, grad_xd, grads_a, grads_b = _group_backward(ctx, g, *saved)
         grad_residual = grad if ctx.needs_input_grad[8] else None  # y = residual + ...: its gradient as it is
-        return (grad_x, None, None, None, None, None, None, None, grad_residual, *grads_a, *grads_b)
+        return (grad_x, None, None, None, None, None, None, None, grad_residual, grad_xd, *grads_a, *grads_b)
 
 
 _ADDMM_OUT_DTYPE: bool | None = None  # whether torch.addmm takes out_dtype with out= (tried once)
@@ -301,8 +310,10 @@ class GradArena:
         return bool(params) and all(p.dtype == params[0].dtype and p.device == params[0].device for p in params)
 
 
-def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual=None):
+def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual=None,
+                   given=None):
     """LoRAGroup's forward outside autocast: y and what backward keeps (see the module doc).
+    `given`: the dropped input made by the caller (LoRAGroup's `xd`), or None.
     `residual`: added to y; as the base matmul's C (cuBLAS beta = 1: no add kernel, no [N, O]
     pass) when it is in the compute dtype and there is no bias, else added at the end (the
     reference: HIVETUNE_REFERENCE=residual_epilogue)."""
@@ -312,15 +323,17 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
     w = weight if weight.dtype == dtype else weight.to(dtype)
     a_all, bd = cached if cached is not None else _casts(x2, weight, sizes, a_params, b_params, dtype)
     mask = None
-    seeded = p > 0 and elementwise.seeded_dropout_ok(x2)
-    if seeded:  # the mask is drawn again from the seed in backward: nothing stored
+    seeded = "given" if given is not None else p > 0 and elementwise.seeded_dropout_ok(x2)
+    if seeded is True:  # the mask is drawn again from the seed in backward: nothing stored
         mask = _ACTIVE.next_seed(x2.device) if cached is not None else elementwise.new_dropout_seed(x2.device)
     if seeded and elementwise.drop_matmul_ok(x2, a_all):  # the dropout rides in the A matmuls
         seeded = "in_matmul"
         xa = elementwise.drop_matmul(x2, a_all, mask, p, scale)
         xd = x2  # kept undropped: the backward kernels draw the mask again
     else:
-        if seeded:
+        if given is not None:
+            xd = given.reshape(x2.shape)
+        elif seeded:
             xd = elementwise.dropout_seeded(x2, mask, p)
         elif p > 0:
             xd, mask = torch.native_dropout(x2, p, True)
@@ -346,11 +359,12 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
     """d loss / d x and the fp32 A and B gradients (see the module doc), outside autocast."""
     sizes, r = ctx.sizes, ctx.r
     in_matmul = ctx.seeded == "in_matmul"  # the kernels apply the dropout to x as they read it
+    given = ctx.seeded == "given"  # the caller dropped x (and source_fn gives the dropped input)
     xd = kept
     if ctx.recompute:  # the input from its source, then (unless in_matmul) the dropout from its seed
         x2 = kept if ctx.source_fn is None else ctx.source_fn(kept)
         xd = x2.reshape(-1, x2.shape[-1]).contiguous()
-        if not in_matmul:
+        if not in_matmul and not given:
             xd = elementwise.dropout_seeded(xd, mask, ctx.p)
         del x2  # only the (dropped) input is needed from here
     g_xa = torch.empty((g.shape[0], a_all.shape[0]), dtype=g.dtype, device=g.device)
@@ -367,8 +381,13 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
         product = mm_fp32(g_xa.t(), xd)  # [n r, d]: A_1 .. A_n's rows, contiguous blocks
     grads_a = (None,) * n if into_a else product.split(r)
     del xd
-    grad_x = None
-    if ctx.needs_input_grad[0]:
+    grad_x = grad_xd = None
+    if given:  # the dropout's backward is the caller's: g_xa A goes back as it is
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(g, w).view(ctx.x_shape)
+        if ctx.needs_input_grad[9]:
+            grad_xd = torch.mm(g_xa, a_all).view(ctx.x_shape)
+    elif ctx.needs_input_grad[0]:
         grad_x = torch.mm(g, w)
         if in_matmul:
             elementwise.matmul_drop_add_(grad_x, g_xa, a_all, mask, ctx.p)
@@ -387,9 +406,9 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
     if into_b:
         for into, gi, xai in zip(into_b, g_parts, xa.split(r, 1)):
             add_mm_fp32_(into, gi.t(), xai)
-        return grad_x, grads_a, (None,) * n
+        return grad_x, grad_xd, grads_a, (None,) * n
     grads_b = [mm_fp32(gi.t(), xai) for gi, xai in zip(g_parts, xa.split(r, 1))]
-    return grad_x, grads_a, grads_b
+    return grad_x, grad_xd, grads_a, grads_b
 
 
 def _casts(x2, weight, sizes, a_params, b_params, dtype):
@@ -416,11 +435,13 @@ def masked_add_(out: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, keep: fl
 
 
 def lora_group(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, ...],
-               p: float, scale: float, a_params, b_params, source=None, residual=None) -> torch.Tensor:
+               p: float, scale: float, a_params, b_params, source=None, residual=None, xd=None) -> torch.Tensor:
     """y [..., sum(sizes)] = x W^T (+ bias) + the LoRA update of each row block (see the module doc).
     `source`: (fn, tensor) with x = fn(tensor) (fn None: x itself) where that tensor is saved for
     backward by another op anyway (the attention output; the gate/up output that SwiGLU keeps):
-    under the seeded dropout the Function then keeps it instead of the dropped input."""
+    under the seeded dropout the Function then keeps it instead of the dropped input.
+    `xd`: x dropped by the caller (elementwise.rms_norm_dropped); then fn(tensor) gives the
+    dropped input itself, and xd's gradient goes back unmasked."""
     fn, tensor = source if source is not None else (None, None)
-    return LoRAGroup.apply(x, weight, bias, tuple(sizes), float(p), float(scale), fn, tensor, residual,
+    return LoRAGroup.apply(x, weight, bias, tuple(sizes), float(p), float(scale), fn, tensor, residual, xd,
                            *a_params, *b_params)
