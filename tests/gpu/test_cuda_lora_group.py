@@ -336,3 +336,22 @@ def test_norm_with_the_groups_dropout_matches_the_norm_then_the_dropout(lora_mod
     flat, ref_flat = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in ref_grads])
     assert ((flat - ref_flat).norm() / ref_flat.norm()).item() < 1e-2
     assert saved == ref_saved  # the same tensors kept: the norm's input and 1/rms, the groups' sources
+
+
+@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+def test_rope_of_the_joined_qkv_matches_split_rope(lora_model_and_batch, monkeypatch):
+    """The joined q/k/v output goes through RoPE and v's copy in one kernel (elementwise.rope_qkv):
+    the loss of split + RoPE + copy (HIVETUNE_REFERENCE=rope_qkv) bit for bit, and its LoRA
+    gradients (flash attention's backward adds dq atomically, so to rounding)."""
+    model, batch = dropout_model(lora_model_and_batch)
+    calls = []
+    real = elementwise.rope_qkv
+    monkeypatch.setattr(elementwise, "rope_qkv", lambda *a: calls.append(1) or real(*a))
+    loss, grads, saved = loss_grads_saved(model, batch)
+    assert len(calls) == 2  # both layers
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "rope_qkv")
+    ref_loss, ref_grads, ref_saved = loss_grads_saved(model, batch)
+    assert len(calls) == 2
+    assert loss == ref_loss and saved == ref_saved
+    flat, ref_flat = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in ref_grads])
+    assert ((flat - ref_flat).norm() / ref_flat.norm()).item() < 1e-3

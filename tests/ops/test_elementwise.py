@@ -191,6 +191,37 @@ def test_rms_norm_dropped_is_the_norm_then_dropout_seeded(dtype, shape):
         assert dx.dtype == dtype and rel(dx, dx64) <= slack * rel(dx_ref, dx64) + 1e-4, (rel(dx, dx64), rel(dx_ref, dx64))
 
 
+@needs_triton
+@pytest.mark.parametrize("hq, hk, d", [(14, 2, 64), (4, 4, 32), (6, 2, 8)])
+def test_rope_qkv_gives_the_split_rope_bits_both_ways(hq, hk, d):
+    """rope_qkv on a joined q/k/v output: the bits of split, RoPE of q and of k, v's copy; its
+    backward, the bits of their backward and the cat into the joined gradient."""
+    gen = torch.Generator().manual_seed(hq)
+    b, t = 2, 7
+    joined = torch.randn(b, t, (hq + 2 * hk) * d, generator=gen).to(DEVICE, torch.bfloat16)
+    angles = torch.randn(b, t, d // 2, generator=gen).repeat(1, 1, 2)
+    cos, sin = angles.cos().to(DEVICE, torch.bfloat16), angles.sin().to(DEVICE, torch.bfloat16)
+    grads = [torch.randn(b, t, h, d, generator=gen).to(DEVICE, torch.bfloat16) for h in (hq, hk, hk)]
+    assert ew.rope_qkv_ok(joined, cos)
+
+    def run(fused):
+        x = joined.detach().clone().requires_grad_(True)
+        if fused:
+            outs = ew.rope_qkv(x, cos, sin, hq, hk)
+        else:
+            q, k, v = x.split([hq * d, hk * d, hk * d], dim=-1)
+            outs = (ew.apply_rope(q.reshape(b, t, hq, d), cos, sin), ew.apply_rope(k.reshape(b, t, hk, d), cos, sin),
+                    v.contiguous().view(b, t, hk, d))
+        torch.autograd.backward(outs, grads)
+        return outs, x.grad
+
+    outs, grad = run(True)
+    ref_outs, ref_grad = run(False)
+    assert all(o.is_contiguous() and o.shape == r.shape and torch.equal(o, r) for o, r in zip(outs, ref_outs))
+    assert torch.equal(grad, ref_grad)
+    assert not torch.equal(outs[0], joined[..., :hq * d].reshape(b, t, hq, d))  # it did rotate
+
+
 # bf16 under the CPU interpreter: its tl.dot on bf16 returns garbage (fp16 exercises the same code)
 DOT_DTYPES = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 

@@ -119,6 +119,9 @@ class Attention(nn.Module):
         reads x and returns its output alone."""
         b, t, _ = x.shape
         h, joined, residual = read_input(self.qkv, norm, x)
+        if joined is not None and self.q_norm is None and elementwise.rope_qkv_ok(joined, cos):
+            q, k, v = elementwise.rope_qkv(joined, cos, sin, self.n_heads, self.n_kv)  # one kernel each way
+            return self._attend(q, k, v, layout, cache, residual)
         if joined is not None:
             q, k, v = joined.split(self.qkv.sizes, dim=-1)  # views: RoPE reads q and k in place
             v = v.contiguous()  # attention saves v: a view would keep all of q/k/v alive
@@ -130,6 +133,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self._attend(q, k, v, layout, cache, residual)
+
+    def _attend(self, q, k, v, layout, cache, residual):
+        b, t = q.shape[:2]
         out = causal_attention(q, k, v, layout, cache, self.layer_idx)  # [B, T, H, D] in and out
         out = out.reshape(b, t, self.n_heads * self.head_dim)
         if isinstance(self.o_proj, LoRALinear):  # the attention kernel keeps `out` for its backward

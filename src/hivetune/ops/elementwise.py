@@ -464,6 +464,49 @@ if triton is not None:
         tl.store(Y + base + HALF, y2.to(Y.dtype.element_ty), mask=mask)
 
 
+if triton is not None:
+    @triton.jit
+    def _rope_heads(SRC, DST, src_at, dst_at, c1, c2, s1, s2, heads, HALF, sign, ROTATE: tl.constexpr,
+                    H_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
+        # one token's `heads` heads of 2 HALF: rotated as _rope does (ROTATE), or copied
+        h = tl.arange(0, H_BLOCK)[:, None]
+        d = tl.arange(0, D_BLOCK)[None, :]
+        mask = (h < heads) & (d < HALF)
+        src = SRC + src_at + h * 2 * HALF + d
+        dst = DST + dst_at + h * 2 * HALF + d
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+        if ROTATE:
+            if sign > 0:
+                y1 = x1 * c1 - x2 * s1
+                y2 = x2 * c2 + x1 * s2
+            else:
+                y1 = x1 * c1 + x2 * s2
+                y2 = x2 * c2 - x1 * s1
+        else:
+            y1 = x1
+            y2 = x2
+        tl.store(dst, y1.to(DST.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, y2.to(DST.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_qkv(QS, KS, VS, QD, KD, VD, COS, SIN, HQ, HK, HALF, Q_SRC, KV_SRC, Q_DST, KV_DST, sign,
+                  HQ_BLOCK: tl.constexpr, HK_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
+        """One token: RoPE of its q and k heads and a copy of its v heads, from Q/K/VS to Q/K/VD
+        (token strides *_SRC, *_DST): forward, a joined q/k/v projection into three tensors;
+        backward (sign -1), their gradients into one joined gradient."""
+        t = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, D_BLOCK)[None, :]
+        dm = d < HALF
+        c1 = tl.load(COS + t * 2 * HALF + d, mask=dm, other=0.0).to(tl.float32)
+        c2 = tl.load(COS + t * 2 * HALF + HALF + d, mask=dm, other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + t * 2 * HALF + d, mask=dm, other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + t * 2 * HALF + HALF + d, mask=dm, other=0.0).to(tl.float32)
+        _rope_heads(QS, QD, t * Q_SRC, t * Q_DST, c1, c2, s1, s2, HQ, HALF, sign, True, HQ_BLOCK, D_BLOCK)
+        _rope_heads(KS, KD, t * KV_SRC, t * KV_DST, c1, c2, s1, s2, HK, HALF, sign, True, HK_BLOCK, D_BLOCK)
+        _rope_heads(VS, VD, t * KV_SRC, t * KV_DST, c1, c2, s1, s2, HK, HALF, sign, False, HK_BLOCK, D_BLOCK)
+
+
 def _elementwise_grid(n: int, block: int):
     return (triton.cdiv(n, block),)
 
@@ -601,6 +644,62 @@ class RoPEFunction(torch.autograd.Function):
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
         return _rope_launch(dy.contiguous(), cos, sin, -1), None, None
+
+
+def _rope_qkv_launch(src, dst, cos, sin, hq: int, hk: int, sign: int) -> None:
+    """src / dst: (q, k, v) pointers' tensors and their token strides, as _rope_qkv takes them."""
+    (qs, ks, vs, q_src, kv_src), (qd, kd, vd, q_dst, kv_dst) = src, dst
+    half = cos.shape[-1] // 2
+    _rope_qkv[(cos.numel() // cos.shape[-1],)](qs, ks, vs, qd, kd, vd, cos, sin, hq, hk, half, q_src, kv_src, q_dst,
+                                               kv_dst, sign, HQ_BLOCK=triton.next_power_of_2(hq),
+                                               HK_BLOCK=triton.next_power_of_2(hk),
+                                               D_BLOCK=triton.next_power_of_2(half))
+
+
+class RoPEQKVFunction(torch.autograd.Function):
+    """A joined q/k/v projection [B, T, (HQ + 2 HK) D] -> RoPE(q) [B, T, HQ, D], RoPE(k), v [B, T,
+    HK, D], contiguous, in one kernel; the backward writes the joined gradient in one kernel."""
+
+    @staticmethod
+    def forward(ctx, joined: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hk: int):
+        b, t, width = joined.shape
+        d = width // (hq + 2 * hk)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        q = joined.new_empty((b, t, hq, d))
+        k, v = joined.new_empty((b, t, hk, d)), joined.new_empty((b, t, hk, d))
+        _rope_qkv_launch((joined, joined[..., hq * d:], joined[..., (hq + hk) * d:], width, width),
+                         (q, k, v, hq * d, hk * d), cos, sin, hq, hk, 1)
+        ctx.save_for_backward(cos, sin)
+        ctx.hq, ctx.hk, ctx.shape = hq, hk, joined.shape
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        hq, hk = ctx.hq, ctx.hk
+        b, t, width = ctx.shape
+        d = width // (hq + 2 * hk)
+        dq, dk, dv = (g.contiguous() if g is not None else torch.zeros((b, t, h, d), dtype=cos.dtype, device=cos.device)
+                      for g, h in ((dq, hq), (dk, hk), (dv, hk)))
+        dx = dq.new_empty(ctx.shape)
+        _rope_qkv_launch((dq, dk, dv, hq * d, hk * d), (dx, dx[..., hq * d:], dx[..., (hq + hk) * d:], width, width),
+                         cos, sin, hq, hk, -1)
+        return dx, None, None, None, None
+
+
+def rope_qkv_ok(joined: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether rope_qkv takes a joined q/k/v output [B, T, W] and cos [B, T, D]; not with
+    HIVETUNE_REFERENCE=rope_qkv (split, RoPE of q and of k, a copy of v, as before)."""
+    return (fused_ok(joined) and joined.dim() == 3 and joined.is_contiguous() and cos.dtype == joined.dtype
+            and cos.shape == (*joined.shape[:2], cos.shape[-1]) and cos.shape[-1] % 2 == 0
+            and not forced("rope_qkv"))
+
+
+def rope_qkv(joined: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hk: int):
+    """(RoPE(q), RoPE(k), v) of a joined q/k/v projection [B, T, (hq + 2 hk) D], each contiguous
+    [B, T, heads, D]: one kernel each way where the split, two RoPE kernels and v's copy (and in
+    backward two RoPE kernels and a cat) ran before."""
+    return RoPEQKVFunction.apply(joined, cos, sin, hq, hk)
 
 
 # ---------------------------------------------------------------- functional wrappers
