@@ -192,6 +192,47 @@ def test_rms_norm_dropped_is_the_norm_then_dropout_seeded(dtype, shape):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 5, 2 * 384), (1, 37, 2 * 200)])  # rows in and off 128-element groups
+def test_swiglu_dropped_is_swiglu_then_dropout_seeded(dtype, shape):
+    """swiglu_dropped gives swiglu_joined's output and dropout_seeded's copy of it (the same bits);
+    its backward takes both gradients, the dropout's drawn again from the seed, as close to
+    float64 math as SwiGLU then the dropout; swiglu_dropped_only gives the copy alone."""
+    gen = torch.Generator().manual_seed(shape[1])
+    gu = (torch.randn(shape, generator=gen) * 2).to(DEVICE, dtype)
+    seed, p = torch.tensor([5], device=DEVICE), 0.25
+    assert ew.swiglu_dropped_ok(gu)
+    h, hd = ew.swiglu_dropped(gu, seed, p)
+    assert torch.equal(h, ew.swiglu_joined(gu)) and torch.equal(hd, ew.dropout_seeded(h, seed, p))
+    assert torch.equal(ew.swiglu_dropped_only(gu, seed, p), hd)
+    cols = shape[-1] // 2
+    keep = keep_mask(h.shape, seed, p, torch.float64).double() / (1 - p)
+    kept = keep_mask(h.shape, seed, p, torch.float64).float() * ew.keep_threshold(p)[1]
+    dh, dhd = (torch.randn(h.shape, generator=gen).to(DEVICE, dtype) for _ in range(2))
+
+    def grad_of(fn, inputs):
+        leaf = inputs.detach().clone().requires_grad_(True)
+        fn(leaf).backward()
+        return leaf.grad
+
+    def loss64(a):
+        h64 = ew.swiglu_reference(a[..., :cols], a[..., cols:])
+        return (h64 * dh.double()).sum() + (h64 * keep * dhd.double()).sum()
+
+    def loss_fused(a):
+        h_, hd_ = ew.swiglu_dropped(a, seed, p)
+        return (h_ * dh).float().sum() + (hd_ * dhd).float().sum()
+
+    def loss_unfused(a):
+        h_ = ew.swiglu_joined(a)
+        return (h_ * dh).float().sum() + (h_.float() * kept * dhd.float()).sum()
+
+    slack = 3.0 if dtype == torch.bfloat16 and not gu.is_cuda else 1.5
+    d64, d, d_ref = grad_of(loss64, gu.double()), grad_of(loss_fused, gu), grad_of(loss_unfused, gu)
+    assert d.dtype == dtype and rel(d, d64) <= slack * rel(d_ref, d64) + 1e-4, (rel(d, d64), rel(d_ref, d64))
+
+
+@needs_triton
 @pytest.mark.parametrize("hq, hk, d", [(14, 2, 64), (4, 4, 32), (6, 2, 8)])
 def test_rope_qkv_gives_the_split_rope_bits_both_ways(hq, hk, d):
     """rope_qkv on a joined q/k/v output: the bits of split, RoPE of q and of k, v's copy; its

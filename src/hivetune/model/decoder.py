@@ -20,6 +20,7 @@ from hivetune.model.config import ModelArgs
 from hivetune.model.lora import LoRALinear, project_shared_input
 from hivetune.ops import elementwise
 from hivetune.ops.attention import Packed, causal_attention
+from hivetune.ops.lora_group import dropout_seed
 
 
 class RMSNorm(nn.Module):
@@ -158,6 +159,14 @@ class MLP(nn.Module):
         """x: the residual stream; `norm` as in Attention.forward (the add in down_proj's matmul
         where LoRA joins it)."""
         x, joined, residual = read_input(self.gate_up, norm, x)
+        p = self.down_proj.group_dropout_p() if isinstance(self.down_proj, LoRALinear) else 0.0
+        if joined is not None and p > 0 and elementwise.swiglu_dropped_ok(joined):
+            # SwiGLU writes h and down_proj's dropped input in one pass, and its backward takes
+            # the dropout's: down_proj recomputes the dropped input from `joined`, kept anyway
+            seed = dropout_seed(joined.device)
+            h, hd = elementwise.swiglu_dropped(joined, seed, p, reuse=True)
+            redo = partial(elementwise.swiglu_dropped_only, seed=seed, p=p)
+            return self.down_proj(h, source=(redo, joined), residual=residual, xd=hd)
         if joined is not None:
             h = elementwise.swiglu_joined(joined, reuse=True)  # its gradient goes over `joined`
         else:

@@ -67,15 +67,16 @@ class LoRALinear(nn.Module):
         return self.base_layer.out_features
 
     def forward(self, x: torch.Tensor, dropped: torch.Tensor | None = None, source=None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, xd: torch.Tensor | None = None) -> torch.Tensor:
         """`dropped`: dropout(x) already drawn for a sibling layer reading the same x. `source`:
         (fn, tensor) with x = fn(tensor), a tensor kept for backward anyway (ops.lora_group).
         `residual`: returns residual + the layer's output (the decoder's residual stream; inside
-        the base matmul on the joined path)."""
+        the base matmul on the joined path). `xd` (only where group_dropout_p() > 0): x dropped by
+        the caller's kernel, which also takes the dropout's backward; fn(tensor) then gives xd."""
         if self.fused and self.enabled and dropped is None:
             base = self.base_layer
             return lora_group(x, base.weight, base.bias, (base.out_features,), self.dropout_p(), self.scaling,
-                              [self.lora_A.weight], [self.lora_B.weight], source, residual)
+                              [self.lora_A.weight], [self.lora_B.weight], source, residual, xd)
         y = self.base_layer(x)
         if self.enabled:
             if dropped is None:
@@ -88,6 +89,11 @@ class LoRALinear(nn.Module):
         """The dropout probability in force now (0 in eval mode)."""
         d = self.lora_dropout
         return d.p if isinstance(d, nn.Dropout) and d.training else 0.0
+
+    def group_dropout_p(self) -> float:
+        """The dropout probability a caller may apply for this layer's group (the `xd` of forward):
+        the one in force where the layer runs through ops.lora_group with grad on, else 0."""
+        return self.dropout_p() if self.fused and self.enabled and torch.is_grad_enabled() else 0.0
 
     def _compute_dtype(self, x):
         # Under autocast the matmul casts for us; without it, run the update in A's dtype.

@@ -281,6 +281,64 @@ if triton is not None:
         _norm_dx_piece(DX, DR, x6, g6, r, dot, N, at + 96, inside, HAS_DR)
         _norm_dx_piece(DX, DR, x7, g7, r, dot, N, at + 112, inside, HAS_DR)
 
+    # SwiGLU with down_proj's LoRA dropout of its output in the same pass, over flat elements
+    # in _seeded_dropout's 128-element groups (the same mask as dropout_seeded on the output).
+
+    @triton.jit
+    def _swiglu_drop_piece(G, U, Y, YD, e, n, COLS, STRIDE, keep, scale, WRITE_Y: tl.constexpr):
+        m = e < n
+        at = (e // COLS) * STRIDE + e % COLS
+        g = tl.load(G + at, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(U + at, mask=m, other=0.0).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(YD.dtype.element_ty).to(tl.float32)  # F.silu rounds here
+        y = (act * u).to(YD.dtype.element_ty)
+        if WRITE_Y:
+            tl.store(Y + e, y, mask=m)
+        tl.store(YD + e, tl.where(keep, y.to(tl.float32) * scale, 0.0).to(YD.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _swiglu_drop_fwd(G, U, Y, YD, SEED, n, COLS, STRIDE, thr, scale, NG: tl.constexpr, WRITE_Y: tl.constexpr):
+        """Y = silu(G) * U (with WRITE_Y) and YD = dropout_seeded(Y), gate / up element i at
+        (i // COLS) STRIDE + i % COLS as in _swiglu_fwd. NG groups of 128 a program."""
+        groups = tl.program_id(0) * NG + tl.arange(0, NG)
+        k0, k1, k2, k3, k4, k5, k6, k7 = _keep_eighths(SEED, groups, thr)
+        e = groups[:, None].to(tl.int64) * 128 + tl.arange(0, 16)[None, :]
+        _swiglu_drop_piece(G, U, Y, YD, e, n, COLS, STRIDE, k0, scale, WRITE_Y)
+        _swiglu_drop_piece(G, U, Y, YD, e + 16, n, COLS, STRIDE, k1, scale, WRITE_Y)
+        _swiglu_drop_piece(G, U, Y, YD, e + 32, n, COLS, STRIDE, k2, scale, WRITE_Y)
+        _swiglu_drop_piece(G, U, Y, YD, e + 48, n, COLS, STRIDE, k3, scale, WRITE_Y)
+        _swiglu_drop_piece(G, U, Y, YD, e + 64, n, COLS, STRIDE, k4, scale, WRITE_Y)
+        _swiglu_drop_piece(G, U, Y, YD, e + 80, n, COLS, STRIDE, k5, scale, WRITE_Y)
+        _swiglu_drop_piece(G, U, Y, YD, e + 96, n, COLS, STRIDE, k6, scale, WRITE_Y)
+        _swiglu_drop_piece(G, U, Y, YD, e + 112, n, COLS, STRIDE, k7, scale, WRITE_Y)
+
+    @triton.jit
+    def _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e, n, COLS, STRIDE, keep, scale):
+        m = e < n
+        at = (e // COLS) * STRIDE + e % COLS
+        dy = tl.load(DY + e, mask=m, other=0.0).to(tl.float32)
+        dy += tl.where(keep, tl.load(DYD + e, mask=m, other=0.0).to(tl.float32) * scale, 0.0)
+        g = tl.load(G + at, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(U + at, mask=m, other=0.0).to(tl.float32)
+        s = 1.0 / (1.0 + tl.exp(-g))
+        tl.store(DU + at, (dy * g * s).to(DU.dtype.element_ty), mask=m)
+        tl.store(DG + at, (dy * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _swiglu_drop_bwd(DY, DYD, G, U, DG, DU, SEED, n, COLS, STRIDE, thr, scale, NG: tl.constexpr):
+        """_swiglu_bwd of dy + the dropout's backward of dyd (its mask drawn again)."""
+        groups = tl.program_id(0) * NG + tl.arange(0, NG)
+        k0, k1, k2, k3, k4, k5, k6, k7 = _keep_eighths(SEED, groups, thr)
+        e = groups[:, None].to(tl.int64) * 128 + tl.arange(0, 16)[None, :]
+        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e, n, COLS, STRIDE, k0, scale)
+        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 16, n, COLS, STRIDE, k1, scale)
+        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 32, n, COLS, STRIDE, k2, scale)
+        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 48, n, COLS, STRIDE, k3, scale)
+        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 64, n, COLS, STRIDE, k4, scale)
+        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 80, n, COLS, STRIDE, k5, scale)
+        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 96, n, COLS, STRIDE, k6, scale)
+        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 112, n, COLS, STRIDE, k7, scale)
+
     # The LoRA A matmuls with the dropout inside. x is row-major [T, D] with D a multiple of 128,
     # so a row's 128-column blocks are _keep_eighths' groups: (t D + k0) / 128.
 
@@ -620,6 +678,48 @@ class SwiGLUFunction(torch.autograd.Function):
         return dg, du, None
 
 
+def _swiglu_drop_launch(joined, seed, p, write_y: bool):
+    cols = joined.shape[-1] // 2
+    yd = joined.new_empty((*joined.shape[:-1], cols))
+    y = joined.new_empty(yd.shape) if write_y else yd
+    n = yd.numel()
+    thr, scale = keep_threshold(p)
+    _swiglu_drop_fwd[_elementwise_grid(n, 128 * SEEDED_GROUPS)](joined, joined[..., cols:], y, yd, seed, n, cols,
+                                                                2 * cols, thr, scale, NG=SEEDED_GROUPS,
+                                                                WRITE_Y=write_y)
+    return y, yd
+
+
+class SwiGLUDropFunction(torch.autograd.Function):
+    """(silu(gate) * up, its dropout_seeded copy) of a joined [.., 2 I] gate/up output, in one
+    kernel each way (see swiglu_dropped). Saves what the joined SwiGLUFunction saves, and the seed."""
+
+    @staticmethod
+    def forward(ctx, joined: torch.Tensor, seed: torch.Tensor, p: float, reuse: bool):
+        ctx.set_materialize_grads(False)
+        y, yd = _swiglu_drop_launch(joined, seed, p, True)
+        ctx.save_for_backward(joined, seed)
+        ctx.p, ctx.reuse = p, reuse
+        return y, yd
+
+    @staticmethod
+    def backward(ctx, dy, dyd):
+        joined, seed = ctx.saved_tensors
+        cols = joined.shape[-1] // 2
+        dy = dy.contiguous() if dy is not None else torch.zeros(joined.shape[:-1] + (cols,), dtype=joined.dtype,
+                                                                  device=joined.device)
+        dyd = dyd.contiguous() if dyd is not None else None
+        n = dy.numel()
+        thr, scale = keep_threshold(ctx.p)
+        dgu = joined if ctx.reuse else torch.empty_like(joined)  # each element read, then written
+        _swiglu_drop_bwd[_elementwise_grid(n, 128 * SEEDED_GROUPS)](dy, dyd if dyd is not None else dy, joined,
+                                                                    joined[..., cols:], dgu, dgu[..., cols:], seed, n,
+                                                                    cols, 2 * cols, thr,
+                                                                    scale if dyd is not None else 0.0,
+                                                                    NG=SEEDED_GROUPS)
+        return dgu, None, None, None
+
+
 def _rope_launch(x, cos, sin, sign: int):
     """y (contiguous) = RoPE(x); x is read in place when its heads and tokens are evenly strided
     (a contiguous tensor, or a q / k column slice of a fused q/k/v output)."""
@@ -916,6 +1016,28 @@ def swiglu_joined(gate_up: torch.Tensor, reuse: bool = False) -> torch.Tensor:
         return SwiGLUFunction.apply(gate_up, None, reuse)
     gate, up = gate_up.chunk(2, dim=-1)
     return swiglu_reference(gate, up)
+
+
+def swiglu_dropped_ok(gate_up: torch.Tensor) -> bool:
+    """Whether swiglu_dropped takes a joined gate/up output (the Triton SwiGLU, the seeded
+    dropout's conditions); not with HIVETUNE_REFERENCE=swiglu_dropout (SwiGLU apart from the
+    down_proj group's dropout: dropout_seeded or the in-matmul kernels, as before)."""
+    return (fused_ok(gate_up) and gate_up.is_contiguous() and gate_up.shape[-1] % 2 == 0
+            and gate_up.numel() < 2**31 and not forced("swiglu_dropout"))
+
+
+def swiglu_dropped(gate_up: torch.Tensor, seed: torch.Tensor, p: float, reuse: bool = False):
+    """(h, hd): h = silu(gate) * up of a joined gate/up output, hd = dropout_seeded(h, seed, p),
+    for down_proj's LoRA group reading h in its base matmul and hd in its A matmul
+    (model.decoder.MLP). Its backward takes both gradients: the dropout's masked add rides in
+    SwiGLU's backward kernel. `reuse` as swiglu_joined's."""
+    return SwiGLUDropFunction.apply(gate_up, seed, p, reuse)
+
+
+def swiglu_dropped_only(gate_up: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+    """swiglu_dropped's hd alone, outside autograd (the same bits): down_proj's group recomputes
+    its dropped input from the gate/up output with it."""
+    return _swiglu_drop_launch(gate_up, seed, p, False)[1]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

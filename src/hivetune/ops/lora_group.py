@@ -326,7 +326,7 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
     seeded = "given" if given is not None else p > 0 and elementwise.seeded_dropout_ok(x2)
     if seeded is True:  # the mask is drawn again from the seed in backward: nothing stored
         mask = _ACTIVE.next_seed(x2.device) if cached is not None else elementwise.new_dropout_seed(x2.device)
-    if seeded and elementwise.drop_matmul_ok(x2, a_all):  # the dropout rides in the A matmuls
+    if seeded is True and elementwise.drop_matmul_ok(x2, a_all):  # the dropout rides in the A matmuls
         seeded = "in_matmul"
         xa = elementwise.drop_matmul(x2, a_all, mask, p, scale)
         xd = x2  # kept undropped: the backward kernels draw the mask again
