@@ -285,9 +285,17 @@ if triton is not None:
     # in _seeded_dropout's 128-element groups (the same mask as dropout_seeded on the output).
 
     @triton.jit
-    def _swiglu_drop_piece(G, U, Y, YD, e, n, COLS, STRIDE, keep, scale, WRITE_Y: tl.constexpr):
+    def _gate_at(e, base, q, COLS, STRIDE, ALIGNED: tl.constexpr):
+        """Where gate element e (flat index in h) sits in the joined gate/up tensor: with rows of
+        whole 128-element groups (ALIGNED), `base` (each group's start there) + 16 q + j, else a
+        division per element."""
+        if ALIGNED:
+            return base + q * 16 + tl.arange(0, 16)[None, :]
+        return (e // COLS) * STRIDE + e % COLS
+
+    @triton.jit
+    def _swiglu_drop_piece(G, U, Y, YD, e, at, n, keep, scale, WRITE_Y: tl.constexpr):
         m = e < n
-        at = (e // COLS) * STRIDE + e % COLS
         g = tl.load(G + at, mask=m, other=0.0).to(tl.float32)
         u = tl.load(U + at, mask=m, other=0.0).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(YD.dtype.element_ty).to(tl.float32)  # F.silu rounds here
@@ -297,25 +305,28 @@ if triton is not None:
         tl.store(YD + e, tl.where(keep, y.to(tl.float32) * scale, 0.0).to(YD.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _swiglu_drop_fwd(G, U, Y, YD, SEED, n, COLS, STRIDE, thr, scale, NG: tl.constexpr, WRITE_Y: tl.constexpr):
+    def _swiglu_drop_fwd(G, U, Y, YD, SEED, n, COLS, STRIDE, thr, scale, NG: tl.constexpr, WRITE_Y: tl.constexpr,
+                         ALIGNED: tl.constexpr):
         """Y = silu(G) * U (with WRITE_Y) and YD = dropout_seeded(Y), gate / up element i at
         (i // COLS) STRIDE + i % COLS as in _swiglu_fwd. NG groups of 128 a program."""
         groups = tl.program_id(0) * NG + tl.arange(0, NG)
         k0, k1, k2, k3, k4, k5, k6, k7 = _keep_eighths(SEED, groups, thr)
         e = groups[:, None].to(tl.int64) * 128 + tl.arange(0, 16)[None, :]
-        _swiglu_drop_piece(G, U, Y, YD, e, n, COLS, STRIDE, k0, scale, WRITE_Y)
-        _swiglu_drop_piece(G, U, Y, YD, e + 16, n, COLS, STRIDE, k1, scale, WRITE_Y)
-        _swiglu_drop_piece(G, U, Y, YD, e + 32, n, COLS, STRIDE, k2, scale, WRITE_Y)
-        _swiglu_drop_piece(G, U, Y, YD, e + 48, n, COLS, STRIDE, k3, scale, WRITE_Y)
-        _swiglu_drop_piece(G, U, Y, YD, e + 64, n, COLS, STRIDE, k4, scale, WRITE_Y)
-        _swiglu_drop_piece(G, U, Y, YD, e + 80, n, COLS, STRIDE, k5, scale, WRITE_Y)
-        _swiglu_drop_piece(G, U, Y, YD, e + 96, n, COLS, STRIDE, k6, scale, WRITE_Y)
-        _swiglu_drop_piece(G, U, Y, YD, e + 112, n, COLS, STRIDE, k7, scale, WRITE_Y)
+        per_row = tl.maximum(COLS // 128, 1)  # (used only when ALIGNED)
+        base = ((groups // per_row).to(tl.int64) * STRIDE + (groups % per_row) * 128)[:, None]
+        _swiglu_drop_piece(G, U, Y, YD, e, _gate_at(e, base, 0, COLS, STRIDE, ALIGNED), n, k0, scale, WRITE_Y)
+        _swiglu_drop_piece(G, U, Y, YD, e + 16, _gate_at(e + 16, base, 1, COLS, STRIDE, ALIGNED), n, k1, scale, WRITE_Y)
+        _swiglu_drop_piece(G, U, Y, YD, e + 32, _gate_at(e + 32, base, 2, COLS, STRIDE, ALIGNED), n, k2, scale, WRITE_Y)
+        _swiglu_drop_piece(G, U, Y, YD, e + 48, _gate_at(e + 48, base, 3, COLS, STRIDE, ALIGNED), n, k3, scale, WRITE_Y)
+        _swiglu_drop_piece(G, U, Y, YD, e + 64, _gate_at(e + 64, base, 4, COLS, STRIDE, ALIGNED), n, k4, scale, WRITE_Y)
+        _swiglu_drop_piece(G, U, Y, YD, e + 80, _gate_at(e + 80, base, 5, COLS, STRIDE, ALIGNED), n, k5, scale, WRITE_Y)
+        _swiglu_drop_piece(G, U, Y, YD, e + 96, _gate_at(e + 96, base, 6, COLS, STRIDE, ALIGNED), n, k6, scale, WRITE_Y)
+        _swiglu_drop_piece(G, U, Y, YD, e + 112, _gate_at(e + 112, base, 7, COLS, STRIDE, ALIGNED), n, k7, scale,
+                           WRITE_Y)
 
     @triton.jit
-    def _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e, n, COLS, STRIDE, keep, scale):
+    def _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e, at, n, keep, scale):
         m = e < n
-        at = (e // COLS) * STRIDE + e % COLS
         dy = tl.load(DY + e, mask=m, other=0.0).to(tl.float32)
         dy += tl.where(keep, tl.load(DYD + e, mask=m, other=0.0).to(tl.float32) * scale, 0.0)
         g = tl.load(G + at, mask=m, other=0.0).to(tl.float32)
@@ -325,19 +336,30 @@ if triton is not None:
         tl.store(DG + at, (dy * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _swiglu_drop_bwd(DY, DYD, G, U, DG, DU, SEED, n, COLS, STRIDE, thr, scale, NG: tl.constexpr):
+    def _swiglu_drop_bwd(DY, DYD, G, U, DG, DU, SEED, n, COLS, STRIDE, thr, scale, NG: tl.constexpr,
+                         ALIGNED: tl.constexpr):
         """_swiglu_bwd of dy + the dropout's backward of dyd (its mask drawn again)."""
         groups = tl.program_id(0) * NG + tl.arange(0, NG)
         k0, k1, k2, k3, k4, k5, k6, k7 = _keep_eighths(SEED, groups, thr)
         e = groups[:, None].to(tl.int64) * 128 + tl.arange(0, 16)[None, :]
-        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e, n, COLS, STRIDE, k0, scale)
-        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 16, n, COLS, STRIDE, k1, scale)
-        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 32, n, COLS, STRIDE, k2, scale)
-        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 48, n, COLS, STRIDE, k3, scale)
-        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 64, n, COLS, STRIDE, k4, scale)
-        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 80, n, COLS, STRIDE, k5, scale)
-        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 96, n, COLS, STRIDE, k6, scale)
-        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 112, n, COLS, STRIDE, k7, scale)
+        per_row = tl.maximum(COLS // 128, 1)  # (used only when ALIGNED)
+        base = ((groups // per_row).to(tl.int64) * STRIDE + (groups % per_row) * 128)[:, None]
+        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e, _gate_at(e, base, 0, COLS, STRIDE, ALIGNED), n,
+                               k0, scale)
+        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 16, _gate_at(e + 16, base, 1, COLS, STRIDE, ALIGNED), n,
+                               k1, scale)
+        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 32, _gate_at(e + 32, base, 2, COLS, STRIDE, ALIGNED), n,
+                               k2, scale)
+        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 48, _gate_at(e + 48, base, 3, COLS, STRIDE, ALIGNED), n,
+                               k3, scale)
+        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 64, _gate_at(e + 64, base, 4, COLS, STRIDE, ALIGNED), n,
+                               k4, scale)
+        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 80, _gate_at(e + 80, base, 5, COLS, STRIDE, ALIGNED), n,
+                               k5, scale)
+        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 96, _gate_at(e + 96, base, 6, COLS, STRIDE, ALIGNED), n,
+                               k6, scale)
+        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 112, _gate_at(e + 112, base, 7, COLS, STRIDE, ALIGNED), n,
+                               k7, scale)
 
     # The LoRA A matmuls with the dropout inside. x is row-major [T, D] with D a multiple of 128,
     # so a row's 128-column blocks are _keep_eighths' groups: (t D + k0) / 128.
@@ -596,6 +618,12 @@ class RMSNormFunction(torch.autograd.Function):
         return dx.view(dy.shape), None, None
 
 
+# Launch shapes of the norm / SwiGLU kernels with the dropout (bench/fused_sweep.py times others).
+NORM_DROP_WARPS = 0  # 0: by the row's width
+SWIGLU_DROP_GROUPS = 16  # 128-element groups a program
+SWIGLU_DROP_WARPS = 4
+
+
 def _norm_drop_launch(x2, weight, eps, seed, p, write_y: bool):
     n = x2.shape[1]
     yd = torch.empty_like(x2)
@@ -604,7 +632,7 @@ def _norm_drop_launch(x2, weight, eps, seed, p, write_y: bool):
     thr, scale = keep_threshold(p)
     gp = triton.next_power_of_2(n // 128)
     _rms_norm_drop_fwd[(x2.shape[0],)](x2, weight, y, yd, rstd, seed, n, eps, thr, scale, GP=gp, WRITE_Y=write_y,
-                                       num_warps=min(8, max(1, gp // 2)))
+                                       num_warps=NORM_DROP_WARPS or min(8, max(1, gp // 2)))
     return y, yd, rstd
 
 
@@ -633,7 +661,7 @@ class RMSNormDropFunction(torch.autograd.Function):
         dy, dyd, dr = (t.reshape(x2.shape).contiguous() if t is not None else None for t in (dy, dyd, dr))
         _rms_norm_drop_bwd[(x2.shape[0],)](dy, dyd if dyd is not None else dy, dr if dr is not None else dy, x2,
                                            weight, rstd, dx, seed, n, thr, scale, GP=gp, HAS_DYD=dyd is not None,
-                                           HAS_DR=dr is not None, num_warps=min(8, max(1, gp // 2)))
+                                           HAS_DR=dr is not None, num_warps=NORM_DROP_WARPS or min(8, max(1, gp // 2)))
         return dx.view(ctx.x_shape), None, None, None, None
 
 
@@ -684,9 +712,10 @@ def _swiglu_drop_launch(joined, seed, p, write_y: bool):
     y = joined.new_empty(yd.shape) if write_y else yd
     n = yd.numel()
     thr, scale = keep_threshold(p)
-    _swiglu_drop_fwd[_elementwise_grid(n, 128 * SEEDED_GROUPS)](joined, joined[..., cols:], y, yd, seed, n, cols,
-                                                                2 * cols, thr, scale, NG=SEEDED_GROUPS,
-                                                                WRITE_Y=write_y)
+    _swiglu_drop_fwd[_elementwise_grid(n, 128 * SWIGLU_DROP_GROUPS)](joined, joined[..., cols:], y, yd, seed, n, cols,
+                                                                2 * cols, thr, scale, NG=SWIGLU_DROP_GROUPS,
+                                                                WRITE_Y=write_y, ALIGNED=cols % 128 == 0,
+                                                                num_warps=SWIGLU_DROP_WARPS)
     return y, yd
 
 
@@ -712,11 +741,12 @@ class SwiGLUDropFunction(torch.autograd.Function):
         n = dy.numel()
         thr, scale = keep_threshold(ctx.p)
         dgu = joined if ctx.reuse else torch.empty_like(joined)  # each element read, then written
-        _swiglu_drop_bwd[_elementwise_grid(n, 128 * SEEDED_GROUPS)](dy, dyd if dyd is not None else dy, joined,
+        _swiglu_drop_bwd[_elementwise_grid(n, 128 * SWIGLU_DROP_GROUPS)](dy, dyd if dyd is not None else dy, joined,
                                                                     joined[..., cols:], dgu, dgu[..., cols:], seed, n,
                                                                     cols, 2 * cols, thr,
                                                                     scale if dyd is not None else 0.0,
-                                                                    NG=SEEDED_GROUPS)
+                                                                    NG=SWIGLU_DROP_GROUPS, ALIGNED=cols % 128 == 0,
+                                                                    num_warps=SWIGLU_DROP_WARPS)
         return dgu, None, None, None
 
 
