@@ -70,12 +70,13 @@ def main() -> None:
             rows.append({"workload": name, "kernel": "rms_norm_dropped", "warps": warps or "auto", **norm_times(t, d)})
             print(rows[-1], flush=True)
         ew.NORM_DROP_WARPS = 0
-        for groups in (4, 8, 16, 32):
+        for block in (512, 1024, 2048):
             for warps in (2, 4, 8):
-                ew.SWIGLU_DROP_GROUPS, ew.SWIGLU_DROP_WARPS = groups, warps
-                rows.append({"workload": name, "kernel": "swiglu_dropped", "groups": groups, "warps": warps,
+                ew.SWIGLU_DROP_BLOCK, ew.SWIGLU_DROP_WARPS = block, warps
+                rows.append({"workload": name, "kernel": "swiglu_dropped", "block": block, "warps": warps,
                              **swiglu_times(t, i)})
                 print(rows[-1], flush=True)
+        ew.SWIGLU_DROP_BLOCK, ew.SWIGLU_DROP_WARPS = 1024, 4
     if args.out:
         path = Path(args.out) / f"fused-sweep-{git_commit()}-{datetime.now():%Y%m%d-%H%M%S}.json"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -360,18 +360,25 @@ def test_rope_of_the_joined_qkv_matches_split_rope(lora_model_and_batch, monkeyp
 @pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
 def test_swiglu_with_down_projs_dropout_matches_swiglu_then_the_dropout(lora_model_and_batch, monkeypatch):
     """SwiGLU writes h and down_proj's dropped input in one kernel, and its backward applies the
-    dropout's (elementwise.swiglu_dropped): the loss and LoRA gradients of SwiGLU then the
-    group's own dropout (HIVETUNE_REFERENCE=swiglu_dropout), to rounding (the same masks), and
-    the same tensors saved."""
+    dropout's (elementwise.swiglu_dropped): the loss of SwiGLU then the same hashed mask applied
+    by autograd ops bit for bit, its LoRA gradients to rounding, and the same tensors saved."""
     model, batch = dropout_model(lora_model_and_batch)
     calls = []
     real = elementwise.swiglu_dropped
     monkeypatch.setattr(elementwise, "swiglu_dropped", lambda *a, **k: calls.append(1) or real(*a, **k))
     loss, grads, saved = loss_grads_saved(model, batch)
     assert len(calls) == 2  # both layers
-    monkeypatch.setenv("HIVETUNE_REFERENCE", "swiglu_dropout")
-    ref_loss, ref_grads, ref_saved = loss_grads_saved(model, batch)
-    assert len(calls) == 2
-    assert loss == ref_loss and saved == ref_saved  # the forward's bits: only the backward's rounding differs
+
+    def composed(joined, seed, p, reuse=False):
+        h = elementwise.swiglu_joined(joined)
+        keep = elementwise.dropout_hashed(torch.ones(h.shape, dtype=torch.float32, device=h.device), seed, p)
+        return h, (h.float() * keep).to(h.dtype)
+
+    monkeypatch.setattr(elementwise, "swiglu_dropped", composed)
+    ref_loss, ref_grads, _ = loss_grads_saved(model, batch)
+    assert loss == ref_loss
     flat, ref_flat = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in ref_grads])
     assert ((flat - ref_flat).norm() / ref_flat.norm()).item() < 1e-2
+    monkeypatch.setattr(elementwise, "swiglu_dropped", real)
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "swiglu_dropout")  # SwiGLU apart: another mask, the same tensors kept
+    assert loss_grads_saved(model, batch)[2] == saved

@@ -195,7 +195,7 @@ def test_rms_norm_dropped_is_the_norm_then_dropout_seeded(dtype, shape):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(2, 5, 2 * 384), (1, 37, 2 * 200)])  # rows in and off 128-element groups
 def test_swiglu_dropped_is_swiglu_then_dropout_seeded(dtype, shape):
-    """swiglu_dropped gives swiglu_joined's output and dropout_seeded's copy of it (the same bits);
+    """swiglu_dropped gives swiglu_joined's output and dropout_hashed's copy of it (the same bits);
     its backward takes both gradients, the dropout's drawn again from the seed, as close to
     float64 math as SwiGLU then the dropout; swiglu_dropped_only gives the copy alone."""
     gen = torch.Generator().manual_seed(shape[1])
@@ -203,11 +203,11 @@ def test_swiglu_dropped_is_swiglu_then_dropout_seeded(dtype, shape):
     seed, p = torch.tensor([5], device=DEVICE), 0.25
     assert ew.swiglu_dropped_ok(gu)
     h, hd = ew.swiglu_dropped(gu, seed, p)
-    assert torch.equal(h, ew.swiglu_joined(gu)) and torch.equal(hd, ew.dropout_seeded(h, seed, p))
+    assert torch.equal(h, ew.swiglu_joined(gu)) and torch.equal(hd, ew.dropout_hashed(h, seed, p))
     assert torch.equal(ew.swiglu_dropped_only(gu, seed, p), hd)
     cols = shape[-1] // 2
-    keep = keep_mask(h.shape, seed, p, torch.float64).double() / (1 - p)
-    kept = keep_mask(h.shape, seed, p, torch.float64).float() * ew.keep_threshold(p)[1]
+    mask = ew.dropout_hashed(torch.ones(h.shape, dtype=torch.float64, device=DEVICE), seed, p) != 0
+    keep, kept = mask.double() / (1 - p), mask.float() * ew.keep_threshold(p)[1]
     dh, dhd = (torch.randn(h.shape, generator=gen).to(DEVICE, dtype) for _ in range(2))
 
     def grad_of(fn, inputs):
@@ -261,6 +261,22 @@ def test_rope_qkv_gives_the_split_rope_bits_both_ways(hq, hk, d):
     assert all(o.is_contiguous() and o.shape == r.shape and torch.equal(o, r) for o, r in zip(outs, ref_outs))
     assert torch.equal(grad, ref_grad)
     assert not torch.equal(outs[0], joined[..., :hq * d].reshape(b, t, hq, d))  # it did rotate
+
+
+@needs_triton
+def test_hashed_dropout_keeps_1_minus_p_independently():
+    """dropout_hashed (swiglu_dropped's mask): keeps ~1 - p of the elements in any stretch of
+    them, neighbours' keeps uncorrelated, another seed another mask, kept values x * scale."""
+    seed, p = torch.tensor([123], device=DEVICE), 0.05
+    x = torch.randn(256, 1000, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.float16)
+    y = ew.dropout_hashed(x, seed, p)
+    keep = (y != 0).cpu().double()
+    assert ((keep.view(-1, 16000).mean(1) - 0.95).abs() < 0.01).all()
+    dropped = 1 - keep.flatten()
+    assert abs((dropped[1:] * dropped[:-1]).mean().item() - 0.05**2) < 0.0015
+    assert (y != 0).ne(ew.dropout_hashed(x, seed + 1, p) != 0).double().mean().item() > 0.08
+    thr, scale = ew.keep_threshold(p)
+    assert torch.equal(y[y != 0], (x[y != 0].float() * scale).to(torch.float16))
 
 
 # bf16 under the CPU interpreter: its tl.dot on bf16 returns garbage (fp16 exercises the same code)

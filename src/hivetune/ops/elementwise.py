@@ -281,85 +281,67 @@ if triton is not None:
         _norm_dx_piece(DX, DR, x6, g6, r, dot, N, at + 96, inside, HAS_DR)
         _norm_dx_piece(DX, DR, x7, g7, r, dot, N, at + 112, inside, HAS_DR)
 
-    # SwiGLU with down_proj's LoRA dropout of its output in the same pass, over flat elements
-    # in _seeded_dropout's 128-element groups (the same mask as dropout_seeded on the output).
+    # SwiGLU with down_proj's LoRA dropout of its output in the same pass. Its mask is a hash of
+    # (seed, flat element index) (_hashed_keep), not _keep_eighths' Philox pieces: those tie a
+    # kernel to [.., 16] tiles 128 elements apart, and at W1's width SwiGLU then took 1.7x its
+    # plain kernel's time (bench/fused_sweep.py at 705b78b: 24 against 14 us); with a hash it
+    # reads and writes contiguous blocks like _swiglu_fwd.
 
     @triton.jit
-    def _gate_at(e, base, q, COLS, STRIDE, ALIGNED: tl.constexpr):
-        """Where gate element e (flat index in h) sits in the joined gate/up tensor: with rows of
-        whole 128-element groups (ALIGNED), `base` (each group's start there) + 16 q + j, else a
-        division per element."""
-        if ALIGNED:
-            return base + q * 16 + tl.arange(0, 16)[None, :]
-        return (e // COLS) * STRIDE + e % COLS
+    def _mix32(x):
+        """lowbias32 (C. Wellons' 32-bit integer hash: two multiplies, three xor-shifts)."""
+        x ^= x >> 16
+        x *= 0x7FEB352D
+        x ^= x >> 15
+        x *= 0x846CA68B
+        x ^= x >> 16
+        return x
 
     @triton.jit
-    def _swiglu_drop_piece(G, U, Y, YD, e, at, n, keep, scale, WRITE_Y: tl.constexpr):
-        m = e < n
+    def _hashed_keep(SEED, i, thr):
+        """Keep element i (flat, < 2^31) where the high 16 bits of hash(i + hash(seed)) >= thr."""
+        x = _mix32(i.to(tl.uint32) + _mix32(tl.load(SEED).to(tl.uint32)))
+        return (x >> 16).to(tl.int32) >= thr
+
+    @triton.jit
+    def _hashed_dropout(X, OUT, SEED, n, thr, scale, BLOCK: tl.constexpr):
+        """OUT = X * keep * scale with _hashed_keep's mask (dropout_hashed: the tests' oracle)."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
+        tl.store(OUT + i, tl.where(_hashed_keep(SEED, i, thr), x * scale, 0.0).to(OUT.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _swiglu_drop_fwd(G, U, Y, YD, SEED, n, COLS, STRIDE, thr, scale, BLOCK: tl.constexpr,
+                         WRITE_Y: tl.constexpr):
+        """Y = silu(G) * U (with WRITE_Y) and YD = dropout_hashed(Y), gate / up element i at
+        (i // COLS) STRIDE + i % COLS as in _swiglu_fwd."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        at = (i // COLS) * STRIDE + i % COLS
         g = tl.load(G + at, mask=m, other=0.0).to(tl.float32)
         u = tl.load(U + at, mask=m, other=0.0).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(YD.dtype.element_ty).to(tl.float32)  # F.silu rounds here
         y = (act * u).to(YD.dtype.element_ty)
         if WRITE_Y:
-            tl.store(Y + e, y, mask=m)
-        tl.store(YD + e, tl.where(keep, y.to(tl.float32) * scale, 0.0).to(YD.dtype.element_ty), mask=m)
+            tl.store(Y + i, y, mask=m)
+        keep = _hashed_keep(SEED, i, thr)
+        tl.store(YD + i, tl.where(keep, y.to(tl.float32) * scale, 0.0).to(YD.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _swiglu_drop_fwd(G, U, Y, YD, SEED, n, COLS, STRIDE, thr, scale, NG: tl.constexpr, WRITE_Y: tl.constexpr,
-                         ALIGNED: tl.constexpr):
-        """Y = silu(G) * U (with WRITE_Y) and YD = dropout_seeded(Y), gate / up element i at
-        (i // COLS) STRIDE + i % COLS as in _swiglu_fwd. NG groups of 128 a program."""
-        groups = tl.program_id(0) * NG + tl.arange(0, NG)
-        k0, k1, k2, k3, k4, k5, k6, k7 = _keep_eighths(SEED, groups, thr)
-        e = groups[:, None].to(tl.int64) * 128 + tl.arange(0, 16)[None, :]
-        per_row = tl.maximum(COLS // 128, 1)  # (used only when ALIGNED)
-        base = ((groups // per_row).to(tl.int64) * STRIDE + (groups % per_row) * 128)[:, None]
-        _swiglu_drop_piece(G, U, Y, YD, e, _gate_at(e, base, 0, COLS, STRIDE, ALIGNED), n, k0, scale, WRITE_Y)
-        _swiglu_drop_piece(G, U, Y, YD, e + 16, _gate_at(e + 16, base, 1, COLS, STRIDE, ALIGNED), n, k1, scale, WRITE_Y)
-        _swiglu_drop_piece(G, U, Y, YD, e + 32, _gate_at(e + 32, base, 2, COLS, STRIDE, ALIGNED), n, k2, scale, WRITE_Y)
-        _swiglu_drop_piece(G, U, Y, YD, e + 48, _gate_at(e + 48, base, 3, COLS, STRIDE, ALIGNED), n, k3, scale, WRITE_Y)
-        _swiglu_drop_piece(G, U, Y, YD, e + 64, _gate_at(e + 64, base, 4, COLS, STRIDE, ALIGNED), n, k4, scale, WRITE_Y)
-        _swiglu_drop_piece(G, U, Y, YD, e + 80, _gate_at(e + 80, base, 5, COLS, STRIDE, ALIGNED), n, k5, scale, WRITE_Y)
-        _swiglu_drop_piece(G, U, Y, YD, e + 96, _gate_at(e + 96, base, 6, COLS, STRIDE, ALIGNED), n, k6, scale, WRITE_Y)
-        _swiglu_drop_piece(G, U, Y, YD, e + 112, _gate_at(e + 112, base, 7, COLS, STRIDE, ALIGNED), n, k7, scale,
-                           WRITE_Y)
-
-    @triton.jit
-    def _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e, at, n, keep, scale):
-        m = e < n
-        dy = tl.load(DY + e, mask=m, other=0.0).to(tl.float32)
-        dy += tl.where(keep, tl.load(DYD + e, mask=m, other=0.0).to(tl.float32) * scale, 0.0)
+    def _swiglu_drop_bwd(DY, DYD, G, U, DG, DU, SEED, n, COLS, STRIDE, thr, scale, BLOCK: tl.constexpr):
+        """_swiglu_bwd of dy + the dropout's backward of dyd (its mask drawn again)."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        at = (i // COLS) * STRIDE + i % COLS
+        dy = tl.load(DY + i, mask=m, other=0.0).to(tl.float32)
+        keep = _hashed_keep(SEED, i, thr)
+        dy += tl.where(keep, tl.load(DYD + i, mask=m, other=0.0).to(tl.float32) * scale, 0.0)
         g = tl.load(G + at, mask=m, other=0.0).to(tl.float32)
         u = tl.load(U + at, mask=m, other=0.0).to(tl.float32)
         s = 1.0 / (1.0 + tl.exp(-g))
         tl.store(DU + at, (dy * g * s).to(DU.dtype.element_ty), mask=m)
         tl.store(DG + at, (dy * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def _swiglu_drop_bwd(DY, DYD, G, U, DG, DU, SEED, n, COLS, STRIDE, thr, scale, NG: tl.constexpr,
-                         ALIGNED: tl.constexpr):
-        """_swiglu_bwd of dy + the dropout's backward of dyd (its mask drawn again)."""
-        groups = tl.program_id(0) * NG + tl.arange(0, NG)
-        k0, k1, k2, k3, k4, k5, k6, k7 = _keep_eighths(SEED, groups, thr)
-        e = groups[:, None].to(tl.int64) * 128 + tl.arange(0, 16)[None, :]
-        per_row = tl.maximum(COLS // 128, 1)  # (used only when ALIGNED)
-        base = ((groups // per_row).to(tl.int64) * STRIDE + (groups % per_row) * 128)[:, None]
-        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e, _gate_at(e, base, 0, COLS, STRIDE, ALIGNED), n,
-                               k0, scale)
-        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 16, _gate_at(e + 16, base, 1, COLS, STRIDE, ALIGNED), n,
-                               k1, scale)
-        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 32, _gate_at(e + 32, base, 2, COLS, STRIDE, ALIGNED), n,
-                               k2, scale)
-        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 48, _gate_at(e + 48, base, 3, COLS, STRIDE, ALIGNED), n,
-                               k3, scale)
-        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 64, _gate_at(e + 64, base, 4, COLS, STRIDE, ALIGNED), n,
-                               k4, scale)
-        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 80, _gate_at(e + 80, base, 5, COLS, STRIDE, ALIGNED), n,
-                               k5, scale)
-        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 96, _gate_at(e + 96, base, 6, COLS, STRIDE, ALIGNED), n,
-                               k6, scale)
-        _swiglu_drop_bwd_piece(DY, DYD, G, U, DG, DU, e + 112, _gate_at(e + 112, base, 7, COLS, STRIDE, ALIGNED), n,
-                               k7, scale)
 
     # The LoRA A matmuls with the dropout inside. x is row-major [T, D] with D a multiple of 128,
     # so a row's 128-column blocks are _keep_eighths' groups: (t D + k0) / 128.
@@ -620,7 +602,7 @@ class RMSNormFunction(torch.autograd.Function):
 
 # Launch shapes of the norm / SwiGLU kernels with the dropout (bench/fused_sweep.py times others).
 NORM_DROP_WARPS = 0  # 0: by the row's width
-SWIGLU_DROP_GROUPS = 16  # 128-element groups a program
+SWIGLU_DROP_BLOCK = 1024  # elements a program
 SWIGLU_DROP_WARPS = 4
 
 
@@ -712,11 +694,20 @@ def _swiglu_drop_launch(joined, seed, p, write_y: bool):
     y = joined.new_empty(yd.shape) if write_y else yd
     n = yd.numel()
     thr, scale = keep_threshold(p)
-    _swiglu_drop_fwd[_elementwise_grid(n, 128 * SWIGLU_DROP_GROUPS)](joined, joined[..., cols:], y, yd, seed, n, cols,
-                                                                2 * cols, thr, scale, NG=SWIGLU_DROP_GROUPS,
-                                                                WRITE_Y=write_y, ALIGNED=cols % 128 == 0,
-                                                                num_warps=SWIGLU_DROP_WARPS)
+    _swiglu_drop_fwd[_elementwise_grid(n, SWIGLU_DROP_BLOCK)](joined, joined[..., cols:], y, yd, seed, n, cols, 2 * cols,
+                                                              thr, scale, BLOCK=SWIGLU_DROP_BLOCK, WRITE_Y=write_y,
+                                                              num_warps=SWIGLU_DROP_WARPS)
     return y, yd
+
+
+def dropout_hashed(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+    """x * keep / (1 - p) with swiglu_dropped's mask (a hash of seed and flat index; contiguous x,
+    fewer than 2^31 elements): the oracle of that mask in tests."""
+    out = torch.empty_like(x)
+    n = x.numel()
+    thr, scale = keep_threshold(p)
+    _hashed_dropout[_elementwise_grid(n, 1024)](x, out, seed, n, thr, scale, BLOCK=1024)
+    return out
 
 
 class SwiGLUDropFunction(torch.autograd.Function):
@@ -741,12 +732,10 @@ class SwiGLUDropFunction(torch.autograd.Function):
         n = dy.numel()
         thr, scale = keep_threshold(ctx.p)
         dgu = joined if ctx.reuse else torch.empty_like(joined)  # each element read, then written
-        _swiglu_drop_bwd[_elementwise_grid(n, 128 * SWIGLU_DROP_GROUPS)](dy, dyd if dyd is not None else dy, joined,
-                                                                    joined[..., cols:], dgu, dgu[..., cols:], seed, n,
-                                                                    cols, 2 * cols, thr,
-                                                                    scale if dyd is not None else 0.0,
-                                                                    NG=SWIGLU_DROP_GROUPS, ALIGNED=cols % 128 == 0,
-                                                                    num_warps=SWIGLU_DROP_WARPS)
+        _swiglu_drop_bwd[_elementwise_grid(n, SWIGLU_DROP_BLOCK)](dy, dyd if dyd is not None else dy, joined,
+                                                                  joined[..., cols:], dgu, dgu[..., cols:], seed, n,
+                                                                  cols, 2 * cols, thr, scale if dyd is not None else 0.0,
+                                                                  BLOCK=SWIGLU_DROP_BLOCK, num_warps=SWIGLU_DROP_WARPS)
         return dgu, None, None, None
 
 
@@ -1057,7 +1046,7 @@ def swiglu_dropped_ok(gate_up: torch.Tensor) -> bool:
 
 
 def swiglu_dropped(gate_up: torch.Tensor, seed: torch.Tensor, p: float, reuse: bool = False):
-    """(h, hd): h = silu(gate) * up of a joined gate/up output, hd = dropout_seeded(h, seed, p),
+    """(h, hd): h = silu(gate) * up of a joined gate/up output, hd = dropout_hashed(h, seed, p),
     for down_proj's LoRA group reading h in its base matmul and hd in its A matmul
     (model.decoder.MLP). Its backward takes both gradients: the dropout's masked add rides in
     SwiGLU's backward kernel. `reuse` as swiglu_joined's."""
