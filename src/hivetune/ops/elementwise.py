@@ -102,16 +102,23 @@ if triton is not None:
         tl.store(DX + row * stride + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _swiglu_fwd(G, U, Y, n, COLS, STRIDE, BLOCK: tl.constexpr):
-        # y[i] for i < n = rows x COLS; gate / up element i sits at row * STRIDE + col, so one
-        # kernel reads separate tensors (STRIDE = COLS) or the halves of a joined [.., 2 COLS] one.
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    def _swiglu_values(G, U, Y, i, n, COLS, STRIDE):
+        """(which of i are < n, silu(g) * u there in Y's dtype, rounded as F.silu and the
+        product are); gate / up element i sits at row * STRIDE + col, so one kernel reads
+        separate tensors (STRIDE = COLS) or the halves of a joined [.., 2 COLS] one."""
         mask = i < n
         at = (i // COLS) * STRIDE + i % COLS
         g = tl.load(G + at, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + at, mask=mask, other=0.0).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)  # F.silu rounds here
-        tl.store(Y + i, (act * u).to(Y.dtype.element_ty), mask=mask)
+        act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
+        return mask, (act * u).to(Y.dtype.element_ty)
+
+    @triton.jit
+    def _swiglu_fwd(G, U, Y, n, COLS, STRIDE, BLOCK: tl.constexpr):
+        # y[i] for i < n = rows x COLS
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask, y = _swiglu_values(G, U, Y, i, n, COLS, STRIDE)
+        tl.store(Y + i, y, mask=mask)
 
     @triton.jit
     def _swiglu_bwd(DY, G, U, DG, DU, n, COLS, STRIDE, BLOCK: tl.constexpr):
@@ -185,6 +192,21 @@ if triton is not None:
         return tl.load(X + at, mask=inside, other=0.0).to(tl.float32)
 
     @triton.jit
+    def _row_layout(row, N, GP: tl.constexpr):
+        """A row's mask groups (N // 128), their indices g, which are real, and piece 0's
+        offsets in the weight (wat) and in the [rows, N] tensor (at); piece q is 16 q further."""
+        groups = N // 128
+        g = tl.arange(0, GP)
+        wat = g[:, None] * 128 + tl.arange(0, 16)[None, :]
+        return groups, g, (g < groups)[:, None], wat, row * N + wat
+
+    @triton.jit
+    def _row_pieces(X, at, inside):
+        return (_row_piece(X, at, inside), _row_piece(X, at + 16, inside), _row_piece(X, at + 32, inside),
+                _row_piece(X, at + 48, inside), _row_piece(X, at + 64, inside), _row_piece(X, at + 80, inside),
+                _row_piece(X, at + 96, inside), _row_piece(X, at + 112, inside))
+
+    @triton.jit
     def _norm_drop_piece(Y, YD, W, x, rstd, at, wat, inside, keep, scale, WRITE_Y: tl.constexpr):
         w = tl.load(W + wat, mask=inside, other=0.0).to(tl.float32)
         y = (w * (x * rstd).to(YD.dtype.element_ty).to(tl.float32)).to(YD.dtype.element_ty)  # rms_norm's bits
@@ -197,19 +219,8 @@ if triton is not None:
         """One row: Y = rms_norm(X) (with WRITE_Y, and RSTD) and YD = dropout_seeded(Y) (the same
         mask, element for element)."""
         row = tl.program_id(0).to(tl.int64)
-        groups = N // 128
-        g = tl.arange(0, GP)
-        inside = (g < groups)[:, None]
-        wat = g[:, None] * 128 + tl.arange(0, 16)[None, :]
-        at = row * N + wat
-        x0 = _row_piece(X, at, inside)
-        x1 = _row_piece(X, at + 16, inside)
-        x2 = _row_piece(X, at + 32, inside)
-        x3 = _row_piece(X, at + 48, inside)
-        x4 = _row_piece(X, at + 64, inside)
-        x5 = _row_piece(X, at + 80, inside)
-        x6 = _row_piece(X, at + 96, inside)
-        x7 = _row_piece(X, at + 112, inside)
+        groups, g, inside, wat, at = _row_layout(row, N, GP)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _row_pieces(X, at, inside)
         ss = tl.sum(x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3 + x4 * x4 + x5 * x5 + x6 * x6 + x7 * x7)
         rstd = 1.0 / tl.sqrt(ss / N + eps)
         k0, k1, k2, k3, k4, k5, k6, k7 = _keep_eighths(SEED, row * groups + g, thr)
@@ -248,11 +259,7 @@ if triton is not None:
         gradient of the residual stream that bypasses the norm (added here, not by autograd):
         g = (dy + keep * scale * dyd) * w, dx = r (g - xhat mean(g xhat)) + dr."""
         row = tl.program_id(0).to(tl.int64)
-        groups = N // 128
-        g = tl.arange(0, GP)
-        inside = (g < groups)[:, None]
-        wat = g[:, None] * 128 + tl.arange(0, 16)[None, :]
-        at = row * N + wat
+        groups, g, inside, wat, at = _row_layout(row, N, GP)
         k0, k1, k2, k3, k4, k5, k6, k7 = _keep_eighths(SEED, row * groups + g, thr)
         g0 = _grad_in_piece(DY, DYD, W, at, wat, inside, k0, scale, HAS_DYD)
         g1 = _grad_in_piece(DY, DYD, W, at + 16, wat + 16, inside, k1, scale, HAS_DYD)
@@ -262,14 +269,7 @@ if triton is not None:
         g5 = _grad_in_piece(DY, DYD, W, at + 80, wat + 80, inside, k5, scale, HAS_DYD)
         g6 = _grad_in_piece(DY, DYD, W, at + 96, wat + 96, inside, k6, scale, HAS_DYD)
         g7 = _grad_in_piece(DY, DYD, W, at + 112, wat + 112, inside, k7, scale, HAS_DYD)
-        x0 = _row_piece(X, at, inside)
-        x1 = _row_piece(X, at + 16, inside)
-        x2 = _row_piece(X, at + 32, inside)
-        x3 = _row_piece(X, at + 48, inside)
-        x4 = _row_piece(X, at + 64, inside)
-        x5 = _row_piece(X, at + 80, inside)
-        x6 = _row_piece(X, at + 96, inside)
-        x7 = _row_piece(X, at + 112, inside)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _row_pieces(X, at, inside)
         r = tl.load(RSTD + row)
         dot = tl.sum(g0 * x0 + g1 * x1 + g2 * x2 + g3 * x3 + g4 * x4 + g5 * x5 + g6 * x6 + g7 * x7) * r
         _norm_dx_piece(DX, DR, x0, g0, r, dot, N, at, inside, HAS_DR)
@@ -317,12 +317,7 @@ if triton is not None:
         """Y = silu(G) * U (with WRITE_Y) and YD = dropout_hashed(Y), gate / up element i at
         (i // COLS) STRIDE + i % COLS as in _swiglu_fwd."""
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = i < n
-        at = (i // COLS) * STRIDE + i % COLS
-        g = tl.load(G + at, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(U + at, mask=m, other=0.0).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(YD.dtype.element_ty).to(tl.float32)  # F.silu rounds here
-        y = (act * u).to(YD.dtype.element_ty)
+        m, y = _swiglu_values(G, U, YD, i, n, COLS, STRIDE)
         if WRITE_Y:
             tl.store(Y + i, y, mask=m)
         keep = _hashed_keep(SEED, i, thr)
@@ -500,6 +495,13 @@ if triton is not None:
         _add_piece(OUT, g, A, rows, k0 + 112 + j, rr, D, R, inside, k_7, scale)
 
     @triton.jit
+    def _rotate(x1, x2, c1, c2, s1, s2, sign):
+        """Rotate-half RoPE of the halves x1, x2 (sign -1: the transpose, i.e. backward)."""
+        if sign > 0:
+            return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+        return x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
+
+    @triton.jit
     def _rope(X, COS, SIN, Y, heads, HALF, X_TOKEN_STRIDE, sign, H_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
         # One token, all heads: y1 = x1 c1 - sign x2 s1, y2 = x2 c2 + sign x1 s2 (sign -1: the
         # transpose, i.e. backward: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1).
@@ -516,12 +518,7 @@ if triton is not None:
         c2 = tl.load(COS + t * 2 * HALF + HALF + d, mask=dm, other=0.0).to(tl.float32)
         s1 = tl.load(SIN + t * 2 * HALF + d, mask=dm, other=0.0).to(tl.float32)
         s2 = tl.load(SIN + t * 2 * HALF + HALF + d, mask=dm, other=0.0).to(tl.float32)
-        if sign > 0:
-            y1 = x1 * c1 - x2 * s1
-            y2 = x2 * c2 + x1 * s2
-        else:
-            y1 = x1 * c1 + x2 * s2
-            y2 = x2 * c2 - x1 * s1
+        y1, y2 = _rotate(x1, x2, c1, c2, s1, s2, sign)
         tl.store(Y + base, y1.to(Y.dtype.element_ty), mask=mask)
         tl.store(Y + base + HALF, y2.to(Y.dtype.element_ty), mask=mask)
 
@@ -539,12 +536,7 @@ if triton is not None:
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
         if ROTATE:
-            if sign > 0:
-                y1 = x1 * c1 - x2 * s1
-                y2 = x2 * c2 + x1 * s2
-            else:
-                y1 = x1 * c1 + x2 * s2
-                y2 = x2 * c2 - x1 * s1
+            y1, y2 = _rotate(x1, x2, c1, c2, s1, s2, sign)
         else:
             y1 = x1
             y2 = x2
