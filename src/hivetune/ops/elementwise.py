@@ -121,17 +121,20 @@ if triton is not None:
         tl.store(Y + i, y, mask=mask)
 
     @triton.jit
-    def _swiglu_bwd(DY, G, U, DG, DU, n, COLS, STRIDE, BLOCK: tl.constexpr):
+    def _swiglu_grads(G, U, DG, DU, dy, at, mask):
         # y = g * s(g) * u:  du = dy * g * s,  dg = dy * u * s * (1 + g * (1 - s))
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = i < n
-        at = (i // COLS) * STRIDE + i % COLS
-        dy = tl.load(DY + i, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(G + at, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + at, mask=mask, other=0.0).to(tl.float32)
         s = 1.0 / (1.0 + tl.exp(-g))
         tl.store(DU + at, (dy * g * s).to(DU.dtype.element_ty), mask=mask)
         tl.store(DG + at, (dy * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_bwd(DY, G, U, DG, DU, n, COLS, STRIDE, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < n
+        dy = tl.load(DY + i, mask=mask, other=0.0).to(tl.float32)
+        _swiglu_grads(G, U, DG, DU, dy, (i // COLS) * STRIDE + i % COLS, mask)
 
     @triton.jit
     def _masked_add(OUT, T, M, n, keep, BLOCK: tl.constexpr):
@@ -332,11 +335,7 @@ if triton is not None:
         dy = tl.load(DY + i, mask=m, other=0.0).to(tl.float32)
         keep = _hashed_keep(SEED, i, thr)
         dy += tl.where(keep, tl.load(DYD + i, mask=m, other=0.0).to(tl.float32) * scale, 0.0)
-        g = tl.load(G + at, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(U + at, mask=m, other=0.0).to(tl.float32)
-        s = 1.0 / (1.0 + tl.exp(-g))
-        tl.store(DU + at, (dy * g * s).to(DU.dtype.element_ty), mask=m)
-        tl.store(DG + at, (dy * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=m)
+        _swiglu_grads(G, U, DG, DU, dy, at, m)
 
     # The LoRA A matmuls with the dropout inside. x is row-major [T, D] with D a multiple of 128,
     # so a row's 128-column blocks are _keep_eighths' groups: (t D + k0) / 128.
@@ -598,6 +597,10 @@ SWIGLU_DROP_BLOCK = 1024  # elements a program
 SWIGLU_DROP_WARPS = 4
 
 
+def _norm_drop_warps(gp: int) -> int:
+    return NORM_DROP_WARPS or min(8, max(1, gp // 2))
+
+
 def _norm_drop_launch(x2, weight, eps, seed, p, write_y: bool):
     n = x2.shape[1]
     yd = torch.empty_like(x2)
@@ -606,7 +609,7 @@ def _norm_drop_launch(x2, weight, eps, seed, p, write_y: bool):
     thr, scale = keep_threshold(p)
     gp = triton.next_power_of_2(n // 128)
     _rms_norm_drop_fwd[(x2.shape[0],)](x2, weight, y, yd, rstd, seed, n, eps, thr, scale, GP=gp, WRITE_Y=write_y,
-                                       num_warps=NORM_DROP_WARPS or min(8, max(1, gp // 2)))
+                                       num_warps=_norm_drop_warps(gp))
     return y, yd, rstd
 
 
@@ -635,7 +638,7 @@ class RMSNormDropFunction(torch.autograd.Function):
         dy, dyd, dr = (t.reshape(x2.shape).contiguous() if t is not None else None for t in (dy, dyd, dr))
         _rms_norm_drop_bwd[(x2.shape[0],)](dy, dyd if dyd is not None else dy, dr if dr is not None else dy, x2,
                                            weight, rstd, dx, seed, n, thr, scale, GP=gp, HAS_DYD=dyd is not None,
-                                           HAS_DR=dr is not None, num_warps=NORM_DROP_WARPS or min(8, max(1, gp // 2)))
+                                           HAS_DR=dr is not None, num_warps=_norm_drop_warps(gp))
         return dx.view(ctx.x_shape), None, None, None, None
 
 
@@ -703,7 +706,7 @@ def dropout_hashed(x: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tenso
 
 
 class SwiGLUDropFunction(torch.autograd.Function):
-    """(silu(gate) * up, its dropout_seeded copy) of a joined [.., 2 I] gate/up output, in one
+    """(silu(gate) * up, its dropout_hashed copy) of a joined [.., 2 I] gate/up output, in one
     kernel each way (see swiglu_dropped). Saves what the joined SwiGLUFunction saves, and the seed."""
 
     @staticmethod

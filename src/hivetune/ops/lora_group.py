@@ -187,9 +187,9 @@ class LoRAGroup(torch.autograd.Function):
         when source_fn is None); with the seeded dropout, x is recomputed from it in backward
         instead of saving the dropped input. `residual` [..., O] or None: returned added to the
         output (the decoder's residual stream; in the base matmul's epilogue where it can).
-        `xd`: x already dropped by the caller (elementwise.rms_norm_dropped), or None. Its
-        gradient goes back unmasked (the caller's backward applies the mask), and source_fn
-        then recomputes xd itself from `source`."""
+        `xd`: x already dropped by the caller (elementwise.rms_norm_dropped, swiglu_dropped), or
+        None. Its gradient goes back unmasked (the caller's backward applies the mask), and
+        source_fn then recomputes xd itself from `source`."""
         n = len(sizes)
         a_params, b_params = lora[:n], lora[n:]
         device_type = x.device.type
@@ -440,8 +440,8 @@ def lora_group(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     `source`: (fn, tensor) with x = fn(tensor) (fn None: x itself) where that tensor is saved for
     backward by another op anyway (the attention output; the gate/up output that SwiGLU keeps):
     under the seeded dropout the Function then keeps it instead of the dropped input.
-    `xd`: x dropped by the caller (elementwise.rms_norm_dropped); then fn(tensor) gives the
-    dropped input itself, and xd's gradient goes back unmasked."""
+    `xd`: x dropped by the caller (elementwise.rms_norm_dropped, swiglu_dropped); then fn(tensor)
+    gives the dropped input itself, and xd's gradient goes back unmasked."""
     fn, tensor = source if source is not None else (None, None)
     return LoRAGroup.apply(x, weight, bias, tuple(sizes), float(p), float(scale), fn, tensor, residual, xd,
                            *a_params, *b_params)
