@@ -29,12 +29,16 @@ fallback and one log line when it falls back.
     SwiGLU and down_proj's LoRA  Triton on a GPU, joined gate/up, seeded       SwiGLU, then the
       dropout as one kernel each   dropout                                       group's dropout
       way (swiglu_dropped)                                                       (swiglu_dropout)
+    q/k/v's and gate/up's LoRA   CUDA (fuse_projections' wide layout), the     the base matmul, then
+      B in their base matmul,      group's CastCache fresh, no in-matmul or      an addmm of the LoRA
+      [x | xa] [W | Bd]^T          seeded dropout of its own (the norm's or      update into y
+      (lora_group.wide_matrix)     none)                                         (wide_lora)
 
 A fallback on a device where the fast path is expected (a GPU for varlen and fused AdamW; a CPU
 asked for auto precision) prints ``hivetune: note: <what> unavailable (<why>); using <reference>``
 once per process. ``HIVETUNE_REFERENCE=varlen,fused_adamw,cpu_bf16,gpu_bf16`` (also fused_lora,
 fused_layers, dropout_matmul, gc, autocast, grad_arena, residual_epilogue, flat_adamw, norm_dropout,
-rope_qkv, swiglu_dropout; or ``all``) forces the reference paths, for tests and A/B runs; the fast and reference
+rope_qkv, swiglu_dropout, wide_lora; or ``all``) forces the reference paths, for tests and A/B runs; the fast and reference
 paths are compared in tests/test_robust_fallbacks.py (CPU) and tests/gpu/test_fallbacks.py (CUDA).
 """
 

@@ -339,6 +339,29 @@ def test_norm_with_the_groups_dropout_matches_the_norm_then_the_dropout(lora_mod
 
 
 @pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+def test_wide_groups_match_the_addmm_of_the_update(lora_model_and_batch, monkeypatch):
+    """On CUDA q/k/v and gate/up are stored wide ([W | Bd] per layer) and the norm leaves room for
+    xa after each row: the base matmul adds the LoRA update and one backward matmul gives dx and
+    d xa. The loss and LoRA gradients of the addmm path (HIVETUNE_REFERENCE=wide_lora), to
+    rounding (one bf16 rounding of y fewer), the same tensors saved; all 4 groups ran wide."""
+    from hivetune.ops import lora_group as lg
+
+    model, batch = dropout_model(lora_model_and_batch)
+    assert model.model.layers[0].mlp.gate_up.room == 2 * model.model.layers[0].mlp.gate_proj.lora_A.out_features
+    used = []
+    real = lg.wide_matrix
+    monkeypatch.setattr(lg, "wide_matrix", lambda w, bd: used.append(real(w, bd) is not None) or real(w, bd))
+    loss, grads, saved = loss_grads_saved(model, batch)
+    assert used == [True] * 4
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "wide_lora")
+    ref_loss, ref_grads, ref_saved = loss_grads_saved(model, batch)
+    assert len(used) == 4 and saved == ref_saved
+    assert loss == pytest.approx(ref_loss, rel=2e-3)
+    flat, ref_flat = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in ref_grads])
+    assert ((flat - ref_flat).norm() / ref_flat.norm()).item() < 1e-2
+
+
+@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
 def test_rope_of_the_joined_qkv_matches_split_rope(lora_model_and_batch, monkeypatch):
     """The joined q/k/v output goes through RoPE and v's copy in one kernel (elementwise.rope_qkv):
     the loss of split + RoPE + copy (HIVETUNE_REFERENCE=rope_qkv) bit for bit, and its LoRA

@@ -192,6 +192,28 @@ def test_rms_norm_dropped_is_the_norm_then_dropout_seeded(dtype, shape):
 
 
 @needs_triton
+def test_rms_norm_dropped_leaves_room_after_each_row():
+    """room=k: y's rows lie n + k apart in one buffer (a wide LoRA group fills the k columns) with
+    the bits of room=0, and a gradient with rows apart gives the dx of a contiguous one, bit for
+    bit (the kernel reads it in place)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn((3, 7, 384), generator=gen).to(DEVICE, torch.bfloat16)
+    w = (1 + 0.2 * torch.randn(384, generator=gen)).to(DEVICE, torch.bfloat16)
+    seed = torch.tensor([7], device=DEVICE)
+    y0, yd0, _ = ew.rms_norm_dropped(x, w, 1e-6, seed, 0.1)
+    y, yd, _ = ew.rms_norm_dropped(x, w, 1e-6, seed, 0.1, room=48)
+    assert y.stride() == (7 * 432, 432, 1) and torch.equal(y, y0) and torch.equal(yd, yd0)
+    wide = torch.randn((21, 432), generator=gen).to(DEVICE, torch.bfloat16)
+    dxs = []
+    for dy in (wide[:, :384].view(3, 7, 384), wide[:, :384].contiguous().view(3, 7, 384)):
+        leaf = x.detach().clone().requires_grad_(True)
+        y_, yd_, _ = ew.rms_norm_dropped(leaf, w, 1e-6, seed, 0.1, room=48)
+        torch.autograd.backward([y_, yd_], [dy, torch.ones_like(yd_)])
+        dxs.append(leaf.grad)
+    assert dxs[0].abs().sum() > 0 and torch.equal(dxs[0], dxs[1])
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(2, 5, 2 * 384), (1, 37, 2 * 200)])  # rows in and off 128-element groups
 def test_swiglu_dropped_is_swiglu_then_dropout_seeded(dtype, shape):

@@ -53,10 +53,14 @@ class FixedMask:
 
 @pytest.mark.parametrize("model_type,bias", [("llama", False), ("qwen2", True)])
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
-def test_fused_matches_reference(monkeypatch, model_type, bias, dropout):
+@pytest.mark.parametrize("wide", [False, True])
+def test_fused_matches_reference(monkeypatch, model_type, bias, dropout, wide):
+    """wide: q/k/v and gate/up in the wide layout, [x | xa] @ [W | Bd]^T as one matmul."""
     ref = with_lora(tiny(model_type, bias), dropout)
     fused = copy.deepcopy(ref)
-    assert fuse_projections(fused) == 4
+    assert fuse_projections(fused, wide=wide) == 4
+    assert all(m.qkv.room == 3 * 4 and m.qkv.weight.stride() == (64 + 12, 1) if wide else m.qkv.room == 0
+               for m in (layer.self_attn for layer in fused.model.layers))
     ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(2))
     if dropout:
         # Both paths draw one mask per group and one per single layer, in the same order:
@@ -99,6 +103,34 @@ def test_fused_views_keep_names_and_values():
     w = attn.q_proj.base_layer.weight
     assert w.data_ptr() == attn.qkv.weight.data_ptr() and not w.requires_grad
     assert attn.k_proj.base_layer.weight.data_ptr() == w.data_ptr() + w.numel() * w.element_size()
+
+
+def test_wide_layout_holds_weights_and_the_cast_bd(monkeypatch):
+    """The wide layout: each layer's q/k/v weights are the first 64 columns of one [rows, 64 + 3 r]
+    block of a tensor shared by all layers (names and values unchanged), and a forward's
+    CastCache refresh writes the block-diagonal B into the other columns; with
+    HIVETUNE_REFERENCE=wide_lora the group ignores them and gives the same output."""
+    model = with_lora(tiny("qwen2", True), 0.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fuse_projections(model, wide=True)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    layers = [layer.self_attn for layer in model.model.layers]
+    w0, w1 = (attn.q_proj.base_layer.weight for attn in layers)
+    assert w0.stride() == (76, 1) and w1.data_ptr() == w0.data_ptr() + 128 * 76 * 4  # q/k/v: 64 + 32 + 32 rows
+    assert layers[0].k_proj.base_layer.weight.data_ptr() == w0.data_ptr() + 64 * 76 * 4
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(3))
+    used = []
+    real = lg.wide_matrix
+    monkeypatch.setattr(lg, "wide_matrix", lambda w, bd: used.append(real(w, bd) is not None) or real(w, bd))
+    out = model(ids)  # training with grad: the forward refreshes the CastCache
+    assert used == [True] * 4  # q/k/v and gate/up of both layers ran wide
+    slot, attn = layers[1].qkv.b_slot, layers[1]
+    assert slot.shape == (128, 12) and slot.data_ptr() == attn.qkv.weight.data_ptr() + 64 * 4
+    expect = torch.block_diag(*(m.lora_B.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj)))
+    assert torch.equal(slot, expect)
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "wide_lora")
+    assert torch.allclose(model(ids), out, rtol=0, atol=1e-6)
 
 
 def test_mixed_group_falls_back_and_disabled_is_base():

@@ -18,8 +18,9 @@ import torch
 import torch.nn as nn
 
 from hivetune.errors import UserError
+from hivetune.fastpath import forced
 from hivetune.ops import elementwise
-from hivetune.ops.lora_group import CastCache, dropout_seed, lora_group
+from hivetune.ops.lora_group import CastCache, casts_active, dropout_seed, lora_group
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_CONFIG = "adapter_config.json"
@@ -151,14 +152,28 @@ class FusedProjections:
     Calling it gives the joined output [..., sum out], or None when the group's LoRA layers are
     in mixed states (some disabled, or different ranks / scales / dropout): the caller then runs
     the layers one by one (``project_shared_input``), which is also the reference path.
+
+    `storage` [sum out, in + k] (the wide layout, lora.fuse_projections): the weight is its first
+    `in` columns and the CastCache writes the group's block-diagonal B into the other k = n r, so
+    that the base matmul takes the LoRA update along (ops.lora_group.wide_matrix); the input then
+    needs k free columns after each row (`room`).
     """
 
-    def __init__(self, layers: list[nn.Module]):
+    def __init__(self, layers: list[nn.Module], storage: torch.Tensor | None = None):
         self.layers = layers
         bases = [m.base_layer if isinstance(m, LoRALinear) else m for m in layers]
         self.sizes = tuple(b.out_features for b in bases)
+        d = bases[0].in_features
+        self.room = 0 if storage is None else storage.shape[1] - d
+        self.b_slot = None if storage is None else storage[:, d:]  # where the CastCache writes Bd
         with torch.no_grad():
-            self.weight = torch.cat([b.weight for b in bases])
+            if storage is None:
+                self.weight = torch.cat([b.weight for b in bases])
+            else:
+                self.weight, row = storage[:, :d], 0
+                for b in bases:
+                    self.weight[row:row + b.out_features].copy_(b.weight)
+                    row += b.out_features
             self.bias = torch.cat([b.bias for b in bases]) if all(b.bias is not None for b in bases) else None
             if self.bias is None and any(b.bias is not None for b in bases):
                 raise ValueError("fuse only layers that all have a bias or none")
@@ -177,8 +192,15 @@ class FusedProjections:
         if not shares_one_update(lora, self.layers):
             return None
         first = lora[0]
+        room = self.room if self.room == len(lora) * first.lora_A.out_features and casts_active() else 0
+        if room and (first.dropout_p() == 0 or not elementwise.seeded_dropout_ok(x)):
+            # x into a buffer with the free columns the wide path writes xa into (the seeded
+            # dropout of the group's own is not taken there: no copy for nothing)
+            x = torch.nn.functional.pad(x, (0, room))[..., :x.shape[-1]]
+        else:
+            room = 0
         return lora_group(x, self.weight, self.bias, self.sizes, first.dropout_p(), first.scaling,
-                          [m.lora_A.weight for m in lora], [m.lora_B.weight for m in lora], source)
+                          [m.lora_A.weight for m in lora], [m.lora_B.weight for m in lora], source, room=bool(room))
 
     def normed(self, norm: nn.Module, x: torch.Tensor):
         """(self(norm(x)), x') with the norm and the group's LoRA dropout as one kernel each way
@@ -200,35 +222,59 @@ class FusedProjections:
                 or elementwise.drop_matmul_shape(x.shape[-1], len(lora) * first.lora_A.out_features)):
             return None
         seed = dropout_seed(x.device)
-        y, yd, residual = elementwise.rms_norm_dropped(x, norm.weight, norm.eps, seed, p)
+        room = self.room if self.room == len(lora) * first.lora_A.out_features and casts_active() else 0
+        y, yd, residual = elementwise.rms_norm_dropped(x, norm.weight, norm.eps, seed, p, room)
         redo = partial(elementwise.rms_norm_dropped_only, weight=norm.weight, eps=norm.eps, seed=seed, p=p)
         joined = lora_group(y, self.weight, self.bias, self.sizes, p, first.scaling, [m.lora_A.weight for m in lora],
-                            [m.lora_B.weight for m in lora], (redo, x), xd=yd)
+                            [m.lora_B.weight for m in lora], (redo, x), xd=yd, room=bool(room))
         return joined, residual
 
 
-def fuse_projections(model: nn.Module) -> int:
+def fuse_projections(model: nn.Module, wide: bool | None = None) -> int:
     """Join q/k/v and gate/up of every decoder layer (FusedProjections) and route every LoRA
     layer through ops.lora_group. For training on one device or under DDP, after the model is on
     its device (``.to()`` would split the views again); not for FSDP-sharded parameters.
-    Returns the number of groups joined."""
+    `wide`: store each group's weights in the wide layout (FusedProjections), all layers' of one
+    group in one tensor (the CastCache then writes every layer's B with one kernel); None: on
+    CUDA unless HIVETUNE_REFERENCE=wide_lora (on the CPU the input's copy into a wider buffer
+    costs about what it saves). Returns the number of groups joined."""
+    layers = list(getattr(getattr(model, "model", None), "layers", []))
+    if wide is None:
+        wide = bool(layers) and layers[0].input_layernorm.weight.is_cuda and not forced("wide_lora")
     groups, calls, joined = 0, [], set()
-    for layer in getattr(getattr(model, "model", None), "layers", []):
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv = FusedProjections([attn.q_proj, attn.k_proj, attn.v_proj])
-        mlp.gate_up = FusedProjections([mlp.gate_proj, mlp.up_proj])
-        groups += 2
-        for fused in (attn.qkv, mlp.gate_up):
+    for owner, name, members in (("self_attn", "qkv", ("q_proj", "k_proj", "v_proj")),
+                                 ("mlp", "gate_up", ("gate_proj", "up_proj"))):
+        kind = [[getattr(getattr(layer, owner), m) for m in members] for layer in layers]
+        # one kind at a time: its old weights are freed as its layers move into the storage
+        storage = _wide_storage(kind) if wide else None
+        for i, layer in enumerate(layers):
+            fused = FusedProjections(kind[i], storage[i] if storage is not None else None)
+            setattr(getattr(layer, owner), name, fused)
+            groups += 1
             if all(isinstance(m, LoRALinear) for m in fused.layers):
                 calls.append(([m.lora_A.weight for m in fused.layers], [m.lora_B.weight for m in fused.layers],
-                              fused.sizes))
+                              fused.sizes, fused.b_slot))
                 joined.update(id(m) for m in fused.layers)
     for _, m in lora_modules(model):
         m.fused = True
         if id(m) not in joined:
-            calls.append(([m.lora_A.weight], [m.lora_B.weight], (m.out_features,)))
+            calls.append(([m.lora_A.weight], [m.lora_B.weight], (m.out_features,), None))
     model.lora_casts = CastCache(calls) if calls else None  # refreshed by CausalLM.forward
     return groups
+
+
+def _wide_storage(groups: list[list[nn.Module]]) -> torch.Tensor | None:
+    """One group kind's weights in the wide layout for every layer, [L, sum out, in + n r] in the
+    base weights' dtype (FusedProjections' `storage`), or None unless every layer of the kind
+    is LoRA with one rank and no weight is missing (then the groups stay as they were)."""
+    if not groups or not all(isinstance(m, LoRALinear) for g in groups for m in g):
+        return None
+    first = groups[0][0]
+    r, w = first.lora_A.out_features, first.base_layer.weight
+    if any(m.lora_A.out_features != r or m.base_layer.weight.dtype != w.dtype for g in groups for m in g):
+        return None
+    rows = sum(m.out_features for m in groups[0])
+    return torch.zeros((len(groups), rows, w.shape[1] + len(groups[0]) * r), dtype=w.dtype, device=w.device)
 
 
 def target_names(model: nn.Module) -> list[str]:

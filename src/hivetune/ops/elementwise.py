@@ -210,39 +210,41 @@ if triton is not None:
                 _row_piece(X, at + 96, inside), _row_piece(X, at + 112, inside))
 
     @triton.jit
-    def _norm_drop_piece(Y, YD, W, x, rstd, at, wat, inside, keep, scale, WRITE_Y: tl.constexpr):
+    def _norm_drop_piece(Y, YD, W, x, rstd, at, yat, wat, inside, keep, scale, WRITE_Y: tl.constexpr):
         w = tl.load(W + wat, mask=inside, other=0.0).to(tl.float32)
         y = (w * (x * rstd).to(YD.dtype.element_ty).to(tl.float32)).to(YD.dtype.element_ty)  # rms_norm's bits
         if WRITE_Y:
-            tl.store(Y + at, y, mask=inside)
+            tl.store(Y + yat, y, mask=inside)
         tl.store(YD + at, tl.where(keep, y.to(tl.float32) * scale, 0.0).to(YD.dtype.element_ty), mask=inside)
 
     @triton.jit(do_not_specialize=["eps"])
-    def _rms_norm_drop_fwd(X, W, Y, YD, RSTD, SEED, N, eps, thr, scale, GP: tl.constexpr, WRITE_Y: tl.constexpr):
-        """One row: Y = rms_norm(X) (with WRITE_Y, and RSTD) and YD = dropout_seeded(Y) (the same
-        mask, element for element)."""
+    def _rms_norm_drop_fwd(X, W, Y, YD, RSTD, SEED, N, Y_STRIDE, eps, thr, scale, GP: tl.constexpr,
+                           WRITE_Y: tl.constexpr):
+        """One row: Y = rms_norm(X) (with WRITE_Y, and RSTD; Y's rows Y_STRIDE apart) and
+        YD = dropout_seeded(Y) (the same mask, element for element)."""
         row = tl.program_id(0).to(tl.int64)
         groups, g, inside, wat, at = _row_layout(row, N, GP)
+        yat = row * Y_STRIDE + wat
         x0, x1, x2, x3, x4, x5, x6, x7 = _row_pieces(X, at, inside)
         ss = tl.sum(x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3 + x4 * x4 + x5 * x5 + x6 * x6 + x7 * x7)
         rstd = 1.0 / tl.sqrt(ss / N + eps)
         k0, k1, k2, k3, k4, k5, k6, k7 = _keep_eighths(SEED, row * groups + g, thr)
-        _norm_drop_piece(Y, YD, W, x0, rstd, at, wat, inside, k0, scale, WRITE_Y)
-        _norm_drop_piece(Y, YD, W, x1, rstd, at + 16, wat + 16, inside, k1, scale, WRITE_Y)
-        _norm_drop_piece(Y, YD, W, x2, rstd, at + 32, wat + 32, inside, k2, scale, WRITE_Y)
-        _norm_drop_piece(Y, YD, W, x3, rstd, at + 48, wat + 48, inside, k3, scale, WRITE_Y)
-        _norm_drop_piece(Y, YD, W, x4, rstd, at + 64, wat + 64, inside, k4, scale, WRITE_Y)
-        _norm_drop_piece(Y, YD, W, x5, rstd, at + 80, wat + 80, inside, k5, scale, WRITE_Y)
-        _norm_drop_piece(Y, YD, W, x6, rstd, at + 96, wat + 96, inside, k6, scale, WRITE_Y)
-        _norm_drop_piece(Y, YD, W, x7, rstd, at + 112, wat + 112, inside, k7, scale, WRITE_Y)
+        _norm_drop_piece(Y, YD, W, x0, rstd, at, yat, wat, inside, k0, scale, WRITE_Y)
+        _norm_drop_piece(Y, YD, W, x1, rstd, at + 16, yat + 16, wat + 16, inside, k1, scale, WRITE_Y)
+        _norm_drop_piece(Y, YD, W, x2, rstd, at + 32, yat + 32, wat + 32, inside, k2, scale, WRITE_Y)
+        _norm_drop_piece(Y, YD, W, x3, rstd, at + 48, yat + 48, wat + 48, inside, k3, scale, WRITE_Y)
+        _norm_drop_piece(Y, YD, W, x4, rstd, at + 64, yat + 64, wat + 64, inside, k4, scale, WRITE_Y)
+        _norm_drop_piece(Y, YD, W, x5, rstd, at + 80, yat + 80, wat + 80, inside, k5, scale, WRITE_Y)
+        _norm_drop_piece(Y, YD, W, x6, rstd, at + 96, yat + 96, wat + 96, inside, k6, scale, WRITE_Y)
+        _norm_drop_piece(Y, YD, W, x7, rstd, at + 112, yat + 112, wat + 112, inside, k7, scale, WRITE_Y)
         if WRITE_Y:
             tl.store(RSTD + row, rstd)
 
     @triton.jit
-    def _grad_in_piece(DY, DYD, W, at, wat, inside, keep, scale, HAS_DYD: tl.constexpr):
+    def _grad_in_piece(DY, DYD, W, at, dyat, wat, inside, keep, scale, HAS_DYD: tl.constexpr):
         """g = (dy + keep * scale * dyd) * w: the gradient reaching the norm's output through
         both of its uses, the dropout's backward drawn again from the seed."""
-        g = tl.load(DY + at, mask=inside, other=0.0).to(tl.float32)
+        g = tl.load(DY + dyat, mask=inside, other=0.0).to(tl.float32)
         if HAS_DYD:
             g += tl.where(keep, tl.load(DYD + at, mask=inside, other=0.0).to(tl.float32) * scale, 0.0)
         return g * tl.load(W + wat, mask=inside, other=0.0).to(tl.float32)
@@ -256,22 +258,23 @@ if triton is not None:
         tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def _rms_norm_drop_bwd(DY, DYD, DR, X, W, RSTD, DX, SEED, N, thr, scale, GP: tl.constexpr,
+    def _rms_norm_drop_bwd(DY, DYD, DR, X, W, RSTD, DX, SEED, N, DY_STRIDE, thr, scale, GP: tl.constexpr,
                            HAS_DYD: tl.constexpr, HAS_DR: tl.constexpr):
-        """dx of _rms_norm_drop_fwd given dy (d loss / d Y), dyd (d loss / d YD) and dr, the
-        gradient of the residual stream that bypasses the norm (added here, not by autograd):
-        g = (dy + keep * scale * dyd) * w, dx = r (g - xhat mean(g xhat)) + dr."""
+        """dx of _rms_norm_drop_fwd given dy (d loss / d Y; rows DY_STRIDE apart), dyd (d loss /
+        d YD) and dr, the gradient of the residual stream that bypasses the norm (added here, not
+        by autograd): g = (dy + keep * scale * dyd) * w, dx = r (g - xhat mean(g xhat)) + dr."""
         row = tl.program_id(0).to(tl.int64)
         groups, g, inside, wat, at = _row_layout(row, N, GP)
+        dyat = row * DY_STRIDE + wat
         k0, k1, k2, k3, k4, k5, k6, k7 = _keep_eighths(SEED, row * groups + g, thr)
-        g0 = _grad_in_piece(DY, DYD, W, at, wat, inside, k0, scale, HAS_DYD)
-        g1 = _grad_in_piece(DY, DYD, W, at + 16, wat + 16, inside, k1, scale, HAS_DYD)
-        g2 = _grad_in_piece(DY, DYD, W, at + 32, wat + 32, inside, k2, scale, HAS_DYD)
-        g3 = _grad_in_piece(DY, DYD, W, at + 48, wat + 48, inside, k3, scale, HAS_DYD)
-        g4 = _grad_in_piece(DY, DYD, W, at + 64, wat + 64, inside, k4, scale, HAS_DYD)
-        g5 = _grad_in_piece(DY, DYD, W, at + 80, wat + 80, inside, k5, scale, HAS_DYD)
-        g6 = _grad_in_piece(DY, DYD, W, at + 96, wat + 96, inside, k6, scale, HAS_DYD)
-        g7 = _grad_in_piece(DY, DYD, W, at + 112, wat + 112, inside, k7, scale, HAS_DYD)
+        g0 = _grad_in_piece(DY, DYD, W, at, dyat, wat, inside, k0, scale, HAS_DYD)
+        g1 = _grad_in_piece(DY, DYD, W, at + 16, dyat + 16, wat + 16, inside, k1, scale, HAS_DYD)
+        g2 = _grad_in_piece(DY, DYD, W, at + 32, dyat + 32, wat + 32, inside, k2, scale, HAS_DYD)
+        g3 = _grad_in_piece(DY, DYD, W, at + 48, dyat + 48, wat + 48, inside, k3, scale, HAS_DYD)
+        g4 = _grad_in_piece(DY, DYD, W, at + 64, dyat + 64, wat + 64, inside, k4, scale, HAS_DYD)
+        g5 = _grad_in_piece(DY, DYD, W, at + 80, dyat + 80, wat + 80, inside, k5, scale, HAS_DYD)
+        g6 = _grad_in_piece(DY, DYD, W, at + 96, dyat + 96, wat + 96, inside, k6, scale, HAS_DYD)
+        g7 = _grad_in_piece(DY, DYD, W, at + 112, dyat + 112, wat + 112, inside, k7, scale, HAS_DYD)
         x0, x1, x2, x3, x4, x5, x6, x7 = _row_pieces(X, at, inside)
         r = tl.load(RSTD + row)
         dot = tl.sum(g0 * x0 + g1 * x1 + g2 * x2 + g3 * x3 + g4 * x4 + g5 * x5 + g6 * x6 + g7 * x7) * r
@@ -601,15 +604,15 @@ def _norm_drop_warps(gp: int) -> int:
     return NORM_DROP_WARPS or min(8, max(1, gp // 2))
 
 
-def _norm_drop_launch(x2, weight, eps, seed, p, write_y: bool):
+def _norm_drop_launch(x2, weight, eps, seed, p, write_y: bool, room: int = 0):
     n = x2.shape[1]
     yd = torch.empty_like(x2)
-    y = torch.empty_like(x2) if write_y else yd
+    y = x2.new_empty((x2.shape[0], n + room))[:, :n] if write_y else yd
     rstd = torch.empty(x2.shape[0] if write_y else 1, dtype=torch.float32, device=x2.device)
     thr, scale = keep_threshold(p)
     gp = triton.next_power_of_2(n // 128)
-    _rms_norm_drop_fwd[(x2.shape[0],)](x2, weight, y, yd, rstd, seed, n, eps, thr, scale, GP=gp, WRITE_Y=write_y,
-                                       num_warps=_norm_drop_warps(gp))
+    _rms_norm_drop_fwd[(x2.shape[0],)](x2, weight, y, yd, rstd, seed, n, y.stride(0), eps, thr, scale, GP=gp,
+                                       WRITE_Y=write_y, num_warps=_norm_drop_warps(gp))
     return y, yd, rstd
 
 
@@ -618,10 +621,10 @@ class RMSNormDropFunction(torch.autograd.Function):
     rms_norm_dropped). Saves what RMSNormFunction saves (x and 1/rms) and the seed."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, seed: torch.Tensor, p: float):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, seed: torch.Tensor, p: float, room: int):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros read
         x2 = x.reshape(-1, x.shape[-1])
-        y, yd, rstd = _norm_drop_launch(x2, weight, eps, seed, p, True)
+        y, yd, rstd = _norm_drop_launch(x2, weight, eps, seed, p, True, room)
         ctx.save_for_backward(x2, weight, rstd, seed)
         ctx.p, ctx.x_shape = p, x.shape
         return y.view(x.shape), yd.view(x.shape), x  # x as it is: autograd hands its gradient here
@@ -635,11 +638,15 @@ class RMSNormDropFunction(torch.autograd.Function):
             dy = torch.zeros_like(x2)
         thr, scale = keep_threshold(ctx.p)
         gp = triton.next_power_of_2(n // 128)
-        dy, dyd, dr = (t.reshape(x2.shape).contiguous() if t is not None else None for t in (dy, dyd, dr))
+        dyd, dr = (t.reshape(x2.shape).contiguous() if t is not None else None for t in (dyd, dr))
+        dy = dy.reshape(x2.shape)
+        if dy.stride(1) != 1:  # rows may lie apart (a wide LoRA group's gradient), not elements
+            dy = dy.contiguous()
         _rms_norm_drop_bwd[(x2.shape[0],)](dy, dyd if dyd is not None else dy, dr if dr is not None else dy, x2,
-                                           weight, rstd, dx, seed, n, thr, scale, GP=gp, HAS_DYD=dyd is not None,
-                                           HAS_DR=dr is not None, num_warps=_norm_drop_warps(gp))
-        return dx.view(ctx.x_shape), None, None, None, None
+                                           weight, rstd, dx, seed, n, dy.stride(0), thr, scale, GP=gp,
+                                           HAS_DYD=dyd is not None, HAS_DR=dr is not None,
+                                           num_warps=_norm_drop_warps(gp))
+        return dx.view(ctx.x_shape), None, None, None, None, None
 
 
 class SwiGLUFunction(torch.autograd.Function):
@@ -838,14 +845,17 @@ def rms_norm_dropped_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not forced("norm_dropout"))
 
 
-def rms_norm_dropped(x: torch.Tensor, weight: torch.Tensor, eps: float, seed: torch.Tensor, p: float):
+def rms_norm_dropped(x: torch.Tensor, weight: torch.Tensor, eps: float, seed: torch.Tensor, p: float,
+                     room: int = 0):
     """(y, yd, x'): y = rms_norm(x), yd = dropout_seeded(y, seed, p), and x' = x for the residual
     add that bypasses the norm, whose gradient the norm's backward then adds in its own kernel
     (no add by autograd). For a LoRA group reading y in its base matmul and yd in its A matmul
     (lora.FusedProjections.normed): against rms_norm then dropout_seeded, one kernel and one
     read of y less forward, and backward the dropout's masked add and the residual's add ride in
-    the norm's backward kernel. rms_norm_dropped_ok(x, weight) must hold."""
-    return RMSNormDropFunction.apply(x, weight, eps, seed, p)
+    the norm's backward kernel. rms_norm_dropped_ok(x, weight) must hold.
+    `room`: y's rows lie that many elements further apart, the columns after each row left to
+    the caller (a wide LoRA group writes its A matmul's output there: ops.lora_group)."""
+    return RMSNormDropFunction.apply(x, weight, eps, seed, p, room)
 
 
 def rms_norm_dropped_only(x: torch.Tensor, weight: torch.Tensor, eps: float, seed: torch.Tensor,

@@ -57,13 +57,16 @@ _ACTIVE: "CastCache | None" = None  # the cache refreshed by the model forward n
 
 
 class _Kind:
-    """One group kind across L layers: A_1..A_n and B_1..B_n of each, same shapes in every layer."""
+    """One group kind across L layers: A_1..A_n and B_1..B_n of each, same shapes in every layer.
+    `slots`: each layer's place for Bd in the wide weight layout (lora.FusedProjections), or None;
+    where they lie evenly apart in one storage, Bd is written there (in that dtype)."""
 
-    def __init__(self, groups: list[tuple[list, list]], sizes: tuple[int, ...]):
-        self.a = [a for a_params, _ in groups for a in a_params]  # layer-major, then A_1..A_n
-        self.b = [b for _, b_params in groups for b in b_params]
+    def __init__(self, groups: list[tuple[list, list, torch.Tensor | None]], sizes: tuple[int, ...]):
+        self.a = [a for a_params, _, _ in groups for a in a_params]  # layer-major, then A_1..A_n
+        self.b = [b for _, b_params, _ in groups for b in b_params]
         self.sizes, self.layers, self.n = sizes, len(groups), len(sizes)
         self.r, self.d = groups[0][0][0].shape
+        self.wide = _evenly_apart([slot for _, _, slot in groups])
         self.dtype = None
 
     def refresh(self, dtype: torch.dtype) -> None:
@@ -71,7 +74,8 @@ class _Kind:
         if self.dtype != dtype:
             device = self.a[0].device
             self.a_buf = torch.empty((L, n * r, d), dtype=dtype, device=device)
-            self.bd_buf = torch.empty((L, rows, n * r), dtype=dtype, device=device)
+            self.bd_buf = (self.wide if self.wide is not None and self.wide.dtype == dtype
+                           else torch.empty((L, rows, n * r), dtype=dtype, device=device))
             if n > 1:
                 self.b_tmp = torch.empty((L, rows, r), dtype=self.b[0].dtype, device=device)
                 onehot = torch.zeros((rows, n), dtype=self.b[0].dtype, device=device)
@@ -93,16 +97,32 @@ class _Kind:
             torch.mul(self.b_tmp[:, :, None, :], self.onehot[None, :, :, None], out=self.bd_buf.view(L, rows, n, r))
 
 
+def _evenly_apart(slots: list) -> torch.Tensor | None:
+    """The [L, rows, k] view over L same-shaped [rows, k] slots lying evenly apart in one
+    storage, or None (a slot missing, other strides or dtypes, another storage)."""
+    first = slots[0]
+    if any(s is None for s in slots) or any(s.stride() != first.stride() or s.shape != first.shape
+                                            or s.dtype != first.dtype
+                                            or s.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                                            for s in slots):
+        return None
+    step = slots[1].storage_offset() - first.storage_offset() if len(slots) > 1 else 0
+    if any(s.storage_offset() != first.storage_offset() + i * step for i, s in enumerate(slots)):
+        return None
+    return first.as_strided((len(slots), *first.shape), (step, *first.stride()))
+
+
 class CastCache:
     """Compute-dtype A_all and block-diagonal B of every joined LoRA group of a model, refreshed
-    once per model forward (see the module doc). ``groups``: (A params, B params, sizes) per
-    group call, in layer order; groups of the same shapes form one kind (one buffer)."""
+    once per model forward (see the module doc). ``groups``: (A params, B params, sizes, the
+    wide layout's Bd slot or None) per group call, in layer order; groups of the same shapes
+    form one kind (one buffer)."""
 
-    def __init__(self, groups: list[tuple[list, list, tuple[int, ...]]]):
+    def __init__(self, groups: list[tuple[list, list, tuple[int, ...], torch.Tensor | None]]):
         by_shape: dict[tuple, list] = {}
-        for a_params, b_params, sizes in groups:
+        for a_params, b_params, sizes, slot in groups:
             key = (tuple(sizes), tuple(a_params[0].shape), a_params[0].dtype, b_params[0].dtype)
-            by_shape.setdefault(key, []).append((list(a_params), list(b_params)))
+            by_shape.setdefault(key, []).append((list(a_params), list(b_params), slot))
         self.kinds = [_Kind(g, key[0]) for key, g in by_shape.items()]
         self.slots: dict[int, tuple] = {}  # id(first A) -> (A params, B params, kind, layer index)
         for kind in self.kinds:
@@ -150,6 +170,11 @@ class CastCache:
         return kind.a_buf[layer], kind.bd_buf[layer]
 
 
+def casts_active() -> bool:
+    """Whether a model forward refreshed its CastCache (which the wide path's Bd comes from)."""
+    return _ACTIVE is not None
+
+
 def dropout_seed(device) -> torch.Tensor:
     """The seeded dropout's seed for the next group call: the refreshed CastCache's (one draw a
     forward), else a fresh one."""
@@ -159,10 +184,14 @@ def dropout_seed(device) -> torch.Tensor:
 _MM_OUT_DTYPE: bool | None = None  # whether torch.mm takes out_dtype (tried once)
 
 
-def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with a float32 result: one kernel on CUDA for bf16 / fp16 inputs (cuBLAS writes
-    fp32), else the matmul then a cast (a no-op for fp32 inputs)."""
+def mm_fp32(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """alpha a @ b with a float32 result: one kernel on CUDA for bf16 / fp16 inputs (cuBLAS
+    writes fp32), else the matmul then a cast (a no-op for fp32 inputs)."""
     global _MM_OUT_DTYPE
+    if alpha != 1.0:
+        out = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
+        add_mm_fp32_(out, a, b, alpha)
+        return out
     if _MM_OUT_DTYPE is not False and a.is_cuda and a.dtype != torch.float32:
         try:
             out = torch.mm(a, b, out_dtype=torch.float32)
@@ -181,7 +210,7 @@ class LoRAGroup(torch.autograd.Function):
     slice per layer, a single check for mm's fp32 output."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sizes, p, scale, source_fn, source, residual, xd, *lora):
+    def forward(ctx, x, weight, bias, sizes, p, scale, source_fn, source, residual, xd, room, *lora):
         """x [..., d]; weight [O, d] (frozen, rows per layer); lora = A_1..A_n, B_1..B_n.
         `source`: a tensor kept for backward anyway with x = source_fn(source) (or x itself
         when source_fn is None); with the seeded dropout, x is recomputed from it in backward
@@ -189,7 +218,8 @@ class LoRAGroup(torch.autograd.Function):
         output (the decoder's residual stream; in the base matmul's epilogue where it can).
         `xd`: x already dropped by the caller (elementwise.rms_norm_dropped, swiglu_dropped), or
         None. Its gradient goes back unmasked (the caller's backward applies the mask), and
-        source_fn then recomputes xd itself from `source`."""
+        source_fn then recomputes xd itself from `source`. `room`: x's rows lie n r elements
+        apart, the columns after each row free (the group's wide path writes xa there)."""
         n = len(sizes)
         a_params, b_params = lora[:n], lora[n:]
         device_type = x.device.type
@@ -198,13 +228,13 @@ class LoRAGroup(torch.autograd.Function):
         cached = _ACTIVE.lookup(a_params, b_params, dtype) if _ACTIVE is not None else None
         if autocast:
             with torch.autocast(device_type, enabled=False):
-                y, kept, mask, xa, a_all, bd, w, recompute, seeded = _group_forward(
-                    x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual, xd)
+                y, kept, mask, xa, a_all, bd, w, recompute, seeded, wide = _group_forward(
+                    x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual, xd, room)
         else:
-            y, kept, mask, xa, a_all, bd, w, recompute, seeded = _group_forward(
-                x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual, xd)
+            y, kept, mask, xa, a_all, bd, w, recompute, seeded, wide = _group_forward(
+                x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual, xd, room)
         ctx.save_for_backward(kept, mask, xa, a_all, bd, w)
-        ctx.recompute, ctx.source_fn, ctx.seeded = recompute, source_fn, seeded
+        ctx.recompute, ctx.source_fn, ctx.seeded, ctx.wide = recompute, source_fn, seeded, wide
         ctx.a_params, ctx.b_params = a_params, b_params  # backward adds into their .grad where they have one
         ctx.sizes, ctx.p, ctx.scale, ctx.r, ctx.x_shape, ctx.x_dtype = sizes, p, scale, a_params[0].shape[0], x.shape, x.dtype
         return y.view(*x.shape[:-1], weight.shape[0])
@@ -223,25 +253,25 @@ class LoRAGroup(torch.autograd.Function):
         else:
             grad_x, grad_xd, grads_a, grads_b = _group_backward(ctx, g, *saved)
         grad_residual = grad if ctx.needs_input_grad[8] else None  # y = residual + ...: its gradient as it is
-        return (grad_x, None, None, None, None, None, None, None, grad_residual, grad_xd, *grads_a, *grads_b)
+        return (grad_x, None, None, None, None, None, None, None, grad_residual, grad_xd, None, *grads_a, *grads_b)
 
 
 _ADDMM_OUT_DTYPE: bool | None = None  # whether torch.addmm takes out_dtype with out= (tried once)
 
 
-def add_mm_fp32_(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """into (fp32) += a @ b. On CUDA with bf16 / fp16 inputs the addition rides in cuBLAS's
-    epilogue (beta = 1); elsewhere the product then the add, which is what autograd's gradient
-    accumulation does (the same bits)."""
+def add_mm_fp32_(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> None:
+    """into (fp32) += alpha a @ b. On CUDA with bf16 / fp16 inputs the addition rides in
+    cuBLAS's epilogue (beta = 1); elsewhere the product then the add, which is what autograd's
+    gradient accumulation does (the same bits)."""
     global _ADDMM_OUT_DTYPE
     if _ADDMM_OUT_DTYPE is not False and a.is_cuda and a.dtype != torch.float32:
         try:
-            torch.addmm(into, a, b, out_dtype=torch.float32, out=into)
+            torch.addmm(into, a, b, alpha=alpha, out_dtype=torch.float32, out=into)
             _ADDMM_OUT_DTYPE = True
             return
         except (TypeError, RuntimeError):  # torch without addmm(out_dtype=)
             _ADDMM_OUT_DTYPE = False
-    into.add_(mm_fp32(a, b))
+    into.add_(mm_fp32(a, b), alpha=alpha)
 
 
 def grads_into(params, joined_rows: int = 0) -> tuple | None:
@@ -310,13 +340,28 @@ class GradArena:
         return bool(params) and all(p.dtype == params[0].dtype and p.device == params[0].device for p in params)
 
 
+def wide_matrix(w: torch.Tensor, bd: torch.Tensor) -> torch.Tensor | None:
+    """[W | Bd] as one [O, d + n r] matrix where W's rows lie that far apart with Bd's right
+    after them (lora.fuse_projections' wide layout, bd from the CastCache), else None."""
+    d, k = w.shape[1], bd.shape[1]
+    if (w.dim() != 2 or w.stride() != (d + k, 1) or bd.stride() != (d + k, 1) or bd.shape[0] != w.shape[0]
+            or bd.dtype != w.dtype or bd.data_ptr() != w.data_ptr() + d * w.element_size()):
+        return None
+    return w.as_strided((w.shape[0], d + k), (d + k, 1))
+
+
 def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual=None,
-                   given=None):
+                   given=None, room=False):
     """LoRAGroup's forward outside autocast: y and what backward keeps (see the module doc).
     `given`: the dropped input made by the caller (LoRAGroup's `xd`), or None.
     `residual`: added to y; as the base matmul's C (cuBLAS beta = 1: no add kernel, no [N, O]
     pass) when it is in the compute dtype and there is no bias, else added at the end (the
-    reference: HIVETUNE_REFERENCE=residual_epilogue)."""
+    reference: HIVETUNE_REFERENCE=residual_epilogue).
+    `room`: x's rows lie n r further apart with those columns free. Where the weights are wide
+    too (wide_matrix), xa is written there and y = [x | xa] @ [W | Bd]^T is one matmul: the
+    LoRA update rides in the base matmul instead of an addmm reading and writing all of y
+    (W1's gate/up: ~25 us of a ~40 us matmul on an H100), and backward [dx | d xa] = g [W | Bd]
+    is one matmul too. HIVETUNE_REFERENCE=wide_lora: never."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != dtype:
         x2 = x2.to(dtype)
@@ -324,6 +369,9 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
     a_all, bd = cached if cached is not None else _casts(x2, weight, sizes, a_params, b_params, dtype)
     mask = None
     seeded = "given" if given is not None else p > 0 and elementwise.seeded_dropout_ok(x2)
+    d, k = x2.shape[1], a_all.shape[0]
+    wide = (wide_matrix(w, bd) if room and seeded in ("given", False) and x2.stride() == (d + k, 1)
+            and cached is not None and not forced("wide_lora") else None)
     if seeded is True:  # the mask is drawn again from the seed in backward: nothing stored
         mask = _ACTIVE.next_seed(x2.device) if cached is not None else elementwise.new_dropout_seed(x2.device)
     if seeded is True and elementwise.drop_matmul_ok(x2, a_all):  # the dropout rides in the A matmuls
@@ -339,20 +387,31 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
             xd, mask = torch.native_dropout(x2, p, True)
         else:
             xd = x2
-        xa = x2.new_empty((x2.shape[0], a_all.shape[0]))
-        torch.addmm(xa, xd, a_all.t(), beta=0, alpha=scale, out=xa)  # s (xd A^T): the scale is free
+        if wide is not None:  # xa into x's free columns; kept apart for backward (x is not kept)
+            joined = x2.as_strided((x2.shape[0], d + k), (d + k, 1))
+            slot = joined[:, d:]
+            torch.addmm(slot, xd, a_all.t(), beta=0, alpha=scale, out=slot)
+            if xd is x2:  # kept for backward: a view made after the write (autograd checks)
+                xd = joined[:, :d]
+            xa, x2, w = slot.contiguous(), joined, wide
+        else:
+            xa = x2.new_empty((x2.shape[0], k))
+            torch.addmm(xa, xd, a_all.t(), beta=0, alpha=scale, out=xa)  # s (xd A^T): the scale is free
     r2 = residual.reshape(-1, w.shape[0]) if residual is not None else None
     if r2 is not None and bias is None and r2.dtype == dtype and not forced("residual_epilogue"):
         y, r2 = torch.addmm(r2, x2, w.t()), None  # residual + x W^T in one kernel
     else:
         y = torch.mm(x2, w.t()) if bias is None else F.linear(x2, w, bias.to(dtype))  # (mm: less dispatch than linear)
-    y.addmm_(xa, bd.t())
+    if wide is None:
+        y.addmm_(xa, bd.t())
+    else:
+        w = w[:, :d]
     if r2 is not None:
         y = r2 + y
     recompute = (bool(seeded) and source is not None and source.dtype == dtype
                  and not (cached is not None and _ACTIVE.keep_inputs))
     kept = source if recompute else xd  # x itself is not needed: W is frozen
-    return y, kept, mask, xa, a_all, bd, w, recompute, seeded
+    return y, kept, mask, xa, a_all, bd, w, recompute, seeded, wide is not None
 
 
 def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
@@ -367,8 +426,14 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
         if not in_matmul and not given:
             xd = elementwise.dropout_seeded(xd, mask, ctx.p)
         del x2  # only the (dropped) input is needed from here
-    g_xa = torch.empty((g.shape[0], a_all.shape[0]), dtype=g.dtype, device=g.device)
-    torch.addmm(g_xa, g, bd, beta=0, alpha=ctx.scale, out=g_xa)  # d loss / d (xd A^T)
+    if ctx.wide:  # [g W | g Bd] in one matmul; the scale then rides in the matmuls reading g Bd
+        d = w.shape[1]
+        joined = torch.mm(g, w.as_strided((w.shape[0], d + a_all.shape[0]), (d + a_all.shape[0], 1)))
+        gw, g_xa, alpha = joined[:, :d], joined[:, d:], ctx.scale
+    else:
+        gw, alpha = None, 1.0
+        g_xa = torch.empty((g.shape[0], a_all.shape[0]), dtype=g.dtype, device=g.device)
+        torch.addmm(g_xa, g, bd, beta=0, alpha=ctx.scale, out=g_xa)  # d loss / d (xd A^T)
     # A's gradient first: a recomputed xd (down_proj: [T, I]) is freed before grad_x is made.
     # Where the parameters have their .grad (GradArena), added into it: autograd gets None.
     n = len(sizes)
@@ -376,27 +441,27 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
     if in_matmul:
         product = elementwise.drop_matmul_grad(g_xa, xd, mask, ctx.p, into=into_a[0] if into_a else None)
     elif into_a:
-        add_mm_fp32_(into_a[0], g_xa.t(), xd)
+        add_mm_fp32_(into_a[0], g_xa.t(), xd, alpha)
     else:
-        product = mm_fp32(g_xa.t(), xd)  # [n r, d]: A_1 .. A_n's rows, contiguous blocks
+        product = mm_fp32(g_xa.t(), xd, alpha)  # [n r, d]: A_1 .. A_n's rows, contiguous blocks
     grads_a = (None,) * n if into_a else product.split(r)
     del xd
     grad_x = grad_xd = None
     if given:  # the dropout's backward is the caller's: g_xa A goes back as it is
         if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(g, w).view(ctx.x_shape)
+            grad_x = (gw if gw is not None else torch.mm(g, w)).view(ctx.x_shape)
         if ctx.needs_input_grad[9]:
-            grad_xd = torch.mm(g_xa, a_all).view(ctx.x_shape)
+            grad_xd = _mm_scaled(g_xa, a_all, alpha).view(ctx.x_shape)
     elif ctx.needs_input_grad[0]:
-        grad_x = torch.mm(g, w)
+        grad_x = gw if gw is not None else torch.mm(g, w)
         if in_matmul:
             elementwise.matmul_drop_add_(grad_x, g_xa, a_all, mask, ctx.p)
         elif ctx.seeded:
             elementwise.seeded_masked_add_(grad_x, torch.mm(g_xa, a_all), mask, ctx.p)
         elif mask is None:
-            grad_x.addmm_(g_xa, a_all)
+            grad_x.addmm_(g_xa, a_all, alpha=alpha)
         else:
-            masked_add_(grad_x, torch.mm(g_xa, a_all), mask, 1.0 / (1.0 - ctx.p))
+            masked_add_(grad_x, _mm_scaled(g_xa, a_all, alpha), mask, 1.0 / (1.0 - ctx.p))
         grad_x = grad_x.view(ctx.x_shape)
         if grad_x.dtype != ctx.x_dtype:
             grad_x = grad_x.to(ctx.x_dtype)
@@ -409,6 +474,14 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
         return grad_x, grad_xd, grads_a, (None,) * n
     grads_b = [mm_fp32(gi.t(), xai) for gi, xai in zip(g_parts, xa.split(r, 1))]
     return grad_x, grad_xd, grads_a, grads_b
+
+
+def _mm_scaled(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha a @ b in one matmul (alpha in cuBLAS's epilogue)."""
+    if alpha == 1.0:
+        return torch.mm(a, b)
+    out = a.new_empty((a.shape[0], b.shape[1]))
+    return torch.addmm(out, a, b, beta=0, alpha=alpha, out=out)
 
 
 def _casts(x2, weight, sizes, a_params, b_params, dtype):
@@ -435,13 +508,16 @@ def masked_add_(out: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, keep: fl
 
 
 def lora_group(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, ...],
-               p: float, scale: float, a_params, b_params, source=None, residual=None, xd=None) -> torch.Tensor:
+               p: float, scale: float, a_params, b_params, source=None, residual=None, xd=None,
+               room: bool = False) -> torch.Tensor:
     """y [..., sum(sizes)] = x W^T (+ bias) + the LoRA update of each row block (see the module doc).
     `source`: (fn, tensor) with x = fn(tensor) (fn None: x itself) where that tensor is saved for
     backward by another op anyway (the attention output; the gate/up output that SwiGLU keeps):
     under the seeded dropout the Function then keeps it instead of the dropped input.
     `xd`: x dropped by the caller (elementwise.rms_norm_dropped, swiglu_dropped); then fn(tensor)
-    gives the dropped input itself, and xd's gradient goes back unmasked."""
+    gives the dropped input itself, and xd's gradient goes back unmasked.
+    `room`: x's rows lie n r elements apart and the columns after each row are free: with the
+    wide weight layout the group then runs its wide path (_group_forward)."""
     fn, tensor = source if source is not None else (None, None)
     return LoRAGroup.apply(x, weight, bias, tuple(sizes), float(p), float(scale), fn, tensor, residual, xd,
-                           *a_params, *b_params)
+                           bool(room), *a_params, *b_params)
