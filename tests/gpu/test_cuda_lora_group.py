@@ -347,7 +347,7 @@ def test_wide_groups_match_the_addmm_of_the_update(lora_model_and_batch, monkeyp
     from hivetune.ops import lora_group as lg
 
     model, batch = dropout_model(lora_model_and_batch)
-    assert model.model.layers[0].mlp.gate_up.room == 2 * model.model.layers[0].mlp.gate_proj.lora_A.out_features
+    assert model.model.layers[0].mlp.gate_up.lora_cols == 2 * model.model.layers[0].mlp.gate_proj.lora_A.out_features
     used = []
     real = lg.wide_matrix
     monkeypatch.setattr(lg, "wide_matrix", lambda w, bd: used.append(real(w, bd) is not None) or real(w, bd))

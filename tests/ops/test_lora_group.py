@@ -59,7 +59,7 @@ def test_fused_matches_reference(monkeypatch, model_type, bias, dropout, wide):
     ref = with_lora(tiny(model_type, bias), dropout)
     fused = copy.deepcopy(ref)
     assert fuse_projections(fused, wide=wide) == 4
-    assert all(m.qkv.room == 3 * 4 and m.qkv.weight.stride() == (64 + 12, 1) if wide else m.qkv.room == 0
+    assert all(m.qkv.lora_cols == 3 * 4 and m.qkv.weight.stride() == (128, 1) if wide else m.qkv.room == 0
                for m in (layer.self_attn for layer in fused.model.layers))
     ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(2))
     if dropout:
@@ -106,8 +106,9 @@ def test_fused_views_keep_names_and_values():
 
 
 def test_wide_layout_holds_weights_and_the_cast_bd(monkeypatch):
-    """The wide layout: each layer's q/k/v weights are the first 64 columns of one [rows, 64 + 3 r]
-    block of a tensor shared by all layers (names and values unchanged), and a forward's
+    """The wide layout: each layer's q/k/v weights are the first 64 columns of one [rows, 128]
+    block (64 + 3 r = 76 columns, rows 128-aligned) of a tensor shared by all layers (names and
+    values unchanged), and a forward's
     CastCache refresh writes the block-diagonal B into the other columns; with
     HIVETUNE_REFERENCE=wide_lora the group ignores them and gives the same output."""
     model = with_lora(tiny("qwen2", True), 0.0)
@@ -117,8 +118,8 @@ def test_wide_layout_holds_weights_and_the_cast_bd(monkeypatch):
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     layers = [layer.self_attn for layer in model.model.layers]
     w0, w1 = (attn.q_proj.base_layer.weight for attn in layers)
-    assert w0.stride() == (76, 1) and w1.data_ptr() == w0.data_ptr() + 128 * 76 * 4  # q/k/v: 64 + 32 + 32 rows
-    assert layers[0].k_proj.base_layer.weight.data_ptr() == w0.data_ptr() + 64 * 76 * 4
+    assert w0.stride() == (128, 1) and w1.data_ptr() == w0.data_ptr() + 128 * 128 * 4  # q/k/v: 64 + 32 + 32 rows
+    assert layers[0].k_proj.base_layer.weight.data_ptr() == w0.data_ptr() + 64 * 128 * 4
     ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(3))
     used = []
     real = lg.wide_matrix

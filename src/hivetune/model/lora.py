@@ -153,19 +153,20 @@ class FusedProjections:
     in mixed states (some disabled, or different ranks / scales / dropout): the caller then runs
     the layers one by one (``project_shared_input``), which is also the reference path.
 
-    `storage` [sum out, in + k] (the wide layout, lora.fuse_projections): the weight is its first
-    `in` columns and the CastCache writes the group's block-diagonal B into the other k = n r, so
-    that the base matmul takes the LoRA update along (ops.lora_group.wide_matrix); the input then
-    needs k free columns after each row (`room`).
+    `storage` [sum out, in + room] (the wide layout, lora.fuse_projections): the weight is its
+    first `in` columns and the CastCache writes the group's block-diagonal B into the next
+    k = n r (`lora_cols`; room >= k keeps rows 128 bytes apart), so that the base matmul takes the
+    LoRA update along (ops.lora_group.wide_matrix); its input then comes with `room` columns after
+    each row.
     """
 
-    def __init__(self, layers: list[nn.Module], storage: torch.Tensor | None = None):
+    def __init__(self, layers: list[nn.Module], storage: torch.Tensor | None = None, lora_cols: int = 0):
         self.layers = layers
         bases = [m.base_layer if isinstance(m, LoRALinear) else m for m in layers]
         self.sizes = tuple(b.out_features for b in bases)
         d = bases[0].in_features
-        self.room = 0 if storage is None else storage.shape[1] - d
-        self.b_slot = None if storage is None else storage[:, d:]  # where the CastCache writes Bd
+        self.room, self.lora_cols = (0, 0) if storage is None else (storage.shape[1] - d, lora_cols)
+        self.b_slot = None if storage is None else storage[:, d:d + lora_cols]  # where the CastCache writes Bd
         with torch.no_grad():
             if storage is None:
                 self.weight = torch.cat([b.weight for b in bases])
@@ -192,7 +193,7 @@ class FusedProjections:
         if not shares_one_update(lora, self.layers):
             return None
         first = lora[0]
-        room = self.room if self.room == len(lora) * first.lora_A.out_features and casts_active() else 0
+        room = self.room if self.lora_cols == len(lora) * first.lora_A.out_features and casts_active() else 0
         if room and (first.dropout_p() == 0 or not elementwise.seeded_dropout_ok(x)):
             # x into a buffer with the free columns the wide path writes xa into (the seeded
             # dropout of the group's own is not taken there: no copy for nothing)
@@ -222,7 +223,7 @@ class FusedProjections:
                 or elementwise.drop_matmul_shape(x.shape[-1], len(lora) * first.lora_A.out_features)):
             return None
         seed = dropout_seed(x.device)
-        room = self.room if self.room == len(lora) * first.lora_A.out_features and casts_active() else 0
+        room = self.room if self.lora_cols == len(lora) * first.lora_A.out_features and casts_active() else 0
         y, yd, residual = elementwise.rms_norm_dropped(x, norm.weight, norm.eps, seed, p, room)
         redo = partial(elementwise.rms_norm_dropped_only, weight=norm.weight, eps=norm.eps, seed=seed, p=p)
         joined = lora_group(y, self.weight, self.bias, self.sizes, p, first.scaling, [m.lora_A.weight for m in lora],
@@ -248,7 +249,8 @@ def fuse_projections(model: nn.Module, wide: bool | None = None) -> int:
         # one kind at a time: its old weights are freed as its layers move into the storage
         storage = _wide_storage(kind) if wide else None
         for i, layer in enumerate(layers):
-            fused = FusedProjections(kind[i], storage[i] if storage is not None else None)
+            fused = FusedProjections(kind[i], storage[i] if storage is not None else None,
+                                     len(members) * kind[i][0].lora_A.out_features if storage is not None else 0)
             setattr(getattr(layer, owner), name, fused)
             groups += 1
             if all(isinstance(m, LoRALinear) for m in fused.layers):
@@ -264,17 +266,18 @@ def fuse_projections(model: nn.Module, wide: bool | None = None) -> int:
 
 
 def _wide_storage(groups: list[list[nn.Module]]) -> torch.Tensor | None:
-    """One group kind's weights in the wide layout for every layer, [L, sum out, in + n r] in the
-    base weights' dtype (FusedProjections' `storage`), or None unless every layer of the kind
-    is LoRA with one rank and no weight is missing (then the groups stay as they were)."""
+    """One group kind's weights in the wide layout for every layer, [L, sum out, in + room] in the
+    base weights' dtype (FusedProjections' `storage`; room: n r up to a multiple of 64 columns, so
+    rows start 128-byte aligned), or None unless every layer of the kind is LoRA with one rank
+    (then the groups stay as they were)."""
     if not groups or not all(isinstance(m, LoRALinear) for g in groups for m in g):
         return None
     first = groups[0][0]
     r, w = first.lora_A.out_features, first.base_layer.weight
     if any(m.lora_A.out_features != r or m.base_layer.weight.dtype != w.dtype for g in groups for m in g):
         return None
-    rows = sum(m.out_features for m in groups[0])
-    return torch.zeros((len(groups), rows, w.shape[1] + len(groups[0]) * r), dtype=w.dtype, device=w.device)
+    rows, cols = sum(m.out_features for m in groups[0]), w.shape[1] + len(groups[0]) * r
+    return torch.zeros((len(groups), rows, -(-cols // 64) * 64), dtype=w.dtype, device=w.device)
 
 
 def target_names(model: nn.Module) -> list[str]:

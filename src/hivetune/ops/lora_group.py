@@ -218,8 +218,8 @@ class LoRAGroup(torch.autograd.Function):
         output (the decoder's residual stream; in the base matmul's epilogue where it can).
         `xd`: x already dropped by the caller (elementwise.rms_norm_dropped, swiglu_dropped), or
         None. Its gradient goes back unmasked (the caller's backward applies the mask), and
-        source_fn then recomputes xd itself from `source`. `room`: x's rows lie n r elements
-        apart, the columns after each row free (the group's wide path writes xa there)."""
+        source_fn then recomputes xd itself from `source`. `room`: x's rows lie n r or more
+        elements further apart, the columns after each row free (the wide path writes xa there)."""
         n = len(sizes)
         a_params, b_params = lora[:n], lora[n:]
         device_type = x.device.type
@@ -341,13 +341,13 @@ class GradArena:
 
 
 def wide_matrix(w: torch.Tensor, bd: torch.Tensor) -> torch.Tensor | None:
-    """[W | Bd] as one [O, d + n r] matrix where W's rows lie that far apart with Bd's right
-    after them (lora.fuse_projections' wide layout, bd from the CastCache), else None."""
+    """[W | Bd] as one [O, d + n r] matrix where Bd's rows come right after W's, in rows at least
+    that far apart (lora.fuse_projections' wide layout, bd from the CastCache), else None."""
     d, k = w.shape[1], bd.shape[1]
-    if (w.dim() != 2 or w.stride() != (d + k, 1) or bd.stride() != (d + k, 1) or bd.shape[0] != w.shape[0]
-            or bd.dtype != w.dtype or bd.data_ptr() != w.data_ptr() + d * w.element_size()):
+    if (w.dim() != 2 or w.stride(1) != 1 or w.stride(0) < d + k or bd.stride() != w.stride()
+            or bd.shape[0] != w.shape[0] or bd.dtype != w.dtype or bd.data_ptr() != w.data_ptr() + d * w.element_size()):
         return None
-    return w.as_strided((w.shape[0], d + k), (d + k, 1))
+    return w.as_strided((w.shape[0], d + k), w.stride())
 
 
 def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual=None,
@@ -357,7 +357,7 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
     `residual`: added to y; as the base matmul's C (cuBLAS beta = 1: no add kernel, no [N, O]
     pass) when it is in the compute dtype and there is no bias, else added at the end (the
     reference: HIVETUNE_REFERENCE=residual_epilogue).
-    `room`: x's rows lie n r further apart with those columns free. Where the weights are wide
+    `room`: x's rows lie n r or more further apart with those columns free. Where the weights are wide
     too (wide_matrix), xa is written there and y = [x | xa] @ [W | Bd]^T is one matmul: the
     LoRA update rides in the base matmul instead of an addmm reading and writing all of y
     (W1's gate/up: ~25 us of a ~40 us matmul on an H100), and backward [dx | d xa] = g [W | Bd]
@@ -370,7 +370,7 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
     mask = None
     seeded = "given" if given is not None else p > 0 and elementwise.seeded_dropout_ok(x2)
     d, k = x2.shape[1], a_all.shape[0]
-    wide = (wide_matrix(w, bd) if room and seeded in ("given", False) and x2.stride() == (d + k, 1)
+    wide = (wide_matrix(w, bd) if room and seeded in ("given", False) and x2.stride(1) == 1 and x2.stride(0) >= d + k
             and cached is not None and not forced("wide_lora") else None)
     if seeded is True:  # the mask is drawn again from the seed in backward: nothing stored
         mask = _ACTIVE.next_seed(x2.device) if cached is not None else elementwise.new_dropout_seed(x2.device)
@@ -388,7 +388,7 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
         else:
             xd = x2
         if wide is not None:  # xa into x's free columns; kept apart for backward (x is not kept)
-            joined = x2.as_strided((x2.shape[0], d + k), (d + k, 1))
+            joined = x2.as_strided((x2.shape[0], d + k), x2.stride())
             slot = joined[:, d:]
             torch.addmm(slot, xd, a_all.t(), beta=0, alpha=scale, out=slot)
             if xd is x2:  # kept for backward: a view made after the write (autograd checks)
@@ -427,8 +427,9 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
             xd = elementwise.dropout_seeded(xd, mask, ctx.p)
         del x2  # only the (dropped) input is needed from here
     if ctx.wide:  # [g W | g Bd] in one matmul; the scale then rides in the matmuls reading g Bd
-        d = w.shape[1]
-        joined = torch.mm(g, w.as_strided((w.shape[0], d + a_all.shape[0]), (d + a_all.shape[0], 1)))
+        d, k = w.shape[1], a_all.shape[0]
+        joined = g.new_empty((g.shape[0], w.stride(0)))[:, :d + k]  # rows as aligned as the weight's
+        torch.mm(g, w.as_strided((w.shape[0], d + k), w.stride()), out=joined)
         gw, g_xa, alpha = joined[:, :d], joined[:, d:], ctx.scale
     else:
         gw, alpha = None, 1.0
@@ -516,7 +517,7 @@ def lora_group(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     under the seeded dropout the Function then keeps it instead of the dropped input.
     `xd`: x dropped by the caller (elementwise.rms_norm_dropped, swiglu_dropped); then fn(tensor)
     gives the dropped input itself, and xd's gradient goes back unmasked.
-    `room`: x's rows lie n r elements apart and the columns after each row are free: with the
+    `room`: x's rows lie n r or more elements further apart, those columns free: with the
     wide weight layout the group then runs its wide path (_group_forward)."""
     fn, tensor = source if source is not None else (None, None)
     return LoRAGroup.apply(x, weight, bias, tuple(sizes), float(p), float(scale), fn, tensor, residual, xd,
