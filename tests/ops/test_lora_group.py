@@ -306,3 +306,25 @@ def test_residual_rides_in_the_base_matmul(monkeypatch, dtype):
     assert torch.equal(fused[2], dy) and torch.equal(plain[2], dy)
     for u, v in zip(fused[1:], plain[1:]):
         assert torch.equal(u, v)  # the backward does not see where the add happened
+
+
+def test_wide_layout_only_where_micro_batches_are_small(monkeypatch):
+    """train.wide_groups: the wide layout on CUDA for graph-sized micro-batches (W1: 0.5B, 8
+    examples of ~199 tokens, ~2.3 TFLOP), not for W2's (7B, 16 x ~171 tokens, ~77 TFLOP, above
+    graphs' 60), nor on the CPU or with HIVETUNE_REFERENCE=wide_lora. (Only shapes are read.)"""
+    from types import SimpleNamespace
+
+    from hivetune.bench import WORKLOADS
+    from hivetune.data.dataset import TokenizedExamples
+    from hivetune.data.formats import Encoded
+    from hivetune.train import wide_groups
+
+    def run(name, batch, mean, device="cuda"):
+        data = TokenizedExamples([Encoded([1] * mean, [True] * mean, truncated=False)] * 4)
+        model = SimpleNamespace(args=WORKLOADS[name].args)
+        return wide_groups(model, SimpleNamespace(batch_size=batch), data, torch.device(device))
+
+    assert run("W1", 8, 199) and not run("W2", 16, 171) and run("W2", 1, 171)
+    assert not run("W1", 8, 199, "cpu")
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "wide_lora")
+    assert not run("W1", 8, 199)
