@@ -150,6 +150,12 @@ def wait_for(predicate, timeout: float = 30.0) -> None:
         time.sleep(0.002)
 
 
+def newest_step(ckpts: Path) -> int:
+    """The newest complete checkpoint's step (0: none yet)."""
+    folders = checkpoint_folders(ckpts)
+    return int(folders[-1].name[5:]) if folders else 0
+
+
 def writing(ckpts: Path, pid: int) -> bool:
     """Whether process `pid` has a checkpoint temp folder (.step-NNNNNN.tmp-PID) in `ckpts`."""
     return ckpts.is_dir() and any(p.name.endswith(f".tmp-{pid}") for p in ckpts.iterdir())
@@ -164,9 +170,13 @@ def test_sigkill_at_random_moments_then_resume_is_bitwise_equal(forks, reference
     kills, mid_checkpoint, resumed_at = 0, 0, []
     for attempt in range(12):
         log = tmp_path / f"log-{attempt}"
+        last = newest_step(ckpts)
         pid = forks.start(argv, log, env)
-        if attempt % 2 == 0:  # any moment: loading, training, writing or pruning a checkpoint
+        if attempt % 4 == 0:  # any moment: loading, training, writing or pruning a checkpoint
             time.sleep(rng.uniform(0.1, 1.0))
+        elif attempt % 4 == 2:  # soon after this process saved a step: progress on a slow machine too
+            wait_for(lambda: newest_step(ckpts) > last, timeout=120.0)
+            time.sleep(rng.uniform(0.0, 0.05))
         else:  # while a checkpoint is being written: this process's temp folder exists
             wait_for(lambda: writing(ckpts, pid))
             time.sleep(rng.uniform(0.0, 0.06))
