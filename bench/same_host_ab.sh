@@ -13,13 +13,13 @@ envs() {  # the environment of a tree: new (this one) or old
 }
 W2="--set host_embeddings=true --set activation_offload=${N:-4}"
 for which in new old; do  # warm both trees' Triton kernels first
-  timeout 60 env $(envs $which) python3 -m hivetune bench W1 --out /tmp/warm --max-steps 30 2>&1 | grep -E "^W|rror"
-  timeout 90 env $(envs $which) python3 -m hivetune bench W2 --out /tmp/warm --max-steps 5 $W2 2>&1 | grep -E "^W|rror"
+  timeout 60 env $(envs $which) python3 -m hivetune bench W1 --out /tmp/warm --max-steps 30 2>&1 | grep -E "^W|this host|rror"
+  timeout 90 env $(envs $which) python3 -m hivetune bench W2 --out /tmp/warm --max-steps 5 $W2 2>&1 | grep -E "^W|this host|rror"
 done
 for round in $(seq ${ROUNDS:-2}); do
   for which in new old; do
     echo "== $which, round $round"
-    timeout 90 env $(envs $which) python3 -m hivetune bench W1 --out $OUT/results 2>&1 | grep -E "^W|rror"
-    timeout 120 env $(envs $which) python3 -m hivetune bench W2 --out $OUT/results $W2 2>&1 | grep -E "^W|rror"
+    timeout 90 env $(envs $which) python3 -m hivetune bench W1 --out $OUT/results 2>&1 | grep -E "^W|this host|rror"
+    timeout 120 env $(envs $which) python3 -m hivetune bench W2 --out $OUT/results $W2 2>&1 | grep -E "^W|this host|rror"
   done
 done

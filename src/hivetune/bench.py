@@ -159,6 +159,44 @@ def environment(device) -> dict:
     return env
 
 
+def host_probe(device) -> dict:
+    """What this machine gives, measured after the run (hosts of one GPU model spread: W1 ±5%,
+    W2 up to 35%): a bf16 8192^3 matmul's TFLOP/s (the GPU's clocks and power), the host
+    microseconds of a small kernel launch (the CPU that eager steps wait on), the SM clock."""
+    if device.type != "cuda":
+        return {}
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        torch.mm(a, b)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        torch.mm(a, b)
+    end.record()
+    end.synchronize()
+    tflops = 20 * 2 * 8192 ** 3 / (start.elapsed_time(end) / 1e3) / 1e12
+    del a, b
+    x = torch.zeros(256, device=device)
+    for _ in range(100):
+        x.add_(1.0)
+    torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    for _ in range(2000):
+        x.add_(1.0)
+    launch_us = (time.perf_counter() - t) / 2000 * 1e6
+    torch.cuda.synchronize(device)
+    probe = {"matmul_tflops": round(tflops, 1), "launch_us": round(launch_us, 2)}
+    try:
+        probe["sm_clock_mhz"] = int(subprocess.check_output(
+            ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits",
+             f"--id={device.index or 0}"], text=True).split()[0])
+    except Exception:
+        pass
+    return probe
+
+
 def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = None, max_steps: int = 0,
                  memory_cap_gib: float = 0.0) -> dict:
     """Train the workload with hivetune's loop; return the measured figures. memory_cap_gib: the
@@ -327,6 +365,8 @@ def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "bench/result
         record = {"workload": name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "environment": environment(device), "max_steps": max_steps, "overrides": overrides or {},
                   "hivetune": run_hivetune(w, device, overrides, max_steps, memory_cap_gib)}
+        _release_memory(device)
+        record["environment"]["host_probe"] = host_probe(device)
         if baseline:
             _release_memory(device)
             record["baseline"] = {"name": baseline, **run_hf_peft(w, device, baseline_steps)}

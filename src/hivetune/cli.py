@@ -209,6 +209,10 @@ def run_bench(ns) -> int:
         mem = f", peak {h['peak_memory_allocated_gib']:.2f} GiB" if h["peak_memory_allocated_gib"] else ""
         print(f"{name}: {h['steps']} steps in {h['seconds']:.1f} s, {h['tokens_per_s']:,.0f} tokens/s{mfu}{mem} "
               f"-> {record['path']}")
+        probe = record["environment"].get("host_probe")
+        if probe:
+            print(f"  this host: bf16 8192^3 matmul {probe['matmul_tflops']:,.0f} TFLOP/s, "
+                  f"kernel launch {probe['launch_us']:.1f} us, SM clock {probe.get('sm_clock_mhz', '?')} MHz")
         if "baseline" in record:
             b = record["baseline"]
             ratio = f", hivetune {record['speedup_vs_baseline']}x faster" if "speedup_vs_baseline" in record else ""

@@ -194,3 +194,16 @@ def test_planned_sizes_are_captured_in_turn_and_a_resumed_run_uses_the_same_grap
     unbroken = keys_taken(0)
     resumed = keys_taken(3)
     assert resumed[1:] == unbroken[4:]
+
+
+def test_host_probe_measures_this_gpu():
+    """bench's host probe: an 8192^3 bf16 matmul's rate within what the GPU can do (H100 / H200:
+    989 TFLOP/s dense; above 100 unless the GPU is badly throttled), a launch's host cost in us."""
+    from hivetune.bench import host_probe, peak_tflops
+
+    probe = host_probe(torch.device("cuda", 0))
+    peak = peak_tflops(torch.device("cuda", 0))
+    assert 0 < probe["matmul_tflops"] <= (peak or 10_000)
+    if peak and peak > 500:
+        assert probe["matmul_tflops"] > 100
+    assert 0.5 < probe["launch_us"] < 1000
