@@ -6,6 +6,7 @@
     python bench/profile_step.py W2 --narrow --no-profile --set cuda_graphs=false  # host dispatch alone
     python bench/profile_step.py W1 --first --steps 3   # cProfile over a fresh process's first steps
     python bench/profile_step.py W2 --memory --steps 2  # what is alive at the peak, by allocating line
+    python bench/profile_step.py W2 --narrow --ops --steps 4 --set cuda_graphs=false  # aten ops by calling line
 
 --narrow keeps the workload's layers, heads, LoRA and data but shrinks the widths (head_dim 16,
 intermediate 512, vocab 8192): the GPU work becomes negligible, so an eager step's wall time is
@@ -53,6 +54,8 @@ def main() -> None:
                         help="cProfile over the first --steps steps, lazy inits and graph capture included")
     parser.add_argument("--memory", action="store_true",
                         help="the allocations alive at the steps' peak, grouped by the hivetune line that made them")
+    parser.add_argument("--ops", action="store_true",
+                        help="count the aten ops a step dispatches, by op and the hivetune line that called it")
     parser.add_argument("--bucket", type=int, default=0, help="CUDA-graph bucket in tokens (default 256)")
     parser.add_argument("--gaps", default="", help="with the profiler: write the GPU's idle gaps between kernels "
                         "(and what ran around the longest) as JSON to this file")
@@ -108,6 +111,9 @@ def main() -> None:
         return
     if opts.memory:
         print_memory_peak(run)
+        return
+    if opts.ops:
+        print_op_census(run)
         return
     if opts.no_profile:
         t0 = time.perf_counter()
@@ -200,6 +206,43 @@ def print_memory_peak(run) -> None:
           f"(torch says {torch.cuda.max_memory_allocated() / gib:.3f}); alive at the peak, by allocating line:")
     for name in sorted(groups, key=groups.get, reverse=True)[:40]:
         print(f"{groups[name] / gib:8.3f} GiB {counts[name]:6d} blocks  {name}")
+
+
+def print_op_census(run) -> None:
+    """The aten ops the steps dispatch (autograd's backward included), counted per step by op and
+    by the innermost hivetune frame that made them: where copies, casts and reductions come from."""
+    import traceback
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    by_op, by_site = Counter(), Counter()
+    cheap = {"aten.view.default", "aten.t.default", "aten.as_strided.default", "aten.split.Tensor",
+             "aten.slice.Tensor", "aten.detach.default", "aten._unsafe_view.default", "aten.reshape.default",
+             "aten.select.int", "aten.unsqueeze.default", "aten.transpose.int", "aten.expand.default",
+             "aten.permute.default", "aten.alias.default", "aten.empty.memory_format", "aten.empty_strided.default",
+             "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty_like.default"}
+
+    class Census(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            by_op[name] += 1
+            if name not in cheap:
+                frames = [f for f in traceback.extract_stack()[:-1] if "/hivetune/" in f.filename]
+                site = f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].name}" if frames else "(torch)"
+                by_site[f"{name:40s} {site}"] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Census():
+        fit(run, progress=False)
+    torch.cuda.synchronize()
+    n = len(run.steps)
+    print(f"aten ops per step ({n} steps; each fit also saves the adapter once): {sum(by_op.values()) / n:.0f}")
+    for name, k in by_op.most_common(40):
+        print(f"{k / n:9.1f}  {name}")
+    print("by calling line (views and allocations left out):")
+    for name, k in by_site.most_common(60):
+        print(f"{k / n:9.1f}  {name}")
 
 
 def print_syncs(run) -> None:

@@ -259,3 +259,25 @@ def test_bf16_weights_train_without_autocast_to_the_same_bits(monkeypatch, tmp_p
     fp32 = assemble(load_config(None, {**values, "precision": "fp32"}), random_model(args, "cpu", torch.float32),
                     examples, None, torch.device("cpu"), "bf16", tmp_path / "run32", Path("random"))
     assert not fp32.model.runs_in_dtype
+
+
+def test_env_and_forced_follow_every_change_of_the_environment(monkeypatch):
+    """fastpath.env reads CPython's dict behind os.environ (the per-layer checks of a step):
+    it must give what os.environ.get gives after each set and delete, and forced() with it."""
+    import os
+
+    monkeypatch.setenv(FORCE_ENV, "wide_lora, fused_layers")
+    assert fastpath.env(FORCE_ENV) == os.environ.get(FORCE_ENV) == "wide_lora, fused_layers"
+    assert fastpath.forced("fused_layers") and fastpath.forced("wide_lora") and not fastpath.forced("varlen")
+    monkeypatch.setenv(FORCE_ENV, "all")
+    assert fastpath.forced("varlen")
+    monkeypatch.delenv(FORCE_ENV)
+    assert fastpath.env(FORCE_ENV) == "" and fastpath.env(FORCE_ENV, "unset") == "unset"
+    assert not fastpath.forced("varlen")
+    monkeypatch.setenv("HIVETUNE_FUSED_OPS", "0")
+    assert fastpath.env("HIVETUNE_FUSED_OPS", "1") == "0"
+    os.environ["HIVETUNE_TEST_ENV_Ü"] = "ä"  # non-ASCII name and value round-trip as os.environ's
+    try:
+        assert fastpath.env("HIVETUNE_TEST_ENV_Ü") == "ä"
+    finally:
+        del os.environ["HIVETUNE_TEST_ENV_Ü"]

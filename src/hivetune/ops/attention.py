@@ -15,14 +15,13 @@ training's packed rows, so no pad token goes through the linear layers.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hivetune.fastpath import varlen_usable
+from hivetune.fastpath import env, varlen_usable
 
 # cuDNN's SDPA builds an execution plan per new shape: 2-2.5 ms of host time per call measured
 # on an H200 for W1's [8, 14, L, 64] (L changes every step), 35% of the step's host time.
@@ -279,7 +278,7 @@ def _varlen_fn():
 
 
 def varlen_supported(q: torch.Tensor) -> bool:
-    if os.environ.get("HIVETUNE_ATTENTION") == "sdpa":  # force the reference path (tests, A/B)
+    if env("HIVETUNE_ATTENTION") == "sdpa":  # force the reference path (tests, A/B)
         return False
     # Tried once per device and dtype (hivetune.fastpath): a GPU or build without the kernel
     # takes the SDPA reference path, with one log line.

@@ -19,11 +19,10 @@ outputs match them to about one bf16 ulp; gradients are computed in fp32 from th
 
 from __future__ import annotations
 
-import os
 
 import torch
 
-from hivetune.fastpath import forced, note_fallback
+from hivetune.fastpath import env, forced, note_fallback
 
 try:  # Triton is optional: CPUs, ROCm builds without it, old GPUs take the references
     import triton
@@ -38,9 +37,9 @@ _HALF = (torch.bfloat16, torch.float16)
 def fused_ok(x: torch.Tensor) -> bool:
     """Whether the Triton kernels take this tensor (else the PyTorch reference runs).
     HIVETUNE_FUSED_OPS=0, or HIVETUNE_REFERENCE=fused_layers (or all), forces the references."""
-    if x.dtype not in _HALF or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if x.dtype not in _HALF or not (x.is_cuda or env("TRITON_INTERPRET") == "1"):
         return False
-    if os.environ.get("HIVETUNE_FUSED_OPS", "1") == "0" or forced("fused_layers"):
+    if env("HIVETUNE_FUSED_OPS", "1") == "0" or forced("fused_layers"):
         note_fallback("fused_layers", "fused RMSNorm / RoPE / SwiGLU", "asked for the reference", "PyTorch ops")
         return False
     if triton is None:
