@@ -289,7 +289,9 @@ def varlen_supported(q: torch.Tensor) -> bool:
 def varlen_causal(q, k, v, layout: Packed) -> torch.Tensor:
     """Flash varlen attention over the examples of one packed row: [1, T, H, D] -> same."""
     fn, has_is_causal, has_gqa = _varlen_fn()
-    q0, k0, v0 = q[0], k[0], v[0]
+    # views without the batch dimension (not q[0]: select's backward zero-fills a [1, T, H, D]
+    # tensor and copies the gradient in, three times a layer)
+    q0, k0, v0 = q.squeeze(0), k.squeeze(0), v.squeeze(0)
     groups = q0.shape[1] // k0.shape[1]
     kwargs = {}
     if groups > 1:
