@@ -119,6 +119,11 @@ class TrainConfig:
     fused_loss: bool = True
     """Chunked LM head + cross-entropy with the gradient taken in forward (one chunk of logits
     alive at a time); false: the plain reference path."""
+    wide_lora: bool = False
+    """On CUDA, for graph-sized micro-batches: q/k/v's and gate/up's weights stored beside their
+    LoRA B, so the base matmul carries the LoRA update and its gradient (W1 on an H200: 9.6-10.0 s
+    against 9.7-10.5). Off by default: it reserves ~0.4 GiB more (W1: 4.30 against 3.87-3.90
+    GiB), and under a 4 GiB cap W1's CUDA graph capture ran out of memory (eager: 61 s)."""
     cuda_graphs: bool = True
     """On CUDA (bf16, packing): replay each micro-batch's forward + loss + backward from a CUDA
     graph, one per token-count bucket (256 tokens), captured on first use; eager otherwise."""

@@ -177,14 +177,16 @@ def setup(cfg: TrainConfig) -> Run:
 
 
 def wide_groups(model: CausalLM, cfg: TrainConfig, data, device: torch.device) -> bool:
-    """Whether q/k/v and gate/up take the wide layout (lora.fuse_projections): on CUDA, where a
-    micro-batch's matmuls are small enough for CUDA graphs (ops.graphs.MAX_TFLOP_PER_MICRO_BATCH,
-    from the data's mean length). There the LoRA update riding in the base matmul saves W1 ~5% of
-    its loop (10.2 / 10.5 s against 9.6 / 10.4, H200, 86175b8); W2 (7B, 16 x 1, ~80 TFLOP a
-    micro-batch) ran 8% slower with it and reserved 26.9 GiB against 24.1 (the wider buffers)."""
+    """Whether q/k/v and gate/up take the wide layout (lora.fuse_projections): asked for
+    (wide_lora), on CUDA, where a micro-batch's matmuls are small enough for CUDA graphs
+    (ops.graphs.MAX_TFLOP_PER_MICRO_BATCH, from the data's mean length). There the LoRA update
+    riding in the base matmul saves W1 ~5% of its loop (10.2 / 10.5 s against 9.6 / 10.4, H200,
+    86175b8) for ~0.4 GiB more reserved memory (4.30 against 3.90 GiB: over W1's 4 GiB, where
+    its graph capture ran out of memory under a 4 GiB cap); W2 (7B, 16 x 1, ~80 TFLOP a
+    micro-batch) ran 8% slower with it and reserved 26.9 GiB against 24.1."""
     from hivetune.ops.graphs import MAX_TFLOP_PER_MICRO_BATCH
 
-    if device.type != "cuda" or forced("wide_lora") or not len(data):
+    if not getattr(cfg, "wide_lora", False) or device.type != "cuda" or forced("wide_lora") or not len(data):
         return False
     tokens = cfg.batch_size * data.total_tokens / len(data)
     return 4 * model.args.linear_weight_count * tokens / 1e12 <= MAX_TFLOP_PER_MICRO_BATCH
