@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from hivetune import distributed
 from hivetune.bench import (WORKLOADS, environment, git_commit, init_like_hf, qwen25_shape, random_model,
                             workload_examples)
 from hivetune.config import load_config
+from hivetune.fastpath import prewarm_triton
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.model.decoder import CausalLM
 from hivetune.ops import graphs
@@ -51,9 +53,42 @@ def random_model_bf16(args, device) -> CausalLM:
     return model
 
 
+@contextmanager
+def kernel_profile(rank: int):
+    """HIVETUNE_MULTI_PROFILE=DIR: each rank's GPU kernels over the whole fit (CUPTI only, no host
+    events), as DIR/kernels-rank<r>.txt: the GPU's busy time (the union of kernel intervals)
+    against the wall, NCCL's share, and the top kernels by total time."""
+    folder = os.environ.get("HIVETUNE_MULTI_PROFILE")
+    if not folder:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield
+    wall = time.perf_counter() - t0
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end, nccl = 0.0, -1.0, 0.0
+    for start, stop, name in spans:
+        if "nccl" in name.lower():
+            nccl += stop - start
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    first = spans[0][0] if spans else 0.0
+    lines = [f"rank {rank}: wall {wall:.3f} s, kernels from first to last {(end - first) / 1e6:.3f} s, "
+             f"GPU busy (union) {busy / 1e6:.3f} s, NCCL kernels {nccl / 1e6:.3f} s, {len(spans)} kernels"]
+    lines.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90))
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"kernels-rank{rank}.txt").write_text("\n".join(lines))
+
+
 def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
     parallel = distributed.init(device_name)
     device = distributed.device_for(parallel, torch.device(device_name))
+    prewarm_triton(device)  # as train's setup does: overlaps building the data and the model
     if workload == "tiny":  # a CPU smoke test of this script (gloo)
         args, n_examples, cap, per_step, lora, max_steps = qwen25_shape(2048, 64, 128, 2, 4, 2, False), 64, 64, 8, {"r": 4, "alpha": 8, "dropout": 0.0}, 3
     elif workload == "14B":
@@ -80,9 +115,10 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
             torch.cuda.reset_peak_memory_stats(device)
         distributed.barrier(parallel)
         t0 = time.perf_counter()
-        result = fit(run, progress=False)
-        if cuda:
-            torch.cuda.synchronize()
+        with kernel_profile(parallel.rank):
+            result = fit(run, progress=False)
+            if cuda:
+                torch.cuda.synchronize()
         distributed.barrier(parallel)
         seconds = time.perf_counter() - t0
         losses = ([json.loads(line)["loss"] for line in (run.folder / "metrics.jsonl").read_text().splitlines()]
