@@ -70,16 +70,27 @@ def kernel_profile(rank: int):
     wall = time.perf_counter() - t0
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
-    busy, end, nccl = 0.0, -1.0, 0.0
+    busy, end, nccl, before, gaps = 0.0, -1.0, 0.0, "", []
     for start, stop, name in spans:
         if "nccl" in name.lower():
             nccl += stop - start
+        if end >= 0 and start - end > 200:  # idle over 0.2 ms: (us, offset s, the kernels around it)
+            gaps.append((start - end, (start - spans[0][0]) / 1e6, before[:50], name[:50]))
         if stop > end:
             busy += stop - max(start, end)
-            end = stop
+            end, before = stop, name
     first = spans[0][0] if spans else 0.0
     lines = [f"rank {rank}: wall {wall:.3f} s, kernels from first to last {(end - first) / 1e6:.3f} s, "
-             f"GPU busy (union) {busy / 1e6:.3f} s, NCCL kernels {nccl / 1e6:.3f} s, {len(spans)} kernels"]
+             f"GPU busy (union) {busy / 1e6:.3f} s, NCCL kernels {nccl / 1e6:.3f} s, {len(spans)} kernels, "
+             f"{len(gaps)} gaps over 0.2 ms: {sum(g[0] for g in gaps) / 1e6:.3f} s"]
+    by_pair: dict = {}
+    for us, _, a, b in gaps:
+        total, count = by_pair.get((a, b), (0.0, 0))
+        by_pair[(a, b)] = (total + us, count + 1)
+    lines.append("idle over 0.2 ms by the kernels around it (ms, count, before -> after):")
+    lines += [f"  {t / 1e3:9.1f} {c:5d}  {a} -> {b}" for (a, b), (t, c) in sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:25]]
+    lines.append("the longest gaps (ms, at s, before -> after):")
+    lines += [f"  {us / 1e3:9.1f} {at:8.3f}  {a} -> {b}" for us, at, a, b in sorted(gaps, reverse=True)[:25]]
     lines.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90))
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / f"kernels-rank{rank}.txt").write_text("\n".join(lines))
