@@ -112,3 +112,41 @@ def test_cuda_bf16_gradient_checkpointing_tracks_plain(tiny_model_dir, alpaca_fi
     ckpt = [json.loads(line)["loss"] for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
     plain, _ = run_losses(tiny_model_dir, alpaca_file, tmp_path / "plain", device="cuda", precision="bf16")
     assert ckpt == pytest.approx(plain, rel=1e-2)
+
+
+def test_ddp_step_reduction_does_not_wait_for_the_gpu(monkeypatch):
+    """reduce_step under torchrun queues its work: no host sync (a host scalar copied to the GPU
+    synced every DDP step, leaving the GPU idle while the host queued the rest of the step)."""
+    from hivetune import distributed
+    from hivetune.train import reduce_step
+
+    monkeypatch.setattr(distributed, "sum_across", lambda d, t: t.mul_(2))  # two alike ranks, no group
+    loss = torch.full((), 1.5, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        total, tokens, signal = reduce_step(distributed.Dist(0, 2, 0), loss, 10, 2, 40)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert (total.item(), tokens, bool(signal)) == (3.0, 40, True)
+
+
+def test_adapter_tensors_come_to_the_host_in_one_copy_alike():
+    """lora.to_host: the GPU tensors batched into one copy give each tensor's values, shape and
+    dtype, each in its own storage (safetensors refuses shared ones); CPU tensors pass through."""
+    from safetensors.torch import load, save
+
+    from hivetune.model.lora import to_host
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = {f"w{i}": torch.randn(shape, device="cuda", generator=g) for i, shape in
+               enumerate([(16, 64), (64, 16), (3,), (8, 8)])}
+    tensors["w1"] = tensors["w1"].t()  # a non-contiguous view
+    tensors["cpu"] = torch.arange(5.0)
+    host = to_host(tensors)
+    assert list(host) == list(tensors)
+    for key, t in tensors.items():
+        assert host[key].device.type == "cpu" and host[key].shape == t.shape
+        assert torch.equal(host[key], t.cpu())
+    assert len({h.untyped_storage().data_ptr() for h in host.values()}) == len(host)
+    back = load(save(host))
+    assert all(torch.equal(back[k], host[k]) for k in host)
