@@ -20,7 +20,7 @@ for line in sys.stdin:
 DDP=(python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/multi_gpu.py ddp W2)
 run "ddp, warm-up pass" "${DDP[@]}"
 run "single, warm-up pass" python3 bench/multi_gpu.py single W2
-for pass in 1 2; do
+for pass in ${PASSES:-1 2}; do
   run "single $pass" python3 bench/multi_gpu.py single W2
   run "ddp $pass" "${DDP[@]}"
   HIVETUNE_GRAPH_CAPTURE_EVERY=1 run "ddp $pass, captures in turn" "${DDP[@]}"
