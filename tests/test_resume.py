@@ -271,3 +271,31 @@ def test_too_many_bad_steps_in_a_row_stop_with_one_line(tiny_model_dir, data, tm
     assert all(torch.isfinite(t).all() for t in four.values())
     assert not (out / "adapter").exists()
     assert [r["skipped_steps"] for r in metric_rows(out)] == [0, 0, 1, 2, 3]
+
+
+def test_checkpoints_keep_the_cuda_graph_sizes_for_the_resumed_run(tiny_model_dir, data, tmp_path):
+    """Each rank's planned graph sizes go into the checkpoint and come back to that rank on
+    resume (ops.graphs.saved_sizes), stay in later checkpoints, and are not given to a run on
+    another number of processes. (On the CPU nothing graphs: the sizes are set by hand.)"""
+    from types import SimpleNamespace
+
+    from hivetune.distributed import Dist
+    from hivetune.ops.graphs import saved_sizes
+
+    out = tmp_path / "run"
+    run = setup(run_cfg(tiny_model_dir, data, out))
+    assert saved_sizes(run) is None  # a fresh run plans its own
+    run.graph_sizes = {3: [128, 192], 5: [256]}
+    with pytest.raises(TrainingStopped):
+        fit(run, progress=False, stop_after=3)
+    resumed = setup(run_cfg(tiny_model_dir, data, out))
+    assert resumed.start_step == 2
+    assert resumed.counters["graph_sizes"] == [{3: [128, 192], 5: [256]}]
+    assert saved_sizes(resumed) == {3: [128, 192], 5: [256]}
+    fit(resumed, progress=False)
+    last = checkpoint_folders(out / "checkpoints")[-1]
+    state = torch.load(last / ckpt.STATE, map_location="cpu", weights_only=True)
+    assert state["step"] == 6 and state["counters"]["graph_sizes"] == [{3: [128, 192], 5: [256]}]
+    two = SimpleNamespace(counters={"graph_sizes": [{3: [128]}, {3: [64]}]}, parallel=Dist(1, 2, 1))
+    assert saved_sizes(two) == {3: [64]}
+    assert saved_sizes(SimpleNamespace(counters=two.counters, parallel=Dist(0, 4, 0))) is None

@@ -71,6 +71,9 @@ class Run:
     notes: list[str] = field(default_factory=list)
     start_step: int = 0  # > 0 when resumed from a checkpoint: the step plan's position
     counters: dict = field(default_factory=dict)  # loop totals restored with it (skipped_steps...)
+    # The CUDA-graph sizes this rank planned at its first capture (ops.graphs), saved in
+    # checkpoints: a resumed run captures the same sizes, so its matmuls see the same shapes.
+    graph_sizes: dict | None = None
 
     @property
     def pad_id(self) -> int:
@@ -673,6 +676,7 @@ def save_all_ranks(run: Run, step: int, counters: dict) -> None:
     from hivetune.checkpoint import capture_rng
 
     rngs = distributed.all_gather_objects(run.parallel, capture_rng())
+    graph_sizes = distributed.all_gather_objects(run.parallel, run.graph_sizes)  # each rank plans its own
     gathered = None
     if run.strategy == "fsdp":  # collectives: every rank gathers, rank 0 keeps the full tensors
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -684,6 +688,8 @@ def save_all_ranks(run: Run, step: int, counters: dict) -> None:
                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     if run.parallel.is_main:
         extra = {"world": run.parallel.world, "rank_rng": rngs} if run.parallel.enabled else {"world": 1}
+        if any(sizes is not None for sizes in graph_sizes):
+            extra["graph_sizes"] = graph_sizes
         save_checkpoint(run, step, {**counters, **extra}, gathered)
     distributed.barrier(run.parallel)
 

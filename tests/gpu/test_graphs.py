@@ -196,6 +196,28 @@ def test_planned_sizes_are_captured_in_turn_and_a_resumed_run_uses_the_same_grap
     assert resumed[1:] == unbroken[4:]
 
 
+def test_a_resumed_run_captures_the_sizes_its_checkpoint_saved(tmp_path):
+    """The first call plans the sizes and leaves them on the run (train.save_all_ranks puts them
+    in checkpoints); a run whose counters hold saved sizes captures exactly those, without the
+    timing replay, and every planned micro-batch finds one that holds it."""
+    run, _ = small_run(tmp_path / "fresh", batch_size=4)
+    run.model.train()
+    graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None)
+    graphed(next(iter(graphs_micro_batches(run, run.steps[0]))), 1000)
+    assert run.graph_sizes == graphed.sizes and graphed.stats["capture_tokens"] > 0
+    saved = {seg: [max(sizes)] for seg, sizes in run.graph_sizes.items()}  # not what timing would pick
+    resumed, _ = small_run(tmp_path / "resumed", batch_size=4)
+    resumed.model.train()
+    resumed.counters = {"graph_sizes": [saved]}
+    again = graphs.GraphedForwardBackward(resumed, fused_target_loss_sum, eager=None)
+    loss = again(next(iter(graphs_micro_batches(resumed, resumed.steps[0]))), 1000)
+    assert torch.isfinite(loss) and again.stats["capture_tokens"] == "saved"
+    assert again.sizes == saved == resumed.graph_sizes
+    assert set(again.buckets) == {(size, seg) for seg, sizes in saved.items() for size in sizes}
+    for tokens, segments in graphs.planned_micro_batches(resumed):
+        assert again.key_of(_fake(tokens, segments)) == (saved[segments][0], segments)
+
+
 def test_host_probe_measures_this_gpu():
     """bench's host probe: an 8192^3 bf16 matmul's rate within what the GPU can do (H100 / H200:
     989 TFLOP/s dense; above 100 unless the GPU is badly throttled), a launch's host cost in us."""

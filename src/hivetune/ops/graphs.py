@@ -22,6 +22,8 @@ nothing). With CAPTURE_EVERY > 0 (an experiment) the other sizes are captured in
 one every CAPTURE_EVERY micro-batches counted from the step plan's first (a resumed run uses the
 same graphs for the same micro-batches), each capture's host pass overlapping the replays queued
 before it. A micro-batch no size holds takes the 256-token grid (bucket_tokens), captured when met.
+The sizes go into checkpoints (train.save_all_ranks, one entry per rank): a resumed run on the
+same number of processes captures them again instead of timing anew (saved_sizes).
 
 All graphs share one memory pool; each replay's loss is cloned at once, so no graph's output is
 alive while another replays. Gradients accumulate in place into persistent .grad tensors, views
@@ -162,6 +164,19 @@ def plan_sizes(tokens: list[int], capture_tokens: float, grain: int = GRAIN) -> 
         sizes.append(need[j - 1])
         j = cut[j]
     return sorted(sizes)
+
+
+def saved_sizes(run) -> dict[int, list[int]] | None:
+    """This rank's graph sizes from the checkpoint the run resumed from (train.save_all_ranks
+    keeps every rank's), or None: a fresh run, or one resumed on another number of processes
+    (whose shares, so whose micro-batches, differ), plans its own. The plan times a capture and a
+    replay, and that measurement varies from run to run (W2 on 2 x H100: 2,048 or 4,096 tokens a
+    capture at the same commit), so planning again could pick other sizes, other matmul shapes."""
+    saved = run.counters.get("graph_sizes")
+    world = getattr(run.parallel, "world", 1)
+    if not isinstance(saved, list) or len(saved) != world or saved[getattr(run.parallel, "rank", 0)] is None:
+        return None
+    return {int(seg): [int(t) for t in sizes] for seg, sizes in saved[getattr(run.parallel, "rank", 0)].items()}
 
 
 def ignoring_loss_fn(loss_fn):
@@ -429,6 +444,12 @@ class GraphedForwardBackward:
         if not self._capture_key(top, None):
             return []
         capture_s = time.perf_counter() - t0
+        saved = saved_sizes(self.run)
+        if saved is not None:  # resumed: the sizes the run planned before (the same padding)
+            self.sizes = self.run.graph_sizes = saved
+            self.stats["sizes"], self.stats["capture_tokens"] = dict(saved), "saved"
+            return ([(size, seg) for seg, sizes in saved.items() for size in sizes]
+                    or planned_keys(self.run, self.bucket))
         big = self.buckets[top]
         if own[1] == top_segments and own[0] < top[0]:
             big.load(pad_packed_batch(batch, top[0], self.run.pad_id), 1)
@@ -443,12 +464,13 @@ class GraphedForwardBackward:
             gpu_s_per_token = start.elapsed_time(end) / 1000 / top[0]
             capture_tokens = 2.0 ** round(math.log2(max(capture_s / max(gpu_s_per_token, 1e-9), 1.0)))
         else:  # no micro-batch of the plan's shape at hand: the grid
+            self.run.graph_sizes = {}
             return planned_keys(self.run, self.bucket)
         self.stats["capture_tokens"] = round(capture_tokens)
         groups: dict[int, list[int]] = {}
         for t, segments in micro:
             groups.setdefault(segments, []).append(t)
-        self.sizes = {seg: plan_sizes(ts, capture_tokens) for seg, ts in groups.items()}
+        self.sizes = self.run.graph_sizes = {seg: plan_sizes(ts, capture_tokens) for seg, ts in groups.items()}
         self.stats["sizes"] = {seg: sizes for seg, sizes in self.sizes.items()}
         return [(size, seg) for seg, sizes in self.sizes.items() for size in sizes]
 
