@@ -226,11 +226,13 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
                 total = torch.cuda.get_device_properties(index).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib * 2**30 / total), index)
         graphs.last_stats = {}
+        before = allocator_counts(device)
         t0 = time.perf_counter()
         result = fit(run, progress=False)
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
+        allocator = {k: v - before.get(k, 0) for k, v in allocator_counts(device).items()}
         if device.type == "cuda" and memory_cap_gib:
             torch.cuda.set_per_process_memory_fraction(1.0, index)
         losses = [json.loads(line)["loss"] for line in (run.folder / "metrics.jsonl").read_text().splitlines()]
@@ -249,9 +251,23 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
         "final_loss": result.final_loss, "losses_logged": losses,
         "cuda_graphs": dict(graphs.last_stats) if cfg.cuda_graphs and graphs.last_stats else None,
         "memory_cap_gib": memory_cap_gib or None,
+        "allocator": allocator or None,
         "lora_inputs": f"{cfg.lora_inputs}: " + ("kept" if getattr(run.model.lora_casts, "keep_inputs", False)
                                                  else "recomputed"),
     }
+
+
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+
+
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    """The CUDA caching allocator's slow-path counters (torch.cuda.memory_stats): retries after
+    freeing its cache (each synchronises the device), out-of-memory errors, cudaMalloc / cudaFree
+    calls. A run under a memory cap that pays these shows it here; {} off CUDA."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
 
 
 def run_hf_peft(w: Workload, device: torch.device, timed_steps: int = 0, warmup_steps: int = 2) -> dict:

@@ -229,3 +229,17 @@ def test_host_probe_measures_this_gpu():
     if peak and peak > 500:
         assert probe["matmul_tflops"] > 100
     assert 0.5 < probe["launch_us"] < 1000
+
+
+def test_bench_allocator_counts_see_a_cudamalloc():
+    """bench.allocator_counts: a fresh block beyond the cache is one more cudaMalloc."""
+    from hivetune.bench import ALLOCATOR_COUNTS, allocator_counts
+
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    before = allocator_counts(device)
+    block = torch.empty(2**29, dtype=torch.bfloat16, device=device)  # 1 GiB: a segment of its own
+    after = allocator_counts(device)
+    del block
+    assert tuple(after) == ALLOCATOR_COUNTS and after["num_device_alloc"] == before["num_device_alloc"] + 1
+    assert after["num_ooms"] == before["num_ooms"]
