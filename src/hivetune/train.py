@@ -675,8 +675,9 @@ def save_all_ranks(run: Run, step: int, counters: dict) -> None:
     """Checkpoint: every rank hands its RNG state to rank 0, which writes the folder."""
     from hivetune.checkpoint import capture_rng
 
-    rngs = distributed.all_gather_objects(run.parallel, capture_rng())
-    graph_sizes = distributed.all_gather_objects(run.parallel, run.graph_sizes)  # each rank plans its own
+    # One collective: every rank's RNG state and its CUDA-graph sizes (each rank plans its own).
+    rngs, graph_sizes = zip(*distributed.all_gather_objects(run.parallel, (capture_rng(), run.graph_sizes)))
+    rngs, graph_sizes = list(rngs), list(graph_sizes)
     gathered = None
     if run.strategy == "fsdp":  # collectives: every rank gathers, rank 0 keeps the full tensors
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
