@@ -24,7 +24,7 @@ for pass in ${PASSES:-1 2}; do
   run "single $pass" python3 bench/multi_gpu.py single W2
   run "ddp $pass" "${DDP[@]}"
   HIVETUNE_GRAPH_CAPTURE_EVERY=1 run "ddp $pass, captures in turn" "${DDP[@]}"
-  [ -n "${EXTRA:-}" ] && env $EXTRA bash -c "$(declare -f run); S=$S; run 'ddp $pass, $EXTRA' ${DDP[*]}"
+  if [ -n "${EXTRA:-}" ]; then (export $EXTRA; run "ddp $pass, $EXTRA" "${DDP[@]}"); fi
 done
 HIVETUNE_MULTI_PROFILE=$OUT run "ddp, kernels profiled" "${DDP[@]}"
 head -1 "$OUT"/kernels-*.txt | tee -a "$S"
