@@ -4,21 +4,8 @@
 # (bench/multi_gpu.py, HIVETUNE_MULTI_PROFILE), and cProfile over the first steps of W2 graphed as
 # a rank sees it (8 examples a micro-batch).
 # Usage (device tool): HIVETUNE_COMMIT=<commit> bash bench/ddp_probe_run.sh
-set -uo pipefail
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 HIVETUNE_CACHE=/tmp/hivetune-cache OMP_NUM_THREADS=4
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-S="$OUT/summary.txt"
+source bench/ddp_common.sh
 { nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit --format=csv; nvidia-smi topo -m; } | tee "$S"
-run() {  # name, then the command
-  local name=$1; shift
-  echo "== $name ($(date +%T))" | tee -a "$S"
-  timeout 170 "$@" 2>&1 | grep -vE "Warning|warn" | grep "^{" | python3 -c "
-import json, sys
-for line in sys.stdin:
-    r = json.loads(line); print(r['mode'], r['seconds'], 's', r['tokens_per_s'], 'tokens/s', json.dumps(r['cuda_graphs']))" | tee -a "$S"
-}
-DDP=(python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/multi_gpu.py ddp W2)
 run "ddp, warm-up pass" "${DDP[@]}"
 run "single, warm-up pass" python3 bench/multi_gpu.py single W2
 run "ddp" "${DDP[@]}"
