@@ -29,8 +29,8 @@ from hivetune import distributed
 from hivetune.bench import (WORKLOADS, environment, git_commit, init_like_hf, qwen25_shape, random_model,
                             workload_examples)
 from hivetune.config import load_config
-from hivetune.fastpath import prewarm_triton
 from hivetune.data.dataset import TokenizedExamples
+from hivetune.fastpath import prewarm_triton
 from hivetune.model.decoder import CausalLM
 from hivetune.ops import graphs
 from hivetune.train import assemble, fit

@@ -173,10 +173,9 @@ def saved_sizes(run) -> dict[int, list[int]] | None:
     replay, and that measurement varies from run to run (W2 on 2 x H100: 2,048 or 4,096 tokens a
     capture at the same commit), so planning again could pick other sizes, other matmul shapes."""
     saved = run.counters.get("graph_sizes")
-    world = getattr(run.parallel, "world", 1)
-    if not isinstance(saved, list) or len(saved) != world or saved[getattr(run.parallel, "rank", 0)] is None:
+    if not isinstance(saved, list) or len(saved) != run.parallel.world or saved[run.parallel.rank] is None:
         return None
-    return {int(seg): [int(t) for t in sizes] for seg, sizes in saved[getattr(run.parallel, "rank", 0)].items()}
+    return {int(seg): [int(t) for t in sizes] for seg, sizes in saved[run.parallel.rank].items()}
 
 
 def ignoring_loss_fn(loss_fn):
