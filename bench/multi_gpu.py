@@ -143,7 +143,8 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
            "peak_allocated_gib_per_gpu": [round(a / 2**30, 2) for a, _ in peaks],
            "peak_reserved_gib_per_gpu": [round(r / 2**30, 2) for _, r in peaks],
            "final_loss": result.final_loss, "losses_logged": losses,
-           "params_billion": round(n_params / 1e9, 3), "cuda_graphs": dict(graphs.last_stats)}
+           "params_billion": round(n_params / 1e9, 3), "cuda_graphs": dict(graphs.last_stats),
+           "environment": environment(device)}  # device, versions, commit: each line a record
     distributed.shutdown(parallel)
     return out
 
