@@ -1,11 +1,12 @@
 """Does relaunching a CUDA graph that is still running block the host? (issue 10)
 
-W2's DDP ranks replay one graph per step, then queue the all-reduce and the optimizer. If
-graph.replay() of an executable graph still in flight waits for it, the host can never be more
-than one replay ahead of the GPU, and a graph captured in turn (HIVETUNE_GRAPH_CAPTURE_EVERY)
-can hide only one replay's worth of its host pass. Timed here: the host microseconds of
-replay() calls on an idle GPU, back to back on one graph, and alternating two graphs, each
-graph ~20 ms of GPU work.
+W2's DDP ranks replay one graph per step, then queue the all-reduce and the optimizer. How far
+the host can run ahead of the GPU decides whether a graph captured in turn
+(HIVETUNE_GRAPH_CAPTURE_EVERY) can hide its host pass (~0.17 s on W2) behind queued replays.
+Session 15's first probe (H100): with 150-kernel graphs of ~28 ms the 4th replay() waited, for
+one graph back to back and for two alternating. Timed here: two graphs alternately replayed on an
+idle GPU, for graphs of 10, 150, 600 and 2,400 kernels (each ~15-30 ms of GPU work): which
+launch first waits, so whether the limit counts launches or queued kernels.
 
     python bench/graph_relaunch_probe.py       # prints one JSON line
 """
@@ -46,12 +47,14 @@ def host_us(calls) -> list[float]:
     return out
 
 
-def main() -> None:
-    torch.manual_seed(0)
-    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
-    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
-    # ~0.14 ms a 4096^3 bf16 matmul on an H100: 150 of them is ~20 ms of GPU work a replay
-    a, b = captured(x, w, 150), captured(x, w, 150)
+def depth(n_kernels: int, size: int, launches: int = 10) -> dict:
+    """Two graphs of n_kernels size^3 matmuls each, replayed alternately on an idle GPU: the host
+    microseconds of each replay() and the index of the first that waited (took over a third of a
+    replay's GPU time). Session 15 found the first 150-kernel graph probe blocking at the 4th
+    launch: is the limit a count of launches or of kernels (W2's DDP replay is ~2,000 kernels)?"""
+    x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16) / size ** 0.5
+    w = torch.randn(size, size, device="cuda", dtype=torch.bfloat16) / size ** 0.5
+    a, b = captured(x, w, n_kernels), captured(x, w, n_kernels)
     a.replay(), b.replay()  # the first launch of each uploads it
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -59,13 +62,21 @@ def main() -> None:
     a.replay()
     end.record()
     end.synchronize()
-    same = host_us([a.replay] * 6)
-    alternating = host_us([a.replay, b.replay] * 3)
-    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "replay_gpu_ms": round(start.elapsed_time(end), 2),
-                      "host_us_same_graph_back_to_back": same,
-                      "host_us_two_graphs_alternating": alternating,
-                      "reading": "a replay() taking about replay_gpu_ms of host time waits for the graph's previous launch"}))
+    gpu_ms = start.elapsed_time(end)
+    host = host_us([a.replay, b.replay] * (launches // 2))
+    waited = next((i for i, us in enumerate(host) if us > gpu_ms * 1000 / 3), None)
+    return {"kernels": n_kernels, "matmul": size, "replay_gpu_ms": round(gpu_ms, 2), "host_us": host,
+            "first_waiting_launch": waited,
+            "kernels_queued_before_it": None if waited is None else waited * n_kernels}
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    # ~20-30 ms of GPU work a replay each: 10 large matmuls, 150 medium, 600 and 2,400 small
+    rows = [depth(10, 8192), depth(150, 4096), depth(600, 2048), depth(2400, 1024, launches=8)]
+    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
+                      "reading": "first_waiting_launch constant across rows: a limit on launches in "
+                                 "flight; kernels_queued_before_it constant: a limit on queued kernels"}))
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from hivetune import distributed
-from hivetune.bench import (WORKLOADS, environment, git_commit, init_like_hf, qwen25_shape, random_model,
-                            workload_examples)
+from hivetune.bench import (WORKLOADS, allocator_counts, environment, git_commit, init_like_hf, qwen25_shape,
+                            random_model, workload_examples)
 from hivetune.config import load_config
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.fastpath import prewarm_triton
@@ -57,7 +57,8 @@ def random_model_bf16(args, device) -> CausalLM:
 def kernel_profile(rank: int):
     """HIVETUNE_MULTI_PROFILE=DIR: each rank's GPU kernels over the whole fit (CUPTI only, no host
     events), as DIR/kernels-rank<r>.txt: the GPU's busy time (the union of kernel intervals)
-    against the wall, NCCL's share, and the top kernels by total time."""
+    against the wall, NCCL's share, the idle gaps by the kernels around them, and every kernel
+    by total time."""
     folder = os.environ.get("HIVETUNE_MULTI_PROFILE")
     if not folder:
         yield
@@ -91,7 +92,14 @@ def kernel_profile(rank: int):
     lines += [f"  {t / 1e3:9.1f} {c:5d}  {a} -> {b}" for (a, b), (t, c) in sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:25]]
     lines.append("the longest gaps (ms, at s, before -> after):")
     lines += [f"  {us / 1e3:9.1f} {at:8.3f}  {a} -> {b}" for us, at, a, b in sorted(gaps, reverse=True)[:25]]
-    lines.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90))
+    # Every kernel (not the top rows: single-vs-DDP differences hide in the small ones), by total time
+    totals: dict = {}
+    for start, stop, name in spans:
+        total, count = totals.get(name, (0.0, 0))
+        totals[name] = (total + stop - start, count + 1)
+    lines.append("every kernel: total ms, calls, mean us, name")
+    lines += [f"  {t / 1e3:9.2f} {c:7d} {t / c:9.1f}  {name[:110]}"
+              for name, (t, c) in sorted(totals.items(), key=lambda kv: -kv[1][0])]
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / f"kernels-rank{rank}.txt").write_text("\n".join(lines))
 
@@ -144,6 +152,7 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
            "peak_reserved_gib_per_gpu": [round(r / 2**30, 2) for _, r in peaks],
            "final_loss": result.final_loss, "losses_logged": losses,
            "params_billion": round(n_params / 1e9, 3), "cuda_graphs": dict(graphs.last_stats),
+           "allocator": allocator_counts(device),  # rank 0's: a cudaFree or a retry syncs the device
            "environment": environment(device)}  # device, versions, commit: each line a record
     distributed.shutdown(parallel)
     return out
