@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call on 2 GPUs (issue 10): W2 on one GPU and DDP on two, warm, then DDP with the
-# graphs captured in turn (HIVETUNE_GRAPH_CAPTURE_EVERY), then a DDP fit with each rank's kernels
-# and idle gaps profiled (bench/multi_gpu.py, HIVETUNE_MULTI_PROFILE).
+# One device call on 2 GPUs (issue 10): W2 on one GPU and DDP on two, warm, each pass optionally
+# with a DDP variant (EXTRA), then a DDP fit with each rank's kernels and idle gaps profiled
+# (bench/multi_gpu.py, HIVETUNE_MULTI_PROFILE).
 # Usage (device tool): HIVETUNE_COMMIT=<commit> [EXTRA="VAR=value ..."] bash bench/ddp_ab_run.sh
 source bench/ddp_common.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$S"
@@ -10,7 +10,6 @@ run "single, warm-up pass" python3 bench/multi_gpu.py single W2
 for pass in ${PASSES:-1 2}; do
   run "single $pass" python3 bench/multi_gpu.py single W2
   run "ddp $pass" "${DDP[@]}"
-  HIVETUNE_GRAPH_CAPTURE_EVERY=1 run "ddp $pass, captures in turn" "${DDP[@]}"
   if [ -n "${EXTRA:-}" ]; then (export $EXTRA; run "ddp $pass, $EXTRA" "${DDP[@]}"); fi
 done
 HIVETUNE_MULTI_PROFILE=$OUT run "ddp, kernels profiled" "${DDP[@]}"

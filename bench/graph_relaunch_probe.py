@@ -1,8 +1,8 @@
 """Does relaunching a CUDA graph that is still running block the host? (issue 10)
 
 W2's DDP ranks replay one graph per step, then queue the all-reduce and the optimizer. How far
-the host can run ahead of the GPU decides whether a graph captured in turn
-(HIVETUNE_GRAPH_CAPTURE_EVERY) can hide its host pass (~0.17 s on W2) behind queued replays.
+the host can run ahead of the GPU decides whether a graph captured mid-run could hide its host
+pass (~0.17 s on W2) behind queued replays.
 Session 15's first probe (H100): with 150-kernel graphs of ~28 ms the 4th replay() waited, for
 one graph back to back and for two alternating. Timed here: two graphs alternately replayed on an
 idle GPU, for graphs of 10, 150, 600 and 2,400 kernels (each ~15-30 ms of GPU work): which

@@ -165,35 +165,41 @@ def _fake(tokens, segments):
                       Packed(cu, tokens, ()), segments - 2, tokens)
 
 
-def test_planned_sizes_are_captured_in_turn_and_a_resumed_run_uses_the_same_graphs(tmp_path, monkeypatch):
-    """After the warm-up the largest planned size is captured; the others one every
-    CAPTURE_EVERY micro-batches (counted from the plan's first), largest first, and until then a
-    micro-batch takes the smallest captured size holding it. A run resumed at step 3 captures
-    what was due by then at its first call, and from there every micro-batch takes the graph it
-    took in the unbroken run."""
-    monkeypatch.setattr(graphs, "CAPTURE_EVERY", 2)
-    monkeypatch.setattr(graphs, "plan_sizes",  # every 64-token size: many graphs to capture in turn
-                        lambda tokens, capture_tokens, grain=64: sorted({graphs.bucket_tokens(t, grain) for t in tokens}))
+def test_a_size_captured_mid_run_leaves_the_queued_replays_their_dropout_masks(tmp_path):
+    """capture_begin zeroes the CUDA generator's graph offset tensor on the capture stream. A
+    micro-batch of a shape no graph holds is captured when met, with replays still queued: their
+    dropout (reading that tensor) must see the offsets they would without the capture. The GPU
+    is held busy so that ~40 replays queue, and the capture stream busy a little longer, so that
+    an unordered write would land amid them; a second run synchronises before the capture. The
+    summed losses and the gradients agree (a changed mask moves them far beyond the tolerance)."""
+    sleep = 100_000_000  # GPU cycles: ~50-80 ms, longer than the host takes to queue the replays
 
-    def keys_taken(start_step):
-        run, _ = small_run(tmp_path / f"from-{start_step}", batch_size=4)
+    def run_once(name, sync):
+        torch.manual_seed(0)
+        run, examples = small_run(tmp_path / name, dropout=0.3)
         run.model.train()
-        run.start_step = start_step
-        graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None)
-        taken = []
-        for i, step in enumerate(run.steps[start_step:], start=start_step):
-            (batch,) = graphs_micro_batches(run, step)
-            graphed(batch, 1000)
-            planned = sorted({(s, seg) for seg, sizes in graphed.sizes.items() for s in sizes}, reverse=True)
-            due = {planned[0]} | {k for j, k in enumerate(planned[1:]) if 2 * (j + 1) <= i}
-            assert {k for k in planned if k in graphed.buckets} == due, i
-            taken.append(graphed.key_of(batch) if i > start_step else None)  # (the first call runs eagerly)
-        assert graphed.off is None and len(planned) > 3
-        return taken
+        graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None, bucket=128)
+        small = collate_packed([examples.example(i) for i in range(4)], pad_id=0)
+        big = collate_packed([examples.example(i) for i in range(4, 16)], pad_id=0)  # more segments: unplanned
+        graphed(small, 100)  # eager warm-up and the planned captures
+        torch.cuda.synchronize()
+        for p in lora_parameters(run.model):
+            p.grad = None
+        torch.cuda._sleep(sleep)
+        total = sum(graphed(small, 100) for _ in range(40))
+        if sync:
+            torch.cuda.synchronize()
+        with torch.cuda.stream(graphed.stream):
+            torch.cuda._sleep(sleep + sleep // 10)
+        replays = graphed.stats["replays"]
+        graphed(big, 100)  # captured now, then replayed
+        assert graphed.stats["replays"] == replays + 1 and big.input_ids.shape[1] > small.input_ids.shape[1]
+        return total, grads_of(run).clone()
 
-    unbroken = keys_taken(0)
-    resumed = keys_taken(3)
-    assert resumed[1:] == unbroken[4:]
+    loss_queued, grads_queued = run_once("queued", sync=False)
+    loss_synced, grads_synced = run_once("synced", sync=True)
+    torch.testing.assert_close(loss_queued, loss_synced, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grads_queued, grads_synced, rtol=1e-5, atol=1e-7)
 
 
 def test_a_resumed_run_captures_the_sizes_its_checkpoint_saved(tmp_path):

@@ -18,10 +18,7 @@ step plan holds (known before the first step). The first micro-batch runs eagerl
 work, and the warm-up capture needs); the largest graph is captured and timed, and one replay of
 it with the loss divided by infinity (exact zeros everywhere) gives the GPU time a token; then
 every planned size is captured, largest first, without synchronising the device (capture runs
-nothing). With CAPTURE_EVERY > 0 (an experiment) the other sizes are captured in turn instead,
-one every CAPTURE_EVERY micro-batches counted from the step plan's first (a resumed run uses the
-same graphs for the same micro-batches), each capture's host pass overlapping the replays queued
-before it. A micro-batch no size holds takes the 256-token grid (bucket_tokens), captured when met.
+nothing). A micro-batch no size holds takes the 256-token grid (bucket_tokens), captured when met.
 The sizes go into checkpoints (train.save_all_ranks, one entry per rank): a resumed run on the
 same number of processes captures them again instead of timing anew (saved_sizes).
 
@@ -59,15 +56,12 @@ IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index; fused_target_loss
 BUCKET_TOKENS = 256
 GRAIN = 64  # graph sizes chosen by plan_sizes are multiples of this
 MAX_GRAPHS = 48  # keys beyond this many run eagerly
-# > 0: the planned sizes after the largest are captured one every this many micro-batches
-# (counted from the step plan's first), so that each capture's host pass could run while the GPU
-# works through the replays queued before it; until then a micro-batch takes the smallest
-# captured size that holds it. 0 (the default): every planned size at the first micro-batch.
-# Measured on W1 (H200, 91912cc, w1-capture-every-91912cc-h200.json): 11.55-11.58 s with 0,
-# 11.46-11.57 with 10, 11.43-11.85 with 20: no gain. The graphed loop's host still spends ~8 ms
-# of each ~18 ms step (a replay's launch ~3 ms, fused AdamW's 336 tensors ~2 ms), so too little
-# GPU work queues up to hide a 0.2-0.3 s capture, and the larger graphs' padding costs as much.
-CAPTURE_EVERY = int(os.environ.get("HIVETUNE_GRAPH_CAPTURE_EVERY", 0))  # env: experiments, A/B
+# Capturing the sizes after the largest in turn, one every N micro-batches so that each host pass
+# could overlap queued replays, was tried and removed (session 15): W1 (H200, 91912cc) 11.43-11.85 s
+# against 11.55-11.58; W2 DDP (2 x H100, 9356b1a) every 4: 10.87 s, every 8: 11.30, against 11.18,
+# each capture still leaving the GPU idle 0.22-0.26 s (the host is not ahead of the GPU then). It also
+# raced the CUDA generator: capture_begin zeroes the graph RNG offset tensor on the capture stream,
+# unordered with the queued replays that read it.
 # Above this many matmul TFLOP per micro-batch (4 x linear weights x tokens) the GPU outruns the
 # host's dispatch anyway: W2 (7B) with 16 examples (~2,900 tokens: ~82 TFLOP) measured 23.8 s with
 # graphs against 21.4 s eager (capture time, padding) and 65 against 40 GiB reserved. With 8
@@ -274,8 +268,6 @@ class GraphedForwardBackward:
         self.stream = torch.cuda.Stream(device=run.device)
         self.warmed = False
         self.off: str | None = None
-        self.index: int | None = None  # the next call's micro-batch, counted from the step plan's first
-        self.pending: list[tuple[tuple[int, int], int]] = []  # (planned key, index from which it is captured)
         self.flops_per_token = 4 * run.model.args.linear_weight_count
         self.replay_events: list | None = [] if os.environ.get("HIVETUNE_GRAPH_TIMING") else None
         self.stats = {"graphs": 0, "replays": 0, "eager": 0, "capture_s": 0.0, "pad_tokens": 0, "tokens": 0,
@@ -293,11 +285,6 @@ class GraphedForwardBackward:
             self.stats["eager"] += 1
             return self.eager(batch, n_targets)
         self._attach_grads()
-        if CAPTURE_EVERY > 0:  # captures in turn: count the micro-batches from the plan's first
-            if self.index is None:  # a resumed run starts inside the plan
-                self.index = len(planned_micro_batches(self.run, start=0)) - len(planned_micro_batches(self.run))
-            self.index += 1
-            self._capture_due(self.index - 1)
         key = self.key_of(batch)
         tokens = key[0]
         bucket = self.buckets.get(key)
@@ -320,14 +307,6 @@ class GraphedForwardBackward:
         t, segments = batch.input_ids.shape[1], len(batch.layout.cu_seqlens) + 1
         size = next((s for s in self.sizes.get(segments, ()) if s > t and (s, segments) in self.buckets), None)
         return (size, segments) if size else batch_key(batch, self.bucket)
-
-    def _capture_due(self, index: int) -> None:
-        """Capture the planned sizes whose turn has come by micro-batch `index` (all of them at
-        once for a run resumed past their turns: the same graphs for the same micro-batches)."""
-        while self.pending and self.pending[0][1] <= index and not self.off:
-            key, _ = self.pending.pop(0)
-            if key not in self.buckets and len(self.buckets) < self.max_graphs:
-                self._capture_key(key, None)
 
     def _check_launch_bound(self, batch: MicroBatch) -> None:
         """Graphs remove host dispatch time (~5 ms a layer); a micro-batch whose matmuls alone
@@ -411,14 +390,9 @@ class GraphedForwardBackward:
             # one micro-batch of activations twice (W2 2 x 8: 36.9 GiB reserved, 22.9 allocated).
             torch.cuda.empty_cache()
             keys = self._plan(batch) if self.planned else planned_keys(self.run, self.bucket)
-            if self.sizes and CAPTURE_EVERY > 0:  # planned: the largest is captured, the rest in turn
-                rest = [k for k in sorted(set(keys), reverse=True) if k not in self.buckets]
-                self.pending = [(k, (i + 1) * CAPTURE_EVERY) for i, k in enumerate(rest)]
-                self._capture_due(self.index - 1)
-            else:
-                for planned in sorted(set(keys) | {self.key_of(batch)}, reverse=True)[:self.max_graphs]:
-                    if self.off or (planned not in self.buckets and not self._capture_key(planned, None)):
-                        break
+            for planned in sorted(set(keys) | {self.key_of(batch)}, reverse=True)[:self.max_graphs]:
+                if self.off or (planned not in self.buckets and not self._capture_key(planned, None)):
+                    break
         elif self._capture_key(key, None):
             bucket = self.buckets[key]
             bucket.load(padded, n_targets)
@@ -480,13 +454,20 @@ class GraphedForwardBackward:
         try:
             # Not torch.cuda.graph: it synchronises the device first, which would idle the GPU
             # for the whole host pass instead of letting it work through the queued replays
-            # (capture executes nothing, and replays run in stream order after them).
+            # (capture executes nothing, and replays run in stream order after them). But
+            # capture_begin does run one thing, on the capture stream: it zeroes the CUDA
+            # generator's graph offset tensor, which every replay's dropout reads. Ordered after
+            # the queued replays, and the next replay (which sets it) after it: a size captured
+            # when met, mid-run, leaves the replays in flight their own offsets.
+            main = torch.cuda.current_stream()
+            self.stream.wait_stream(main)
             with torch.cuda.stream(self.stream):
                 graph.capture_begin(self.pool)
                 try:
                     bucket.loss = self._body(bucket)
                 finally:
                     graph.capture_end()
+            main.wait_stream(self.stream)
         except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly from now on
             torch.cuda.synchronize()
             self._turn_off(f"capture of a {key[0]}-token bucket failed: {type(e).__name__}: "
