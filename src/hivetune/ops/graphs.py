@@ -59,9 +59,7 @@ MAX_GRAPHS = 48  # keys beyond this many run eagerly
 # Capturing the sizes after the largest in turn, one every N micro-batches so that each host pass
 # could overlap queued replays, was tried and removed (session 15): W1 (H200, 91912cc) 11.43-11.85 s
 # against 11.55-11.58; W2 DDP (2 x H100, 9356b1a) every 4: 10.87 s, every 8: 11.30, against 11.18,
-# each capture still leaving the GPU idle 0.22-0.26 s (the host is not ahead of the GPU then). It also
-# raced the CUDA generator: capture_begin zeroes the graph RNG offset tensor on the capture stream,
-# unordered with the queued replays that read it.
+# each capture still leaving the GPU idle 0.22-0.26 s (the host is not ahead of the GPU then).
 # Above this many matmul TFLOP per micro-batch (4 x linear weights x tokens) the GPU outruns the
 # host's dispatch anyway: W2 (7B) with 16 examples (~2,900 tokens: ~82 TFLOP) measured 23.8 s with
 # graphs against 21.4 s eager (capture time, padding) and 65 against 40 GiB reserved. With 8
@@ -454,20 +452,13 @@ class GraphedForwardBackward:
         try:
             # Not torch.cuda.graph: it synchronises the device first, which would idle the GPU
             # for the whole host pass instead of letting it work through the queued replays
-            # (capture executes nothing, and replays run in stream order after them). But
-            # capture_begin does run one thing, on the capture stream: it zeroes the CUDA
-            # generator's graph offset tensor, which every replay's dropout reads. Ordered after
-            # the queued replays, and the next replay (which sets it) after it: a size captured
-            # when met, mid-run, leaves the replays in flight their own offsets.
-            main = torch.cuda.current_stream()
-            self.stream.wait_stream(main)
+            # (capture executes nothing, and replays run in stream order after them).
             with torch.cuda.stream(self.stream):
                 graph.capture_begin(self.pool)
                 try:
                     bucket.loss = self._body(bucket)
                 finally:
                     graph.capture_end()
-            main.wait_stream(self.stream)
         except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly from now on
             torch.cuda.synchronize()
             self._turn_off(f"capture of a {key[0]}-token bucket failed: {type(e).__name__}: "
