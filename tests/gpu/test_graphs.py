@@ -165,6 +165,50 @@ def _fake(tokens, segments):
                       Packed(cu, tokens, ()), segments - 2, tokens)
 
 
+def test_graphs_instantiated_in_the_background_replay_as_those_instantiated_in_capture(tmp_path, monkeypatch):
+    """Background instantiation (keep_graph, a worker thread) against instantiation inside
+    capture_end (HIVETUNE_REFERENCE=graph_instantiate): the same graphs (a fixed grid), the same
+    loss micro-batch by micro-batch, to the bit (the forward is deterministic), and every call
+    after the first a replay."""
+    def losses(name):
+        torch.manual_seed(0)
+        run, _ = small_run(tmp_path / name, dropout=0.1)
+        run.model.train()
+        graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None, bucket=128)
+        out = [graphed(batch, 1000).item() for step in run.steps[:6] for batch in graphs_micro_batches(run, step)]
+        return out, graphed.stats
+
+    fast, fast_stats = losses("background")
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "graph_instantiate")
+    ref, ref_stats = losses("in-capture")
+    assert (fast_stats["instantiate"], ref_stats["instantiate"]) == ("background", "in capture")
+    assert fast_stats["graphs"] == ref_stats["graphs"] >= 2 and ref_stats["instantiate_wait_s"] == 0
+    assert fast_stats["replays"] == ref_stats["replays"] == len(fast) - 1 and fast_stats["eager"] == 0
+    assert fast == ref
+
+
+def test_a_failed_background_instantiation_turns_graphs_off(tmp_path, monkeypatch):
+    """An instantiation that raises on the worker thread is seen at the graph's first replay:
+    graphs go off with one line, as after a failed capture, and the run goes on eagerly."""
+    if not graphs.keeps_graphs():
+        pytest.skip("this torch cannot capture without instantiating")
+
+    def boom(self):
+        raise RuntimeError("instantiation refused (test)")
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "instantiate", boom)
+    run, examples = small_run(tmp_path, batch_size=4)
+    run.model.train()
+    graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=lambda b, n: forward_backward(
+        run, b.to(run.device), n, fused_target_loss_sum))
+    batches = [b for step in run.steps[:3] for b in graphs_micro_batches(run, step)]
+    losses = [graphed(b, 1000) for b in batches]
+    assert all(torch.isfinite(loss) for loss in losses)
+    off = graphed.stats["off"]
+    assert off.startswith("instantiating a ") and "instantiation refused (test)" in off
+    assert graphed.stats["replays"] == 0 and graphed.stats["eager"] == len(batches) - 1
+
+
 def test_a_resumed_run_captures_the_sizes_its_checkpoint_saved(tmp_path):
     """The first call plans the sizes and leaves them on the run (train.save_all_ranks puts them
     in checkpoints); a run whose counters hold saved sizes captures exactly those, without the

@@ -22,6 +22,13 @@ nothing). A micro-batch no size holds takes the 256-token grid (bucket_tokens), 
 The sizes go into checkpoints (train.save_all_ranks, one entry per rank): a resumed run on the
 same number of processes captures them again instead of timing anew (saved_sizes).
 
+Instantiation (cudaGraphInstantiate, ~0.17 s of a W2 or W1 capture's host time in profiles) runs
+on a worker thread where torch can capture without instantiating (keep_graph): each graph's
+instantiation overlaps the next graph's capture and the replays of graphs already instantiated;
+a replay waits for its own graph's (stats: instantiate_wait_s). HIVETUNE_REFERENCE=graph_instantiate
+instantiates inside capture_end, as before. The largest graph is waited for at once (its timing
+replay), so the planner's capture cost still includes one instantiation.
+
 All graphs share one memory pool; each replay's loss is cloned at once, so no graph's output is
 alive while another replays. Gradients accumulate in place into persistent .grad tensors, views
 of one buffer (lora_group.GradArena) that LoRAGroup's backward adds into; the LoRA parameters
@@ -74,6 +81,16 @@ last_graphed = None  # the most recent one, kept only with HIVETUNE_GRAPH_TIMING
 def bucket_tokens(n_tokens: int, bucket: int = BUCKET_TOKENS) -> int:
     """Smallest multiple of `bucket` holding n_tokens plus at least one pad token."""
     return (n_tokens + 1 + bucket - 1) // bucket * bucket
+
+
+def keeps_graphs() -> bool:
+    """Whether this torch captures a graph without instantiating it (CUDAGraph(keep_graph=True)
+    and instantiate(): torch 2.7 and later), which background instantiation needs."""
+    try:
+        torch.cuda.CUDAGraph(keep_graph=True)
+    except (TypeError, RuntimeError):
+        return False
+    return hasattr(torch.cuda.CUDAGraph, "instantiate")
 
 
 def pad_packed_batch(batch: MicroBatch, tokens: int, pad_id: int = 0) -> MicroBatch:
@@ -230,6 +247,7 @@ class _Bucket:
         self.batch = MicroBatch(self.flat[:t].view(1, t), self.flat[t:2 * t].view(1, t), self.flat[2 * t:3 * t],
                                 self.flat[3 * t:4 * t], Packed(self.cu, t, ()), n_examples, 0)
         self.graph = None
+        self.ready = None  # background instantiation: the Future of graph.instantiate()
         self.loss = None
 
     def load(self, padded: MicroBatch, n_targets: int) -> None:
@@ -264,6 +282,8 @@ class GraphedForwardBackward:
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=run.device)
+        self.background = not forced("graph_instantiate") and keeps_graphs()
+        self.instantiator = None  # the worker thread instantiating captured graphs (background)
         self.warmed = False
         self.off: str | None = None
         self.flops_per_token = 4 * run.model.args.linear_weight_count
@@ -271,7 +291,9 @@ class GraphedForwardBackward:
         self.stats = {"graphs": 0, "replays": 0, "eager": 0, "capture_s": 0.0, "pad_tokens": 0, "tokens": 0,
                       "bucket_tokens": self.bucket if not self.planned else "planned", "sizes": None,
                       "capture_tokens": None, "off": None,
-                      "warmup_s": None, "capture_each_s": []}  # where capture_s went
+                      "warmup_s": None, "capture_each_s": [],  # where capture_s went
+                      "instantiate": "background" if self.background else "in capture",
+                      "instantiate_wait_s": 0.0}  # host time replays waited for their graph's instantiation
         global last_stats, last_graphed
         last_stats = self.stats
         last_graphed = self if self.replay_events is not None else None
@@ -286,7 +308,8 @@ class GraphedForwardBackward:
         key = self.key_of(batch)
         tokens = key[0]
         bucket = self.buckets.get(key)
-        if bucket is None and len(self.buckets) >= self.max_graphs:
+        full = bucket is None and len(self.buckets) >= self.max_graphs
+        if full or (bucket is not None and not self._ready(bucket)):
             self.stats["eager"] += 1
             return self.eager(batch, n_targets)
         padded = pad_packed_batch(batch, tokens, self.run.pad_id)
@@ -391,7 +414,7 @@ class GraphedForwardBackward:
             for planned in sorted(set(keys) | {self.key_of(batch)}, reverse=True)[:self.max_graphs]:
                 if self.off or (planned not in self.buckets and not self._capture_key(planned, None)):
                     break
-        elif self._capture_key(key, None):
+        elif self._capture_key(key, None) and self._ready(self.buckets[key]):
             bucket = self.buckets[key]
             bucket.load(padded, n_targets)
             self._replay(bucket)
@@ -412,9 +435,9 @@ class GraphedForwardBackward:
         top_t, top_segments = max(micro)
         top = (bucket_tokens(top_t, GRAIN), top_segments)
         t0 = time.perf_counter()
-        if not self._capture_key(top, None):
+        if not self._capture_key(top, None) or not self._ready(self.buckets[top]):
             return []
-        capture_s = time.perf_counter() - t0
+        capture_s = time.perf_counter() - t0  # the host pass and the instantiation, as before background ones
         saved = saved_sizes(self.run)
         if saved is not None:  # resumed: the sizes the run planned before (the same padding)
             self.sizes = self.run.graph_sizes = saved
@@ -445,16 +468,46 @@ class GraphedForwardBackward:
         self.stats["sizes"] = {seg: sizes for seg, sizes in self.sizes.items()}
         return [(size, seg) for seg, sizes in self.sizes.items() for size in sizes]
 
+    def _instantiator(self):
+        if self.instantiator is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            device = self.run.device.index if self.run.device.index is not None else torch.cuda.current_device()
+            self.instantiator = ThreadPoolExecutor(1, thread_name_prefix="hivetune-graphs",
+                                                   initializer=torch.cuda.set_device, initargs=(device,))
+        return self.instantiator
+
+    def _ready(self, bucket: _Bucket) -> bool:
+        """Whether the bucket's graph can replay: waits for its background instantiation; a
+        failed one turns graphs off, as a failed capture does."""
+        if bucket.ready is None:
+            return not self.off
+        ready, bucket.ready = bucket.ready, None
+        t0 = time.perf_counter()
+        try:
+            ready.result()
+        except Exception as e:  # noqa: BLE001 - as in _capture_key: run eagerly from now on
+            self._turn_off(f"instantiating a {bucket.tokens}-token graph failed: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200] if str(e) else ''}")
+            return False
+        finally:
+            self.stats["instantiate_wait_s"] = round(self.stats["instantiate_wait_s"] + time.perf_counter() - t0, 3)
+        return True
+
     def _capture_key(self, key, bucket: _Bucket | None) -> bool:
         t0 = time.perf_counter()
         bucket = bucket or _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device)
-        graph = torch.cuda.CUDAGraph()
+        # Background: capture_end leaves the graph uninstantiated, and the worker thread
+        # instantiates it (the driver's part, GIL released) while this thread captures the next
+        # one or replays others. "thread_local": the capture forbids unsafe CUDA calls in this
+        # thread only, so the worker's instantiation is not one of them.
+        graph = torch.cuda.CUDAGraph(keep_graph=True) if self.background else torch.cuda.CUDAGraph()
         try:
             # Not torch.cuda.graph: it synchronises the device first, which would idle the GPU
             # for the whole host pass instead of letting it work through the queued replays
             # (capture executes nothing, and replays run in stream order after them).
             with torch.cuda.stream(self.stream):
-                graph.capture_begin(self.pool)
+                graph.capture_begin(self.pool, capture_error_mode="thread_local" if self.background else "global")
                 try:
                     bucket.loss = self._body(bucket)
                 finally:
@@ -465,6 +518,8 @@ class GraphedForwardBackward:
                            f"{str(e).splitlines()[0][:200] if str(e) else ''}")
             return False
         bucket.graph = graph
+        if self.background:
+            bucket.ready = self._instantiator().submit(graph.instantiate)
         self.buckets[key] = bucket
         self.stats["graphs"] += 1
         self.stats["capture_each_s"].append(round(time.perf_counter() - t0, 3))
