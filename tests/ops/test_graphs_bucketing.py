@@ -14,8 +14,8 @@ from hivetune.data.batch import collate_packed
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.model.lora import lora_parameters
 from hivetune.ops.fused_ce import fused_target_loss_sum
-from hivetune.ops.graphs import (IGNORE_INDEX, batch_key, bucket_tokens, graphs_unsupported, micro_step_fn,
-                                 pad_packed_batch, planned_keys)
+from hivetune.ops.graphs import (IGNORE_INDEX, batch_key, bucket_tokens, capture_cost_tokens, graphs_unsupported,
+                                 micro_step_fn, pad_packed_batch, planned_keys)
 from hivetune.ops.loss import target_loss_sum
 from hivetune.train import assemble, forward_backward, micro_batches
 
@@ -185,6 +185,16 @@ def test_plan_sizes_is_the_cheapest_set_of_graph_sizes(seed):
         assert sizes == need
     if capture == 10**6:
         assert sizes == [need[-1]]
+
+
+def test_capture_cost_rounds_down_to_a_power_of_two():
+    """The planner's capture cost: capture seconds over GPU seconds a token, rounded down to a
+    power of two (a slow first capture must not double it: W1's 3-graph plan), at least 1."""
+    assert capture_cost_tokens(0.156, 9.5e-6) == 16384  # 16,421
+    assert capture_cost_tokens(0.30, 9.5e-6) == 16384  # 31,579: rounded to the nearest it was 32,768
+    assert capture_cost_tokens(0.32, 9.5e-6) == 32768
+    assert capture_cost_tokens(0.1, 1e-3) == 64  # 100
+    assert capture_cost_tokens(0.0, 1e-5) == 1 and capture_cost_tokens(0.1, 0.0) == 2.0 ** 26
 
 
 def test_planned_micro_batches_are_what_the_loop_meets(tmp_path):

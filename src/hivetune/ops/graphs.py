@@ -175,6 +175,17 @@ def plan_sizes(tokens: list[int], capture_tokens: float, grain: int = GRAIN) -> 
     return sorted(sizes)
 
 
+def capture_cost_tokens(capture_s: float, gpu_s_per_token: float) -> float:
+    """A capture's cost for plan_sizes, in tokens of GPU work: the largest graph's capture time
+    over the GPU's time a token, rounded down to a power of two (the same plan from run to run
+    despite the timing's noise). Down, not to the nearest: the largest graph's capture is the
+    slowest (first-time costs), and W1's 562 micro-batches plan 3 graphs at 32,768 (119,447 pad
+    tokens: 11.26 and 11.30 s on an H100, 19cfefa and 596717a) against 5 at 16,384 (68,887 pad
+    tokens: 10.59-11.11 s in 6 runs), the first ~0.25 s worse at W1's real ~12,000 (~0.12 s a
+    capture, ~10 us a token), 7 graphs at 8,192 about as good as 5."""
+    return 2.0 ** math.floor(math.log2(max(capture_s / max(gpu_s_per_token, 1e-9), 1.0)))
+
+
 def saved_sizes(run) -> dict[int, list[int]] | None:
     """This rank's graph sizes from the checkpoint the run resumed from (train.save_all_ranks
     keeps every rank's), or None: a fresh run, or one resumed on another number of processes
@@ -456,7 +467,7 @@ class GraphedForwardBackward:
             end.synchronize()
             torch.cuda.set_rng_state(rng, self.run.device)
             gpu_s_per_token = start.elapsed_time(end) / 1000 / top[0]
-            capture_tokens = 2.0 ** round(math.log2(max(capture_s / max(gpu_s_per_token, 1e-9), 1.0)))
+            capture_tokens = capture_cost_tokens(capture_s, gpu_s_per_token)
         else:  # no micro-batch of the plan's shape at hand: the grid
             self.run.graph_sizes = {}
             return planned_keys(self.run, self.bucket)
