@@ -1,7 +1,8 @@
 """How long W2's adapter takes to come to the host (issue 10: the end of every fit, both sides of
-the DDP ratio): lora.to_host (one copy into pinned memory, then a clone per tensor) against the
-same single copy into pageable memory (its path before session 15), three times each, after a
-first call of each (the pinned block's allocation is in to_host's first time).
+the DDP ratio): lora.to_host (through a 16 MiB pinned stage; at 7077560, one copy
+into a 323 MB pinned buffer) against one copy into pageable memory and a clone per tensor
+(its path before session 15), three times each, after a first call of each (a pinned
+allocation is in to_host's first time).
 
     python bench/to_host_probe.py      # prints one JSON line
 """
@@ -52,10 +53,10 @@ def seconds(fn, tensors) -> float:
 def main() -> None:
     tensors = w2_adapter(torch.device("cuda"))
     mb = sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6
-    first = {"pinned": seconds(to_host, tensors), "pageable": seconds(pageable, tensors)}
-    runs = {"pinned": [], "pageable": []}
+    first = {"to_host": seconds(to_host, tensors), "pageable": seconds(pageable, tensors)}
+    runs = {"to_host": [], "pageable": []}
     for _ in range(3):
-        runs["pinned"].append(seconds(to_host, tensors))
+        runs["to_host"].append(seconds(to_host, tensors))
         runs["pageable"].append(seconds(pageable, tensors))
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tensors": len(tensors),
                       "mb": round(mb, 1), "first_s": first, "s": runs}))

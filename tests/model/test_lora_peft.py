@@ -155,3 +155,17 @@ def test_trainable_params_and_dtypes_bf16(base_folder):
         else:
             assert p.grad is None, n
     assert model.model.layers[0].self_attn.q_proj.lora_B.weight.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("stage_size", [1, 7, 64, 10_000])
+def test_through_stage_fills_each_tensor_in_order(stage_size):
+    """lora.through_stage (to_host's chunked copy through a pinned stage): any stage size, chunks
+    that straddle tensors, empty tensors among them; every host tensor gets its own values."""
+    from hivetune.model.lora import through_stage
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [0, 5, 64, 0, 3, 130, 1, 0]
+    source = [torch.randn(n, generator=g) for n in sizes]
+    pieces = [torch.full((n,), float("nan")) for n in sizes]
+    through_stage(torch.cat(source), pieces, torch.empty(stage_size))
+    assert all(torch.equal(p, s) for p, s in zip(pieces, source))

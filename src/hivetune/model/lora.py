@@ -342,26 +342,44 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return to_host(weights)
 
 
+STAGE_BYTES = 16 << 20  # to_host's pinned staging buffer
+
+
 def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors on the CPU. GPU tensors of one dtype go in one copy: W2's 392 LoRA tensors
-    one by one took ~0.2 s of the adapter save (each copy a sync and a small pageable transfer).
-    On CUDA that copy lands in pinned memory: W2's 323 MB adapter (the end of every W2 fit) came
-    to the host in 0.073-0.082 s against 0.285-0.313 s through pageable memory (H100, 7077560,
-    bench/to_host_probe.py; a first call 0.29 against 0.40 s, the pinned block's allocation in it)."""
+    """The tensors on the CPU, each in its own storage (safetensors refuses shared ones). GPU
+    tensors of one dtype go as one buffer: W2's 392 LoRA tensors one by one took ~0.2 s of the
+    adapter save (each copy a sync and a small pageable transfer). On CUDA that buffer comes
+    through a 16 MiB pinned stage, chunk by chunk, into the tensors' own host memory: W2's 323 MB
+    took 0.285-0.313 s as one pageable copy and its clones (H100, 7077560, bench/to_host_probe.py),
+    and as one pinned copy 0.073-0.082 s but 0.29 s the first time, the 323 MB pinned allocation
+    (0.18 s at the end of a DDP fit, 2dded52) being in it."""
     on_gpu = [t for t in tensors.values() if t.device.type != "cpu"]
     if len(on_gpu) < 2 or len({(t.device, t.dtype) for t in on_gpu}) > 1:
         return {k: t.contiguous().cpu() for k, t in tensors.items()}
     joined = torch.cat([t.reshape(-1) for t in on_gpu])
-    flat = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=joined.is_cuda)
-    flat.copy_(joined)  # blocking: the clones below read it
-    out, offset = {}, 0
-    for key, t in tensors.items():
-        if t.device.type == "cpu":
-            out[key] = t.contiguous()
-            continue
-        out[key] = flat[offset:offset + t.numel()].view(t.shape).clone()
-        offset += t.numel()
+    out = {k: (t.contiguous() if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype))
+           for k, t in tensors.items()}
+    stage = torch.empty(max(1, min(joined.numel(), STAGE_BYTES // joined.element_size())), dtype=joined.dtype,
+                        pin_memory=joined.is_cuda)
+    through_stage(joined, [out[k].view(-1) for k, t in tensors.items() if t.device.type != "cpu"], stage)
     return out
+
+
+def through_stage(joined: torch.Tensor, pieces: list[torch.Tensor], stage: torch.Tensor) -> None:
+    """Copy `joined` (on the device) into the host tensors `pieces` (1-D, in order, as many
+    elements in all), one stage-sized chunk at a time through `stage` (pinned memory on CUDA)."""
+    remaining = iter(pieces)
+    piece, used = next(remaining, None), 0  # the host tensor being filled and how much of it is
+    for start in range(0, joined.numel(), stage.numel()):
+        chunk = stage[:min(stage.numel(), joined.numel() - start)]
+        chunk.copy_(joined[start:start + chunk.numel()])  # blocking: the stage is read next
+        taken = 0
+        while piece is not None and taken < chunk.numel():
+            n = min(piece.numel() - used, chunk.numel() - taken)
+            piece[used:used + n].copy_(chunk[taken:taken + n])
+            used, taken = used + n, taken + n
+            while piece is not None and used == piece.numel():
+                piece, used = next(remaining, None), 0
 
 
 def peft_config(spec: LoRASpec, base_model_path: str) -> dict:
