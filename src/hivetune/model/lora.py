@@ -350,9 +350,10 @@ def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     tensors of one dtype go as one buffer: W2's 392 LoRA tensors one by one took ~0.2 s of the
     adapter save (each copy a sync and a small pageable transfer). On CUDA that buffer comes
     through a 16 MiB pinned stage, chunk by chunk, into the tensors' own host memory: W2's 323 MB
-    took 0.285-0.313 s as one pageable copy and its clones (H100, 7077560, bench/to_host_probe.py),
-    and as one pinned copy 0.073-0.082 s but 0.29 s the first time, the 323 MB pinned allocation
-    (0.18 s at the end of a DDP fit, 2dded52) being in it."""
+    in 0.054-0.056 s, 0.149 s the first time, against 0.234-0.327 s (0.300 first) as one pageable
+    copy and a clone per tensor (H100, 5bee515, bench/to_host_probe.py). One 323 MB pinned buffer
+    (7077560) took 0.073-0.082 s but 0.29 s the first time (its allocation: 0.18 s at the end of a
+    DDP fit, 2dded52), and a fit's save is a first time."""
     on_gpu = [t for t in tensors.values() if t.device.type != "cpu"]
     if len(on_gpu) < 2 or len({(t.device, t.dtype) for t in on_gpu}) > 1:
         return {k: t.contiguous().cpu() for k, t in tensors.items()}
