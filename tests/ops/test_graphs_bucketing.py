@@ -203,3 +203,63 @@ def test_planned_micro_batches_are_what_the_loop_meets(tmp_path):
     run = tiny_run(tmp_path, batch_size=3, grad_accum=2, max_steps=4)
     met = [(b.input_ids.shape[1], len(b.layout.cu_seqlens) + 1) for step in run.steps for b in micro_batches(run, step)]
     assert planned_micro_batches(run) == met
+
+
+def test_paced_micro_batches_are_the_slowest_rank_s_counts(tmp_path):
+    """paced=True: at each place of each step, the most tokens any rank has there (this rank's
+    segment count kept); one process: its own counts."""
+    import dataclasses
+
+    from hivetune.distributed import Dist
+    from hivetune.ops.graphs import planned_micro_batches
+
+    run = tiny_run(tmp_path, cap=0, batch_size=3, grad_accum=2, max_steps=5)
+    assert planned_micro_batches(run, paced=True) == planned_micro_batches(run)
+    run.cfg = dataclasses.replace(run.cfg, batch_size=2)  # 6 examples a step: 3 a rank, 2 micro-batches
+    own = []
+    for rank in (0, 1):
+        run.parallel = Dist(rank, 2, rank)
+        own.append(planned_micro_batches(run))
+    for rank in (0, 1):
+        run.parallel = Dist(rank, 2, rank)
+        paced = planned_micro_batches(run, paced=True)
+        assert [s for _, s in paced] == [s for _, s in own[rank]]
+        assert [t for t, _ in paced] == [max(a, b) for (a, _), (b, _) in zip(*own)]
+    assert any(a != b for (a, _), (b, _) in zip(*own))  # the ranks' counts do differ
+
+
+def test_w2_ranks_planning_on_paced_counts_choose_the_same_sizes():
+    """W2 on 2 ranks (93 steps of 8 + 8 examples), a capture costed at 2,048 tokens: planned on
+    their own counts the ranks choose different sizes and the slower rank's graphs sum to
+    145,280 tokens; on the paced counts both choose the same four, summing to 141,248."""
+    import dataclasses
+    import tempfile
+
+    from hivetune.bench import WORKLOADS
+    from hivetune.distributed import Dist
+    from hivetune.ops.graphs import plan_sizes, planned_micro_batches
+
+    w = WORKLOADS["W2"]
+    examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))
+    values = {"model": "random", "data": "generator", "precision": "fp32", "device": "cpu", "epochs": 1.0,
+              "batch_size": 16, "lora": w.lora, "eval_prompts": 0, "max_length": 4096}
+    model = random_model(qwen25_shape(w.args.vocab_size, 64, 128, 1, 4, 2, True), "cpu", torch.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = assemble(load_config(None, values), model, examples, None, torch.device("cpu"), "fp32",
+                       Path(tmp) / "run", Path("random"))
+    run.cfg = dataclasses.replace(run.cfg, batch_size=8)  # as bench/multi_gpu.py: 8 a rank
+    own, paced = [], []
+    for rank in (0, 1):
+        run.parallel = Dist(rank, 2, rank)
+        own.append([t for t, _ in planned_micro_batches(run)])
+        paced.append([t for t, _ in planned_micro_batches(run, paced=True)])
+
+    def size_of(sizes, tokens):
+        return min(s for s in sizes if s > tokens)
+
+    sizes_own = [plan_sizes(counts, 2048) for counts in own]
+    assert sizes_own == [[1408, 1536, 1728], [1344, 1472, 1600, 1728]]
+    assert sum(max(size_of(sizes_own[0], a), size_of(sizes_own[1], b)) for a, b in zip(*own)) == 145_280
+    sizes_paced = [plan_sizes(counts, 2048) for counts in paced]
+    assert sizes_paced == [[1408, 1536, 1600, 1728]] * 2
+    assert sum(size_of(sizes_paced[0], t) for t in paced[0]) == 141_248

@@ -44,6 +44,8 @@ Under DDP each rank replays its own graphs; the gradient all-reduce runs after t
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import os
 import sys
@@ -122,21 +124,34 @@ def batch_key(batch: MicroBatch, bucket: int = BUCKET_TOKENS) -> tuple[int, int]
     return bucket_tokens(batch.input_ids.shape[1], bucket), len(batch.layout.cu_seqlens) + 1
 
 
-def planned_micro_batches(run, start: int | None = None) -> list[tuple[int, int]]:
+def planned_micro_batches(run, start: int | None = None, paced: bool = False) -> list[tuple[int, int]]:
     """(tokens, cu_seqlens entries once padded) of every micro-batch of the run's step plan from
     step `start` (default: where the run starts), from the example lengths (collate_packed: one
     segment per example, no padding); under torchrun, of this rank's share of each step
-    (Dist.shard), as the training loop cuts it."""
+    (Dist.shard), as the training loop cuts it.
+
+    paced: each micro-batch's tokens are the most any rank has at that place of the step (this
+    rank's segment count kept). Under DDP the step's all-reduce waits for the slowest rank, so
+    a step costs the largest graph any rank replays there: the sizes to plan are for those
+    counts. Planned on their own counts, W2's two ranks (93 steps of 8 + 8 examples, a capture
+    costed at 2,048 tokens) chose [1408, 1536, 1728] and [1344, 1472, 1600, 1728], and the
+    slower rank's graphs summed to 145,280 tokens a rank; planned on the paced counts, both
+    choose [1408, 1536, 1600, 1728]: 141,248 (tests/ops/test_graphs_bucketing.py)."""
     lengths = getattr(run.data, "lengths", None)
     if lengths is None:
         return []
     size = run.cfg.batch_size
+    parallel = run.parallel
     out = []
     for step in run.steps[run.start_step if start is None else start:]:
-        step = run.parallel.shard(step, lengths)
-        for i in range(0, len(step), size):
-            chunk = step[i:i + size]
-            out.append((sum(lengths[j] for j in chunk), len(chunk) + 2))
+        mine = parallel.shard(step, lengths)
+        counts = [sum(lengths[j] for j in mine[i:i + size]) for i in range(0, len(mine), size)]
+        if paced and parallel.enabled:
+            for other in range(parallel.world):
+                share = dataclasses.replace(parallel, rank=other).shard(step, lengths)
+                theirs = [sum(lengths[j] for j in share[i:i + size]) for i in range(0, len(share), size)]
+                counts = [max(c, t) for c, t in itertools.zip_longest(counts, theirs[:len(counts)], fillvalue=0)]
+        out += [(tokens, len(mine[i * size:(i + 1) * size]) + 2) for i, tokens in enumerate(counts)]
     return out
 
 
@@ -442,7 +457,7 @@ class GraphedForwardBackward:
         own = (batch.input_ids.shape[1], len(batch.layout.cu_seqlens) + 1)
         # The whole plan, resumed or not, and the capture cost rounded to a power of two: the
         # same sizes (the same padding, so the same matmul shapes) in a run and its resumption.
-        micro = planned_micro_batches(self.run, start=0) or [own]
+        micro = planned_micro_batches(self.run, start=0, paced=True) or [own]
         top_t, top_segments = max(micro)
         top = (bucket_tokens(top_t, GRAIN), top_segments)
         t0 = time.perf_counter()
