@@ -16,6 +16,7 @@ for line in sys.stdin:
     r = json.loads(line)
     with open(os.environ['OUT'] + '/runs.jsonl', 'a') as f:
         f.write(json.dumps({'name': os.environ['NAME'], **r}) + chr(10))
-    print(r['mode'], r['seconds'], 's', r['tokens_per_s'], 'tokens/s', json.dumps(r['cuda_graphs']))" | tee -a "$S"
+    print(r['mode'], r['seconds'], 's', r['tokens_per_s'], 'tokens/s', json.dumps(r['cuda_graphs']),
+          'sizes per rank:', [g.get('sizes') for g in r.get('cuda_graphs_per_rank', [])])" | tee -a "$S"
 }
 DDP=(python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/multi_gpu.py ddp W2)

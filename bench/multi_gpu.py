@@ -144,6 +144,8 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
                   if parallel.is_main else [])
     peaks = distributed.all_gather_objects(parallel, (torch.cuda.max_memory_allocated(device),
                                                        torch.cuda.max_memory_reserved(device)) if cuda else (0, 0))
+    # every rank's graph counters: each rank plans and captures its own graphs (their sizes should agree)
+    graphs_per_rank = distributed.all_gather_objects(parallel, dict(graphs.last_stats))
     tokens = sum(examples.lengths[i] for step in run.steps for i in step)
     out = {"mode": mode, "workload": workload, "gpus": parallel.world, "strategy": run.strategy,
            "steps": len(run.steps), "global_batch": per_step, "per_gpu_micro_batch": cfg.batch_size,
@@ -152,6 +154,7 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
            "peak_reserved_gib_per_gpu": [round(r / 2**30, 2) for _, r in peaks],
            "final_loss": result.final_loss, "losses_logged": losses,
            "params_billion": round(n_params / 1e9, 3), "cuda_graphs": dict(graphs.last_stats),
+           "cuda_graphs_per_rank": graphs_per_rank,
            "allocator": allocator_counts(device),  # rank 0's: a cudaFree or a retry syncs the device
            "environment": environment(device)}  # device, versions, commit: each line a record
     distributed.shutdown(parallel)
