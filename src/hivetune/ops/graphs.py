@@ -457,7 +457,8 @@ class GraphedForwardBackward:
         own = (batch.input_ids.shape[1], len(batch.layout.cu_seqlens) + 1)
         # The whole plan, resumed or not, and the capture cost rounded to a power of two: the
         # same sizes (the same padding, so the same matmul shapes) in a run and its resumption.
-        micro = planned_micro_batches(self.run, start=0, paced=True) or [own]
+        # Under DDP on the slowest rank's counts (HIVETUNE_REFERENCE=paced_sizes: this rank's own).
+        micro = planned_micro_batches(self.run, start=0, paced=not forced("paced_sizes")) or [own]
         top_t, top_segments = max(micro)
         top = (bucket_tokens(top_t, GRAIN), top_segments)
         t0 = time.perf_counter()
