@@ -22,12 +22,13 @@ nothing). A micro-batch no size holds takes the 256-token grid (bucket_tokens), 
 The sizes go into checkpoints (train.save_all_ranks, one entry per rank): a resumed run on the
 same number of processes captures them again instead of timing anew (saved_sizes).
 
-Instantiation (cudaGraphInstantiate, ~0.17 s of a W2 or W1 capture's host time in profiles) runs
-on a worker thread where torch can capture without instantiating (keep_graph): each graph's
-instantiation overlaps the next graph's capture and the replays of graphs already instantiated;
-a replay waits for its own graph's (stats: instantiate_wait_s). HIVETUNE_REFERENCE=graph_instantiate
-instantiates inside capture_end, as before. The largest graph is waited for at once (its timing
-replay), so the planner's capture cost still includes one instantiation.
+Instantiation (cudaGraphInstantiate: 15-30 ms of each W1 capture's ~0.1-0.2 s of host time on
+an H100, 596717a) runs on a worker thread where torch can capture without instantiating
+(keep_graph): each graph's instantiation overlaps the next graph's capture and the replays of
+graphs already instantiated; a replay waits for its own graph's (stats: instantiate_wait_s).
+HIVETUNE_REFERENCE=graph_instantiate instantiates inside capture_end, as before. The largest
+graph is waited for at once (its timing replay), so the planner's capture cost still includes
+one instantiation.
 
 All graphs share one memory pool; each replay's loss is cloned at once, so no graph's output is
 alive while another replays. Gradients accumulate in place into persistent .grad tensors, views
@@ -142,15 +143,19 @@ def planned_micro_batches(run, start: int | None = None, paced: bool = False) ->
         return []
     size = run.cfg.batch_size
     parallel = run.parallel
+
+    def micro_tokens(share: list[int]) -> list[int]:  # the tokens of each micro-batch the loop cuts
+        return [sum(lengths[j] for j in share[i:i + size]) for i in range(0, len(share), size)]
+
     out = []
     for step in run.steps[run.start_step if start is None else start:]:
         mine = parallel.shard(step, lengths)
-        counts = [sum(lengths[j] for j in mine[i:i + size]) for i in range(0, len(mine), size)]
+        counts = micro_tokens(mine)
         if paced and parallel.enabled:
             for other in range(parallel.world):
-                share = dataclasses.replace(parallel, rank=other).shard(step, lengths)
-                theirs = [sum(lengths[j] for j in share[i:i + size]) for i in range(0, len(share), size)]
-                counts = [max(c, t) for c, t in itertools.zip_longest(counts, theirs[:len(counts)], fillvalue=0)]
+                if other != parallel.rank:
+                    theirs = micro_tokens(dataclasses.replace(parallel, rank=other).shard(step, lengths))
+                    counts = [max(c, t) for c, t in itertools.zip_longest(counts, theirs[:len(counts)], fillvalue=0)]
         out += [(tokens, len(mine[i * size:(i + 1) * size]) + 2) for i, tokens in enumerate(counts)]
     return out
 
@@ -211,6 +216,11 @@ def saved_sizes(run) -> dict[int, list[int]] | None:
     if not isinstance(saved, list) or len(saved) != run.parallel.world or saved[run.parallel.rank] is None:
         return None
     return {int(seg): [int(t) for t in sizes] for seg, sizes in saved[run.parallel.rank].items()}
+
+
+def _first_line(e: Exception) -> str:
+    """An exception as one line for the graphs-off note: its type and its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 def ignoring_loss_fn(loss_fn):
@@ -455,8 +465,7 @@ class GraphedForwardBackward:
         loss divided by infinity: its loss and every gradient it adds are exact zeros, and the
         CUDA generator is set back after it (a resumed run draws the masks an unbroken one does)."""
         own = (batch.input_ids.shape[1], len(batch.layout.cu_seqlens) + 1)
-        # The whole plan, resumed or not, and the capture cost rounded to a power of two: the
-        # same sizes (the same padding, so the same matmul shapes) in a run and its resumption.
+        # The whole plan, resumed or not (a resumed run takes its checkpoint's sizes: saved_sizes).
         # Under DDP on the slowest rank's counts (HIVETUNE_REFERENCE=paced_sizes: this rank's own).
         micro = planned_micro_batches(self.run, start=0, paced=not forced("paced_sizes")) or [own]
         top_t, top_segments = max(micro)
@@ -514,8 +523,7 @@ class GraphedForwardBackward:
         try:
             ready.result()
         except Exception as e:  # noqa: BLE001 - as in _capture_key: run eagerly from now on
-            self._turn_off(f"instantiating a {bucket.tokens}-token graph failed: {type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:200] if str(e) else ''}")
+            self._turn_off(f"instantiating a {bucket.tokens}-token graph failed: {_first_line(e)}")
             return False
         finally:
             self.stats["instantiate_wait_s"] = round(self.stats["instantiate_wait_s"] + time.perf_counter() - t0, 3)
@@ -541,8 +549,7 @@ class GraphedForwardBackward:
                     graph.capture_end()
         except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly from now on
             torch.cuda.synchronize()
-            self._turn_off(f"capture of a {key[0]}-token bucket failed: {type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:200] if str(e) else ''}")
+            self._turn_off(f"capture of a {key[0]}-token bucket failed: {_first_line(e)}")
             return False
         bucket.graph = graph
         if self.background:
