@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from hivetune.bench import environment
+
 
 def captured(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.cuda.CUDAGraph:
     graph = torch.cuda.CUDAGraph()
@@ -75,6 +77,7 @@ def main() -> None:
     # ~20-30 ms of GPU work a replay each: 10 large matmuls, 150 medium, 600 and 2,400 small
     rows = [depth(10, 8192), depth(150, 4096), depth(600, 2048), depth(2400, 1024, launches=8)]
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
+                      "environment": environment(torch.device("cuda")),  # versions, commit
                       "reading": "first_waiting_launch constant across rows: a limit on launches in "
                                  "flight; kernels_queued_before_it constant: a limit on queued kernels"}))
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from hivetune.bench import WORKLOADS
+from hivetune.bench import WORKLOADS, environment
 from hivetune.model.lora import to_host
 
 
@@ -59,7 +59,8 @@ def main() -> None:
         runs["to_host"].append(seconds(to_host, tensors))
         runs["pageable"].append(seconds(pageable, tensors))
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tensors": len(tensors),
-                      "mb": round(mb, 1), "first_s": first, "s": runs}))
+                      "mb": round(mb, 1), "first_s": first, "s": runs,
+                      "environment": environment(torch.device("cuda"))}))  # versions, commit
 
 
 if __name__ == "__main__":
