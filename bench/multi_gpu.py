@@ -28,7 +28,7 @@ import torch
 from hivetune import distributed
 from hivetune.bench import (WORKLOADS, allocator_counts, environment, git_commit, init_like_hf, qwen25_shape,
                             random_model, workload_examples)
-from hivetune.config import load_config
+from hivetune.config import load_config, parse_overrides
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.fastpath import prewarm_triton
 from hivetune.model.decoder import CausalLM
@@ -116,12 +116,14 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
         w = WORKLOADS[workload]
         args, n_examples, cap, per_step, lora, max_steps = w.args, w.n_examples, w.cap, w.examples_per_step, w.lora, 0
     examples = TokenizedExamples(workload_examples(n_examples, args.vocab_size, cap))
+    # HIVETUNE_MULTI_SET="key=value ...": config overrides for an A/B (e.g. wide_lora=true)
+    extra = parse_overrides(os.environ.get("HIVETUNE_MULTI_SET", "").split())
     cfg = load_config(None, {
         "model": "random", "data": "generator", "precision": "bf16" if device.type == "cuda" else "fp32",
         "device": device.type, "epochs": 1.0,
         "max_steps": max_steps, "batch_size": per_step // parallel.world, "lr": 2e-4, "lora": lora,
         "eval_prompts": 0, "max_length": 4096, "log_every": 10,
-        "distributed": "fsdp" if mode == "fsdp" else "ddp"})
+        "distributed": "fsdp" if mode == "fsdp" else "ddp", **extra})
     model = random_model_bf16(args, device) if device.type == "cuda" else random_model(args, device, torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
     with tempfile.TemporaryDirectory() as tmp:
@@ -154,7 +156,7 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
            "peak_reserved_gib_per_gpu": [round(r / 2**30, 2) for _, r in peaks],
            "final_loss": result.final_loss, "losses_logged": losses,
            "params_billion": round(n_params / 1e9, 3), "cuda_graphs": dict(graphs.last_stats),
-           "cuda_graphs_per_rank": graphs_per_rank,
+           "cuda_graphs_per_rank": graphs_per_rank, "overrides": extra,
            "allocator": allocator_counts(device),  # rank 0's: a cudaFree or a retry syncs the device
            "environment": environment(device)}  # device, versions, commit: each line a record
     distributed.shutdown(parallel)

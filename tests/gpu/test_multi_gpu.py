@@ -56,6 +56,11 @@ def test_ddp_with_cuda_graphs_tracks_one_gpu(tiny_model_dir, alpaca_file, tmp_pa
     common = ["--model", str(tiny_model_dir), "--data", str(alpaca_file), *flags]
     train_cli([*common, "--output", str(tmp_path / "one"), "--batch-size", "4", "--grad-accum", "2"], 1)
     proc = train_cli([*common, "--output", str(tmp_path / "two"), "--batch-size", "4", "--grad-accum", "1",
-                      "--set", "distributed=ddp"], 2)
+                      "--set", "distributed=ddp", "--set", "save_every=6"], 2)
     assert "CUDA graphs off" not in proc.stderr, proc.stderr[-2000:]
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=2e-2)
+    # Both ranks planned the same graph sizes (paced counts, one capture cost agreed across
+    # ranks): a step's all-reduce waits for the larger graph, so differing sizes only cost time.
+    last = sorted((tmp_path / "two" / "checkpoints").glob("step-*"))[-1]
+    sizes = torch.load(last / "trainer_state.pt", map_location="cpu", weights_only=True)["counters"]["graph_sizes"]
+    assert len(sizes) == 2 and sizes[0] == sizes[1] and sizes[0], sizes

@@ -55,6 +55,7 @@ import time
 import torch
 
 from hivetune.data.batch import MicroBatch
+from hivetune.distributed import all_gather_objects
 from hivetune.fastpath import forced
 from hivetune.ops.attention import Packed, varlen_supported
 from hivetune.ops.fused_ce import fused_target_loss_sum
@@ -369,6 +370,9 @@ class GraphedForwardBackward:
         """Graphs remove host dispatch time (~5 ms a layer); a micro-batch whose matmuls alone
         keep the GPU busier than that gains little and pays capture time and pool memory."""
         tflop = self.flops_per_token * batch.input_ids.numel() / 1e12
+        # Under DDP the largest rank's: every rank decides alike, so all of them reach _plan's
+        # collective (or none does).
+        tflop = max(all_gather_objects(self.run.parallel, tflop))
         if tflop > MAX_TFLOP_PER_MICRO_BATCH:
             self._turn_off(f"compute-bound micro-batches, ~{tflop:.0f} TFLOP each")
 
@@ -471,17 +475,12 @@ class GraphedForwardBackward:
         top_t, top_segments = max(micro)
         top = (bucket_tokens(top_t, GRAIN), top_segments)
         t0 = time.perf_counter()
-        if not self._capture_key(top, None) or not self._ready(self.buckets[top]):
-            return []
+        captured = self._capture_key(top, None) and self._ready(self.buckets[top])
         capture_s = time.perf_counter() - t0  # the host pass and the instantiation, as before background ones
         saved = saved_sizes(self.run)
-        if saved is not None:  # resumed: the sizes the run planned before (the same padding)
-            self.sizes = self.run.graph_sizes = saved
-            self.stats["sizes"], self.stats["capture_tokens"] = dict(saved), "saved"
-            return ([(size, seg) for seg, sizes in saved.items() for size in sizes]
-                    or planned_keys(self.run, self.bucket))
-        big = self.buckets[top]
-        if own[1] == top_segments and own[0] < top[0]:
+        timing = None  # (capture seconds, GPU seconds a token), if this rank can measure them
+        if captured and saved is None and own[1] == top_segments and own[0] < top[0]:
+            big = self.buckets[top]
             big.load(pad_packed_batch(batch, top[0], self.run.pad_id), 1)
             big.n_targets.fill_(float("inf"))
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -491,11 +490,24 @@ class GraphedForwardBackward:
             end.record()
             end.synchronize()
             torch.cuda.set_rng_state(rng, self.run.device)
-            gpu_s_per_token = start.elapsed_time(end) / 1000 / top[0]
-            capture_tokens = capture_cost_tokens(capture_s, gpu_s_per_token)
-        else:  # no micro-batch of the plan's shape at hand: the grid
+            timing = (capture_s, start.elapsed_time(end) / 1000 / top[0])
+        # Every rank reaches this once, whatever its branch: under DDP the ranks plan on the
+        # mean of their timings, so on the same capture cost (each rank's own, rounded to a power
+        # of two, differed: 2,048 and 4,096 tokens, [1408, 1536, 1600, 1728] against
+        # [1408, 1536, 1728] on W2's 2 x H100 at 36ab81e), so they replay graphs of the same sizes.
+        timings = [t for t in all_gather_objects(self.run.parallel, timing) if t is not None]
+        if not captured:
+            return []
+        if saved is not None:  # resumed: the sizes the run planned before (the same padding)
+            self.sizes = self.run.graph_sizes = saved
+            self.stats["sizes"], self.stats["capture_tokens"] = dict(saved), "saved"
+            return ([(size, seg) for seg, sizes in saved.items() for size in sizes]
+                    or planned_keys(self.run, self.bucket))
+        if not timings:  # no micro-batch of the plan's shape at hand: the grid
             self.run.graph_sizes = {}
             return planned_keys(self.run, self.bucket)
+        capture_tokens = capture_cost_tokens(sum(t[0] for t in timings) / len(timings),
+                                             sum(t[1] for t in timings) / len(timings))
         self.stats["capture_tokens"] = round(capture_tokens)
         groups: dict[int, list[int]] = {}
         for t, segments in micro:
