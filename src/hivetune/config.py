@@ -22,6 +22,7 @@ FORMATS = ("auto", "alpaca", "chat", "text")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "linear", "constant")
 LORA_INPUTS = ("auto", "keep", "recompute")
+WIDE_LORA = ("auto", "true", "false")
 DEVICES = ("auto", "cpu", "cuda")
 # Names people bring from HF Trainer / PEFT / other tools, mapped to ours for "did you mean".
 KEY_ALIASES = {
@@ -119,11 +120,13 @@ class TrainConfig:
     fused_loss: bool = True
     """Chunked LM head + cross-entropy with the gradient taken in forward (one chunk of logits
     alive at a time); false: the plain reference path."""
-    wide_lora: bool = False
+    wide_lora: str = "auto"
     """On CUDA, for graph-sized micro-batches: q/k/v's and gate/up's weights stored beside their
-    LoRA B, so the base matmul carries the LoRA update and its gradient (W1 on an H200: 9.6-10.0 s
-    against 9.7-10.5). Off by default: it reserves ~0.4 GiB more (W1: 4.30 against 3.87-3.90
-    GiB), and under a 4 GiB cap W1's CUDA graph capture ran out of memory (eager: 61 s)."""
+    LoRA B, so the base matmul carries the LoRA update and its gradient. true, false, or auto: on
+    under DDP (W2 on 2 x H100, 8 examples a rank: 10.82 / 10.42 s against 11.06 / 11.26, 22.68
+    against 21.96 GiB reserved a GPU, 058b554), off on one process, where it reserves ~0.4 GiB
+    more (W1: 4.30 against 3.87-3.90 GiB; under a 4 GiB cap W1's CUDA graph capture ran out of
+    memory, eager: 61 s) for W1 up to ~5% faster (9.6-10.0 s against 9.7-10.5, H200)."""
     cuda_graphs: bool = True
     """On CUDA (bf16, packing): replay each micro-batch's forward + loss + backward from a CUDA
     graph, one per token-count bucket (256 tokens), captured on first use; eager otherwise."""
@@ -229,6 +232,8 @@ def _coerce(value, typ, key: str, errors: list[str]):
             return None
         return number
     if typ is str:
+        if isinstance(value, bool):  # YAML's true / false for a key that also takes auto
+            return "true" if value else "false"
         if isinstance(value, (dict, list)):
             errors.append(f"{key}: expected a string, got {value!r}")
             return None
@@ -365,6 +370,7 @@ def validate(cfg: TrainConfig) -> list[str]:
     choice("precision", cfg.precision, PRECISIONS)
     choice("schedule", cfg.schedule, SCHEDULES)
     choice("lora_inputs", cfg.lora_inputs, LORA_INPUTS)
+    choice("wide_lora", cfg.wide_lora, WIDE_LORA)
     choice("device", cfg.device, DEVICES)
     choice("on_bad_steps", cfg.on_bad_steps, ("stop", "rollback"))
     choice("distributed", cfg.distributed, ("auto", "ddp", "fsdp"))

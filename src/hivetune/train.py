@@ -179,17 +179,19 @@ def setup(cfg: TrainConfig) -> Run:
     return run
 
 
-def wide_groups(model: CausalLM, cfg: TrainConfig, data, device: torch.device) -> bool:
-    """Whether q/k/v and gate/up take the wide layout (lora.fuse_projections): asked for
-    (wide_lora), on CUDA, where a micro-batch's matmuls are small enough for CUDA graphs
+def wide_groups(model: CausalLM, cfg: TrainConfig, data, device: torch.device, strategy: str = "none") -> bool:
+    """Whether q/k/v and gate/up take the wide layout (lora.fuse_projections): wide_lora true, or
+    auto under DDP; on CUDA, where a micro-batch's matmuls are small enough for CUDA graphs
     (ops.graphs.MAX_TFLOP_PER_MICRO_BATCH, from the data's mean length). There the LoRA update
     riding in the base matmul saves W1 ~5% of its loop (10.2 / 10.5 s against 9.6 / 10.4, H200,
     86175b8) for ~0.4 GiB more reserved memory (4.30 against 3.90 GiB: over W1's 4 GiB, where
-    its graph capture ran out of memory under a 4 GiB cap); W2 (7B, 16 x 1, ~80 TFLOP a
-    micro-batch) ran 8% slower with it and reserved 26.9 GiB against 24.1."""
+    its graph capture ran out of memory under a 4 GiB cap: so not by default on one process),
+    and W2's DDP ranks (8 examples each, graphed) 2-7% (2 x H100, 058b554); W2 on one GPU (7B,
+    16 x 1, ~80 TFLOP a micro-batch) ran 8% slower with it and reserved 26.9 GiB against 24.1."""
     from hivetune.ops.graphs import MAX_TFLOP_PER_MICRO_BATCH
 
-    if not getattr(cfg, "wide_lora", False) or device.type != "cuda" or forced("wide_lora") or not len(data):
+    asked = {"true": True, "false": False}.get(str(cfg.wide_lora).lower(), strategy == "ddp")
+    if not asked or device.type != "cuda" or forced("wide_lora") or not len(data):
         return False
     tokens = cfg.batch_size * data.total_tokens / len(data)
     return 4 * model.args.linear_weight_count * tokens / 1e12 <= MAX_TFLOP_PER_MICRO_BATCH
@@ -212,7 +214,7 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
         base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
         strategy = distributed.choose_strategy(cfg.distributed, base_bytes, device, cfg, model.args)
     if strategy != "fsdp" and fused_lora_usable():  # FSDP shards each weight: it keeps them apart
-        fuse_projections(model, wide=wide_groups(model, cfg, data, device))
+        fuse_projections(model, wide=wide_groups(model, cfg, data, device, strategy))
     if cfg.host_embeddings and device.type == "cuda":
         from hivetune.ops.host_embedding import move_embeddings
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hivetune.config import load_config
+from hivetune.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM
 from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_enabled, lora_parameters
@@ -312,8 +313,9 @@ def test_residual_rides_in_the_base_matmul(monkeypatch, dtype):
 def test_wide_layout_only_where_micro_batches_are_small(monkeypatch):
     """train.wide_groups: the wide layout on CUDA for graph-sized micro-batches (W1: 0.5B, 8
     examples of ~199 tokens, ~2.3 TFLOP), not for W2's (7B, 16 x ~171 tokens, ~77 TFLOP, above
-    graphs' 60), nor on the CPU or with HIVETUNE_REFERENCE=wide_lora; and only when the config asks
-    for it (wide_lora, off by default: ~0.4 GiB more reserved on W1). (Only shapes are read.)"""
+    graphs' 60), nor on the CPU or with HIVETUNE_REFERENCE=wide_lora; when the config asks for it,
+    or by default (wide_lora auto) under DDP only (one process: ~0.4 GiB more reserved on W1).
+    (Only shapes are read.)"""
     from types import SimpleNamespace
 
     from hivetune.bench import WORKLOADS
@@ -321,14 +323,22 @@ def test_wide_layout_only_where_micro_batches_are_small(monkeypatch):
     from hivetune.data.formats import Encoded
     from hivetune.train import wide_groups
 
-    def run(name, batch, mean, device="cuda", asked=True):
+    def run(name, batch, mean, device="cuda", asked="true", strategy="none"):
         data = TokenizedExamples([Encoded([1] * mean, [True] * mean, truncated=False)] * 4)
         model = SimpleNamespace(args=WORKLOADS[name].args)
-        return wide_groups(model, SimpleNamespace(batch_size=batch, wide_lora=asked), data, torch.device(device))
+        return wide_groups(model, SimpleNamespace(batch_size=batch, wide_lora=asked), data, torch.device(device),
+                           strategy)
 
     assert run("W1", 8, 199) and not run("W2", 16, 171) and run("W2", 1, 171)
     assert not run("W1", 8, 199, "cpu")
-    assert not run("W1", 8, 199, asked=False)
-    assert load_config(None, {"model": "random", "data": "generator"}).wide_lora is False
+    assert not run("W1", 8, 199, asked="false") and not run("W2", 8, 171, asked="false", strategy="ddp")
+    assert load_config(None, {"model": "random", "data": "generator"}).wide_lora == "auto"
+    assert not run("W1", 8, 199, asked="auto") and not run("W2", 8, 171, asked="auto", strategy="fsdp")
+    assert run("W2", 8, 171, asked="auto", strategy="ddp") and not run("W2", 16, 171, asked="auto", strategy="ddp")
+    # YAML's booleans and the three words; anything else is named in the error
+    assert load_config(None, {"model": "random", "data": "generator", "wide_lora": True}).wide_lora == "true"
+    assert load_config(None, {"model": "random", "data": "generator", "wide_lora": False}).wide_lora == "false"
+    with pytest.raises(UserError, match="wide_lora: 'sometimes' is not one of auto, true, false"):
+        load_config(None, {"model": "random", "data": "generator", "wide_lora": "sometimes"})
     monkeypatch.setenv("HIVETUNE_REFERENCE", "wide_lora")
     assert not run("W1", 8, 199)
