@@ -2,8 +2,10 @@
 # One device call on 2 GPUs (issue 10): W2 on one GPU and DDP on two, warm, each pass optionally
 # with a DDP variant (EXTRA), then a DDP fit with each rank's kernels and idle gaps profiled
 # (bench/multi_gpu.py, HIVETUNE_MULTI_PROFILE).
-# Usage (device tool): HIVETUNE_COMMIT=<commit> [EXTRA="VAR=value ..."] [PROFILE=0] bash bench/ddp_ab_run.sh
-# (config overrides go through EXTRA="HIVETUNE_MULTI_SET=key=value"; PROFILE=0 skips the profiled fit)
+# Usage (device tool):
+#   HIVETUNE_COMMIT=<commit> [EXTRA="VAR=value ...[;VAR=value ...]"] [PROFILE=0] bash bench/ddp_ab_run.sh
+# (variants apart by ";"; config overrides through HIVETUNE_MULTI_SET=key=value; PROFILE=0 skips the
+# profiled fit)
 source bench/ddp_common.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$S"
 run "ddp, warm-up pass" "${DDP[@]}"
@@ -11,7 +13,10 @@ run "single, warm-up pass" python3 bench/multi_gpu.py single W2
 for pass in ${PASSES:-1 2}; do
   run "single $pass" python3 bench/multi_gpu.py single W2
   run "ddp $pass" "${DDP[@]}"
-  if [ -n "${EXTRA:-}" ]; then (export $EXTRA; run "ddp $pass, $EXTRA" "${DDP[@]}"); fi
+  IFS=';' read -ra variants <<< "${EXTRA:-}"
+  for v in "${variants[@]}"; do
+    if [ -n "$v" ]; then (export $v; run "ddp $pass, $v" "${DDP[@]}"); fi
+  done
 done
 if [ "${PROFILE:-1}" != 0 ]; then
   HIVETUNE_MULTI_PROFILE=$OUT run "ddp, kernels profiled" "${DDP[@]}"
