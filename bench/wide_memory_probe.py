@@ -1,0 +1,102 @@
+"""Where W1's wide layout (wide_lora) reserves its extra ~0.4 GiB (issue 3): 4.30 against 3.90 GiB
+reserved at ~3.68 allocated either way (H200, 8e425e8), and under a 4 GiB cap its graph capture
+ran out of memory. One W1 fit of --steps steps, as `hivetune bench W1 --memory-cap CAP` runs
+it, printing the allocator's reserved and allocated bytes at each stage (after assemble, after
+the empty_cache that precedes the loop, when graphs turn off, at the end) and its segments by
+pool (the graphs' private pool against the ordinary one): their size, what is allocated in
+them, how many. One JSON line at the end, with the device, versions and commit.
+
+    python bench/wide_memory_probe.py --wide true --cap 4 [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from hivetune.bench import WORKLOADS, allocator_counts, environment, random_model, workload_examples  # noqa: E402
+from hivetune.config import load_config  # noqa: E402
+from hivetune.data.dataset import TokenizedExamples  # noqa: E402
+from hivetune.ops import graphs  # noqa: E402
+from hivetune.train import assemble, fit  # noqa: E402
+
+GIB = 2 ** 30
+
+
+def segments_by_pool() -> dict:
+    """The allocator's segments grouped by pool: count, reserved and allocated GiB."""
+    pools = defaultdict(lambda: {"segments": 0, "reserved_gib": 0.0, "allocated_gib": 0.0})
+    for seg in torch.cuda.memory_snapshot():
+        pool = str(seg.get("segment_pool_id", (0, 0)))
+        entry = pools["ordinary" if pool in ("(0, 0)", "[0, 0]") else f"private {pool}"]
+        entry["segments"] += 1
+        entry["reserved_gib"] += seg["total_size"] / GIB
+        entry["allocated_gib"] += seg["allocated_size"] / GIB
+    return {k: {n: round(v, 3) if isinstance(v, float) else v for n, v in e.items()} for k, e in pools.items()}
+
+
+def stage(stages: list, name: str) -> None:
+    torch.cuda.synchronize()
+    stages.append({"stage": name, "reserved_gib": round(torch.cuda.memory_reserved() / GIB, 3),
+                   "allocated_gib": round(torch.cuda.memory_allocated() / GIB, 3),
+                   "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 3),
+                   "pools": segments_by_pool()})
+    print(json.dumps(stages[-1]), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--wide", choices=("true", "false"), default="true")
+    parser.add_argument("--cap", type=float, default=4.0, help="allocator cap in GiB (0: none)")
+    parser.add_argument("--steps", type=int, default=40)
+    opts = parser.parse_args()
+    w, device = WORKLOADS["W1"], torch.device("cuda")
+    examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))
+    cfg = load_config(None, {"model": "random", "data": "generator", "precision": "bf16", "device": "cuda",
+                             "epochs": w.epochs, "max_steps": opts.steps, "batch_size": w.examples_per_step,
+                             "lr": 2e-4, "lora": w.lora, "eval_prompts": 0, "max_length": 4096, "log_every": 50,
+                             "wide_lora": opts.wide})
+    model = random_model(w.args, device, torch.bfloat16)
+    stages: list = []
+    turned_off = graphs.GraphedForwardBackward._turn_off
+
+    def turn_off(self, reason):  # the pools at the moment the capture failed
+        stage(stages, f"graphs off: {reason[:120]}")
+        turned_off(self, reason)
+
+    graphs.GraphedForwardBackward._turn_off = turn_off
+    with tempfile.TemporaryDirectory() as tmp:
+        run = assemble(cfg, model, examples, None, device, "bf16", Path(tmp) / "run", Path("random"))
+        del model
+        stage(stages, "after assemble")
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        stage(stages, "after empty_cache")
+        if opts.cap:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, opts.cap * GIB / total), device)
+        t0 = time.perf_counter()
+        fit(run, progress=False)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        stage(stages, "end")
+    print(json.dumps({"probe": "wide_memory", "wide": opts.wide, "cap_gib": opts.cap, "steps": opts.steps,
+                      "seconds": round(seconds, 3), "peak_reserved_gib": stages[-1]["peak_reserved_gib"],
+                      "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / GIB, 3),
+                      "wide_groups": sum(getattr(getattr(layer.mlp, "gate_up", None), "room", 0) > 0
+                                         for layer in run.model.model.layers),
+                      "cuda_graphs": dict(graphs.last_stats or {}), "allocator": allocator_counts(device),
+                      "stages": stages, "environment": environment(device)}))
+
+
+if __name__ == "__main__":
+    main()
