@@ -134,12 +134,16 @@ def triton_cache_has_kernels() -> bool:
 TRITON_CACHE_WARM_AT_START = triton_cache_has_kernels()
 
 
+EXPERIMENTS = ("HIVETUNE_LORA_SIDE_STREAM",)  # opt-in switches under trial, recorded with each result
+
+
 def environment(device) -> dict:
     from hivetune.ops import elementwise
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "commit": git_commit(),
            "fused_ops": elementwise.triton is not None and os.environ.get("HIVETUNE_FUSED_OPS", "1") != "0",
-           "reference_paths": os.environ.get("HIVETUNE_REFERENCE", "")}
+           "reference_paths": os.environ.get("HIVETUNE_REFERENCE", ""),
+           "experiments": " ".join(f"{k}={os.environ[k]}" for k in EXPERIMENTS if os.environ.get(k))}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["triton_cache"] = "warm" if TRITON_CACHE_WARM_AT_START else "cold"
@@ -429,6 +433,8 @@ def results_table(folder: Path) -> str:
             setting += f"; micro-batch {h['micro_batch']}"
         if env.get("reference_paths"):
             setting += f"; reference paths: {env['reference_paths']}"
+        if env.get("experiments"):
+            setting += f"; experiments: {env['experiments']}"
         if h.get("memory_cap_gib"):
             setting += f"; allocator capped at {h['memory_cap_gib']:g} GiB"
         if env.get("triton_cache"):

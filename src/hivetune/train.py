@@ -33,6 +33,7 @@ from hivetune.doctor.preflight import check_stack
 from hivetune.fastpath import adamw, clip_grad_norm, forced, fused_lora_usable, prewarm_triton, quiet_gc
 from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.errors import UserError
+from hivetune.ops.lora_group import join_aside
 from hivetune.fileio import atomic_write_bytes, check_writable, hold_run_lock, write_folder_atomically
 from hivetune.metrics_sink import MetricsSink, require_tensorboard
 from hivetune.model.decoder import CausalLM
@@ -374,7 +375,10 @@ def forward_backward(run: Run, batch, n_targets: int, loss_fn) -> torch.Tensor:
     # FSDP averages the gradients over ranks; times world makes that the sum over ranks of
     # sum(token losses) / (the step's target tokens), the one-process gradient (ddp sums).
     scaled = loss * run.parallel.world if run.strategy == "fsdp" else loss
-    (run.scaler.scale(scaled) if run.scaler else scaled).backward()
+    try:
+        (run.scaler.scale(scaled) if run.scaler else scaled).backward()
+    finally:
+        join_aside()  # LoRA weight gradients put on a side stream (an experiment): complete from here
     return loss.detach()
 
 

@@ -45,6 +45,7 @@ checkpointed layer's recompute) the Function builds them itself, as before.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
@@ -439,6 +440,18 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
     # Where the parameters have their .grad (GradArena), added into it: autograd gets None.
     n = len(sizes)
     into_a = grads_into(ctx.a_params, n * r if n > 1 else 0)
+    into_b = grads_into(ctx.b_params) if into_a else None
+    if into_b and aside_wanted(g):  # dA and dB on the side stream, beside grad_x's chain
+        with weight_grads_aside(g, keep=(g, g_xa, xd, mask, xa)):
+            if in_matmul:
+                elementwise.drop_matmul_grad(g_xa, xd, mask, ctx.p, into=into_a[0])
+            else:
+                add_mm_fp32_(into_a[0], g_xa.t(), xd, alpha)
+            for into, gi, xai in zip(into_b, g.split(sizes, 1) if n > 1 else (g,), xa.split(r, 1)):
+                add_mm_fp32_(into, gi.t(), xai)
+        del xd
+        grad_x, grad_xd = _input_grads(ctx, g, gw, g_xa, a_all, mask, w, alpha, given, in_matmul)
+        return grad_x, grad_xd, (None,) * n, (None,) * n
     if in_matmul:
         product = elementwise.drop_matmul_grad(g_xa, xd, mask, ctx.p, into=into_a[0] if into_a else None)
     elif into_a:
@@ -447,6 +460,21 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
         product = mm_fp32(g_xa.t(), xd, alpha)  # [n r, d]: A_1 .. A_n's rows, contiguous blocks
     grads_a = (None,) * n if into_a else product.split(r)
     del xd
+    grad_x, grad_xd = _input_grads(ctx, g, gw, g_xa, a_all, mask, w, alpha, given, in_matmul)
+    # dB_i = g_i^T xa_i (xa holds s): one matmul each, so each gradient is contiguous
+    g_parts = g.split(sizes, 1) if n > 1 else (g,)
+    into_b = into_b or grads_into(ctx.b_params)
+    if into_b:
+        for into, gi, xai in zip(into_b, g_parts, xa.split(r, 1)):
+            add_mm_fp32_(into, gi.t(), xai)
+        return grad_x, grad_xd, grads_a, (None,) * n
+    grads_b = [mm_fp32(gi.t(), xai) for gi, xai in zip(g_parts, xa.split(r, 1))]
+    return grad_x, grad_xd, grads_a, grads_b
+
+
+def _input_grads(ctx, g, gw, g_xa, a_all, mask, w, alpha, given, in_matmul):
+    """(d loss / d x, d loss / d xd): the base matmul's gradient plus the LoRA branch's, each
+    only where autograd needs it; `gw`: g W already made (the wide path), else None."""
     grad_x = grad_xd = None
     if given:  # the dropout's backward is the caller's: g_xa A goes back as it is
         if ctx.needs_input_grad[0]:
@@ -466,15 +494,63 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
         grad_x = grad_x.view(ctx.x_shape)
         if grad_x.dtype != ctx.x_dtype:
             grad_x = grad_x.to(ctx.x_dtype)
-    # dB_i = g_i^T xa_i (xa holds s): one matmul each, so each gradient is contiguous
-    g_parts = g.split(sizes, 1) if n > 1 else (g,)
-    into_b = grads_into(ctx.b_params)
-    if into_b:
-        for into, gi, xai in zip(into_b, g_parts, xa.split(r, 1)):
-            add_mm_fp32_(into, gi.t(), xai)
-        return grad_x, grad_xd, grads_a, (None,) * n
-    grads_b = [mm_fp32(gi.t(), xai) for gi, xai in zip(g_parts, xa.split(r, 1))]
-    return grad_x, grad_xd, grads_a, grads_b
+    return grad_x, grad_xd
+
+
+class _Aside:
+    """The side stream of one device and the side work not yet joined: (event, tensors it reads)."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
+        self.pending: list[tuple[torch.cuda.Event, tuple]] = []
+        self.blocks = 0  # groups whose weight gradients went on the side stream (tests, benchmarks)
+
+
+_ASIDE: dict[int, _Aside] = {}
+ASIDE_WINDOW = 2  # side work of this many groups may be in flight; older work is joined as it is released
+
+
+def aside_wanted(g: torch.Tensor) -> bool:
+    """Whether this backward puts its LoRA weight gradients on the side stream: an experiment
+    (HIVETUNE_LORA_SIDE_STREAM=1), on CUDA, inside a CUDA graph capture only (eager steps would
+    pay the stream switches and events on the host). The A and B gradients are small matmuls
+    (W1, H100, 64096c7: ~1/9 of a step's GPU time in ~12 launch-bound kernels a layer) that
+    nothing in the backward waits for; on their own stream, the graph runs them as branches
+    beside the chain of input gradients."""
+    if os.environ.get("HIVETUNE_LORA_SIDE_STREAM") != "1" or not g.is_cuda:
+        return False
+    if g.device.index not in _ASIDE:  # made outside a capture (the graphs' eager warm-up comes first)
+        _ASIDE[g.device.index] = _Aside(g.device)
+    return torch.cuda.is_current_stream_capturing()
+
+
+@contextmanager
+def weight_grads_aside(g: torch.Tensor, keep: tuple):
+    """Run the block on the device's side stream after the work queued so far on the current
+    one; `keep` (what the block reads) stays referenced until the current stream has waited for
+    the block (join_aside, or when newer side work pushes it out of the window), so that the
+    caching allocator cannot hand its memory to later work of the current stream first."""
+    aside = _ASIDE[g.device.index]
+    main = torch.cuda.current_stream(g.device)
+    aside.stream.wait_stream(main)
+    with torch.cuda.stream(aside.stream):
+        yield
+    aside.blocks += 1
+    done = torch.cuda.Event()
+    done.record(aside.stream)
+    aside.pending.append((done, keep))
+    while len(aside.pending) > ASIDE_WINDOW:
+        main.wait_event(aside.pending[0][0])
+        del aside.pending[0]  # its tensors are released after the wait, in the current stream's order
+
+
+def join_aside() -> None:
+    """The current stream waits for all side work (the gradients are complete after this); called
+    after every backward (train.forward_backward), a no-op when none was put aside."""
+    for aside in _ASIDE.values():
+        if aside.pending:
+            torch.cuda.current_stream(aside.stream.device).wait_stream(aside.stream)
+            aside.pending.clear()
 
 
 def _mm_scaled(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
