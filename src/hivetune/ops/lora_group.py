@@ -549,8 +549,10 @@ def join_aside() -> None:
     after every backward (train.forward_backward), a no-op when none was put aside."""
     for aside in _ASIDE.values():
         if aside.pending:
-            torch.cuda.current_stream(aside.stream.device).wait_stream(aside.stream)
-            aside.pending.clear()
+            try:
+                torch.cuda.current_stream(aside.stream.device).wait_stream(aside.stream)
+            finally:  # a failed capture's events are not waited on again
+                aside.pending.clear()
 
 
 def _mm_scaled(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
