@@ -160,6 +160,28 @@ def test_planned_keys_under_ddp_are_the_rank_shares(tmp_path, rank):
     assert whole_steps != met  # the one-process plan would capture the wrong graphs here
 
 
+def test_ranks_agree_at_start_only_where_every_rank_has_a_first_micro_batch(tmp_path):
+    """The graphs' first-call collectives need every rank to make its first call in the same
+    step: not so when a rank's share of the run's first step is empty (a resumed run starting at
+    an epoch's 1-example last step), nor past the plan; one process always."""
+    from hivetune.distributed import Dist
+    from hivetune.ops.graphs import ranks_agree_at_start
+
+    run = tiny_run(tmp_path, cap=0, batch_size=3, grad_accum=2, max_steps=5)
+    assert ranks_agree_at_start(run)
+    steps = run.steps
+    for rank in (0, 1):
+        run.parallel, run.start_step, run.steps = Dist(rank, 2, rank), 0, steps
+        assert ranks_agree_at_start(run)
+        run.steps = [[steps[0][0]], *steps[1:]]  # one example: one rank's share is empty
+        assert run.parallel.shard(run.steps[0], run.data.lengths) == ([run.steps[0][0]] if rank == 0 else [])
+        assert not ranks_agree_at_start(run)
+        run.start_step = 1
+        assert ranks_agree_at_start(run)
+        run.start_step = len(run.steps)
+        assert not ranks_agree_at_start(run)
+
+
 def _plan_cost(sizes, tokens, capture):
     return capture * len(sizes) + sum(min(s for s in sizes if s > t) - t for t in tokens)
 

@@ -161,6 +161,21 @@ def planned_micro_batches(run, start: int | None = None, paced: bool = False) ->
     return out
 
 
+def ranks_agree_at_start(run) -> bool:
+    """Whether the graphs' first call may agree with the other ranks (one collective at the
+    launch-bound check, one in the plan): under torchrun only when every rank has a micro-batch
+    in the run's first step, so that every rank makes that first call at the same place (a rank
+    with no example there, e.g. a run resumed at an epoch's short last step, would make it a
+    step later, into another collective). One process: True (the collectives are no-ops)."""
+    parallel = run.parallel
+    if not parallel.enabled:
+        return True
+    if run.start_step >= len(run.steps):
+        return False
+    step, lengths = run.steps[run.start_step], getattr(run.data, "lengths", None)
+    return all(dataclasses.replace(parallel, rank=r).shard(step, lengths) for r in range(parallel.world))
+
+
 def planned_keys(run, bucket: int = BUCKET_TOKENS) -> list[tuple[int, int]]:
     """batch_key of every micro-batch left in the run's step plan (fixed `bucket` grid)."""
     return sorted({(bucket_tokens(t, bucket), segments) for t, segments in planned_micro_batches(run)})
@@ -372,7 +387,8 @@ class GraphedForwardBackward:
         tflop = self.flops_per_token * batch.input_ids.numel() / 1e12
         # Under DDP the largest rank's: every rank decides alike, so all of them reach _plan's
         # collective (or none does).
-        tflop = max(all_gather_objects(self.run.parallel, tflop))
+        if ranks_agree_at_start(self.run):
+            tflop = max(all_gather_objects(self.run.parallel, tflop))
         if tflop > MAX_TFLOP_PER_MICRO_BATCH:
             self._turn_off(f"compute-bound micro-batches, ~{tflop:.0f} TFLOP each")
 
@@ -491,11 +507,13 @@ class GraphedForwardBackward:
             end.synchronize()
             torch.cuda.set_rng_state(rng, self.run.device)
             timing = (capture_s, start.elapsed_time(end) / 1000 / top[0])
-        # Every rank reaches this once, whatever its branch: under DDP the ranks plan on the
+        # Every rank reaches this once, whatever its branch (ranks_agree_at_start: else each
+        # rank plans on its own timing, as before): under DDP the ranks plan on the
         # mean of their timings, so on the same capture cost (each rank's own, rounded to a power
         # of two, differed: 2,048 and 4,096 tokens, [1408, 1536, 1600, 1728] against
         # [1408, 1536, 1728] on W2's 2 x H100 at 36ab81e), so they replay graphs of the same sizes.
-        timings = [t for t in all_gather_objects(self.run.parallel, timing) if t is not None]
+        agreed = all_gather_objects(self.run.parallel, timing) if ranks_agree_at_start(self.run) else [timing]
+        timings = [t for t in agreed if t is not None]
         if not captured:
             return []
         if saved is not None:  # resumed: the sizes the run planned before (the same padding)
