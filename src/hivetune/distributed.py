@@ -55,9 +55,13 @@ class Dist:
         the same split; each share keeps the step's order."""
         if not self.enabled:
             return ids
+        return self.shares(ids, lengths)[self.rank]
+
+    def shares(self, ids: list, lengths=None) -> list[list]:
+        """Every rank's share of a step's examples (shard's split, indexed by rank)."""
         if lengths is None:
-            return ids[self.rank::self.world]
-        return [ids[k] for k in sorted(balanced_shares([lengths[i] for i in ids], self.world)[self.rank])]
+            return [ids[r::self.world] for r in range(self.world)]
+        return [[ids[k] for k in sorted(share)] for share in balanced_shares([lengths[i] for i in ids], self.world)]
 
 
 def balanced_shares(sizes: list[int], world: int) -> list[list[int]]:

@@ -45,7 +45,6 @@ Under DDP each rank replays its own graphs; the gradient all-reduce runs after t
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import os
@@ -150,12 +149,13 @@ def planned_micro_batches(run, start: int | None = None, paced: bool = False) ->
 
     out = []
     for step in run.steps[run.start_step if start is None else start:]:
-        mine = parallel.shard(step, lengths)
+        shares = parallel.shares(step, lengths) if parallel.enabled else [step]
+        mine = shares[parallel.rank]
         counts = micro_tokens(mine)
-        if paced and parallel.enabled:
-            for other in range(parallel.world):
+        if paced:
+            for other, share in enumerate(shares):
                 if other != parallel.rank:
-                    theirs = micro_tokens(dataclasses.replace(parallel, rank=other).shard(step, lengths))
+                    theirs = micro_tokens(share)
                     counts = [max(c, t) for c, t in itertools.zip_longest(counts, theirs[:len(counts)], fillvalue=0)]
         out += [(tokens, len(mine[i * size:(i + 1) * size]) + 2) for i, tokens in enumerate(counts)]
     return out
@@ -172,8 +172,7 @@ def ranks_agree_at_start(run) -> bool:
         return True
     if run.start_step >= len(run.steps):
         return False
-    step, lengths = run.steps[run.start_step], getattr(run.data, "lengths", None)
-    return all(dataclasses.replace(parallel, rank=r).shard(step, lengths) for r in range(parallel.world))
+    return all(parallel.shares(run.steps[run.start_step], getattr(run.data, "lengths", None)))
 
 
 def planned_keys(run, bucket: int = BUCKET_TOKENS) -> list[tuple[int, int]]:
@@ -335,6 +334,7 @@ class GraphedForwardBackward:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=run.device)
         self.background = not forced("graph_instantiate") and keeps_graphs()
+        self.agree = ranks_agree_at_start(run)  # whether the first call's choices are agreed across ranks
         self.instantiator = None  # the worker thread instantiating captured graphs (background)
         self.warmed = False
         self.off: str | None = None
@@ -387,7 +387,7 @@ class GraphedForwardBackward:
         tflop = self.flops_per_token * batch.input_ids.numel() / 1e12
         # Under DDP the largest rank's: every rank decides alike, so all of them reach _plan's
         # collective (or none does).
-        if ranks_agree_at_start(self.run):
+        if self.agree:
             tflop = max(all_gather_objects(self.run.parallel, tflop))
         if tflop > MAX_TFLOP_PER_MICRO_BATCH:
             self._turn_off(f"compute-bound micro-batches, ~{tflop:.0f} TFLOP each")
@@ -512,7 +512,7 @@ class GraphedForwardBackward:
         # mean of their timings, so on the same capture cost (each rank's own, rounded to a power
         # of two, differed: 2,048 and 4,096 tokens, [1408, 1536, 1600, 1728] against
         # [1408, 1536, 1728] on W2's 2 x H100 at 36ab81e), so they replay graphs of the same sizes.
-        agreed = all_gather_objects(self.run.parallel, timing) if ranks_agree_at_start(self.run) else [timing]
+        agreed = all_gather_objects(self.run.parallel, timing) if self.agree else [timing]
         timings = [t for t in agreed if t is not None]
         if not captured:
             return []
