@@ -33,7 +33,6 @@ from hivetune.doctor.preflight import check_stack
 from hivetune.fastpath import adamw, clip_grad_norm, forced, fused_lora_usable, prewarm_triton, quiet_gc
 from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.errors import UserError
-from hivetune.ops.lora_group import join_aside
 from hivetune.fileio import atomic_write_bytes, check_writable, hold_run_lock, write_folder_atomically
 from hivetune.metrics_sink import MetricsSink, require_tensorboard
 from hivetune.model.decoder import CausalLM
@@ -42,6 +41,7 @@ from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_par
 from hivetune.model.tokenizer import load_tokenizer
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.ops.graphs import micro_step_fn
+from hivetune.ops.lora_group import join_aside
 from hivetune.ops.loss import target_loss_sum
 
 
@@ -191,7 +191,7 @@ def wide_groups(model: CausalLM, cfg: TrainConfig, data, device: torch.device, s
     16 x 1, ~80 TFLOP a micro-batch) ran 8% slower with it and reserved 26.9 GiB against 24.1."""
     from hivetune.ops.graphs import MAX_TFLOP_PER_MICRO_BATCH
 
-    asked = {"true": True, "false": False}.get(str(cfg.wide_lora).lower(), strategy == "ddp")
+    asked = cfg.wide_lora == "true" or (cfg.wide_lora == "auto" and strategy == "ddp")
     if not asked or device.type != "cuda" or forced("wide_lora") or not len(data):
         return False
     tokens = cfg.batch_size * data.total_tokens / len(data)

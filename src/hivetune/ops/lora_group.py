@@ -440,8 +440,8 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
     # Where the parameters have their .grad (GradArena), added into it: autograd gets None.
     n = len(sizes)
     into_a = grads_into(ctx.a_params, n * r if n > 1 else 0)
-    into_b = grads_into(ctx.b_params) if into_a else None
-    if into_b and aside_wanted(g):  # dA and dB on the side stream, beside grad_x's chain
+    into_b = grads_into(ctx.b_params)
+    if into_a and into_b and aside_wanted(g):  # dA and dB on the side stream, beside grad_x's chain
         with weight_grads_aside(g, keep=(g, g_xa, xd, mask, xa)):
             if in_matmul:
                 elementwise.drop_matmul_grad(g_xa, xd, mask, ctx.p, into=into_a[0])
@@ -463,7 +463,6 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
     grad_x, grad_xd = _input_grads(ctx, g, gw, g_xa, a_all, mask, w, alpha, given, in_matmul)
     # dB_i = g_i^T xa_i (xa holds s): one matmul each, so each gradient is contiguous
     g_parts = g.split(sizes, 1) if n > 1 else (g,)
-    into_b = into_b or grads_into(ctx.b_params)
     if into_b:
         for into, gi, xai in zip(into_b, g_parts, xa.split(r, 1)):
             add_mm_fp32_(into, gi.t(), xai)
