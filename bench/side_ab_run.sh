@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One device call (~7 min) on one GPU (issue 3): the GPU tests at this tree, then W1 under the
+# One device call (~8 min) on one GPU (issue 3): the GPU tests at this tree, then W1 under the
 # 4 GiB cap with the LoRA weight gradients on one stream and on a side stream
 # (HIVETUNE_LORA_SIDE_STREAM=1), alternating, twice each after an untimed warm-up; then
-# bench/wide_memory_probe.py (where the wide layout's extra reserved memory goes).
+# bench/wide_memory_run.sh (where the wide layout's extra reserved memory goes).
 # Usage (device tool): HIVETUNE_COMMIT=<commit> [SKIP_TESTS=1] bash bench/side_ab_run.sh
 set -u
 source bench/device_prelude.sh
@@ -13,8 +13,4 @@ for round in 1 2; do
   HIVETUNE_LORA_SIDE_STREAM=1 timeout 90 python3 -m hivetune bench W1 --out $OUT/side --memory-cap 4 2>&1 \
     | grep -E "^W|rror"
 done
-for wide in false true; do
-  echo "== wide $wide, cap 4 ($(date +%T))"
-  timeout 100 python3 bench/wide_memory_probe.py --wide $wide --cap 4 > $OUT/wide-memory-$wide.jsonl 2>&1
-  tail -1 $OUT/wide-memory-$wide.jsonl | cut -c1-600
-done
+SKIP_TESTS=1 CAPS=4 bash bench/wide_memory_run.sh  # 2 files: the call brings back 8 at most

@@ -2,10 +2,10 @@
 # One device call (~3 min) on one GPU (issue 3): bench/wide_memory_probe.py for W1 with and
 # without the wide layout, under the 4 GiB cap and uncapped: the allocator's pools at each stage
 # and when graphs turn off. One JSON file a run into $OUT.
-# Usage (device tool): HIVETUNE_COMMIT=<commit> SKIP_TESTS=1 bash bench/wide_memory_run.sh
+# Usage (device tool): HIVETUNE_COMMIT=<commit> SKIP_TESTS=1 [CAPS="4 0"] bash bench/wide_memory_run.sh
 set -u
 source bench/device_prelude.sh
-for cap in 4 0; do
+for cap in ${CAPS:-4 0}; do
   for wide in false true; do
     echo "== wide $wide, cap $cap ($(date +%T))"
     timeout 120 python3 bench/wide_memory_probe.py --wide $wide --cap $cap > $OUT/wide-memory-$wide-cap$cap.jsonl 2>&1
