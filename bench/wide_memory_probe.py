@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--cap", type=float, default=4.0, help="allocator cap in GiB (0: none)")
     parser.add_argument("--steps", type=int, default=40)
     opts = parser.parse_args()
-    w, device = WORKLOADS["W1"], torch.device("cuda")
+    w, device = WORKLOADS["W1"], torch.device("cuda", torch.cuda.current_device())
     examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))
     cfg = load_config(None, {"model": "random", "data": "generator", "precision": "bf16", "device": "cuda",
                              "epochs": w.epochs, "max_steps": opts.steps, "batch_size": w.examples_per_step,

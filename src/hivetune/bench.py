@@ -134,7 +134,7 @@ def triton_cache_has_kernels() -> bool:
 TRITON_CACHE_WARM_AT_START = triton_cache_has_kernels()
 
 
-EXPERIMENTS = ("HIVETUNE_LORA_SIDE_STREAM",)  # opt-in switches under trial, recorded with each result
+EXPERIMENTS = ("HIVETUNE_LORA_SIDE_STREAM",)  # switches under trial, recorded with each result where set
 
 
 def environment(device) -> dict:

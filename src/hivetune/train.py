@@ -378,7 +378,7 @@ def forward_backward(run: Run, batch, n_targets: int, loss_fn) -> torch.Tensor:
     try:
         (run.scaler.scale(scaled) if run.scaler else scaled).backward()
     finally:
-        join_aside()  # LoRA weight gradients put on a side stream (an experiment): complete from here
+        join_aside()  # LoRA weight gradients put on a side stream (in graph captures): complete from here
     return loss.detach()
 
 

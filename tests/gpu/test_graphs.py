@@ -260,11 +260,11 @@ def test_bench_allocator_counts_see_a_cudamalloc():
 
 @pytest.mark.parametrize("wide", ["false", "true"])
 def test_lora_weight_gradients_on_a_side_stream_match_the_one_stream_graphs(tmp_path, monkeypatch, wide):
-    """HIVETUNE_LORA_SIDE_STREAM=1 (an experiment): inside a capture each LoRA group's A and B
-    gradients run on a second stream, joined after the backward. Over 6 steps of micro-batches
+    """By default, inside a capture each LoRA group's A and B gradients run on a second stream,
+    joined after the backward (HIVETUNE_LORA_SIDE_STREAM=0: on the one stream). Over 6 steps of micro-batches
     (dropout 0.1: the seeded kernels; the wide layout and the plain one), without optimizer steps,
     the losses are bitwise those of the one-stream graphs and the accumulated gradients equal
-    them to fp32 rounding; the side stream is used (every group, every capture) only when asked."""
+    them to fp32 rounding; the side stream is used (every group, every capture) unless switched off."""
     from hivetune.ops import lora_group
 
     def run_graphs(name):
@@ -278,8 +278,9 @@ def test_lora_weight_gradients_on_a_side_stream_match_the_one_stream_graphs(tmp_
         assert graphed.off is None and graphed.stats["replays"] == len(out) - 1
         return out, grads_of(run), sum(a.blocks for a in lora_group._ASIDE.values()) - before, graphed.stats
 
+    monkeypatch.setenv("HIVETUNE_LORA_SIDE_STREAM", "0")
     ref, ref_grads, ref_blocks, _ = run_graphs("one-stream")
-    monkeypatch.setenv("HIVETUNE_LORA_SIDE_STREAM", "1")
+    monkeypatch.delenv("HIVETUNE_LORA_SIDE_STREAM")
     got, got_grads, blocks, stats = run_graphs("side-stream")
     assert ref_blocks == 0 and blocks == 3 * 4 * stats["graphs"]  # 3 layers x 4 groups a capture
     assert got == ref
