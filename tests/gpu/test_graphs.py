@@ -231,6 +231,42 @@ def test_a_resumed_run_captures_the_sizes_its_checkpoint_saved(tmp_path):
         assert again.key_of(_fake(tokens, segments)) == (saved[segments][0], segments)
 
 
+def test_deferred_captures_take_one_size_after_each_replay(tmp_path):
+    """defers_captures: the first call captures the largest size only; each later call captures
+    the next one (largest first) after its replay, and a micro-batch takes the smallest size
+    captured so far that holds it. The losses and the accumulated gradients equal those of the
+    graphs all captured at once (other padding: bf16 tolerance)."""
+    def run_graphs(name, defer):
+        torch.manual_seed(0)
+        run, _ = small_run(tmp_path / name, batch_size=4)
+        run.model.train()
+        planned = graphs.planned_micro_batches(run)
+        sizes = {}
+        for tokens, seg in planned:  # the three largest of the micro-batches' 64-token buckets
+            sizes.setdefault(seg, set()).add(graphs.bucket_tokens(tokens, 64))
+        run.counters = {"graph_sizes": [{seg: sorted(s)[-3:] for seg, s in sizes.items()}]}
+        graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None, defer=defer)
+        out, keys, counts = [], [], []
+        for step in run.steps[:6]:
+            for batch in graphs_micro_batches(run, step):
+                keys.append(graphed.key_of(batch) if graphed.warmed else None)
+                out.append(graphed(batch, 1000).item())
+                counts.append(graphed.stats["graphs"])
+        assert graphed.off is None
+        return out, grads_of(run), keys, counts, graphed
+
+    ref, ref_grads, ref_keys, ref_counts, upfront = run_graphs("upfront", False)
+    got, got_grads, keys, counts, deferred = run_graphs("deferred", True)
+    n = upfront.stats["graphs"]
+    assert n == 3 and len(ref) == 6 and ref_counts == [n] * len(ref)
+    assert counts == [min(i + 1, n) for i in range(len(got))]  # one more after each replay
+    assert deferred.stats["deferred"] == n - 1 and deferred.stats["replays"] == len(got) - 1
+    assert all(k[0] >= r[0] for k, r in zip(keys[1:], ref_keys[1:]))  # larger sizes while some wait
+    assert keys[1][0] == max(deferred.sizes[keys[1][1]]) and keys[-1] == ref_keys[-1]
+    assert got == pytest.approx(ref, rel=5e-3)
+    assert (got_grads - ref_grads).norm() / ref_grads.norm() < 2e-2
+
+
 def test_host_probe_measures_this_gpu():
     """bench's host probe: an 8192^3 bf16 matmul's rate within what the GPU can do (H100 / H200:
     989 TFLOP/s dense; above 100 unless the GPU is badly throttled), a launch's host cost in us."""

@@ -14,8 +14,8 @@ from hivetune.data.batch import collate_packed
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.model.lora import lora_parameters
 from hivetune.ops.fused_ce import fused_target_loss_sum
-from hivetune.ops.graphs import (IGNORE_INDEX, batch_key, bucket_tokens, capture_cost_tokens, graphs_unsupported,
-                                 micro_step_fn, pad_packed_batch, planned_keys)
+from hivetune.ops.graphs import (IGNORE_INDEX, batch_key, bucket_tokens, capture_cost_tokens, defers_captures,
+                                 graphs_unsupported, micro_step_fn, pad_packed_batch, planned_keys)
 from hivetune.ops.loss import target_loss_sum
 from hivetune.train import assemble, forward_backward, micro_batches
 
@@ -285,3 +285,14 @@ def test_w2_ranks_planning_on_paced_counts_choose_the_same_sizes():
     sizes_paced = [plan_sizes(counts, 2048) for counts in paced]
     assert sizes_paced == [[1408, 1536, 1600, 1728]] * 2
     assert sum(size_of(sizes_paced[0], t) for t in paced[0]) == 141_248
+
+
+def test_captures_are_deferred_where_a_replay_covers_a_third_of_a_capture(monkeypatch):
+    """W2 under DDP on 2 x H100 (~0.1 s a replay, 0.1-0.23 s a capture): one capture after each
+    replay; W1 (~17 ms a replay, ~0.14 s a capture): all at the first micro-batch, as before;
+    HIVETUNE_REFERENCE=deferred_captures: never."""
+    monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
+    assert defers_captures(0.23, 0.1) and defers_captures(0.3, 0.1)
+    assert not defers_captures(0.14, 0.017) and not defers_captures(0.31, 0.1)
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "deferred_captures")
+    assert not defers_captures(0.2, 0.1)

@@ -18,7 +18,9 @@ step plan holds (known before the first step). The first micro-batch runs eagerl
 work, and the warm-up capture needs); the largest graph is captured and timed, and one replay of
 it with the loss divided by infinity (exact zeros everywhere) gives the GPU time a token; then
 every planned size is captured, largest first, without synchronising the device (capture runs
-nothing). A micro-batch no size holds takes the 256-token grid (bucket_tokens), captured when met.
+nothing): at once, or one after each replay where a replay's GPU time covers a third of a
+capture's host time (defers_captures: W2 under DDP). A micro-batch no size holds takes the 256-token grid
+(bucket_tokens), captured when met.
 The sizes go into checkpoints (train.save_all_ranks, one entry per rank): a resumed run on the
 same number of processes captures them again instead of timing anew (saved_sizes).
 
@@ -66,10 +68,12 @@ IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index; fused_target_loss
 BUCKET_TOKENS = 256
 GRAIN = 64  # graph sizes chosen by plan_sizes are multiples of this
 MAX_GRAPHS = 48  # keys beyond this many run eagerly
-# Capturing the sizes after the largest in turn, one every N micro-batches so that each host pass
-# could overlap queued replays, was tried and removed (session 15): W1 (H200, 91912cc) 11.43-11.85 s
-# against 11.55-11.58; W2 DDP (2 x H100, 9356b1a) every 4: 10.87 s, every 8: 11.30, against 11.18,
-# each capture still leaving the GPU idle 0.22-0.26 s (the host is not ahead of the GPU then).
+# Capturing the sizes after the largest in turn, one every N micro-batches before that micro-batch's
+# replay, was tried and removed (session 15): W1 (H200, 91912cc) 11.43-11.85 s against 11.55-11.58;
+# W2 DDP (2 x H100, 9356b1a) every 4: 10.87 s, every 8: 11.30, against 11.18, each capture still
+# leaving the GPU idle 0.22-0.26 s: under DDP capture_begin first waits for the NCCL work in flight
+# (the previous step's all-reduce), so nothing was queued. defers_captures captures after a replay:
+# the GPU works through it meanwhile.
 # Above this many matmul TFLOP per micro-batch (4 x linear weights x tokens) the GPU outruns the
 # host's dispatch anyway: W2 (7B) with 16 examples (~2,900 tokens: ~82 TFLOP) measured 23.8 s with
 # graphs against 21.4 s eager (capture time, padding) and 65 against 40 GiB reserved. With 8
@@ -221,6 +225,20 @@ def capture_cost_tokens(capture_s: float, gpu_s_per_token: float) -> float:
     return 2.0 ** math.floor(math.log2(max(capture_s / max(gpu_s_per_token, 1e-9), 1.0)))
 
 
+def defers_captures(capture_s: float, replay_s: float) -> bool:
+    """Whether the planned sizes after the largest are captured one after each replay, the host
+    pass overlapping the GPU's work on the replay just queued (until its turn, a micro-batch takes
+    the smallest captured size that holds it), rather than all at the first micro-batch with the
+    GPU idle: where a replay's GPU time (`replay_s`, at the plan's mean micro-batch) covers at
+    least a third of a capture's host time (`capture_s`, the largest's, its instantiation
+    included). W2 under DDP on 2 x H100: ~0.1 s a replay against 0.1-0.23 s a capture, three
+    captures after the largest (~0.45 s of idle GPU at the start). W1 (~17 ms a replay, ~0.14 s
+    a capture) keeps its captures together: one every 10 or 20 micro-batches
+    measured no gain there (91912cc, H200), the host being ~8 ms of each ~18 ms step and the
+    larger graphs' padding costing as much. HIVETUNE_REFERENCE=deferred_captures: never."""
+    return 3 * replay_s >= capture_s and not forced("deferred_captures")
+
+
 def saved_sizes(run) -> dict[int, list[int]] | None:
     """This rank's graph sizes from the checkpoint the run resumed from (train.save_all_ranks
     keeps every rank's), or None: a fresh run, or one resumed on another number of processes
@@ -312,7 +330,8 @@ class _Bucket:
 class GraphedForwardBackward:
     """Callable ``(batch, n_targets) -> loss``, replaying one CUDA graph per token bucket."""
 
-    def __init__(self, run, loss_fn, eager, bucket: int = 0, max_graphs: int = MAX_GRAPHS):
+    def __init__(self, run, loss_fn, eager, bucket: int = 0, max_graphs: int = MAX_GRAPHS,
+                 defer: bool | None = None):
         from hivetune.model.lora import lora_parameters
         from hivetune.ops.lora_group import GradArena
 
@@ -337,6 +356,9 @@ class GraphedForwardBackward:
         self.agree = ranks_agree_at_start(run)  # whether the first call's choices are agreed across ranks
         self.instantiator = None  # the worker thread instantiating captured graphs (background)
         self.warmed = False
+        # Whether the planned sizes after the largest are captured one after each replay (see
+        # defers_captures); None: as the plan's timing decides. The keys still to capture:
+        self.defer, self.pending = defer, []
         self.off: str | None = None
         self.flops_per_token = 4 * run.model.args.linear_weight_count
         self.replay_events: list | None = [] if os.environ.get("HIVETUNE_GRAPH_TIMING") else None
@@ -345,7 +367,8 @@ class GraphedForwardBackward:
                       "capture_tokens": None, "off": None,
                       "warmup_s": None, "capture_each_s": [],  # where capture_s went
                       "instantiate": "background" if self.background else "in capture",
-                      "instantiate_wait_s": 0.0}  # host time replays waited for their graph's instantiation
+                      "instantiate_wait_s": 0.0,  # host time replays waited for their graph's instantiation
+                      "deferred": 0, "deferred_idle": 0}  # captures after a replay; those the GPU ran dry in
         global last_stats, last_graphed
         last_stats = self.stats
         last_graphed = self if self.replay_events is not None else None
@@ -371,7 +394,25 @@ class GraphedForwardBackward:
             return self._capture(key, batch, padded, n_targets)
         bucket.load(padded, n_targets)
         self._replay(bucket)
-        return bucket.loss.clone()  # now: the next replay of a graph in this pool may overwrite it
+        loss = bucket.loss.clone()  # now: the next replay of a graph in this pool may overwrite it
+        if self.pending:
+            self._capture_deferred()
+        return loss
+
+    def _capture_deferred(self) -> None:
+        """The next deferred size, captured while the GPU runs the replay just queued (and what
+        was queued before it). stats: deferred counts these captures, deferred_idle those after
+        which the replay had finished (the GPU waited for the rest of the host pass)."""
+        queued = torch.cuda.Event()
+        queued.record()
+        key = self.pending.pop(0)
+        t0 = time.perf_counter()
+        captured = key in self.buckets or self._capture_key(key, None)
+        self.stats["capture_s"] = round(self.stats["capture_s"] + time.perf_counter() - t0, 3)
+        self.stats["deferred"] += 1
+        self.stats["deferred_idle"] += int(queued.query())
+        if not captured:
+            self.pending = []
 
     def key_of(self, batch: MicroBatch) -> tuple[int, int]:
         """The graph of a micro-batch: the smallest planned size captured so far that holds it
@@ -468,7 +509,9 @@ class GraphedForwardBackward:
             torch.cuda.empty_cache()
             keys = self._plan(batch) if self.planned else planned_keys(self.run, self.bucket)
             for planned in sorted(set(keys) | {self.key_of(batch)}, reverse=True)[:self.max_graphs]:
-                if self.off or (planned not in self.buckets and not self._capture_key(planned, None)):
+                if self.defer and planned not in self.buckets:
+                    self.pending.append(planned)
+                elif self.off or (planned not in self.buckets and not self._capture_key(planned, None)):
                     break
         elif self._capture_key(key, None) and self._ready(self.buckets[key]):
             bucket = self.buckets[key]
@@ -524,8 +567,10 @@ class GraphedForwardBackward:
         if not timings:  # no micro-batch of the plan's shape at hand: the grid
             self.run.graph_sizes = {}
             return planned_keys(self.run, self.bucket)
-        capture_tokens = capture_cost_tokens(sum(t[0] for t in timings) / len(timings),
-                                             sum(t[1] for t in timings) / len(timings))
+        capture_s, s_per_token = (sum(t[i] for t in timings) / len(timings) for i in (0, 1))
+        capture_tokens = capture_cost_tokens(capture_s, s_per_token)
+        if self.defer is None:
+            self.defer = defers_captures(capture_s, s_per_token * sum(t for t, _ in micro) / len(micro))
         self.stats["capture_tokens"] = round(capture_tokens)
         groups: dict[int, list[int]] = {}
         for t, segments in micro:
@@ -571,12 +616,18 @@ class GraphedForwardBackward:
             # Not torch.cuda.graph: it synchronises the device first, which would idle the GPU
             # for the whole host pass instead of letting it work through the queued replays
             # (capture executes nothing, and replays run in stream order after them).
+            # capture_begin does run one thing, on the capture stream: it zeroes the CUDA
+            # generator's graph offset, which every replay's dropout reads. Ordered after the
+            # queued replays, and later work after it (GPU-side waits: the host goes on).
+            main = torch.cuda.current_stream()
+            self.stream.wait_stream(main)
             with torch.cuda.stream(self.stream):
                 graph.capture_begin(self.pool, capture_error_mode="thread_local" if self.background else "global")
                 try:
                     bucket.loss = self._body(bucket)
                 finally:
                     graph.capture_end()
+            main.wait_stream(self.stream)
         except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly from now on
             torch.cuda.synchronize()
             self._turn_off(f"capture of a {key[0]}-token bucket failed: {_first_line(e)}")
