@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # One device call (~8 min) on one GPU (issue 3): the GPU tests at this tree, then W1 under the
-# 4 GiB cap with the LoRA weight gradients on one stream and on a side stream
-# (HIVETUNE_LORA_SIDE_STREAM=1), alternating, twice each after an untimed warm-up; then
+# 4 GiB cap with the defaults and with VARIANT (default HIVETUNE_LORA_SIDE_STREAM=0: the LoRA
+# weight gradients on the one stream), alternating, twice each after an untimed warm-up; then
 # bench/wide_memory_run.sh (where the wide layout's extra reserved memory goes).
-# Usage (device tool): HIVETUNE_COMMIT=<commit> [SKIP_TESTS=1] bash bench/side_ab_run.sh
+# Usage (device tool): HIVETUNE_COMMIT=<commit> [SKIP_TESTS=1] [VARIANT="VAR=value ..."] bash bench/side_ab_run.sh
 set -u
 source bench/device_prelude.sh
+VARIANT=${VARIANT:-HIVETUNE_LORA_SIDE_STREAM=0}
 timeout 60 python3 -m hivetune bench W1 --out /tmp/warm --max-steps 30 --memory-cap 4 2>&1 | grep -E "^W|rror"
 for round in 1 2; do
   echo "== round $round ($(date +%T))"
   timeout 90 python3 -m hivetune bench W1 --out $OUT/results --memory-cap 4 2>&1 | grep -E "^W|rror"
-  HIVETUNE_LORA_SIDE_STREAM=1 timeout 90 python3 -m hivetune bench W1 --out $OUT/side --memory-cap 4 2>&1 \
-    | grep -E "^W|rror"
+  echo "-- $VARIANT"
+  (export $VARIANT; timeout 90 python3 -m hivetune bench W1 --out $OUT/variant --memory-cap 4 2>&1 | grep -E "^W|rror")
 done
 SKIP_TESTS=1 CAPS=4 bash bench/wide_memory_run.sh  # 2 files: the call brings back 8 at most
