@@ -522,11 +522,12 @@ ASIDE_WINDOW = 2  # side work of this many groups may be in flight; older work i
 def aside_wanted(g: torch.Tensor) -> bool:
     """Whether this backward puts its LoRA weight gradients on the side stream: on CUDA, inside a
     CUDA graph capture only (eager steps would pay the stream switches and events on the host),
-    unless HIVETUNE_LORA_SIDE_STREAM=0. W1 under the 4 GiB cap, H100, d70dcbd: 10.6-10.8 s with
-    it, 11.1-11.2 s without, alternating in one call, same peak memory. The A and B gradients are small matmuls
-    (W1, H100, 64096c7: ~1/9 of a step's GPU time in ~12 launch-bound kernels a layer) that
-    nothing in the backward waits for; on their own stream, the graph runs them as branches
-    beside the chain of input gradients."""
+    unless HIVETUNE_LORA_SIDE_STREAM=0. W1 under the 4 GiB cap, H100, alternating in one call:
+    10.57 / 10.80 s with it against 11.13 / 11.21 without (d70dcbd), 10.66 / 10.36 against
+    10.81 / 10.65 (cd7630d), the same peak memory; W2 under DDP: no change (c5691cf). The A and
+    B gradients are small matmuls (W1, H100, 64096c7: ~1/9 of a step's GPU time in ~12
+    launch-bound kernels a layer) that nothing in the backward waits for; on their own stream,
+    the graph runs them as branches beside the chain of input gradients."""
     if os.environ.get("HIVETUNE_LORA_SIDE_STREAM") == "0" or not g.is_cuda:
         return False
     if g.device.index not in _ASIDE:  # made outside a capture (the graphs' eager warm-up comes first)
