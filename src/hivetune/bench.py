@@ -109,7 +109,8 @@ def peak_tflops(device) -> float | None:
 
 
 def git_commit() -> str:
-    """HEAD's short hash; HIVETUNE_COMMIT wins (the device gets the tree without .git)."""
+    """HEAD's short hash; HIVETUNE_COMMIT wins (the device gets the working tree, with no .git or
+    a stale one: `git rev-parse` there named d70dcbd for a run of cd7630d in session 17)."""
     if os.environ.get("HIVETUNE_COMMIT"):
         return os.environ["HIVETUNE_COMMIT"]
     try:
