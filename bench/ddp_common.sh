@@ -2,7 +2,7 @@
 # summary file $S, DDP (the W2 DDP command) and run NAME COMMAND..., which runs a
 # bench/multi_gpu.py command, appends its result (time, tokens/s, graph stats) to $S and its
 # whole JSON record (with the device, versions and commit), named, to $OUT/runs.jsonl.
-[ -n "${HIVETUNE_COMMIT:-}" ] || echo "warning: HIVETUNE_COMMIT unset: results name the device copy's (maybe stale) HEAD"
+[ -n "${HIVETUNE_COMMIT:-}" ] || echo "warning: HIVETUNE_COMMIT unset: results name the device copy's git HEAD" >&2
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 HIVETUNE_CACHE=/tmp/hivetune-cache OMP_NUM_THREADS=4
 export OUT=${OUT:-/tmp/out}

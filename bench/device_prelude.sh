@@ -1,6 +1,6 @@
 # Sourced by the device runners: environment, versions, then the GPU tests into $OUT/gpu-tests.log
 # (SKIP_TESTS=1 skips them).
-[ -n "${HIVETUNE_COMMIT:-}" ] || echo "warning: HIVETUNE_COMMIT unset: results name the device copy's (maybe stale) HEAD"
+[ -n "${HIVETUNE_COMMIT:-}" ] || echo "warning: HIVETUNE_COMMIT unset: results name the device copy's git HEAD" >&2
 export PYTHONUNBUFFERED=1 HIVETUNE_CACHE=/tmp/hc PYTHONPATH=$PWD/src TRITON_CACHE_DIR=/tmp/triton-cache
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
