@@ -4,7 +4,8 @@ ran out of memory. One W1 fit of --steps steps, as `hivetune bench W1 --memory-c
 it, printing the allocator's reserved and allocated bytes at each stage (after assemble, after
 the empty_cache that precedes the loop, when graphs turn off, at the end) and its segments by
 pool (the graphs' private pool against the ordinary one): their size, what is allocated in
-them, how many. One JSON line at the end, with the device, versions and commit.
+them, how many; after assemble also the large segments' blocks, named by the model tensor that
+starts there (segment_layout). One JSON line at the end, with the device, versions and commit.
 
     python bench/wide_memory_probe.py --wide true --cap 4 [--steps 40]
 """
@@ -44,6 +45,54 @@ def segments_by_pool() -> dict:
     return {k: {n: round(v, 3) if isinstance(v, float) else v for n, v in e.items()} for k, e in pools.items()}
 
 
+def tensor_names(model) -> dict[int, str]:
+    """The model's CUDA tensors by their storage's device address: parameter and buffer names
+    first, then tensors held (up to three levels down) by plain attributes of its modules (the
+    fused groups' weights and storages) and by its CastCache (lora_casts)."""
+    names: dict[int, str] = {}
+
+    def add(name, value, depth=0):
+        if torch.is_tensor(value):
+            if value.is_cuda:
+                storage = value.untyped_storage()
+                whole = storage.nbytes() > value.numel() * value.element_size()
+                names.setdefault(storage.data_ptr(), f"{name} (in {storage.nbytes() / 2**20:.1f} MiB)" if whole else name)
+        elif isinstance(value, (list, tuple)) and depth < 3:
+            for i, v in enumerate(value):
+                add(f"{name}[{i}]", v, depth + 1)
+        elif hasattr(value, "__dict__") and not isinstance(value, torch.nn.Module) and depth < 3:
+            for attr, v in vars(value).items():
+                add(f"{name}.{attr}", v, depth + 1)
+
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        add(name, t)
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if not attr.startswith("_"):
+                add(f"{name}.{attr}", value)
+    add("lora_casts", getattr(model, "lora_casts", None))
+    return names
+
+
+def segment_layout(model) -> list[dict]:
+    """The ordinary pool's large segments (over 2 MiB): each block's size, whether it is
+    allocated, and the model tensor whose storage starts there (else '?'); the free bytes in
+    segments that also hold allocated blocks (what empty_cache cannot hand back)."""
+    names = tensor_names(model)
+    out = []
+    for seg in torch.cuda.memory_snapshot():
+        if str(seg.get("segment_pool_id", (0, 0))) not in ("(0, 0)", "[0, 0]") or seg["total_size"] <= 2 * 2**20:
+            continue
+        blocks, address = [], seg["address"]
+        for b in seg["blocks"]:
+            live = b["state"] == "active_allocated"
+            blocks.append([round(b["size"] / 2**20, 2), names.get(address, "?") if live else "free"])
+            address += b["size"]
+        out.append({"mib": round(seg["total_size"] / 2**20, 1),
+                    "free_mib": round((seg["total_size"] - seg["allocated_size"]) / 2**20, 1), "blocks": blocks})
+    return out
+
+
 def stage(stages: list, name: str) -> None:
     torch.cuda.synchronize()
     stages.append({"stage": name, "reserved_gib": round(torch.cuda.memory_reserved() / GIB, 3),
@@ -81,6 +130,8 @@ def main() -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         stage(stages, "after empty_cache")
+        layout = segment_layout(run.model)
+        print(json.dumps({"layout_after_assemble": layout}), flush=True)
         if opts.cap:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, opts.cap * GIB / total), device)
@@ -95,7 +146,7 @@ def main() -> None:
                       "wide_groups": sum(getattr(getattr(layer.mlp, "gate_up", None), "room", 0) > 0
                                          for layer in run.model.model.layers),
                       "cuda_graphs": dict(graphs.last_stats or {}), "allocator": allocator_counts(device),
-                      "stages": stages, "environment": environment(device)}))
+                      "stages": stages, "layout_after_assemble": layout, "environment": environment(device)}))
 
 
 if __name__ == "__main__":
