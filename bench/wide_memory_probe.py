@@ -56,7 +56,8 @@ def tensor_names(model) -> dict[int, str]:
             if value.is_cuda:
                 storage = value.untyped_storage()
                 whole = storage.nbytes() > value.numel() * value.element_size()
-                names.setdefault(storage.data_ptr(), f"{name} (in {storage.nbytes() / 2**20:.1f} MiB)" if whole else name)
+                label = f"{name} (in {storage.nbytes() / 2**20:.1f} MiB)" if whole else name
+                names.setdefault(storage.data_ptr(), label)
         elif isinstance(value, (list, tuple)) and depth < 3:
             for i, v in enumerate(value):
                 add(f"{name}[{i}]", v, depth + 1)
