@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
 # One device call (~3 min) on one GPU (issue 3): bench/wide_memory_probe.py for W1 with and
-# without the wide layout, under the 4 GiB cap and uncapped: the allocator's pools at each stage
-# and when graphs turn off. One JSON file a run into $OUT.
+# without the wide layout, and with it plus HIVETUNE_STACK_FROZEN=1 (o_proj's and down_proj's
+# weights stacked), under the 4 GiB cap and uncapped: the allocator's pools at each stage, when
+# graphs turn off, and the large segments' blocks after assembly. One JSON file a run into $OUT.
 # Usage (device tool): HIVETUNE_COMMIT=<commit> SKIP_TESTS=1 [CAPS="4 0"] bash bench/wide_memory_run.sh
 set -u
 source bench/device_prelude.sh
 for cap in ${CAPS:-4 0}; do
-  for wide in false true; do
-    echo "== wide $wide, cap $cap ($(date +%T))"
-    timeout 120 python3 bench/wide_memory_probe.py --wide $wide --cap $cap > $OUT/wide-memory-$wide-cap$cap.jsonl 2>&1
-    tail -1 $OUT/wide-memory-$wide-cap$cap.jsonl | python3 -c "
+  for variant in false true true-stacked; do  # true-stacked: HIVETUNE_STACK_FROZEN=1 (lora.stack_frozen)
+    wide=${variant%-stacked}
+    stack=$([ "$variant" = true-stacked ] && echo 1 || echo 0)
+    echo "== wide $variant, cap $cap ($(date +%T))"
+    HIVETUNE_STACK_FROZEN=$stack timeout 120 python3 bench/wide_memory_probe.py --wide $wide --cap $cap \
+      > $OUT/wide-memory-$variant-cap$cap.jsonl 2>&1
+    tail -1 $OUT/wide-memory-$variant-cap$cap.jsonl | python3 -c "
 import json, sys
 r = json.loads(sys.stdin.read())
 print(r['seconds'], 's; peak reserved', r['peak_reserved_gib'], 'allocated', r['peak_allocated_gib'],
       '; wide groups', r['wide_groups'], '; graphs off:', r['cuda_graphs'].get('off'))
+for seg in r['layout_after_assemble']:
+    print('   segment', seg['mib'], 'MiB,', seg['free_mib'], 'free:', seg['blocks'][:8])
 for s in r['stages']:
-    print('  ', s['stage'][:60], s['reserved_gib'], s['allocated_gib'], json.dumps(s['pools']))" || tail -5 $OUT/wide-memory-$wide-cap$cap.jsonl
+    print('  ', s['stage'][:60], s['reserved_gib'], s['allocated_gib'], json.dumps(s['pools']))" || tail -5 $OUT/wide-memory-$variant-cap$cap.jsonl
   done
 done

@@ -135,7 +135,8 @@ def triton_cache_has_kernels() -> bool:
 TRITON_CACHE_WARM_AT_START = triton_cache_has_kernels()
 
 
-EXPERIMENTS = ("HIVETUNE_LORA_SIDE_STREAM",)  # switches under trial, recorded with each result where set
+# switches under trial, recorded with each result where set
+EXPERIMENTS = ("HIVETUNE_LORA_SIDE_STREAM", "HIVETUNE_STACK_FROZEN")
 
 
 def environment(device) -> dict:

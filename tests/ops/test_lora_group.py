@@ -12,7 +12,7 @@ from hivetune.config import load_config
 from hivetune.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM
-from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_enabled, lora_parameters
+from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_enabled, lora_parameters, stack_frozen
 from hivetune.ops import lora_group as lg
 
 
@@ -134,6 +134,34 @@ def test_wide_layout_holds_weights_and_the_cast_bd(monkeypatch):
     assert torch.equal(slot, expect)
     monkeypatch.setenv("HIVETUNE_REFERENCE", "wide_lora")
     assert torch.allclose(model(ids), out, rtol=0, atol=1e-6)
+
+
+def test_stacked_frozen_weights_are_views_of_one_tensor(monkeypatch):
+    """HIVETUNE_STACK_FROZEN=1 (an experiment) with the wide layout: every layer's o_proj and
+    down_proj base weights become views of one [L, out, in] tensor per kind, in layer order,
+    frozen, names and values unchanged, and the forward gives what the unstacked model gives.
+    Without the switch, or without the wide layout, nothing is stacked."""
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(5))
+    ref = with_lora(tiny("qwen2", True), 0.0)
+    stacked, plain = copy.deepcopy(ref), copy.deepcopy(ref)
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    fuse_projections(ref, wide=True)
+    monkeypatch.setenv("HIVETUNE_STACK_FROZEN", "1")
+    fuse_projections(stacked, wide=True)
+    fuse_projections(plain, wide=False)
+    after = stacked.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    for owner, name in (("self_attn", "o_proj"), ("mlp", "down_proj")):
+        weights = [getattr(getattr(layer, owner), name).base_layer.weight for layer in stacked.model.layers]
+        whole = weights[0].untyped_storage()
+        assert all(w.untyped_storage().data_ptr() == whole.data_ptr() for w in weights)
+        assert whole.nbytes() == sum(w.numel() * w.element_size() for w in weights)
+        assert weights[1].data_ptr() == weights[0].data_ptr() + weights[0].numel() * weights[0].element_size()
+        assert not any(w.requires_grad for w in weights)
+        separate = [getattr(getattr(layer, owner), name).base_layer.weight for layer in plain.model.layers]
+        assert separate[0].untyped_storage().data_ptr() != separate[1].untyped_storage().data_ptr()
+    assert torch.equal(stacked(ids), ref(ids))
+    assert stack_frozen([stacked.model.layers[0].self_attn.o_proj, stacked.model.layers[0].mlp.down_proj]) is None
 
 
 def test_mixed_group_falls_back_and_disabled_is_base():

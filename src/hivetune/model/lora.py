@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -242,12 +243,13 @@ def fuse_projections(model: nn.Module, wide: bool | None = None) -> int:
     layers = list(getattr(getattr(model, "model", None), "layers", []))
     if wide is None:
         wide = bool(layers) and layers[0].input_layernorm.weight.is_cuda and not forced("wide_lora")
-    groups, calls, joined = 0, [], set()
+    groups, calls, joined, widened = 0, [], set(), False
     for owner, name, members in (("self_attn", "qkv", ("q_proj", "k_proj", "v_proj")),
                                  ("mlp", "gate_up", ("gate_proj", "up_proj"))):
         kind = [[getattr(getattr(layer, owner), m) for m in members] for layer in layers]
         # one kind at a time: its old weights are freed as its layers move into the storage
         storage = _wide_storage(kind) if wide else None
+        widened |= storage is not None
         for i, layer in enumerate(layers):
             fused = FusedProjections(kind[i], storage[i] if storage is not None else None,
                                      len(members) * kind[i][0].lora_A.out_features if storage is not None else 0)
@@ -262,7 +264,35 @@ def fuse_projections(model: nn.Module, wide: bool | None = None) -> int:
         if id(m) not in joined:
             calls.append(([m.lora_A.weight], [m.lora_B.weight], (m.out_features,), None))
     model.lora_casts = CastCache(calls) if calls else None  # refreshed by CausalLM.forward
+    if widened and os.environ.get("HIVETUNE_STACK_FROZEN") == "1":
+        for owner, name in (("self_attn", "o_proj"), ("mlp", "down_proj")):
+            stack_frozen([getattr(getattr(layer, owner), name) for layer in layers])
     return groups
+
+
+def stack_frozen(modules: list[nn.Module]) -> torch.Tensor | None:
+    """An experiment (HIVETUNE_STACK_FROZEN=1, after the wide layout's widening, not yet run on a
+    GPU): the frozen base weights of one linear kind (o_proj, or down_proj) of every layer moved
+    into one [L, out, in] tensor, each layer's weight a view of it (names, loading and merging
+    unchanged), the separate tensors freed. Why: W1's per-layer weights under 10 MiB share the
+    CUDA allocator's 20 MiB segments; the widening frees q/k/v's and gate/up's but the o_proj and
+    down_proj beside them keep each segment, ~0.4 GiB of free blocks that empty_cache cannot hand
+    back (1.43 against 1.02 GiB reserved after assembly, cd7630d). Once these move out too, the
+    old segments hold nothing. Returns the stack, or None (layers that differ in shape, dtype or
+    device, or a trainable weight: left as they are)."""
+    bases = [m.base_layer if isinstance(m, LoRALinear) else m for m in modules]
+    if not bases or not all(isinstance(b, nn.Linear) for b in bases):
+        return None
+    first = bases[0].weight
+    if any(b.weight.requires_grad or b.weight.shape != first.shape or b.weight.dtype != first.dtype
+           or b.weight.device != first.device for b in bases):
+        return None
+    stack = torch.empty((len(bases), *first.shape), dtype=first.dtype, device=first.device)
+    with torch.no_grad():
+        for i, b in enumerate(bases):
+            stack[i].copy_(b.weight)
+            b.weight = nn.Parameter(stack[i], requires_grad=False)
+    return stack
 
 
 def _wide_storage(groups: list[list[nn.Module]]) -> torch.Tensor | None:
