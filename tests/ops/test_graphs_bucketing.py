@@ -14,8 +14,8 @@ from hivetune.data.batch import collate_packed
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.model.lora import lora_parameters
 from hivetune.ops.fused_ce import fused_target_loss_sum
-from hivetune.ops.graphs import (IGNORE_INDEX, batch_key, bucket_tokens, capture_cost_tokens, defers_captures,
-                                 graphs_unsupported, micro_step_fn, pad_packed_batch, planned_keys)
+from hivetune.ops.graphs import (IGNORE_INDEX, batch_key, bucket_tokens, capture_cost_tokens, deferrable,
+                                 defers_captures, graphs_unsupported, micro_step_fn, pad_packed_batch, planned_keys)
 from hivetune.ops.loss import target_loss_sum
 from hivetune.train import assemble, forward_backward, micro_batches
 
@@ -296,3 +296,11 @@ def test_captures_are_deferred_where_a_replay_covers_a_third_of_a_capture(monkey
     assert not defers_captures(0.14, 0.017) and not defers_captures(0.31, 0.1)
     monkeypatch.setenv("HIVETUNE_REFERENCE", "deferred_captures")
     assert not defers_captures(0.2, 0.1)
+
+
+def test_each_segment_counts_largest_size_is_captured_at_once():
+    """Deferred captures wait for all sizes but each segment count's largest: a micro-batch of
+    another segment count (a step's short last micro-batch) still finds a planned graph."""
+    keys = [(1728, 10), (1600, 10), (1408, 10), (896, 7), (768, 7)]
+    assert deferrable(keys) == {(1600, 10), (1408, 10), (768, 7)}
+    assert deferrable([(1728, 10)]) == set() and deferrable([]) == set()

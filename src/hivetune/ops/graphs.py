@@ -18,9 +18,10 @@ step plan holds (known before the first step). The first micro-batch runs eagerl
 work, and the warm-up capture needs); the largest graph is captured and timed, and one replay of
 it with the loss divided by infinity (exact zeros everywhere) gives the GPU time a token; then
 every planned size is captured, largest first, without synchronising the device (capture runs
-nothing): at once, or one after each replay where a replay's GPU time covers a third of a
-capture's host time (defers_captures: W2 under DDP). A micro-batch no size holds takes the
-256-token grid (bucket_tokens), captured when met.
+nothing): at once, or, where a replay's GPU time covers a third of a capture's host time
+(defers_captures: W2 under DDP), each segment count's largest at once and the others one after
+each replay (deferrable). A micro-batch no size holds takes the 256-token grid (bucket_tokens),
+captured when met.
 The sizes go into checkpoints (train.save_all_ranks, one entry per rank): a resumed run on the
 same number of processes captures them again instead of timing anew (saved_sizes).
 
@@ -226,19 +227,30 @@ def capture_cost_tokens(capture_s: float, gpu_s_per_token: float) -> float:
 
 
 def defers_captures(capture_s: float, replay_s: float) -> bool:
-    """Whether the planned sizes after the largest are captured one after each replay, the host
-    pass overlapping the GPU's work on the replay just queued (until its turn, a micro-batch takes
-    the smallest captured size that holds it), rather than all at the first micro-batch with the
-    GPU idle: where a replay's GPU time (`replay_s`, at the plan's mean micro-batch) covers at
-    least a third of a capture's host time (`capture_s`, the largest's, its instantiation
-    included). W2 under DDP on 2 x H100: ~0.1 s a replay against 0.1-0.23 s a capture, three
-    captures after the largest (~0.45 s of idle GPU at the start); over four pairs of runs
-    (5acece1, cd7630d) 0.07 s less on average, inside the spread, each capture outlasting its
-    replay. W1 (~17 ms a replay, ~0.14 s a capture) keeps its captures together: one every 10 or
-    20 micro-batches measured no gain there (91912cc, H200), the host being ~8 ms of each ~18 ms
+    """Whether the planned sizes below each segment count's largest (deferrable) are captured one
+    after each replay, the host pass overlapping the GPU's work on the replay just queued (until
+    its turn, a micro-batch takes the smallest captured size that holds it), rather than all at the
+    first micro-batch with the GPU idle: where a replay's GPU time (`replay_s`, at the plan's mean
+    micro-batch) covers at least a third of a capture's host time (`capture_s`, the largest's, its
+    instantiation included). W2 under DDP on 2 x H100: ~0.1 s a replay against 0.1-0.23 s a
+    capture, three captures after the largest (~0.45 s of idle GPU at the start); over four pairs
+    of runs (5acece1, cd7630d) 0.07 s less on average, inside the spread, each capture outlasting
+    its replay. W1 (~17 ms a replay, ~0.14 s a capture) keeps its captures together: one every 10
+    or 20 micro-batches measured no gain there (91912cc, H200), the host being ~8 ms of each ~18 ms
     step and the larger graphs' padding costing as much. HIVETUNE_REFERENCE=deferred_captures:
     never."""
     return 3 * replay_s >= capture_s and not forced("deferred_captures")
+
+
+def deferrable(keys: list[tuple[int, int]]) -> set[tuple[int, int]]:
+    """The (tokens, cu_seqlens entries) keys whose capture can wait (defers_captures): all but
+    each segment count's largest, so that every micro-batch of the plan has a captured graph
+    that holds it from the first step (one that had none would take a grid size, captured when
+    met: a graph more)."""
+    largest = {}
+    for tokens, segments in keys:
+        largest[segments] = max(largest.get(segments, 0), tokens)
+    return {(t, seg) for t, seg in keys if t < largest[seg]}
 
 
 def saved_sizes(run) -> dict[int, list[int]] | None:
@@ -510,8 +522,10 @@ class GraphedForwardBackward:
             # one micro-batch of activations twice (W2 2 x 8: 36.9 GiB reserved, 22.9 allocated).
             torch.cuda.empty_cache()
             keys = self._plan(batch) if self.planned else planned_keys(self.run, self.bucket)
-            for planned in sorted(set(keys) | {self.key_of(batch)}, reverse=True)[:self.max_graphs]:
-                if self.defer and planned not in self.buckets:
+            keys = sorted(set(keys) | {self.key_of(batch)}, reverse=True)[:self.max_graphs]
+            later = deferrable(keys) if self.defer else set()
+            for planned in keys:
+                if planned in later and planned not in self.buckets:
                     self.pending.append(planned)
                 elif self.off or (planned not in self.buckets and not self._capture_key(planned, None)):
                     break
