@@ -523,7 +523,7 @@ def aside_wanted(g: torch.Tensor) -> bool:
     """Whether this backward puts its LoRA weight gradients on the side stream: on CUDA, inside a
     CUDA graph capture only (eager steps would pay the stream switches and events on the host),
     unless HIVETUNE_LORA_SIDE_STREAM=0. W1 under the 4 GiB cap, H100, alternating in one call:
-    10.57 / 10.80 s with it against 11.13 / 11.21 without (d70dcbd), 10.66 / 10.36 against
+    10.57 / 10.76 s with it against 11.07 / 11.20 without (d70dcbd), 10.66 / 10.36 against
     10.81 / 10.65 (cd7630d), the same peak memory; W2 under DDP: no change (c5691cf). The A and
     B gradients are small matmuls (W1, H100, 64096c7: ~1/9 of a step's GPU time in ~12
     launch-bound kernels a layer) that nothing in the backward waits for; on their own stream,
