@@ -5,4 +5,8 @@ export PYTHONUNBUFFERED=1 HIVETUNE_CACHE=/tmp/hc PYTHONPATH=$PWD/src TRITON_CACH
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 mkdir -p $OUT/results
-[ -n "${SKIP_TESTS:-}" ] || timeout 200 python3 -m pytest tests/gpu tests/ops/test_elementwise.py -q -p no:cacheprovider -o addopts="-W ignore::FutureWarning" > $OUT/gpu-tests.log 2>&1; [ -n "${SKIP_TESTS:-}" ] || { tail -3 $OUT/gpu-tests.log; grep -E "^FAILED|Error" $OUT/gpu-tests.log | head; }
+if [ -z "${SKIP_TESTS:-}" ]; then
+  timeout 320 python3 -m pytest tests/gpu tests/ops/test_elementwise.py -q -rfE --tb=short -p no:cacheprovider \
+    -o addopts="-W ignore::FutureWarning" > $OUT/gpu-tests.log 2>&1
+  tail -3 $OUT/gpu-tests.log; grep -E "^FAILED|^E " $OUT/gpu-tests.log | head -20
+fi

@@ -3,10 +3,11 @@
 # 4 GiB cap with the defaults and with VARIANT (default HIVETUNE_LORA_SIDE_STREAM=0: the LoRA
 # weight gradients on the one stream), alternating, ROUNDS rounds (default 2) after an untimed
 # warm-up of each (the variant may compile kernels of its own); then bench/wide_memory_run.sh
-# (where the wide layout's extra reserved memory goes).
+# (where the wide layout's extra reserved memory goes; MEMORY=0: not run).
 # VARIANT_ARGS: bench arguments of the variant's runs (e.g. "--set wide_lora=true").
 # Usage (device tool):
-#   HIVETUNE_COMMIT=<commit> [SKIP_TESTS=1] [VARIANT="VAR=value ..."] [VARIANT_ARGS=...] [ROUNDS="1 2 3"] \
+#   HIVETUNE_COMMIT=<commit> [SKIP_TESTS=1] [MEMORY=0] [VARIANT="VAR=value ..."] [VARIANT_ARGS=...] \
+#     [ROUNDS="1 2 3"] \
 #     bash bench/side_ab_run.sh
 # (graph_instantiate's A/B, once bench/instantiate_run.sh: VARIANT=HIVETUNE_REFERENCE=graph_instantiate)
 set -u
@@ -24,4 +25,4 @@ for round in ${ROUNDS:-1 2}; do
   echo "-- $VARIANT ${VARIANT_ARGS:-}"
   (export $VARIANT; w1 $OUT/variant ${VARIANT_ARGS:-})
 done
-SKIP_TESTS=1 CAPS=4 bash bench/wide_memory_run.sh  # 3 files: with the 4 W1 files and the test log, 8 (the most)
+[ "${MEMORY:-1}" = 0 ] || SKIP_TESTS=1 CAPS=4 bash bench/wide_memory_run.sh  # 2 files (+ 4 W1 files, test log)

@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
 # One device call (~3 min) on one GPU (issue 3): bench/wide_memory_probe.py for W1 with and
-# without the wide layout, and with it plus HIVETUNE_STACK_FROZEN=1 (o_proj's and down_proj's
-# weights stacked), under the 4 GiB cap and uncapped: the allocator's pools at each stage, when
-# graphs turn off, and the large segments' blocks after assembly. One JSON file a run into $OUT.
+# without the wide layout (with it, o_proj's and down_proj's weights are stacked: lora.stack_frozen),
+# under the 4 GiB cap and uncapped: the allocator's pools at each stage, when graphs turn off,
+# and the large segments' blocks after assembly. One JSON file a run into $OUT.
 # Usage (device tool): HIVETUNE_COMMIT=<commit> SKIP_TESTS=1 [CAPS="4 0"] bash bench/wide_memory_run.sh
 set -u
 source bench/device_prelude.sh
 for cap in ${CAPS:-4 0}; do
-  for variant in false true true-stacked; do  # true-stacked: HIVETUNE_STACK_FROZEN=1 (lora.stack_frozen)
-    wide=${variant%-stacked}
-    stack=$([ "$variant" = true-stacked ] && echo 1 || echo 0)
+  for variant in false true; do
+    wide=$variant
     echo "== wide $variant, cap $cap ($(date +%T))"
-    HIVETUNE_STACK_FROZEN=$stack timeout 120 python3 bench/wide_memory_probe.py --wide $wide --cap $cap \
+    timeout 120 python3 bench/wide_memory_probe.py --wide $wide --cap $cap \
       > $OUT/wide-memory-$variant-cap$cap.jsonl 2>&1
     tail -1 $OUT/wide-memory-$variant-cap$cap.jsonl | python3 -c "
 import json, sys

@@ -122,11 +122,10 @@ class TrainConfig:
     alive at a time); false: the plain reference path."""
     wide_lora: str = "auto"
     """On CUDA, for graph-sized micro-batches: q/k/v's and gate/up's weights stored beside their
-    LoRA B, so the base matmul carries the LoRA update and its gradient. true, false, or auto: on
-    under DDP (W2 on 2 x H100, 8 examples a rank: 10.82 / 10.42 s against 11.06 / 11.26, 22.68
-    against 21.96 GiB reserved a GPU, 058b554), off on one process, where it reserves ~0.4 GiB
-    more (W1: 4.30 against 3.87-3.90 GiB; under a 4 GiB cap W1's CUDA graph capture ran out of
-    memory, eager: 61 s) for W1 up to ~5% faster (9.6-10.0 s against 9.7-10.5, H200)."""
+    LoRA B, so the base matmul carries the LoRA update and its gradient. true, false, or auto (the
+    default): on, but not under FSDP. W1 under its 4 GiB cap: 10.23 / 10.26 s against 10.78 /
+    10.99, 3.95 against 3.93 GiB reserved (H100, 674eeb2); W2 on 2 x H100, 8 examples a rank:
+    10.82 / 10.42 s against 11.06 / 11.26 (058b554)."""
     cuda_graphs: bool = True
     """On CUDA (bf16, packing): replay each micro-batch's forward + loss + backward from a CUDA
     graph, one per token-count bucket (256 tokens), captured on first use; eager otherwise."""

@@ -181,17 +181,18 @@ def setup(cfg: TrainConfig) -> Run:
 
 
 def wide_groups(model: CausalLM, cfg: TrainConfig, data, device: torch.device, strategy: str = "none") -> bool:
-    """Whether q/k/v and gate/up take the wide layout (lora.fuse_projections): wide_lora true, or
-    auto under DDP; on CUDA, where a micro-batch's matmuls are small enough for CUDA graphs
-    (ops.graphs.MAX_TFLOP_PER_MICRO_BATCH, from the data's mean length). There the LoRA update
-    riding in the base matmul saves W1 ~5% of its loop (10.2 / 10.5 s against 9.6 / 10.4, H200,
-    86175b8) for ~0.4 GiB more reserved memory (4.30 against 3.90 GiB: over W1's 4 GiB, where
-    its graph capture ran out of memory under a 4 GiB cap: so not by default on one process),
-    and W2's DDP ranks (8 examples each, graphed) 2-7% (2 x H100, 058b554); W2 on one GPU (7B,
-    16 x 1, ~80 TFLOP a micro-batch) ran 8% slower with it and reserved 26.9 GiB against 24.1."""
+    """Whether q/k/v and gate/up take the wide layout (lora.fuse_projections): wide_lora true or
+    auto, but not FSDP (auto); on CUDA, where a micro-batch's matmuls are small enough for CUDA
+    graphs (ops.graphs.MAX_TFLOP_PER_MICRO_BATCH, from the data's mean length). There the LoRA
+    update riding in the base matmul saves W1 ~5% of its loop: 10.23 / 10.26 s against 10.78 /
+    10.99 under the 4 GiB cap (H100, 674eeb2; 3.69 against 3.67 GiB allocated, 3.95 against 3.93
+    reserved, the frozen weights stacked: lora.stack_frozen; before that it reserved ~0.4 GiB more
+    and ran out of memory under the cap, so it was not the default on one process), and W2's DDP
+    ranks (8 examples each, graphed) 2-7% (2 x H100, 058b554). W2 on one GPU (7B, 16 x 1, ~80
+    TFLOP a micro-batch: not graphed, so not wide) ran 8% slower with it."""
     from hivetune.ops.graphs import MAX_TFLOP_PER_MICRO_BATCH
 
-    asked = cfg.wide_lora == "true" or (cfg.wide_lora == "auto" and strategy == "ddp")
+    asked = cfg.wide_lora == "true" or (cfg.wide_lora == "auto" and strategy != "fsdp")
     if not asked or device.type != "cuda" or forced("wide_lora") or not len(data):
         return False
     tokens = cfg.batch_size * data.total_tokens / len(data)

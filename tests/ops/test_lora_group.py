@@ -136,17 +136,15 @@ def test_wide_layout_holds_weights_and_the_cast_bd(monkeypatch):
     assert torch.allclose(model(ids), out, rtol=0, atol=1e-6)
 
 
-def test_stacked_frozen_weights_are_views_of_one_tensor(monkeypatch):
-    """HIVETUNE_STACK_FROZEN=1 (an experiment) with the wide layout: every layer's o_proj and
-    down_proj base weights become views of one [L, out, in] tensor per kind, in layer order,
-    frozen, names and values unchanged, and the forward gives what the unstacked model gives.
-    Without the switch, or without the wide layout, nothing is stacked."""
+def test_stacked_frozen_weights_are_views_of_one_tensor():
+    """With the wide layout, every layer's o_proj and down_proj base weights become views of one
+    [L, out, in] tensor per kind (lora.stack_frozen), in layer order, frozen, names and values
+    unchanged, and the forward gives what the unstacked model gives. Without the wide layout,
+    nothing is stacked."""
     ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(5))
     ref = with_lora(tiny("qwen2", True), 0.0)
     stacked, plain = copy.deepcopy(ref), copy.deepcopy(ref)
     before = {k: v.clone() for k, v in ref.state_dict().items()}
-    fuse_projections(ref, wide=True)
-    monkeypatch.setenv("HIVETUNE_STACK_FROZEN", "1")
     fuse_projections(stacked, wide=True)
     fuse_projections(plain, wide=False)
     after = stacked.state_dict()
@@ -160,7 +158,8 @@ def test_stacked_frozen_weights_are_views_of_one_tensor(monkeypatch):
         assert not any(w.requires_grad for w in weights)
         separate = [getattr(getattr(layer, owner), name).base_layer.weight for layer in plain.model.layers]
         assert separate[0].untyped_storage().data_ptr() != separate[1].untyped_storage().data_ptr()
-    assert torch.equal(stacked(ids), ref(ids))
+    assert torch.allclose(stacked(ids), ref(ids), rtol=0, atol=1e-6)  # ref: unfused
+    assert stack_frozen([plain.model.layers[1].mlp.gate_up]) is None  # not a linear layer
     assert stack_frozen([stacked.model.layers[0].self_attn.o_proj, stacked.model.layers[0].mlp.down_proj]) is None
 
 
@@ -341,8 +340,8 @@ def test_residual_rides_in_the_base_matmul(monkeypatch, dtype):
 def test_wide_layout_only_where_micro_batches_are_small(monkeypatch):
     """train.wide_groups: the wide layout on CUDA for graph-sized micro-batches (W1: 0.5B, 8
     examples of ~199 tokens, ~2.3 TFLOP), not for W2's (7B, 16 x ~171 tokens, ~77 TFLOP, above
-    graphs' 60), nor on the CPU or with HIVETUNE_REFERENCE=wide_lora; when the config asks for it,
-    or by default (wide_lora auto) under DDP only (one process: ~0.4 GiB more reserved on W1).
+    graphs' 60), nor on the CPU or with HIVETUNE_REFERENCE=wide_lora; when the config asks for it
+    or leaves it auto (the default), but not under FSDP by default.
     (Only shapes are read.)"""
     from types import SimpleNamespace
 
@@ -361,7 +360,8 @@ def test_wide_layout_only_where_micro_batches_are_small(monkeypatch):
     assert not run("W1", 8, 199, "cpu")
     assert not run("W1", 8, 199, asked="false") and not run("W2", 8, 171, asked="false", strategy="ddp")
     assert load_config(None, {"model": "random", "data": "generator"}).wide_lora == "auto"
-    assert not run("W1", 8, 199, asked="auto") and not run("W2", 8, 171, asked="auto", strategy="fsdp")
+    assert run("W1", 8, 199, asked="auto") and not run("W2", 8, 171, asked="auto", strategy="fsdp")
+    assert not run("W2", 16, 171, asked="auto") and not run("W1", 8, 199, "cpu", asked="auto")
     assert run("W2", 8, 171, asked="auto", strategy="ddp") and not run("W2", 16, 171, asked="auto", strategy="ddp")
     # YAML's booleans and the three words; anything else is named in the error
     assert load_config(None, {"model": "random", "data": "generator", "wide_lora": True}).wide_lora == "true"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -264,22 +263,24 @@ def fuse_projections(model: nn.Module, wide: bool | None = None) -> int:
         if id(m) not in joined:
             calls.append(([m.lora_A.weight], [m.lora_B.weight], (m.out_features,), None))
     model.lora_casts = CastCache(calls) if calls else None  # refreshed by CausalLM.forward
-    if widened and os.environ.get("HIVETUNE_STACK_FROZEN") == "1":
+    if widened:  # the segments the widening emptied, freed whole
         for owner, name in (("self_attn", "o_proj"), ("mlp", "down_proj")):
             stack_frozen([getattr(getattr(layer, owner), name) for layer in layers])
     return groups
 
 
 def stack_frozen(modules: list[nn.Module]) -> torch.Tensor | None:
-    """An experiment (HIVETUNE_STACK_FROZEN=1, after the wide layout's widening, not yet run on a
-    GPU): the frozen base weights of one linear kind (o_proj, or down_proj) of every layer moved
-    into one [L, out, in] tensor, each layer's weight a view of it (names, loading and merging
-    unchanged), the separate tensors freed. Why: W1's per-layer weights under 10 MiB share the
-    CUDA allocator's 20 MiB segments; the widening frees q/k/v's and gate/up's but the o_proj and
-    down_proj beside them keep each segment, ~0.4 GiB of free blocks that empty_cache cannot hand
-    back (1.43 against 1.02 GiB reserved after assembly, cd7630d). Once these move out too, the
-    old segments hold nothing. Returns the stack, or None (layers that differ in shape, dtype or
-    device, or a trainable weight: left as they are)."""
+    """After the wide layout's widening (fuse_projections): the frozen base weights of one linear
+    kind (o_proj, or down_proj) of every layer moved into one [L, out, in] tensor, each layer's
+    weight a view of it (names, loading and merging unchanged), the separate tensors freed. Why:
+    W1's per-layer weights under 10 MiB share the CUDA allocator's 20 MiB segments; the widening
+    frees q/k/v's and gate/up's but the o_proj and down_proj beside them kept each segment, ~0.4
+    GiB of free blocks that empty_cache could not hand back (1.43 against 1.02 GiB reserved after
+    assembly, cd7630d), and under W1's 4 GiB cap the optimizer's first state ran out of memory.
+    Stacked, the old segments hold nothing: W1 under the cap peaks at 3.69 GiB allocated, 3.95
+    reserved (3.67 / 3.93 without the wide layout), in 10.23 / 10.26 s against 10.78 / 10.99
+    (H100, 674eeb2, alternating in one call). Returns the stack, or None (layers that differ in
+    shape, dtype or device, or a trainable weight: left as they are)."""
     bases = [m.base_layer if isinstance(m, LoRALinear) else m for m in modules]
     if not bases or not all(isinstance(b, nn.Linear) for b in bases):
         return None
