@@ -302,8 +302,10 @@ def test_plan_suggests_the_fewest_offloaded_layers_that_fit(tmp_path):
 
 def test_lora_inputs_auto_keeps_what_costs_at_most_a_gib():
     """lora_inputs auto: W1 (0.5B, 2,496 tokens) keeps the dropped inputs (~0.84 GiB more),
-    W2 (7B, 3,426 tokens) recomputes them (~5.3 GiB more); keep / recompute are obeyed, and
-    nothing is kept where nothing is recomputed (no seeded dropout: dropout 0, the CPU)."""
+    W2 (7B, 3,426 tokens) recomputes them (~5.3 GiB more) unless the device's memory is known
+    and the peak with them kept is at most 60% of it (an 80 GB card, not a 24 GB one); keep /
+    recompute are obeyed, and nothing is kept where nothing is recomputed (no seeded dropout:
+    dropout 0, the CPU)."""
     from hivetune.bench import WORKLOADS
     from hivetune.plan.memory import KEEP_INPUTS_MAX_BYTES, keep_inputs_extra_bytes, resolve_keep_inputs
 
@@ -318,6 +320,14 @@ def test_lora_inputs_auto_keeps_what_costs_at_most_a_gib():
     assert resolve_keep_inputs("auto", w1, seeded, 2496)
     assert not resolve_keep_inputs("auto", w2, dataclasses.replace(seeded, r=32), 3426)
     assert resolve_keep_inputs("keep", w2, seeded, 3426) and not resolve_keep_inputs("recompute", w1, seeded, 2496)
+    # auto on a device with room: W2's peak with the inputs kept within 60% of its memory
+    w2_seeded = dataclasses.replace(seeded, r=32)
+    kept_peak = breakdown(w2, dataclasses.replace(w2_seeded, keep_inputs=True), 3426).total
+    assert resolve_keep_inputs("auto", w2, w2_seeded, 3426, memory_bytes=80 * 2**30)
+    assert resolve_keep_inputs("auto", w2, w2_seeded, 3426, memory_bytes=int(kept_peak / 0.6) + 1)
+    assert not resolve_keep_inputs("auto", w2, w2_seeded, 3426, memory_bytes=int(kept_peak / 0.6) - 2)
+    assert not resolve_keep_inputs("auto", w2, w2_seeded, 3426, memory_bytes=24 * 2**30)
+    assert not resolve_keep_inputs("recompute", w2, w2_seeded, 3426, memory_bytes=80 * 2**30)
     for unseeded in (dataclasses.replace(seeded, dropout=0.0), dataclasses.replace(seeded, fused_layers=False)):
         assert keep_inputs_extra_bytes(w1, unseeded, 2496) == 0 and not resolve_keep_inputs("keep", w1, unseeded, 2496)
 

@@ -206,7 +206,7 @@ def host_probe(device) -> dict:
 def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = None, max_steps: int = 0,
                  memory_cap_gib: float = 0.0) -> dict:
     """Train the workload with hivetune's loop; return the measured figures. memory_cap_gib: the
-    caching allocator may hold at most this much during the loop (as on a card of that size;
+    caching allocator may hold at most this much from assembly on (as on a card of that size;
     set after the model is built: W2's random init runs in fp32)."""
     from hivetune.fastpath import prewarm_triton
     from hivetune.train import assemble, fit
@@ -221,27 +221,30 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
     values.update(overrides or {})
     cfg = load_config(None, values)
     model = random_model(w.args, device, DTYPES[cfg.precision])
-    with tempfile.TemporaryDirectory() as tmp:
-        run = assemble(cfg, model, examples, None, device, cfg.precision, Path(tmp) / "run", Path("random"))
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-            if memory_cap_gib:
-                index = device.index if device.index is not None else torch.cuda.current_device()
-                total = torch.cuda.get_device_properties(index).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib * 2**30 / total), index)
-        graphs.last_stats = {}
-        before = allocator_counts(device)
-        t0 = time.perf_counter()
-        result = fit(run, progress=False)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        allocator = {k: v - before.get(k, 0) for k, v in allocator_counts(device).items()}
-        if device.type == "cuda" and memory_cap_gib:
+    capped = device.type == "cuda" and memory_cap_gib > 0
+    if capped:  # before assemble: lora_inputs auto reads it (train.device_memory_bytes)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib * 2**30 / total), index)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            run = assemble(cfg, model, examples, None, device, cfg.precision, Path(tmp) / "run", Path("random"))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            graphs.last_stats = {}
+            before = allocator_counts(device)
+            t0 = time.perf_counter()
+            result = fit(run, progress=False)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            allocator = {k: v - before.get(k, 0) for k, v in allocator_counts(device).items()}
+            losses = [json.loads(line)["loss"] for line in (run.folder / "metrics.jsonl").read_text().splitlines()]
+    finally:
+        if capped:  # the next workload of `bench all` runs uncapped unless capped itself
             torch.cuda.set_per_process_memory_fraction(1.0, index)
-        losses = [json.loads(line)["loss"] for line in (run.folder / "metrics.jsonl").read_text().splitlines()]
     tokens = sum(examples.lengths[i] for step in run.steps for i in step)
     flops_per_token = 4 * w.args.linear_weight_count
     tps = tokens / seconds

@@ -273,11 +273,21 @@ def planned_memory(run: Run) -> None:
         return
     tokens = max((t for t, _ in planned_micro_batches(run, start=0)), default=0)
     mc = _memory_config(run.cfg, run.precision, run.cfg.gradient_checkpointing, cuda=run.device.type == "cuda",
-                        args=run.model.args, tokens=tokens)
+                        args=run.model.args, tokens=tokens, memory_bytes=device_memory_bytes(run.device))
     if casts is not None:
         casts.keep_inputs = mc.keep_inputs
     if offload is not None and tokens:
         offload.reserve(offloaded_bytes(run.model.args, mc, tokens), offloaded_layer_bytes(run.model.args, mc, tokens))
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """What this process may hold on a CUDA device: its memory, times the per-process fraction
+    where one is set (bench --memory-cap); 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(index)
+    return int(torch.cuda.get_device_properties(index).total_memory * fraction)
 
 
 def check_offload_layers(cfg: TrainConfig, layers: int) -> None:

@@ -221,7 +221,8 @@ def seeded_dropout(mc: MemoryConfig) -> bool:
     return mc.joined and mc.fused_layers and mc.dropout > 0
 
 
-KEEP_INPUTS_MAX_BYTES = 2**30  # lora_inputs auto: keep the dropped inputs when they cost at most this
+KEEP_INPUTS_MAX_BYTES = 2**30  # lora_inputs auto: keep the dropped inputs when they cost at most this,
+KEEP_INPUTS_ROOM = 0.6  # or when the predicted peak with them kept stays within this share of the device
 
 
 def keep_inputs_extra_bytes(args: ModelArgs, mc: MemoryConfig, tokens: int) -> int:
@@ -233,13 +234,20 @@ def keep_inputs_extra_bytes(args: ModelArgs, mc: MemoryConfig, tokens: int) -> i
     return activation_bytes(args, keep, tokens) - activation_bytes(args, plain, tokens)
 
 
-def resolve_keep_inputs(setting: str, args: ModelArgs, mc: MemoryConfig, tokens: int) -> bool:
-    """train's lora_inputs: keep, recompute, or auto (keep when it costs at most
-    KEEP_INPUTS_MAX_BYTES at the largest micro-batch, `tokens`). False where it changes
-    nothing (no seeded dropout)."""
+def resolve_keep_inputs(setting: str, args: ModelArgs, mc: MemoryConfig, tokens: int, memory_bytes: int = 0) -> bool:
+    """train's lora_inputs: keep, recompute, or auto: keep when it costs at most
+    KEEP_INPUTS_MAX_BYTES at the largest micro-batch (`tokens`), or when the predicted peak
+    with the inputs kept is at most KEEP_INPUTS_ROOM of `memory_bytes` (the device's memory, or
+    the cap on it; 0: unknown). W2 under DDP on 2 x H200 (8 examples a rank, +2.35 GiB): 10.27 /
+    10.23 s kept against 10.52 / 10.51 recomputed, 24.05 against 21.70 GiB reserved (55333e6);
+    the 0.6 leaves a 24 GB card (W2 on one: 24 GiB with activation_offload) recomputing. False
+    where it changes nothing (no seeded dropout)."""
     if not seeded_dropout(mc) or setting == "recompute":
         return False
-    return setting == "keep" or keep_inputs_extra_bytes(args, mc, tokens) <= KEEP_INPUTS_MAX_BYTES
+    if setting == "keep" or keep_inputs_extra_bytes(args, mc, tokens) <= KEEP_INPUTS_MAX_BYTES:
+        return True
+    return bool(memory_bytes) and breakdown(args, replace(mc, keep_inputs=True), tokens).total <= (
+        KEEP_INPUTS_ROOM * memory_bytes)
 
 
 def first_layer_items(args: ModelArgs, mc: MemoryConfig) -> list[float]:

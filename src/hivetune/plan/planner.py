@@ -59,9 +59,10 @@ class Plan:
 
 
 def _memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: bool = True,
-                   graphs: bool = False, args: ModelArgs | None = None, tokens: int = 0) -> MemoryConfig:
-    """`args` and `tokens` (the largest micro-batch): resolve lora_inputs auto as train does;
-    without them auto counts as recompute."""
+                   graphs: bool = False, args: ModelArgs | None = None, tokens: int = 0,
+                   memory_bytes: int = 0) -> MemoryConfig:
+    """`args` and `tokens` (the largest micro-batch), `memory_bytes` (the device's): resolve
+    lora_inputs auto as train does; without args and tokens auto counts as recompute."""
     from hivetune.ops.attention import _varlen_fn
 
     fn, _, has_gqa = _varlen_fn()
@@ -75,7 +76,7 @@ def _memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: 
     setting = getattr(cfg, "lora_inputs", "recompute")
     if setting == "auto" and (args is None or not tokens):
         setting = "recompute"
-    return dataclasses.replace(mc, keep_inputs=resolve_keep_inputs(setting, args, mc, tokens),
+    return dataclasses.replace(mc, keep_inputs=resolve_keep_inputs(setting, args, mc, tokens, memory_bytes),
                                host_embeddings=bool(getattr(cfg, "host_embeddings", False)) and cuda
                                and cfg.distributed != "fsdp")
 
@@ -209,7 +210,7 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     graphs = uses_graphs(cfg, precision, ckpt)
     tokens = bucketed(worst, graphs, args)
     graphs = graphs and tokens != worst
-    mc = _memory_config(cfg, precision, ckpt, graphs=graphs, args=args, tokens=tokens)
+    mc = _memory_config(cfg, precision, ckpt, graphs=graphs, args=args, tokens=tokens, memory_bytes=int(mem_gib * GIB))
     if mc.keep_inputs and not ckpt:
         notes.append(f"lora_inputs {cfg.lora_inputs}: the LoRA groups keep their dropped inputs "
                      f"(+{keep_inputs_extra_bytes(args, mc, tokens) / GIB:.2f} GiB of activations)")
