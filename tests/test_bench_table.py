@@ -27,3 +27,21 @@ def test_an_experiment_switch_is_recorded_and_shown_in_the_table(tmp_path, monke
     assert len(rows) == 2
     assert "defaults; experiments: HIVETUNE_LORA_SIDE_STREAM=0; allocator capped at 4 GiB" in rows[0]
     assert "experiments" not in rows[1] and "W1-20261126-165900.json" in rows[1]
+
+
+def test_a_bench_run_written_elsewhere_leaves_the_table(tmp_path, monkeypatch):
+    """bench rewrites BENCHMARKS.md's table only when its results go to bench/results beside the
+    table: `--out /tmp/x` left the table holding /tmp/x's one row (a session's table was wiped so)."""
+    table = tmp_path / "BENCHMARKS.md"
+    text = f"# B\n{bench.TABLE_BEGIN}\n| old row |\n{bench.TABLE_END}\n"
+    table.write_text(text)
+    fake = {"steps": 1, "seconds": 1.0, "tokens_per_s": 1.0, "mfu": None, "peak_memory_allocated_gib": None,
+            "peak_memory_reserved_gib": None, "micro_batch": "8 examples x 1"}
+    monkeypatch.setattr(bench, "run_hivetune", lambda *a, **k: dict(fake))
+    monkeypatch.setattr(bench, "host_probe", lambda device: {})
+    monkeypatch.chdir(tmp_path)
+    bench.bench("W1", max_steps=1, out_dir=str(tmp_path / "elsewhere"), table=str(table))
+    assert table.read_text() == text and len(list((tmp_path / "elsewhere").glob("W1-*.json"))) == 1
+    bench.bench("W1", max_steps=1, out_dir="bench/results", table=str(table))
+    rows = [line for line in table.read_text().splitlines() if line.startswith("| W1")]
+    assert "| old row |" not in table.read_text() and len(rows) == 1

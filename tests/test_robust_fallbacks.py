@@ -193,7 +193,7 @@ def test_prewarm_triton_computes_the_cache_key_in_the_background(monkeypatch):
     fastpath.prewarm_triton(torch.device("cuda"))
     thread = fastpath._PREWARM
     thread.join(60)
-    assert cache.triton_key.cache_info().currsize == 1
+    assert cache.triton_key.cache_info().currsize == 1 and fastpath.PREWARM_DONE_AT is not None
     fastpath.prewarm_triton(torch.device("cuda"))
     assert fastpath._PREWARM is thread
 

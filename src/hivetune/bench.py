@@ -208,10 +208,10 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
     """Train the workload with hivetune's loop; return the measured figures. memory_cap_gib: the
     caching allocator may hold at most this much from assembly on (as on a card of that size;
     set after the model is built: W2's random init runs in fp32)."""
-    from hivetune.fastpath import prewarm_triton
+    from hivetune import fastpath
     from hivetune.train import assemble, fit
 
-    prewarm_triton(device)  # overlaps building the data and the model, as in train's setup
+    fastpath.prewarm_triton(device)  # overlaps building the data and the model, as in train's setup
     examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))
     values = {"model": "random", "data": "generator", "precision": "bf16" if device.type == "cuda" else "fp32",
               "device": device.type, "epochs": w.epochs, "max_steps": max_steps,
@@ -263,6 +263,9 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
         "allocator": allocator or None,
         "lora_inputs": f"{cfg.lora_inputs}: " + ("kept" if getattr(run.model.lora_casts, "keep_inputs", False)
                                                  else "recomputed"),
+        # when Triton's prewarm thread finished, in seconds from the loop's start (negative: before
+        # it; positive: the first steps' Triton launches competed with it)
+        "prewarm_done_s": round(fastpath.PREWARM_DONE_AT - t0, 3) if fastpath.PREWARM_DONE_AT else None,
     }
 
 
@@ -372,7 +375,9 @@ def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "bench/result
           baseline: str = "", baseline_steps: int = 0, table: str | None = "BENCHMARKS.md",
           memory_cap_gib: float = 0.0) -> dict:
     """`hivetune bench`: time a workload (and, with `baseline`, HF Trainer + PEFT on it in the same
-    process), write its JSON under out_dir, and rewrite the generated table of `table`."""
+    process), write its JSON under out_dir, and rewrite the generated table of `table` where
+    out_dir is the folder that table is made from (bench/results beside it): a run written
+    elsewhere (--out /tmp/x) leaves the table as it is."""
     names = list(WORKLOADS) if workload == "all" else [workload]
     for name in names:
         if name not in WORKLOADS:
@@ -404,7 +409,8 @@ def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "bench/result
         record["path"] = str(path)
         results[name] = record
         _release_memory(device)
-    if table and Path(table).is_file():
+    made_from = Path(table).parent / "bench" / "results" if table else None
+    if made_from is not None and Path(table).is_file() and Path(out_dir).resolve() == made_from.resolve():
         write_table(Path(table), Path(out_dir))
     return results
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import warnings
 from contextlib import contextmanager
 
@@ -208,6 +209,7 @@ def _per_example_attention(q, k, v, lengths) -> torch.Tensor:
 
 
 _PREWARM: threading.Thread | None = None
+PREWARM_DONE_AT: float | None = None  # time.perf_counter() when the prewarm thread finished (bench records it)
 
 
 def prewarm_triton(device: torch.device) -> None:
@@ -220,6 +222,7 @@ def prewarm_triton(device: torch.device) -> None:
         return
 
     def warm():
+        global PREWARM_DONE_AT
         try:
             from triton.runtime.cache import triton_key
 
@@ -227,6 +230,7 @@ def prewarm_triton(device: torch.device) -> None:
             import triton.experimental.gluon  # noqa: F401
         except Exception:  # noqa: BLE001 - a Triton without these private parts: its first launch pays
             pass
+        PREWARM_DONE_AT = time.perf_counter()
 
     _PREWARM = threading.Thread(target=warm, name="hivetune-triton-prewarm", daemon=True)
     _PREWARM.start()
