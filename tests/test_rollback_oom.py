@@ -106,3 +106,17 @@ def test_oom_without_auto_stops_with_the_way_out(tiny_model_dir, alpaca_file, tm
     assert str(e.value).endswith("tokens) per micro-batch; no checkpoint was written yet. `hivetune plan` "
                                  "predicts what fits; try --batch-size 4 --grad-accum 2, or --auto to shrink "
                                  "the micro-batch when this happens")
+
+
+def test_oom_after_auto_kept_the_lora_inputs_names_recompute_first(tiny_model_dir, alpaca_file, tmp_path, monkeypatch):
+    """Where lora_inputs auto kept the LoRA groups' dropped inputs (the GPU looked roomy), the
+    out-of-memory message names recomputing them first, with what that frees."""
+    fake_oom_above(monkeypatch, 2, [])
+    run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "run", batch_size=8, max_steps=3))
+    assert run.model.lora_casts.kept_by_auto_bytes == 0  # the CPU: nothing kept
+    run.model.lora_casts.kept_by_auto_bytes = 3 * 2**30
+    with pytest.raises(UserError) as e:
+        fit(run, progress=False)
+    assert str(e.value).endswith("try --set lora_inputs=recompute (frees ~3.00 GiB of LoRA inputs kept for "
+                                 "backward), --batch-size 4 --grad-accum 2, or --auto to shrink the micro-batch "
+                                 "when this happens")

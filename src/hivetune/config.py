@@ -117,8 +117,10 @@ class TrainConfig:
     norm's input, the attention output, the gate/up output). keep runs ~150 fewer kernels a W1
     step and costs memory (W1: 0.84 GiB at 2,496 tokens; W2: ~5.3 GiB); auto keeps when that costs
     at most 1 GiB at the step plan's largest micro-batch (the planner's figure), or when the
-    planner's peak with them kept is at most 60% of the device's memory (W2 under DDP on 80 GB
-    cards: ~2.5% faster for 2.35 GiB more; on a 24 GB card W2 recomputes)."""
+    planner's peak with them kept is at most 60% of the GPU memory this process can use (free
+    plus its own, under any per-process cap: train.device_memory_bytes; W2 under DDP on 80 GB
+    cards: ~2.5% faster for 2.35 GiB more; on a 24 GB card W2 recomputes). Where an out-of-memory
+    error follows, its message names lora_inputs=recompute first."""
     fused_loss: bool = True
     """Chunked LM head + cross-entropy with the gradient taken in forward (one chunk of logits
     alive at a time); false: the plain reference path."""

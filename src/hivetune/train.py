@@ -265,7 +265,7 @@ def planned_memory(run: Run) -> None:
     before the loop (W2 with 8 layers: ~2.9 GB; pinned in its first steps instead, the run took
     20.8 s against 19.8 with this, in two H200 calls)."""
     from hivetune.ops.graphs import planned_micro_batches
-    from hivetune.plan.memory import offloaded_bytes, offloaded_layer_bytes
+    from hivetune.plan.memory import keep_inputs_extra_bytes, offloaded_bytes, offloaded_layer_bytes
     from hivetune.plan.planner import _memory_config
 
     casts, offload = getattr(run.model, "lora_casts", None), run.model.activation_offload
@@ -276,18 +276,23 @@ def planned_memory(run: Run) -> None:
                         args=run.model.args, tokens=tokens, memory_bytes=device_memory_bytes(run.device))
     if casts is not None:
         casts.keep_inputs = mc.keep_inputs
+        # what recomputing would free, for the out-of-memory message (auto's choice only)
+        casts.kept_by_auto_bytes = (keep_inputs_extra_bytes(run.model.args, mc, tokens)
+                                    if mc.keep_inputs and run.cfg.lora_inputs == "auto" else 0)
     if offload is not None and tokens:
         offload.reserve(offloaded_bytes(run.model.args, mc, tokens), offloaded_layer_bytes(run.model.args, mc, tokens))
 
 
 def device_memory_bytes(device: torch.device) -> int:
-    """What this process may hold on a CUDA device: its memory, times the per-process fraction
-    where one is set (bench --memory-cap); 0 elsewhere."""
+    """What this process may hold on a CUDA device: its memory times the per-process fraction
+    where one is set (bench --memory-cap), and no more than is free now plus what this process
+    already holds (another process on the same GPU keeps its share); 0 elsewhere."""
     if device.type != "cuda":
         return 0
     index = device.index if device.index is not None else torch.cuda.current_device()
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(index)
-    return int(torch.cuda.get_device_properties(index).total_memory * fraction)
+    free, total = torch.cuda.mem_get_info(index)
+    return int(min(total * fraction, free + torch.cuda.memory_reserved(index)))
 
 
 def check_offload_layers(cfg: TrainConfig, layers: int) -> None:
@@ -584,6 +589,9 @@ def out_of_memory(run: Run, size: int, tokens: int) -> int:
     per_step = run.cfg.batch_size * run.cfg.grad_accum
     hint = (f"--batch-size {max(1, size // 2)} --grad-accum {per_step // max(1, size // 2)}"
             if size > 1 else "--gradient-checkpointing or a smaller --max-length")
+    kept = getattr(getattr(run.model, "lora_casts", None), "kept_by_auto_bytes", 0)
+    if kept:  # lora_inputs auto kept them: the GPU looked roomy, yet something else took the room
+        hint = f"--set lora_inputs=recompute (frees ~{kept / 2**30:.2f} GiB of LoRA inputs kept for backward), {hint}"
     raise UserError(f"CUDA out of memory with {size} examples ({tokens} tokens) per micro-batch; {last}. "
                     f"{planner_hint(run)}try {hint}, or --auto to shrink the micro-batch when this happens")
 

@@ -136,6 +136,7 @@ class CastCache:
         # Keep each group's dropped input for backward instead of recomputing it from its
         # `source` (train's lora_inputs: fewer kernels, more memory).
         self.keep_inputs = False
+        self.kept_by_auto_bytes = 0  # train.planned_memory: what recomputing would free, where auto kept them
 
     @contextmanager
     def fresh(self, dtype: torch.dtype):
