@@ -238,10 +238,10 @@ def resolve_keep_inputs(setting: str, args: ModelArgs, mc: MemoryConfig, tokens:
     """train's lora_inputs: keep, recompute, or auto: keep when it costs at most
     KEEP_INPUTS_MAX_BYTES at the largest micro-batch (`tokens`), or when the predicted peak
     with the inputs kept is at most KEEP_INPUTS_ROOM of `memory_bytes` (what the process can use
-    of the device: train.device_memory_bytes; 0: unknown). W2 under DDP on 2 x H200 (8 examples a rank, +2.35 GiB): 10.27 /
-    10.23 s kept against 10.52 / 10.51 recomputed, 24.05 against 21.70 GiB reserved (55333e6);
-    the 0.6 leaves a 24 GB card (W2 on one: 24 GiB with activation_offload) recomputing. False
-    where it changes nothing (no seeded dropout)."""
+    of the device: train.device_memory_bytes; 0: unknown). W2 under DDP on 2 x H200 (8 examples
+    a rank, +2.35 GiB): 10.27 / 10.23 s kept against 10.52 / 10.51 recomputed, 24.05 against
+    21.70 GiB reserved (55333e6); the 0.6 leaves a 24 GB card (W2 on one: 24 GiB with
+    activation_offload) recomputing. False where it changes nothing (no seeded dropout)."""
     if not seeded_dropout(mc) or setting == "recompute":
         return False
     if setting == "keep" or keep_inputs_extra_bytes(args, mc, tokens) <= KEEP_INPUTS_MAX_BYTES:
