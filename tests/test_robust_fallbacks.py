@@ -182,6 +182,30 @@ def test_the_varlen_probe_runs_clean_inside_a_checkpointed_forward(monkeypatch):
         assert fastpath.isolated(probe_varlen, CPU, torch.float32) == ""
 
 
+def test_join_prewarm_waits_for_the_thread_still_running(monkeypatch):
+    """fastpath.join_prewarm (train.fit, before the first step) returns once prewarm_triton's
+    thread has finished, and at once where none runs."""
+    import threading
+    import time
+
+    release = threading.Event()
+    done = []
+
+    def warm():
+        release.wait(5)
+        time.sleep(0.05)
+        done.append(True)
+
+    thread = threading.Thread(target=warm, daemon=True)
+    monkeypatch.setattr(fastpath, "_PREWARM", thread)
+    thread.start()
+    release.set()
+    fastpath.join_prewarm()
+    assert done == [True] and not thread.is_alive()
+    monkeypatch.setattr(fastpath, "_PREWARM", None)
+    fastpath.join_prewarm()  # nothing to wait for
+
+
 def test_prewarm_triton_computes_the_cache_key_in_the_background(monkeypatch):
     """The first Triton launch hashes Triton's own files; prewarm_triton does it before the model
     loads. Nothing on the CPU; on CUDA a thread fills triton_key's cache, once per process."""

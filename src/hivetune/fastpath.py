@@ -236,6 +236,15 @@ def prewarm_triton(device: torch.device) -> None:
     _PREWARM.start()
 
 
+def join_prewarm(timeout: float = 30.0) -> None:
+    """Wait for prewarm_triton's thread, if one still runs (train.fit, before the first step).
+    A kernel launched while it hashes would hash Triton's files a second time beside it
+    (triton_key's lru_cache does not hold a lock while it computes), both threads sharing the
+    GIL; waiting costs only what is left of the one pass."""
+    if _PREWARM is not None and _PREWARM.is_alive():
+        _PREWARM.join(timeout)
+
+
 def fused_lora_usable() -> bool:
     """ops.lora_group for training (joined projections): plain PyTorch, so only forcing it off
     in HIVETUNE_REFERENCE stops it."""

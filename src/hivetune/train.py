@@ -30,7 +30,8 @@ from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset
 from hivetune import distributed
 from hivetune.device import DTYPES, peak_memory_bytes, resolve_device, resolve_precision, set_threads
 from hivetune.doctor.preflight import check_stack
-from hivetune.fastpath import adamw, clip_grad_norm, forced, fused_lora_usable, prewarm_triton, quiet_gc
+from hivetune.fastpath import (adamw, clip_grad_norm, forced, fused_lora_usable, join_prewarm, prewarm_triton,
+                               quiet_gc)
 from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.errors import UserError
 from hivetune.fileio import atomic_write_bytes, check_writable, hold_run_lock, write_folder_atomically
@@ -432,6 +433,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
         # bf16: W2's 28 GiB) would otherwise stay reserved beside the loop's own memory.
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        join_prewarm()  # the first step's Triton launches would otherwise redo its work beside it
 
     step = done = run.start_step  # resumed from a checkpoint of the last step: no step runs
     run.sink = MetricsSink(run.folder, tensorboard=cfg.tensorboard) if parallel.is_main else None
