@@ -209,3 +209,43 @@ def test_allreduce_sums_a_gradient_arena_in_place(tmp_path):
             n *= d
         want = torch.arange(n, dtype=torch.float32).view(shape) * 3 + 2 * i  # (rank 0 + 1) + (rank 1 + 1) = 3
         assert torch.equal(got[0][i], want) and torch.equal(got[1][i], want)
+
+
+def _reduce_graph_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from hivetune.distributed import ReduceGraph
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        flat = torch.arange(6, dtype=torch.float32) * (rank + 1)
+        attached = []
+        reducer = ReduceGraph(flat, lambda: attached.append(True), torch.device("cpu"))
+        reducer.WARM_STEPS = 10**9  # the eager collectives only (capturing needs CUDA: tests/gpu)
+        first = reducer(torch.tensor(1.5 * (rank + 1)), signalled=rank == 1)
+        second = reducer(torch.tensor(0.25), signalled=False)
+        torch.save({"flat": flat.clone(), "first": first, "second": second, "attached": len(attached)},
+                   f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reduce_graph_sums_the_arena_and_the_step_pair(tmp_path):
+    """distributed.ReduceGraph (HIVETUNE_DDP_REDUCE_GRAPH=1) before its capture: the arena's flat
+    buffer is summed in place on every rank, and each call returns its own copy of the summed
+    (loss, signalled) pair, not the buffer the next step overwrites; the .grads are re-attached
+    each step."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_reduce_graph_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        # two calls: the arena summed twice (1 + 2, then 3 + 3: each rank holds the first sum)
+        assert torch.equal(got["flat"], torch.arange(6, dtype=torch.float32) * 6)
+        assert got["first"].tolist() == [4.5, 1.0] and got["second"].tolist() == [0.5, 0.0]
+        assert got["attached"] == 2

@@ -234,6 +234,57 @@ def allreduce_gradients(params: list[torch.nn.Parameter], d: Dist) -> None:
     torch._foreach_copy_(grads, torch._utils._unflatten_dense_tensors(flat, grads))
 
 
+def reduce_graph_wanted() -> bool:
+    """An experiment (HIVETUNE_DDP_REDUCE_GRAPH=1, not yet run on a GPU): under DDP with CUDA
+    graphs, the step's two collectives (the gradient arena and the loss / signal pair) replay
+    from one small CUDA graph (ReduceGraph) instead of running eagerly. Why: torch's
+    capture_begin waits until every eager NCCL operation the ProcessGroup's watchdog still tracks
+    has finished (its event queries are not allowed during a capture), so each deferred graph
+    capture (ops.graphs.defers_captures) first drained the previous step's all-reduce and left
+    the GPU one replay (~0.1 s on W2's ranks) to run through a 0.1-0.28 s host pass: deferred_idle
+    3 of 3 on every run. A collective replayed from a graph is not tracked, so the host runs
+    ahead and the captures hide behind the queued steps. A rank that dies still ends the run
+    (torchrun stops the other workers); a rank that hangs is no longer timed out by the watchdog."""
+    return os.environ.get("HIVETUNE_DDP_REDUCE_GRAPH") == "1"
+
+
+class ReduceGraph:
+    """The step's collectives replayed from one CUDA graph (reduce_graph_wanted): an all-reduce
+    (sum) of the gradient arena's flat buffer, then of a 2-float buffer (the step's loss, whether
+    this rank was signalled). The first WARM_STEPS steps run them eagerly (the communicator's
+    lazy setup), then one capture; every call returns a fresh copy of the summed pair (the
+    ledger reads it steps later). `attach`: puts the arena's views back as the .grads, zeroed
+    where the step left them None (a rank with no examples in it adds zeros)."""
+
+    WARM_STEPS = 1  # the first step eager: the communicator surely exists before a capture uses it
+
+    def __init__(self, flat: torch.Tensor, attach, device: torch.device):
+        self.flat, self.attach = flat, attach
+        self.pair = torch.zeros(2, dtype=torch.float32, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.calls = 0
+
+    def _collectives(self) -> None:
+        dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)
+        dist.all_reduce(self.pair, op=dist.ReduceOp.SUM)
+
+    def __call__(self, step_loss: torch.Tensor, signalled: bool) -> torch.Tensor:
+        self.attach()
+        self.pair[0].copy_(step_loss)
+        self.pair[1].fill_(1.0 if signalled else 0.0)
+        self.calls += 1
+        if self.graph is None and self.calls > self.WARM_STEPS:
+            graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(self.flat.device)
+            with torch.cuda.graph(graph, stream=side):  # synchronises the device first: once
+                self._collectives()
+            self.graph = graph
+        if self.graph is None:
+            self._collectives()
+        else:
+            self.graph.replay()
+        return self.pair.clone()
+
+
 def shutdown(d: Dist) -> None:
     if d.enabled and dist.is_initialized():
         dist.destroy_process_group()

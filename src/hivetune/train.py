@@ -76,6 +76,8 @@ class Run:
     # The CUDA-graph sizes this rank planned at its first capture (ops.graphs), saved in
     # checkpoints: a resumed run captures the same sizes, so its matmuls see the same shapes.
     graph_sizes: dict | None = None
+    # distributed.ReduceGraph while fit runs under DDP with it (an experiment), else None
+    reduce_graph: object = None
 
     @property
     def pad_id(self) -> int:
@@ -420,6 +422,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     params = lora_parameters(model)
     loss_fn = fused_target_loss_sum if cfg.fused_loss else target_loss_sum
     micro_step = micro_step_fn(run, loss_fn)  # forward_backward, replayed from CUDA graphs when it can be
+    run.reduce_graph = reduce_graph_for(run, micro_step)
     counters = {"skipped_steps": 0, "bad_in_a_row": 0, "last_loss": float("nan"), "best_val_loss": None,
                 "best_step": 0, "evals_since_best": 0, "rollbacks": 0, "micro_batch": cfg.batch_size,
                 **run.counters}
@@ -450,7 +453,8 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
             # One collective per step: loss and tokens summed over ranks, and whether any rank
             # got SIGINT / SIGTERM (all ranks must stop at the same step).
             step_loss, step_tokens, signal_flag = reduce_step(parallel, step_loss, step_tokens, stop.signum,
-                                                         sum(run.data.lengths[i] for i in example_ids))
+                                                         sum(run.data.lengths[i] for i in example_ids),
+                                                         run.reduce_graph)
 
             if run.scaler:
                 run.scaler.unscale_(run.optimizer)
@@ -566,7 +570,7 @@ def accumulate_step(run: Run, example_ids: list[int], n_targets: int, micro_step
                 with distributed.gradient_sync(run.module, run.strategy, k == len(batches) - 1):
                     step_loss += micro_step(batch, n_targets)
                 step_tokens += batch.n_tokens
-            if run.strategy == "ddp":
+            if run.strategy == "ddp" and run.reduce_graph is None:  # else in reduce_step, from its graph
                 distributed.allreduce_gradients(run.optimizer.param_groups[0]["params"], run.parallel)
             return step_loss, step_tokens
         except torch.OutOfMemoryError:
@@ -613,18 +617,37 @@ def planner_hint(run: Run) -> str:
         return f"`hivetune plan` predicts what fits (no plan here: {type(e).__name__}); "
 
 
-def reduce_step(parallel: distributed.Dist, step_loss: torch.Tensor, step_tokens: int, signum, all_tokens: int):
+def reduce_step(parallel: distributed.Dist, step_loss: torch.Tensor, step_tokens: int, signum, all_tokens: int,
+                reducer=None):
     """(loss summed over ranks, tokens of the whole step, whether any rank was signalled: a bool,
     or under torchrun a device tensor that the ledger reads). `all_tokens`: the step's tokens
-    counted on the host from the data's lengths (every rank knows them)."""
+    counted on the host from the data's lengths (every rank knows them). `reducer`: a
+    distributed.ReduceGraph, which also sums the gradients."""
     if not parallel.enabled:
         return step_loss, step_tokens, bool(signum)
+    if reducer is not None:
+        stats = reducer(step_loss.float(), bool(signum))
+        return stats[0], all_tokens, stats[1] > 0
     # new_full fills on the device; new_tensor would copy a host scalar, and torch syncs the
     # stream after such a copy: every DDP step's host waited for the GPU there, then left it
     # idle ~4 ms a step while it queued the all-reduce, the optimizer and the next micro-batch.
     stats = torch.stack([step_loss.float(), step_loss.new_full((), 1.0 if signum else 0.0)])
     distributed.sum_across(parallel, stats)
     return stats[0], all_tokens, stats[1] > 0
+
+
+def reduce_graph_for(run: Run, micro_step):
+    """A distributed.ReduceGraph for this run (the experiment HIVETUNE_DDP_REDUCE_GRAPH=1: DDP,
+    micro-batches replayed from CUDA graphs with their gradient arena), else None."""
+    from hivetune.ops.graphs import GraphedForwardBackward
+
+    if not (distributed.reduce_graph_wanted() and run.strategy == "ddp"
+            and isinstance(micro_step, GraphedForwardBackward) and micro_step.arena is not None):
+        return None
+    if run.parallel.is_main:
+        print("hivetune: the step's collectives replay from a CUDA graph (HIVETUNE_DDP_REDUCE_GRAPH=1)",
+              file=sys.stderr)
+    return distributed.ReduceGraph(micro_step.arena.flat, micro_step._attach_grads, run.device)
 
 
 def defer_steps(run: Run) -> bool:
