@@ -242,8 +242,10 @@ def reduce_graph_wanted() -> bool:
     has finished (its event queries are not allowed during a capture), so each deferred graph
     capture (ops.graphs.defers_captures) first drained the previous step's all-reduce and left
     the GPU one replay (~0.1 s on W2's ranks) to run through a 0.1-0.28 s host pass: deferred_idle
-    3 of 3 on every run. A collective replayed from a graph is not tracked, so the host runs
-    ahead and the captures hide behind the queued steps. A rank that dies still ends the run
+    3 of 3 on every run. A collective replayed from a graph is not tracked, so the host can run
+    ahead and the captures hide behind the queued steps; with one capture after each replay the
+    host has no lead to spend (a capture outlasts a step), hence ops.graphs.DEFER_EVERY
+    (HIVETUNE_GRAPH_DEFER_EVERY=3, say) beside this experiment. A rank that dies still ends the run
     (torchrun stops the other workers); a rank that hangs is no longer timed out by the watchdog."""
     return os.environ.get("HIVETUNE_DDP_REDUCE_GRAPH") == "1"
 

@@ -242,6 +242,14 @@ def defers_captures(capture_s: float, replay_s: float) -> bool:
     return 3 * replay_s >= capture_s and not forced("deferred_captures")
 
 
+# An experiment (HIVETUNE_GRAPH_DEFER_EVERY=K, not yet run on a GPU): a deferred capture after
+# every K-th replay instead of every one, so that the host, ~10 ms a step against ~100 ms of GPU
+# work on W2's DDP ranks, builds a lead of queued steps between captures for the next 0.1-0.28 s
+# capture to run beside. Under DDP only with HIVETUNE_DDP_REDUCE_GRAPH=1: otherwise each capture
+# first waits for the eager all-reduces in flight, which drains that lead (distributed.ReduceGraph).
+DEFER_EVERY = max(1, int(os.environ.get("HIVETUNE_GRAPH_DEFER_EVERY", "1") or 1))
+
+
 def deferrable(keys: list[tuple[int, int]]) -> set[tuple[int, int]]:
     """The (tokens, cu_seqlens entries) keys whose capture can wait (defers_captures): all but
     each segment count's largest, so that every micro-batch of the plan has a captured graph
@@ -409,7 +417,7 @@ class GraphedForwardBackward:
         bucket.load(padded, n_targets)
         self._replay(bucket)
         loss = bucket.loss.clone()  # now: the next replay of a graph in this pool may overwrite it
-        if self.pending:
+        if self.pending and self.stats["replays"] % DEFER_EVERY == 0:
             self._capture_deferred()
         return loss
 
