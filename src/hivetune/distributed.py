@@ -277,7 +277,9 @@ class ReduceGraph:
         self.calls += 1
         if self.graph is None and self.calls > self.WARM_STEPS:
             graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(self.flat.device)
-            with torch.cuda.graph(graph, stream=side):  # synchronises the device first: once
+            # thread_local: the graphs' worker thread may be instantiating a graph meanwhile
+            # (global mode would fail either). torch.cuda.graph synchronises the device first: once.
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                 self._collectives()
             self.graph = graph
         if self.graph is None:
