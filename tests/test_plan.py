@@ -303,9 +303,9 @@ def test_plan_suggests_the_fewest_offloaded_layers_that_fit(tmp_path):
 def test_lora_inputs_auto_keeps_what_costs_at_most_a_gib():
     """lora_inputs auto: W1 (0.5B, 2,496 tokens) keeps the dropped inputs (~0.84 GiB more),
     W2 (7B, 3,426 tokens) recomputes them (~5.3 GiB more) unless the device's memory is known
-    and the peak with them kept is at most 60% of it (an 80 GB card, not a 24 GB one); keep /
-    recompute are obeyed, and nothing is kept where nothing is recomputed (no seeded dropout:
-    dropout 0, the CPU)."""
+    and the peak with them kept is at most 60% of it (an 80 GB card, not a 24 GB one), and
+    never where that peak would not fit; keep / recompute are obeyed, and nothing is kept where
+    nothing is recomputed (no seeded dropout: dropout 0, the CPU)."""
     from hivetune.bench import WORKLOADS
     from hivetune.plan.memory import KEEP_INPUTS_MAX_BYTES, keep_inputs_extra_bytes, resolve_keep_inputs
 
@@ -322,14 +322,36 @@ def test_lora_inputs_auto_keeps_what_costs_at_most_a_gib():
     assert resolve_keep_inputs("keep", w2, seeded, 3426) and not resolve_keep_inputs("recompute", w1, seeded, 2496)
     # auto on a device with room: W2's peak with the inputs kept within 60% of its memory
     w2_seeded = dataclasses.replace(seeded, r=32)
-    kept_peak = breakdown(w2, dataclasses.replace(w2_seeded, keep_inputs=True), 3426).total
+    kept_peak = breakdown(w2, dataclasses.replace(w2_seeded, keep_inputs=True), 3426).reserved
     assert resolve_keep_inputs("auto", w2, w2_seeded, 3426, memory_bytes=80 * 2**30)
     assert resolve_keep_inputs("auto", w2, w2_seeded, 3426, memory_bytes=int(kept_peak / 0.6) + 1)
     assert not resolve_keep_inputs("auto", w2, w2_seeded, 3426, memory_bytes=int(kept_peak / 0.6) - 2)
     assert not resolve_keep_inputs("auto", w2, w2_seeded, 3426, memory_bytes=24 * 2**30)
     assert not resolve_keep_inputs("recompute", w2, w2_seeded, 3426, memory_bytes=80 * 2**30)
+    # ... and never where the kept peak would not fit, though it costs under 1 GiB (W1: 3.79 GiB
+    # predicted with them kept: it keeps under its 4 GiB cap, recomputes under 3.5)
+    w1_kept = breakdown(w1, dataclasses.replace(seeded, keep_inputs=True), 2496).reserved
+    assert 3.5 * 2**30 < w1_kept < 4 * 2**30
+    assert resolve_keep_inputs("auto", w1, seeded, 2496, memory_bytes=4 * 2**30)
+    assert not resolve_keep_inputs("auto", w1, seeded, 2496, memory_bytes=int(3.5 * 2**30))
+    assert resolve_keep_inputs("keep", w1, seeded, 2496, memory_bytes=int(3.5 * 2**30))  # asked: obeyed
     for unseeded in (dataclasses.replace(seeded, dropout=0.0), dataclasses.replace(seeded, fused_layers=False)):
         assert keep_inputs_extra_bytes(w1, unseeded, 2496) == 0 and not resolve_keep_inputs("keep", w1, unseeded, 2496)
+
+
+def test_plan_keeps_the_lora_inputs_where_the_gpu_has_room_and_sizes_by_recomputing(tmp_path):
+    """hivetune plan resolves lora_inputs auto as train does: a 7B run of 16 x 256 tokens keeps
+    the dropped inputs on an 80 GiB GPU (a higher peak than recomputing, and a note) and
+    recomputes them on a 24 GiB one; the largest micro-batch is sized recomputing (auto would
+    recompute there), the same as with lora_inputs=recompute."""
+    model = write_config(tmp_path, QWEN25_7B, "qwen2.5-7b")
+    base = {"precision": "bf16", "batch_size": 16, "max_length": 256, "lora": {"r": 32, "dropout": 0.05}}
+    auto, recompute = (plan(train_config(model, lora_inputs=mode, **base), memory_gib=80)
+                       for mode in ("auto", "recompute"))
+    assert auto.peak_gib > recompute.peak_gib + 5 and any("keep their dropped inputs" in n for n in auto.notes)
+    assert auto.largest_micro_batch_tokens == recompute.largest_micro_batch_tokens
+    small = plan(train_config(model, **base), memory_gib=24)
+    assert small.peak_gib == plan(train_config(model, lora_inputs="recompute", **base), memory_gib=24).peak_gib
 
 
 def test_host_embeddings_move_the_untied_table_out_of_gpu_memory():

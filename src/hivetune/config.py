@@ -119,8 +119,9 @@ class TrainConfig:
     at most 1 GiB at the step plan's largest micro-batch (the planner's figure), or when the
     planner's peak with them kept is at most 60% of the GPU memory this process can use (free
     plus its own, under any per-process cap: train.device_memory_bytes; W2 under DDP on 80 GB
-    cards: ~2.5% faster for 2.35 GiB more; on a 24 GB card W2 recomputes). Where an out-of-memory
-    error follows, its message names lora_inputs=recompute first."""
+    cards: ~2.5% faster for 2.35 GiB more; on a 24 GB card W2 recomputes), and never where that
+    peak would not fit. Where an out-of-memory error follows, its message names
+    lora_inputs=recompute first."""
     fused_loss: bool = True
     """Chunked LM head + cross-entropy with the gradient taken in forward (one chunk of logits
     alive at a time); false: the plain reference path."""

@@ -223,6 +223,7 @@ def seeded_dropout(mc: MemoryConfig) -> bool:
 
 KEEP_INPUTS_MAX_BYTES = 2**30  # lora_inputs auto: keep the dropped inputs when they cost at most this,
 KEEP_INPUTS_ROOM = 0.6  # or when the predicted peak with them kept stays within this share of the device
+# (and never where that peak would not fit: resolve_keep_inputs)
 
 
 def keep_inputs_extra_bytes(args: ModelArgs, mc: MemoryConfig, tokens: int) -> int:
@@ -235,19 +236,27 @@ def keep_inputs_extra_bytes(args: ModelArgs, mc: MemoryConfig, tokens: int) -> i
 
 
 def resolve_keep_inputs(setting: str, args: ModelArgs, mc: MemoryConfig, tokens: int, memory_bytes: int = 0) -> bool:
-    """train's lora_inputs: keep, recompute, or auto: keep when it costs at most
-    KEEP_INPUTS_MAX_BYTES at the largest micro-batch (`tokens`), or when the predicted peak
-    with the inputs kept is at most KEEP_INPUTS_ROOM of `memory_bytes` (what the process can use
-    of the device: train.device_memory_bytes; 0: unknown). W2 under DDP on 2 x H200 (8 examples
-    a rank, +2.35 GiB): 10.27 / 10.23 s kept against 10.52 / 10.51 recomputed, 24.05 against
-    21.70 GiB reserved (55333e6); the 0.6 leaves a 24 GB card (W2 on one: 24 GiB with
-    activation_offload) recomputing. False where it changes nothing (no seeded dropout)."""
+    """train's lora_inputs: keep, recompute, or auto. auto, at the largest micro-batch (`tokens`)
+    and with `memory_bytes` what the process can use of the device (train.device_memory_bytes;
+    0: unknown): recompute where the predicted peak with the inputs kept (the allocator's part,
+    Breakdown.reserved, which is what a per-process cap bounds) would not fit; else keep where
+    that peak is at most KEEP_INPUTS_ROOM of the memory, or where keeping costs at most
+    KEEP_INPUTS_MAX_BYTES. W2 under DDP on 2 x H200 (8 examples a rank, +2.35 GiB): 10.27 /
+    10.23 s kept against 10.52 / 10.51 recomputed, 24.05 against 21.70 GiB reserved (55333e6);
+    the 0.6 leaves a 24 GB card (W2 on one: 24 GiB with activation_offload) recomputing; W1
+    (+0.84 GiB, 3.79 GiB predicted) keeps under its 4 GiB cap. False where it changes nothing
+    (no seeded dropout)."""
     if not seeded_dropout(mc) or setting == "recompute":
         return False
-    if setting == "keep" or keep_inputs_extra_bytes(args, mc, tokens) <= KEEP_INPUTS_MAX_BYTES:
+    if setting == "keep":
         return True
-    return bool(memory_bytes) and breakdown(args, replace(mc, keep_inputs=True), tokens).total <= (
-        KEEP_INPUTS_ROOM * memory_bytes)
+    if memory_bytes:
+        peak = breakdown(args, replace(mc, keep_inputs=True), tokens).reserved
+        if peak > memory_bytes:
+            return False
+        if peak <= KEEP_INPUTS_ROOM * memory_bytes:
+            return True
+    return keep_inputs_extra_bytes(args, mc, tokens) <= KEEP_INPUTS_MAX_BYTES
 
 
 def first_layer_items(args: ModelArgs, mc: MemoryConfig) -> list[float]:

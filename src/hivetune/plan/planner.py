@@ -220,7 +220,9 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
            ("checkpointing off" if ckpt else "checkpointing on"): other.parts["activations"] / GIB}
     budget = int(mem_gib * GIB)
     fits = b.total <= budget
-    largest = largest_micro_batch(args, mc, budget, target_fraction)
+    # auto recomputes the LoRA inputs where keeping them would not fit: size the largest that way
+    sizing = dataclasses.replace(mc, keep_inputs=False) if getattr(cfg, "lora_inputs", "") == "auto" else mc
+    largest = largest_micro_batch(args, sizing, budget, target_fraction)
     largest_ckpt = largest if ckpt else largest_micro_batch(args, _memory_config(cfg, precision, True), budget,
                                                             target_fraction)
     suggestion = _suggest(cfg, fits, ckpt, worst, largest, largest_ckpt, avg_len)
