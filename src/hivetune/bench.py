@@ -22,7 +22,7 @@ import torch
 from hivetune.config import load_config
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.data.formats import Encoded
-from hivetune.device import DTYPES
+from hivetune.device import DTYPES, cuda_index
 from hivetune.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM
@@ -223,7 +223,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
     model = random_model(w.args, device, DTYPES[cfg.precision])
     capped = device.type == "cuda" and memory_cap_gib > 0
     if capped:  # before assemble: lora_inputs auto reads it (train.device_memory_bytes)
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = cuda_index(device)
         total = torch.cuda.get_device_properties(index).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib * 2**30 / total), index)
     try:

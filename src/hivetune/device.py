@@ -58,6 +58,11 @@ def set_threads(n: int) -> None:
         torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
 
 
+def cuda_index(device: torch.device) -> int:
+    """A CUDA device's index: its own, or the current device's where it names none ("cuda")."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated GPU memory, or the process's peak resident set on the CPU."""
     if device.type == "cuda":

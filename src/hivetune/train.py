@@ -28,7 +28,7 @@ from hivetune.config import TrainConfig, save_config
 from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset, plan_steps
 from hivetune import distributed
-from hivetune.device import DTYPES, peak_memory_bytes, resolve_device, resolve_precision, set_threads
+from hivetune.device import DTYPES, cuda_index, peak_memory_bytes, resolve_device, resolve_precision, set_threads
 from hivetune.doctor.preflight import check_stack
 from hivetune.fastpath import (adamw, clip_grad_norm, forced, fused_lora_usable, join_prewarm, prewarm_triton,
                                quiet_gc)
@@ -292,7 +292,7 @@ def device_memory_bytes(device: torch.device) -> int:
     already holds (another process on the same GPU keeps its share); 0 elsewhere."""
     if device.type != "cuda":
         return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(index)
     free, total = torch.cuda.mem_get_info(index)
     return int(min(total * fraction, free + torch.cuda.memory_reserved(index)))

@@ -57,6 +57,7 @@ import time
 import torch
 
 from hivetune.data.batch import MicroBatch
+from hivetune.device import cuda_index
 from hivetune.distributed import all_gather_objects
 from hivetune.fastpath import forced
 from hivetune.ops.attention import Packed, varlen_supported
@@ -607,7 +608,7 @@ class GraphedForwardBackward:
         if self.instantiator is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            device = self.run.device.index if self.run.device.index is not None else torch.cuda.current_device()
+            device = cuda_index(self.run.device)
             self.instantiator = ThreadPoolExecutor(1, thread_name_prefix="hivetune-graphs",
                                                    initializer=torch.cuda.set_device, initargs=(device,))
         return self.instantiator
