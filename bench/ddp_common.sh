@@ -11,7 +11,7 @@ S="$OUT/summary.txt"
 run() {  # name, then the command
   local name=$1; shift
   echo "== $name ($(date +%T))" | tee -a "$S"
-  timeout 170 "$@" 2>&1 | grep "^{" | NAME="$name" python3 -c "
+  timeout ${RUN_TIMEOUT:-170} "$@" 2>&1 | grep "^{" | NAME="$name" python3 -c "
 import json, os, sys
 for line in sys.stdin:
     r = json.loads(line)

@@ -249,3 +249,21 @@ def test_reduce_graph_sums_the_arena_and_the_step_pair(tmp_path):
         assert torch.equal(got["flat"], torch.arange(6, dtype=torch.float32) * 6)
         assert got["first"].tolist() == [4.5, 1.0] and got["second"].tolist() == [0.5, 0.0]
         assert got["attached"] == 2
+
+
+def test_the_reduce_graph_is_released_however_the_loop_ends():
+    """fit destroys its ReduceGraph when the loop ends, also by an error: NCCL's
+    ncclCommDestroy waits for every graph that captured a collective, so a live one would
+    hang destroy_process_group at the end of the run."""
+    from types import SimpleNamespace
+
+    from hivetune.train import _reduce_graph_released
+
+    released = []
+    run = SimpleNamespace(reduce_graph=SimpleNamespace(release=lambda: released.append(True)))
+    with pytest.raises(ValueError, match="boom"), _reduce_graph_released(run):
+        raise ValueError("boom")
+    assert released == [True] and run.reduce_graph is None
+    with _reduce_graph_released(run):  # none: nothing to release
+        pass
+    assert released == [True]

@@ -288,6 +288,15 @@ class ReduceGraph:
             self.graph.replay()
         return self.pair.clone()
 
+    def release(self) -> None:
+        """Destroys the graph once its replays are done. NCCL counts every graph that captured
+        one of a communicator's collectives and ncclCommDestroy waits for that count to reach
+        zero, so destroy_process_group would hang for good while this graph lives (pytorch#115388)."""
+        if self.graph is not None:
+            torch.cuda.current_stream(self.flat.device).synchronize()
+            self.graph.reset()
+            self.graph = None
+
 
 def shutdown(d: Dist) -> None:
     if d.enabled and dist.is_initialized():

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -443,7 +443,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     # CUDA with fused AdamW: a non-finite step is skipped by the optimizer kernel itself (its
     # found_inf input), so no step waits for the GPU; the host reads what happened in batches.
     ledger = StepLedger(deferred=defer_steps(run))
-    with _stop_signals() as stop, (run.sink or nullcontext()), quiet_gc():
+    with _stop_signals() as stop, (run.sink or nullcontext()), quiet_gc(), _reduce_graph_released(run):
         while step < len(run.steps):
             example_ids = run.steps[step]
             n_targets = sum(run.data.n_targets[i] for i in example_ids)  # the whole step's, all ranks
@@ -648,6 +648,18 @@ def reduce_graph_for(run: Run, micro_step):
         print("hivetune: the step's collectives replay from a CUDA graph (HIVETUNE_DDP_REDUCE_GRAPH=1)",
               file=sys.stderr)
     return distributed.ReduceGraph(micro_step.arena.flat, micro_step._attach_grads, run.device)
+
+
+@contextmanager
+def _reduce_graph_released(run: Run):
+    """The loop's reduce graph (if any) destroyed when the loop ends, however it ends: the
+    process group cannot be destroyed while it lives (distributed.ReduceGraph.release)."""
+    try:
+        yield
+    finally:
+        if run.reduce_graph is not None:
+            run.reduce_graph.release()
+            run.reduce_graph = None
 
 
 def defer_steps(run: Run) -> bool:
