@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -76,8 +76,6 @@ class Run:
     # The CUDA-graph sizes this rank planned at its first capture (ops.graphs), saved in
     # checkpoints: a resumed run captures the same sizes, so its matmuls see the same shapes.
     graph_sizes: dict | None = None
-    # distributed.ReduceGraph while fit runs under DDP with it (an experiment), else None
-    reduce_graph: object = None
 
     @property
     def pad_id(self) -> int:
@@ -422,7 +420,6 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     params = lora_parameters(model)
     loss_fn = fused_target_loss_sum if cfg.fused_loss else target_loss_sum
     micro_step = micro_step_fn(run, loss_fn)  # forward_backward, replayed from CUDA graphs when it can be
-    run.reduce_graph = reduce_graph_for(run, micro_step)
     counters = {"skipped_steps": 0, "bad_in_a_row": 0, "last_loss": float("nan"), "best_val_loss": None,
                 "best_step": 0, "evals_since_best": 0, "rollbacks": 0, "micro_batch": cfg.batch_size,
                 **run.counters}
@@ -443,7 +440,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     # CUDA with fused AdamW: a non-finite step is skipped by the optimizer kernel itself (its
     # found_inf input), so no step waits for the GPU; the host reads what happened in batches.
     ledger = StepLedger(deferred=defer_steps(run))
-    with _stop_signals() as stop, (run.sink or nullcontext()), quiet_gc(), _reduce_graph_released(run):
+    with _stop_signals() as stop, (run.sink or nullcontext()), quiet_gc():
         while step < len(run.steps):
             example_ids = run.steps[step]
             n_targets = sum(run.data.n_targets[i] for i in example_ids)  # the whole step's, all ranks
@@ -453,8 +450,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
             # One collective per step: loss and tokens summed over ranks, and whether any rank
             # got SIGINT / SIGTERM (all ranks must stop at the same step).
             step_loss, step_tokens, signal_flag = reduce_step(parallel, step_loss, step_tokens, stop.signum,
-                                                         sum(run.data.lengths[i] for i in example_ids),
-                                                         run.reduce_graph)
+                                                         sum(run.data.lengths[i] for i in example_ids))
 
             if run.scaler:
                 run.scaler.unscale_(run.optimizer)
@@ -570,7 +566,7 @@ def accumulate_step(run: Run, example_ids: list[int], n_targets: int, micro_step
                 with distributed.gradient_sync(run.module, run.strategy, k == len(batches) - 1):
                     step_loss += micro_step(batch, n_targets)
                 step_tokens += batch.n_tokens
-            if run.strategy == "ddp" and run.reduce_graph is None:  # else in reduce_step, from its graph
+            if run.strategy == "ddp":
                 distributed.allreduce_gradients(run.optimizer.param_groups[0]["params"], run.parallel)
             return step_loss, step_tokens
         except torch.OutOfMemoryError:
@@ -617,49 +613,18 @@ def planner_hint(run: Run) -> str:
         return f"`hivetune plan` predicts what fits (no plan here: {type(e).__name__}); "
 
 
-def reduce_step(parallel: distributed.Dist, step_loss: torch.Tensor, step_tokens: int, signum, all_tokens: int,
-                reducer=None):
+def reduce_step(parallel: distributed.Dist, step_loss: torch.Tensor, step_tokens: int, signum, all_tokens: int):
     """(loss summed over ranks, tokens of the whole step, whether any rank was signalled: a bool,
     or under torchrun a device tensor that the ledger reads). `all_tokens`: the step's tokens
-    counted on the host from the data's lengths (every rank knows them). `reducer`: a
-    distributed.ReduceGraph, which also sums the gradients."""
+    counted on the host from the data's lengths (every rank knows them)."""
     if not parallel.enabled:
         return step_loss, step_tokens, bool(signum)
-    if reducer is not None:
-        stats = reducer(step_loss.float(), bool(signum))
-        return stats[0], all_tokens, stats[1] > 0
     # new_full fills on the device; new_tensor would copy a host scalar, and torch syncs the
     # stream after such a copy: every DDP step's host waited for the GPU there, then left it
     # idle ~4 ms a step while it queued the all-reduce, the optimizer and the next micro-batch.
     stats = torch.stack([step_loss.float(), step_loss.new_full((), 1.0 if signum else 0.0)])
     distributed.sum_across(parallel, stats)
     return stats[0], all_tokens, stats[1] > 0
-
-
-def reduce_graph_for(run: Run, micro_step):
-    """A distributed.ReduceGraph for this run (the experiment HIVETUNE_DDP_REDUCE_GRAPH=1: DDP,
-    micro-batches replayed from CUDA graphs with their gradient arena), else None."""
-    from hivetune.ops.graphs import GraphedForwardBackward
-
-    if not (distributed.reduce_graph_wanted() and run.strategy == "ddp"
-            and isinstance(micro_step, GraphedForwardBackward) and micro_step.arena is not None):
-        return None
-    if run.parallel.is_main:
-        print("hivetune: the step's collectives replay from a CUDA graph (HIVETUNE_DDP_REDUCE_GRAPH=1)",
-              file=sys.stderr)
-    return distributed.ReduceGraph(micro_step.arena.flat, micro_step._attach_grads, run.device)
-
-
-@contextmanager
-def _reduce_graph_released(run: Run):
-    """The loop's reduce graph (if any) destroyed when the loop ends, however it ends: the
-    process group cannot be destroyed while it lives (distributed.ReduceGraph.release)."""
-    try:
-        yield
-    finally:
-        if run.reduce_graph is not None:
-            run.reduce_graph.release()
-            run.reduce_graph = None
 
 
 def defer_steps(run: Run) -> bool:

@@ -64,27 +64,3 @@ def test_ddp_with_cuda_graphs_tracks_one_gpu(tiny_model_dir, alpaca_file, tmp_pa
     last = sorted((tmp_path / "two" / "checkpoints").glob("step-*"))[-1]
     sizes = torch.load(last / "trainer_state.pt", map_location="cpu", weights_only=True)["counters"]["graph_sizes"]
     assert len(sizes) == 2 and sizes[0] == sizes[1] and sizes[0], sizes
-
-
-def test_ddp_collectives_replayed_from_a_graph_match_eager_ones(tiny_model_dir, alpaca_file, tmp_path):
-    """HIVETUNE_DDP_REDUCE_GRAPH=1 (distributed.ReduceGraph): the step's two all-reduces replay
-    from one CUDA graph after the first step; the loss curve and the adapter follow the eager
-    collectives' run (both on the fixed 256-token graph grid, so both replay graphs of the same
-    sizes). Two ranks' sums do not depend on the order they are added in, so what can differ is
-    the GPU's own run-to-run noise; a gradient not summed, or a stale arena summed, moves the
-    adapter by a whole step's update (relative error ~1 against the 1e-2 allowed)."""
-    flags = [f for f in FLAGS]
-    flags[flags.index("fp32")] = "bf16"
-    flags[flags.index("cuda_graphs=false")] = "cuda_graphs=true"
-    common = ["--model", str(tiny_model_dir), "--data", str(alpaca_file), *flags, "--batch-size", "4",
-              "--grad-accum", "1", "--set", "distributed=ddp"]
-    train_cli([*common, "--output", str(tmp_path / "eager")], 2, HIVETUNE_GRAPH_BUCKET="256")
-    proc = train_cli([*common, "--output", str(tmp_path / "graph")], 2, HIVETUNE_GRAPH_BUCKET="256",
-                     HIVETUNE_DDP_REDUCE_GRAPH="1")
-    assert "collectives replay from a CUDA graph" in proc.stderr, proc.stderr[-2000:]
-    assert len(losses(tmp_path / "eager")) == 6
-    assert losses(tmp_path / "graph") == pytest.approx(losses(tmp_path / "eager"), rel=1e-3)
-    a = load_file(str(tmp_path / "eager" / "adapter" / "adapter_model.safetensors"))
-    b = load_file(str(tmp_path / "graph" / "adapter" / "adapter_model.safetensors"))
-    gap = sum(float((a[k] - b[k]).abs().sum()) for k in a) / sum(float(a[k].abs().sum()) for k in a)
-    assert gap < 1e-2, gap

@@ -75,7 +75,13 @@ MAX_GRAPHS = 48  # keys beyond this many run eagerly
 # W2 DDP (2 x H100, 9356b1a) every 4: 10.87 s, every 8: 11.30, against 11.18, each capture still
 # leaving the GPU idle 0.22-0.26 s: under DDP capture_begin first waits for the NCCL work in flight
 # (the previous step's all-reduce), so nothing was queued. defers_captures captures after a replay:
-# the GPU works through it meanwhile.
+# the GPU works through it meanwhile. Replaying the step's two all-reduces from a CUDA graph too
+# (so that no eager NCCL work is in flight at a capture), with one deferred capture every 3
+# replays so the host could build a lead, was tried and removed (session 19): W2 DDP (2 x H200,
+# 189cf85, one pass each) 10.13 s, and 10.22 s with the spacing, against 10.38 s; deferred_idle
+# stayed 3 of 3, so something else still drains the queue before a capture. Its 2-GPU test (a
+# 6-step `hivetune train`) timed out, and a graph that captured a collective must be destroyed
+# before destroy_process_group, which otherwise waits for it for good (pytorch#115388).
 # Above this many matmul TFLOP per micro-batch (4 x linear weights x tokens) the GPU outruns the
 # host's dispatch anyway: W2 (7B) with 16 examples (~2,900 tokens: ~82 TFLOP) measured 23.8 s with
 # graphs against 21.4 s eager (capture time, padding) and 65 against 40 GiB reserved. With 8
@@ -243,12 +249,6 @@ def defers_captures(capture_s: float, replay_s: float) -> bool:
     return 3 * replay_s >= capture_s and not forced("deferred_captures")
 
 
-# An experiment (HIVETUNE_GRAPH_DEFER_EVERY=K, not yet run on a GPU): a deferred capture after
-# every K-th replay instead of every one, so that the host, ~10 ms a step against ~100 ms of GPU
-# work on W2's DDP ranks, builds a lead of queued steps between captures for the next 0.1-0.28 s
-# capture to run beside. Under DDP only with HIVETUNE_DDP_REDUCE_GRAPH=1: otherwise each capture
-# first waits for the eager all-reduces in flight, which drains that lead (distributed.ReduceGraph).
-DEFER_EVERY = max(1, int(os.environ.get("HIVETUNE_GRAPH_DEFER_EVERY", "1") or 1))
 
 
 def deferrable(keys: list[tuple[int, int]]) -> set[tuple[int, int]]:
@@ -418,7 +418,7 @@ class GraphedForwardBackward:
         bucket.load(padded, n_targets)
         self._replay(bucket)
         loss = bucket.loss.clone()  # now: the next replay of a graph in this pool may overwrite it
-        if self.pending and self.stats["replays"] % DEFER_EVERY == 0:
+        if self.pending:
             self._capture_deferred()
         return loss
 
