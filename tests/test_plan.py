@@ -211,7 +211,14 @@ def test_auto_config_fits_and_keeps_the_effective_batch(tmp_path, monkeypatch):
     (tmp_path / "tune.yaml").write_text("batch_size: 4\ngrad_accum: 1\ngradient_checkpointing: true\n")
     tuned, why = auto_config(cfg, "cpu", memory_gib=31.9)
     assert (tuned.batch_size, tuned.grad_accum, tuned.gradient_checkpointing) == (4, 4, True)
-    assert "tune.yaml" in why
+    assert "tune.yaml" in why and tuned.lora_inputs == "auto"
+    # lora_inputs as tune resolved it for that candidate, where the config leaves it to auto
+    (tmp_path / "tune.yaml").write_text("batch_size: 4\ngrad_accum: 1\ngradient_checkpointing: false\n"
+                                        "lora_inputs: keep\n")
+    tuned, why = auto_config(cfg, "cpu", memory_gib=31.9)
+    assert (tuned.batch_size, tuned.lora_inputs) == (4, "keep") and "lora_inputs keep" in why, why
+    asked, why = auto_config(dataclasses.replace(cfg, lora_inputs="recompute"), "cpu", memory_gib=31.9)
+    assert asked.lora_inputs == "recompute" and "lora_inputs" not in why, why
     unchanged, why = auto_config(cfg, "cpu", tune_file=tmp_path / "none.yaml")
     assert unchanged is cfg and "CPU" in why
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import yaml
 
 from hivetune.cli import main
@@ -39,3 +42,29 @@ def test_tune_cap_skips_and_errors(tiny_model_dir, tmp_path, capsys):
     assert main(args) == 2 and "already exists (--force to overwrite)" in capsys.readouterr().err
     assert main(args[:-2] + ["--batch-sizes", "3", "--out", str(tmp_path / "u.yaml")]) == 2
     assert "--batch-sizes: 3 does not divide the effective batch" in capsys.readouterr().err
+
+
+def test_tune_predicts_lora_inputs_auto_as_train_resolves_it_and_pins_it():
+    """Each candidate's prediction resolves lora_inputs auto as train will (at its micro-batch,
+    within the process's memory and the cap): W2's 7B shape, 16 x 256 tokens, r 32 with dropout
+    on a GPU keeps the dropped inputs within 80 GiB, and the predicted peak counts them; within
+    24 GiB it recomputes. The resolved value is what the candidate trains with (and tune.yaml
+    writes); keep / recompute asked for stay; nothing is resolved without seeded dropout."""
+    from hivetune.bench import WORKLOADS
+    from hivetune.plan.memory import GIB, breakdown, keep_inputs_extra_bytes
+    from hivetune.tune import _candidate_memory
+
+    args, tokens = WORKLOADS["W2"].args, 16 * 256
+    cfg = load_config(None, {"model": "m", "precision": "bf16", "lora": {"r": 32, "dropout": 0.05}})
+    assert cfg.lora_inputs == "auto"
+    roomy, kept = _candidate_memory(cfg, args, "bf16", False, True, tokens, 80 * GIB)
+    tight, recomputed = _candidate_memory(cfg, args, "bf16", False, True, tokens, 24 * GIB)
+    assert (kept, roomy.keep_inputs, recomputed, tight.keep_inputs) == ("keep", True, "recompute", False)
+    gap = breakdown(args, roomy, tokens).total - breakdown(args, tight, tokens).total
+    # the kept inputs (6.3 GiB here), plus the allocator slack the planner adds on top of them
+    assert gap == pytest.approx(keep_inputs_extra_bytes(args, tight, tokens), rel=1e-2) and gap > 2 * GIB
+    asked = dataclasses.replace(cfg, lora_inputs="recompute")
+    assert _candidate_memory(asked, args, "bf16", False, True, tokens, 80 * GIB)[1] == "recompute"
+    no_dropout = load_config(None, {"model": "m", "precision": "bf16", "lora": {"r": 32, "dropout": 0.0}})
+    assert _candidate_memory(no_dropout, args, "bf16", False, True, tokens, 80 * GIB)[1] == "auto"
+    assert _candidate_memory(cfg, args, "fp32", False, False, tokens, 0)[1] == "auto"  # the CPU

@@ -35,6 +35,7 @@ class TuneRow:
     gradient_checkpointing: bool
     attention: str  # varlen | sdpa (CUDA), reference (CPU)
     predicted_gib: float
+    lora_inputs: str = "auto"  # what the candidate trained with: auto resolved as train would (_candidate_memory)
     status: str = "ok"  # ok | over cap (predicted) | over cap (measured) | out of memory
     step_seconds: float | None = None
     tokens_per_s: float | None = None
@@ -66,6 +67,25 @@ def _attention_env(value: str | None):
             os.environ.pop("HIVETUNE_ATTENTION", None)
         else:
             os.environ["HIVETUNE_ATTENTION"] = before
+
+
+def _candidate_memory(cfg: TrainConfig, args, precision: str, checkpointing: bool, cuda: bool, tokens: int,
+                      memory_bytes: int):
+    """(the planner's MemoryConfig for a candidate, the lora_inputs it trains with). auto is
+    resolved as train resolves it (plan.memory.resolve_keep_inputs) at the candidate's micro-batch
+    (`tokens`) within `memory_bytes` (the process's device memory, no more than the cap), then
+    pinned: the predicted and measured columns describe the same run, and tune.yaml repeats it
+    (a later train without the cap would keep where tune recomputed). Before, the prediction
+    always counted the inputs recomputed while the timed run kept them on a roomy GPU: up to
+    ~5 GiB low for a 7B model."""
+    from hivetune.plan.memory import seeded_dropout
+    from hivetune.plan.planner import _memory_config
+
+    mc = _memory_config(cfg, precision, checkpointing, cuda=cuda, args=args, tokens=tokens, memory_bytes=memory_bytes)
+    inputs = cfg.lora_inputs
+    if inputs == "auto" and seeded_dropout(mc):
+        inputs = "keep" if mc.keep_inputs else "recompute"
+    return mc, inputs
 
 
 def _time_candidate(cfg: TrainConfig, args, device: torch.device, precision: str, length: int,
@@ -111,7 +131,7 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
     from hivetune.fileio import atomic_write_bytes
     from hivetune.model.load import load_args
     from hivetune.plan.memory import GIB, breakdown
-    from hivetune.plan.planner import _memory_config
+    from hivetune.train import device_memory_bytes
 
     if steps < 2:
         raise UserError(f"--steps: at least 2 (the first step warms up), got {steps}")
@@ -135,6 +155,8 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
             cap_gib = 0.9 * torch.cuda.get_device_properties(device).total_memory / GIB
         else:
             cap_gib = 0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    # what train's lora_inputs auto will see: the device's memory for this process, within the cap
+    memory_bytes = min(device_memory_bytes(device), int(cap_gib * GIB)) if device.type == "cuda" else 0
     backends = attention or (["varlen", "sdpa"] if device.type == "cuda" else ["reference"])
 
     rows = []
@@ -145,12 +167,14 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
                           "max_steps": steps, "eval_prompts": 0, "save_every": 0, "log_every": 1,
                           "output_dir": "", "device": device.type, "precision": precision}
                 c = load_config(None, values)
-                mc = _memory_config(c, precision, ckpt, cuda=device.type == "cuda")
+                mc, inputs = _candidate_memory(c, args, precision, ckpt, device.type == "cuda", b * length,
+                                               memory_bytes)
+                c = dataclasses.replace(c, lora_inputs=inputs)
                 if backend == "sdpa":
                     mc = dataclasses.replace(mc, attention="sdpa")
                 planned = breakdown(args, mc, b * length)
                 predicted = (planned.total if device.type == "cuda" else planned.reserved) / GIB
-                row = TuneRow(b, effective // b, ckpt, backend, round(predicted, 2))
+                row = TuneRow(b, effective // b, ckpt, backend, round(predicted, 2), inputs)
                 rows.append(row)
                 if predicted > cap_gib:
                     row.status = "over cap (predicted)"
@@ -175,6 +199,8 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
     if best is not None:
         result.overrides = {"batch_size": best.batch_size, "grad_accum": best.grad_accum,
                             "gradient_checkpointing": best.gradient_checkpointing}
+        if best.lora_inputs != cfg.lora_inputs:  # auto, resolved for this candidate
+            result.overrides["lora_inputs"] = best.lora_inputs
         if out:
             text = (f"# hivetune tune: fastest of {len(rows)} candidates on {device} within {cap_gib:.1f} GiB "
                     f"({best.tokens_per_s:,.0f} tokens/s at {length} tokens an example)\n")
@@ -186,12 +212,14 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
 
 
 def format_tune(result: TuneResult) -> str:
-    lines = [f"{'batch':>5} {'accum':>5} {'ckpt':>4} {'attention':>9} {'pred GiB':>8} {'peak GiB':>8} "
-             f"{'s/step':>8} {'tokens/s':>10}  status"]
+    # the lora_inputs column where auto was resolved (a GPU in bf16 / fp16 with LoRA dropout)
+    inputs = any(r.lora_inputs != "auto" for r in result.rows)
+    lines = [f"{'batch':>5} {'accum':>5} {'ckpt':>4} {'attention':>9}{' inputs   ' if inputs else ''} {'pred GiB':>8} "
+             f"{'peak GiB':>8} {'s/step':>8} {'tokens/s':>10}  status"]
     for r in result.rows:
         mark = " <- fastest" if r is result.best else ""
         lines.append(f"{r.batch_size:>5} {r.grad_accum:>5} {'on' if r.gradient_checkpointing else 'off':>4} "
-                     f"{r.attention:>9} {r.predicted_gib:>8.2f} {r.peak_gib if r.peak_gib is not None else '-':>8} "
+                     f"{r.attention:>9}{f' {r.lora_inputs:<9}' if inputs else ''} {r.predicted_gib:>8.2f} {r.peak_gib if r.peak_gib is not None else '-':>8} "
                      f"{r.step_seconds if r.step_seconds is not None else '-':>8} "
                      f"{f'{r.tokens_per_s:,.0f}' if r.tokens_per_s else '-':>10}  {r.status}{mark}")
     if result.best is None:

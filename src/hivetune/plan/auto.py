@@ -35,7 +35,8 @@ def smaller_micro_batch(cfg: TrainConfig) -> TrainConfig | None:
 
 
 def read_tune_file(path: str | Path) -> dict:
-    """The overrides a tune run wrote (batch_size, grad_accum, gradient_checkpointing)."""
+    """The overrides a tune run wrote (batch_size, grad_accum, gradient_checkpointing, and
+    lora_inputs where it resolved auto)."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text()) or {}
@@ -43,7 +44,7 @@ def read_tune_file(path: str | Path) -> dict:
         raise UserError(f"{path}: unreadable tune result ({e})") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping of config keys")
-    allowed = {"batch_size", "grad_accum", "gradient_checkpointing"}
+    allowed = {"batch_size", "grad_accum", "gradient_checkpointing", "lora_inputs"}
     return {k: v for k, v in data.items() if k in allowed}
 
 
@@ -69,8 +70,12 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
         if isinstance(b, int) and b > 0 and effective % b == 0:
             ckpt = bool(found.get("gradient_checkpointing", cfg.gradient_checkpointing))
             new = _with(cfg, batch_size=b, grad_accum=effective // b, gradient_checkpointing=ckpt)
+            inputs = found.get("lora_inputs")
+            pinned = ""
+            if cfg.lora_inputs == "auto" and inputs in ("keep", "recompute"):  # what tune measured
+                new, pinned = _with(new, lora_inputs=inputs), f", lora_inputs {inputs}"
             return new, (f"auto: from {tune_path}: batch_size {b} x grad_accum {effective // b}, "
-                         f"checkpointing {'on' if ckpt else 'off'} (measured fastest)")
+                         f"checkpointing {'on' if ckpt else 'off'}{pinned} (measured fastest)")
     device = torch.device(device) if not isinstance(device, torch.device) else device
     if device.type != "cuda" and memory_gib is None:
         return cfg, "auto: CPU run, config unchanged (the planner sizes GPU memory)"
