@@ -76,6 +76,9 @@ class Run:
     # The CUDA-graph sizes this rank planned at its first capture (ops.graphs), saved in
     # checkpoints: a resumed run captures the same sizes, so its matmuls see the same shapes.
     graph_sizes: dict | None = None
+    # Read every step's outcome as it ends (no StepLedger batching): `hivetune tune` times steps by
+    # their log records, which a host running 16 steps ahead of the GPU would date too early.
+    read_every_step: bool = False
 
     @property
     def pad_id(self) -> int:
@@ -629,8 +632,9 @@ def reduce_step(parallel: distributed.Dist, step_loss: torch.Tensor, step_tokens
 
 def defer_steps(run: Run) -> bool:
     """Whether the loop reads its steps' outcomes in batches (StepLedger): on CUDA with fused
-    AdamW and no grad scaler."""
-    return run.device.type == "cuda" and not run.scaler and bool(run.optimizer.defaults.get("fused"))
+    AdamW and no grad scaler, unless the run is timed step by step (Run.read_every_step)."""
+    return (run.device.type == "cuda" and not run.scaler and bool(run.optimizer.defaults.get("fused"))
+            and not run.read_every_step)
 
 
 class StepLedger:
