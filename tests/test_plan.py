@@ -19,7 +19,9 @@ from hivetune.data.batch import collate_packed
 from hivetune.data.formats import Encoded
 from hivetune.model.lora import LoRASpec, apply_lora
 from hivetune.plan import auto_config, plan, smaller_micro_batch
+from hivetune.model.load import load_args
 from hivetune.plan.measure import saved_activation_bytes, varlen_standin
+from hivetune.plan.planner import _memory_config
 from hivetune.plan.memory import (GIB, MemoryConfig, activation_bytes, base_parameter_count, breakdown,
                                   largest_micro_batch)
 
@@ -206,8 +208,21 @@ def test_auto_config_fits_and_keeps_the_effective_batch(tmp_path, monkeypatch):
     assert "predicted peak" in why
     one, why = auto_config(cfg, "cpu", memory_gib=23.6)  # 24 GB: one 1,024-token example, no checkpointing
     assert (one.batch_size, one.grad_accum, one.gradient_checkpointing) == (1, 16, False), why
+    # no micro-batch fits as it is: the largest that fits with the input embedding in host memory
+    # and the fewest offloaded layers (at most half of them) comes before checkpointing
     tight, why = auto_config(cfg, "cpu", memory_gib=20)
-    assert tight.batch_size * tight.grad_accum == 16 and tight.gradient_checkpointing, why
+    assert (tight.batch_size, tight.grad_accum, tight.gradient_checkpointing) == (2, 8, False), why
+    assert tight.host_embeddings and tight.activation_offload == 13 and "activation_offload=13" in why, why
+    for layers, fits in ((13, True), (12, False)):
+        mc = _memory_config(dataclasses.replace(tight, activation_offload=layers), "bf16", False)
+        assert (breakdown(load_args(model), mc, 2 * 1024).total <= 20 * GIB) == fits
+    tighter, why = auto_config(cfg, "cpu", memory_gib=17)  # offload would need more than 14 of 28 layers
+    assert (tighter.batch_size, tighter.gradient_checkpointing, tighter.activation_offload) == (2, True, 0), why
+    assert not tighter.host_embeddings
+    sharded, why = auto_config(dataclasses.replace(cfg, distributed="fsdp"), "cpu", memory_gib=20)
+    assert sharded.gradient_checkpointing and not sharded.activation_offload, why  # FSDP: no offload
+    asked, why = auto_config(dataclasses.replace(cfg, activation_offload=3), "cpu", memory_gib=20)
+    assert (asked.batch_size, asked.activation_offload, asked.host_embeddings) == (1, 3, False), why
     (tmp_path / "tune.yaml").write_text("batch_size: 4\ngrad_accum: 1\ngradient_checkpointing: true\n")
     tuned, why = auto_config(cfg, "cpu", memory_gib=31.9)
     assert (tuned.batch_size, tuned.grad_accum, tuned.gradient_checkpointing) == (4, 4, True)

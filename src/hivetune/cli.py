@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         train.add_argument(flag, action="store_const", const=value, default=None, help=help_text)
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.add_argument("--auto", action="store_true",
-                       help="pick batch_size / grad_accum (same product) and checkpointing to fit this GPU "
-                            "(from ./tune.yaml when present, else the planner)")
+                       help="pick batch_size / grad_accum (same product), checkpointing and, where nothing "
+                            "fits without, host_embeddings / activation_offload to fit this GPU (from "
+                            "./tune.yaml when present, else the planner)")
     train.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
                        help="train on N local processes (GPUs) through torchrun; multi-node: "
                             "torchrun --nnodes ... -m hivetune train ...")

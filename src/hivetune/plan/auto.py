@@ -48,14 +48,46 @@ def read_tune_file(path: str | Path) -> dict:
     return {k: v for k, v in data.items() if k in allowed}
 
 
+def offload_fit(cfg: TrainConfig, args, precision: str, tokens: int, budget: float):
+    """(cfg, its predicted peak, what moved, for the message) with the input embedding in pinned
+    host memory (an untied one) and then the fewest layers of activation offload, at most half the
+    layers, with which an eager micro-batch of `tokens` fits `budget` bytes; None where nothing
+    does, or where train would not move them (FSDP). Preferred to a smaller micro-batch or
+    checkpointing: W2 (7B, 16 examples) under a 24 GiB cap with host_embeddings and 5 layers
+    offloaded ran 14,337 tokens/s on an H100 (b70c247), where 2 x 8 examples graphed ran 13,261
+    (BENCHMARKS.md); auto_config still takes a smaller micro-batch first where one fits without
+    (~8% apart there, in runs of different calls), and this before checkpointing, which
+    recomputes every layer's forward (offload: 2.9-5.5% slower than none, W2 on H200s)."""
+    from hivetune.plan.memory import breakdown
+    from hivetune.plan.planner import _memory_config, offload_to_fit
+
+    if cfg.distributed == "fsdp":
+        return None
+    if not args.tie_word_embeddings and not cfg.host_embeddings:
+        cfg = _with(cfg, host_embeddings=True)
+        peak = breakdown(args, _memory_config(cfg, precision, False), tokens).total
+        if peak <= budget:
+            return cfg, peak, ", host_embeddings"
+    moved = ", host_embeddings" if cfg.host_embeddings else ""
+    if cfg.activation_offload:  # the user's count stands
+        return None
+    n = offload_to_fit(args, cfg, precision, tokens, 1.0, int(budget))
+    if not n or n > args.num_hidden_layers // 2:
+        return None
+    cfg = _with(cfg, activation_offload=n)
+    return cfg, breakdown(args, _memory_config(cfg, precision, False), tokens).total, f"{moved}, activation_offload={n}"
+
+
 def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
                 memory_gib: float | None = None) -> tuple[TrainConfig, str]:
     """Pick batch_size / grad_accum (same batch_size * grad_accum) and gradient_checkpointing.
 
     A tune result (tune_file, or ./tune.yaml) whose effective batch matches wins; otherwise the
     planner: the largest micro-batch (a divisor of the effective batch) that fits the device's
-    memory without checkpointing, else with it. Micro-batches are sized at max_length tokens an
-    example (the worst case). On a CPU nothing changes.
+    memory without checkpointing; where none does, the largest that fits with its input embedding
+    in host memory and the fewest layers of activation offload (offload_fit); else with
+    checkpointing. Micro-batches are sized at max_length tokens an example (the worst case). On a
+    CPU nothing changes.
     """
     import torch
 
@@ -89,16 +121,22 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
     precision = cfg.precision
     if precision == "auto":
         precision = "bf16" if device.type != "cuda" or torch.cuda.is_bf16_supported() else "fp16"
-    for ckpt in (False, True):
+    for ckpt, offload in ((False, False), (False, True), (True, False)):
         mcs = {graphed: _memory_config(cfg, precision, ckpt, graphs=graphed) for graphed in (False, True)}
         for b in _divisors_desc(effective):
             tokens = bucketed(b * cfg.max_length, uses_graphs(cfg, precision, ckpt), args)
-            peak = breakdown(args, mcs[tokens != b * cfg.max_length], tokens).total  # graphed: no offload
+            new = _with(cfg, batch_size=b, grad_accum=effective // b, gradient_checkpointing=ckpt)
+            peak, moved = breakdown(args, mcs[tokens != b * cfg.max_length], tokens).total, ""  # graphed: no offload
+            if offload:  # eager at its own size (a captured graph skips the offload)
+                found = offload_fit(_with(new, cuda_graphs=False), args, precision, b * cfg.max_length, budget)
+                if found is None:
+                    continue
+                new, peak, moved = found
+                moved += ", CUDA graphs off" if tokens != b * cfg.max_length else ""
             if peak <= budget:
-                new = _with(cfg, batch_size=b, grad_accum=effective // b, gradient_checkpointing=ckpt)
                 return new, (f"auto: batch_size {b} x grad_accum {effective // b}, checkpointing "
-                             f"{'on' if ckpt else 'off'}: predicted peak {peak / GIB:.1f} of {memory_gib:.1f} GiB "
-                             f"at {cfg.max_length} tokens an example")
+                             f"{'on' if ckpt else 'off'}{moved}: predicted peak {peak / GIB:.1f} of "
+                             f"{memory_gib:.1f} GiB at {cfg.max_length} tokens an example")
     new = _with(cfg, batch_size=1, grad_accum=effective, gradient_checkpointing=True)
     return new, (f"auto: even one example of {cfg.max_length} tokens is predicted not to fit in "
                  f"{memory_gib:.1f} GiB; trying batch_size 1 with checkpointing (lower max_length?)")
