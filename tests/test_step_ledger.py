@@ -54,6 +54,38 @@ def test_signal_read_from_the_newest_step():
     assert ledger.pending == []
 
 
+def test_deferred_reads_date_records_in_the_window_the_gpu_ran_them():
+    """Deferred, the host queues steps ahead of the GPU, so a read re-dates its records: the
+    steps since the previous read ran between the two reads, each record placed in that window
+    by the tokens done, and its rates counted from the record before it (across reads too).
+    Per-step reads keep the host's dates (each step was read, so run, before the next)."""
+    times = iter([102.0, 103.0])
+    ledger = StepLedger(deferred=True, started=100.0, clock=lambda: next(times))
+    counters = {"skipped_steps": 0, "bad_in_a_row": 0}
+
+    def step(n, tokens, logged=True):
+        record = {"step": n, "loss": torch.tensor(1.0), "grad_norm": torch.tensor(1.0), "elapsed_s": 0.01 * n,
+                  "tokens_per_s": 9e9, "samples_per_s": 9e9} if logged else None
+        ledger.add(torch.tensor(True), record, False, tokens, 2)
+
+    for n, tokens in enumerate([100, 300, 100, 500], 1):  # 1,000 tokens, read 2 s after the start
+        step(n, tokens)
+    first, _, _ = ledger.read(counters, 3)
+    assert [r["elapsed_s"] for r in first] == [0.2, 0.8, 1.0, 2.0]
+    assert [r["tokens_per_s"] for r in first] == [500.0] * 4
+    assert [r["samples_per_s"] for r in first] == [10.0, pytest.approx(3.333), 10.0, 2.0]
+    step(5, 250, logged=False)
+    step(6, 250, logged=False)
+    step(7, 500)  # 1,000 tokens in the next second: 6 samples since step 4's record
+    (last,), _, _ = ledger.read(counters, 3)
+    assert (last["step"], last["elapsed_s"], last["tokens_per_s"], last["samples_per_s"]) == (7, 3.0, 1000.0, 6.0)
+    eager = StepLedger(deferred=False, started=100.0, clock=lambda: 1 / 0)  # never consulted
+    eager.add(torch.tensor(True), {"step": 1, "loss": torch.tensor(1.0), "grad_norm": torch.tensor(1.0),
+                                   "elapsed_s": 0.5, "tokens_per_s": 7.0, "samples_per_s": 1.0}, False, 100, 2)
+    (kept,), _, _ = eager.read(counters, 3)
+    assert (kept["elapsed_s"], kept["tokens_per_s"]) == (0.5, 7.0)
+
+
 def test_fused_adamw_found_inf_leaves_weights_and_moments_as_they_were():
     """What the deferred loop relies on: a found_inf of 1 makes fused AdamW a no-op (weights,
     moments and step count), and a 0 steps exactly as a plain step() does."""

@@ -442,7 +442,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     run.sink = MetricsSink(run.folder, tensorboard=cfg.tensorboard) if parallel.is_main else None
     # CUDA with fused AdamW: a non-finite step is skipped by the optimizer kernel itself (its
     # found_inf input), so no step waits for the GPU; the host reads what happened in batches.
-    ledger = StepLedger(deferred=defer_steps(run))
+    ledger = StepLedger(deferred=defer_steps(run), started=t_start)
     with _stop_signals() as stop, (run.sink or nullcontext()), quiet_gc():
         while step < len(run.steps):
             example_ids = run.steps[step]
@@ -506,7 +506,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
                     "elapsed_s": round(now - t_start, 3),
                 }
                 t_log, tokens_since_log, samples_since_log = now, 0, 0
-            ledger.add(finite, record, signal_flag)
+            ledger.add(finite, record, signal_flag, step_tokens, len(example_ids))
             validate = run.val is not None and (done == len(run.steps) or (cfg.eval_every and done % cfg.eval_every == 0))
             save_now = bool(cfg.save_every) and (done % cfg.save_every == 0 or done == len(run.steps))
             if not ledger.due(validate or save_now or done == len(run.steps) or done == stop_after or signal_flag is True):
@@ -650,16 +650,45 @@ class StepLedger:
     per-step reads gave; a rollback (max_bad_steps in a row) starts at the read that sees it.
     Reads happen at the same steps on every rank (step counts, never time), so under torchrun
     all ranks stop at the same step.
+
+    Deferred, the host dates a record when it queues the step, up to FLUSH_STEPS steps before
+    the GPU runs it (graphed W1 steps 3-5 ms apart where each takes ~16 ms, tune at 5d590cf), so
+    with `started` (the loop's start on `clock`) a read re-dates its records: the GPU finished
+    every step read by the time the read returns, so the steps since the previous read ran in
+    that window, and each record's elapsed_s is placed in it by the tokens done (tokens_per_s and
+    samples_per_s then follow: the window's rate).
     """
 
     FLUSH_STEPS = 16
 
-    def __init__(self, deferred: bool):
-        self.deferred = deferred
-        self.pending: list[tuple[object, dict | None, object]] = []  # (finite, record, signal) per step
+    def __init__(self, deferred: bool, started: float | None = None, clock=time.perf_counter):
+        self.deferred, self.started, self.clock = deferred, started, clock
+        # (finite, record, signal, tokens, samples) per step
+        self.pending: list[tuple[object, dict | None, object, int, int]] = []
+        self.synced = 0.0  # seconds from the start to the previous read
+        self.dated = 0.0  # ... to the newest record dated
+        self.since = [0, 0]  # tokens and samples since that record
 
-    def add(self, finite, record: dict | None, signal) -> None:
-        self.pending.append((finite, record, signal))
+    def add(self, finite, record: dict | None, signal, tokens: int = 0, samples: int = 0) -> None:
+        self.pending.append((finite, record, signal, tokens, samples))
+
+    def _redate(self, now: float) -> None:
+        window = max(now - self.synced, 1e-9)
+        total = sum(t for *_, t, _ in self.pending)
+        done = 0
+        for k, (_, record, _, tokens, samples) in enumerate(self.pending):
+            done += tokens
+            self.since[0] += tokens
+            self.since[1] += samples
+            if record is None:
+                continue
+            share = done / total if total else (k + 1) / len(self.pending)
+            elapsed = self.synced + window * share
+            span = max(elapsed - self.dated, 1e-9)
+            record.update(elapsed_s=round(elapsed, 3), tokens_per_s=round(self.since[0] / span, 1),
+                          samples_per_s=round(self.since[1] / span, 3))
+            self.dated, self.since = elapsed, [0, 0]
+        self.synced = now
 
     def due(self, forced: bool) -> bool:
         return not self.deferred or forced or len(self.pending) >= self.FLUSH_STEPS
@@ -668,7 +697,7 @@ class StepLedger:
         """(the log records with numbers, whether max_bad_steps non-finite steps came in a row,
         whether a rank was signalled at the newest step); counters updated in step order."""
         values = []
-        for finite, record, _ in self.pending:
+        for finite, record, *_ in self.pending:
             values.append(finite)
             if record is not None:
                 values += [record["loss"], record["grad_norm"]]
@@ -677,9 +706,11 @@ class StepLedger:
         if isinstance(signal, torch.Tensor):
             tensors.append(signal)
         host = iter(torch.stack([t.float().reshape(()) for t in tensors]).tolist() if tensors else [])
+        if self.deferred and self.started is not None:
+            self._redate(self.clock() - self.started)
         read = (lambda v: float(next(host)) if isinstance(v, torch.Tensor) else float(v))
         records, bad_run = [], False
-        for finite, record, _ in self.pending:
+        for finite, record, *_ in self.pending:
             if read(finite):
                 counters["bad_in_a_row"] = 0
             else:
