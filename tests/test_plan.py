@@ -216,6 +216,8 @@ def test_auto_config_fits_and_keeps_the_effective_batch(tmp_path, monkeypatch):
     for layers, fits in ((13, True), (12, False)):
         mc = _memory_config(dataclasses.replace(tight, activation_offload=layers), "bf16", False)
         assert (breakdown(load_args(model), mc, 2 * 1024).total <= 20 * GIB) == fits
+    graphed, why = auto_config(dataclasses.replace(cfg, cuda_graphs=True), "cpu", memory_gib=20)
+    assert graphed.activation_offload == 13 and not graphed.cuda_graphs and "CUDA graphs off" in why, why
     tighter, why = auto_config(cfg, "cpu", memory_gib=17)  # offload would need more than 14 of 28 layers
     assert (tighter.batch_size, tighter.gradient_checkpointing, tighter.activation_offload) == (2, True, 0), why
     assert not tighter.host_embeddings

@@ -128,11 +128,13 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
             new = _with(cfg, batch_size=b, grad_accum=effective // b, gradient_checkpointing=ckpt)
             peak, moved = breakdown(args, mcs[tokens != b * cfg.max_length], tokens).total, ""  # graphed: no offload
             if offload:  # eager at its own size (a captured graph skips the offload)
-                found = offload_fit(_with(new, cuda_graphs=False), args, precision, b * cfg.max_length, budget)
+                graphed = tokens != b * cfg.max_length
+                found = offload_fit(_with(new, cuda_graphs=False) if graphed else new, args, precision,
+                                    b * cfg.max_length, budget)
                 if found is None:
                     continue
                 new, peak, moved = found
-                moved += ", CUDA graphs off" if tokens != b * cfg.max_length else ""
+                moved += ", CUDA graphs off" if graphed else ""
             if peak <= budget:
                 return new, (f"auto: batch_size {b} x grad_accum {effective // b}, checkpointing "
                              f"{'on' if ckpt else 'off'}{moved}: predicted peak {peak / GIB:.1f} of "
