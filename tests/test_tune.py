@@ -86,7 +86,8 @@ def test_tune_times_steps_read_as_they_end(tiny_model_dir, monkeypatch):
     assert not train_module.defer_steps(cuda_run)
     seen = []
     real_fit = train_module.fit
-    monkeypatch.setattr(train_module, "fit", lambda run, **kw: (seen.append(run.read_every_step), real_fit(run, **kw))[1])
+    monkeypatch.setattr(train_module, "fit",
+                        lambda run, **kw: (seen.append(run.read_every_step), real_fit(run, **kw))[1])
     cfg = load_config(None, {"model": str(tiny_model_dir), "batch_size": 2, "precision": "fp32", "device": "cpu",
                              "threads": 1, "max_length": 64, "lora": {"r": 4}})
     tune(cfg, batch_sizes=[2], steps=2, length=16, out=None)

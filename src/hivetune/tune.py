@@ -222,7 +222,8 @@ def format_tune(result: TuneResult) -> str:
     for r in result.rows:
         mark = " <- fastest" if r is result.best else ""
         lines.append(f"{r.batch_size:>5} {r.grad_accum:>5} {'on' if r.gradient_checkpointing else 'off':>4} "
-                     f"{r.attention:>9}{f' {r.lora_inputs:<9}' if inputs else ''} {r.predicted_gib:>8.2f} {r.peak_gib if r.peak_gib is not None else '-':>8} "
+                     f"{r.attention:>9}{f' {r.lora_inputs:<9}' if inputs else ''} {r.predicted_gib:>8.2f} "
+                     f"{r.peak_gib if r.peak_gib is not None else '-':>8} "
                      f"{r.step_seconds if r.step_seconds is not None else '-':>8} "
                      f"{f'{r.tokens_per_s:,.0f}' if r.tokens_per_s else '-':>10}  {r.status}{mark}")
     if result.best is None:
