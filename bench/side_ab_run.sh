@@ -4,12 +4,13 @@
 # HIVETUNE_LORA_SIDE_STREAM=0: the LoRA weight gradients on the one stream), alternating, ROUNDS
 # rounds (default 2) after an untimed warm-up of each (the variant may compile kernels of its
 # own); then, where FINAL_ARGS is set, one run of the defaults with those bench arguments (of
-# FINAL_WORKLOAD, default WORKLOAD); then
-# bench/wide_memory_run.sh (where the wide layout's extra reserved memory goes; MEMORY=0: not run).
+# FINAL_WORKLOAD, default WORKLOAD); then bench/wide_memory_run.sh (where the wide layout's extra
+# reserved memory goes; MEMORY=0: not run).
 # VARIANT_ARGS: bench arguments of the variant's runs (e.g. "--set wide_lora=true").
 # Usage (device tool):
 #   HIVETUNE_COMMIT=<commit> [SKIP_TESTS=1] [MEMORY=0] [WORKLOAD=W2] [CAP=0] [VARIANT="VAR=value ..."] \
-#     [VARIANT_ARGS=...] [ROUNDS="1 2 3"] [FINAL_WORKLOAD=W2] [FINAL_ARGS="--memory-cap 24 --set ..."] bash bench/side_ab_run.sh
+#     [VARIANT_ARGS=...] [ROUNDS="1 2 3"] [FINAL_WORKLOAD=W2] [FINAL_ARGS="--memory-cap 24 --set ..."] \
+#     bash bench/side_ab_run.sh
 # (graph_instantiate's A/B, once bench/instantiate_run.sh: VARIANT=HIVETUNE_REFERENCE=graph_instantiate)
 set -u
 source bench/device_prelude.sh

@@ -249,8 +249,6 @@ def defers_captures(capture_s: float, replay_s: float) -> bool:
     return 3 * replay_s >= capture_s and not forced("deferred_captures")
 
 
-
-
 def deferrable(keys: list[tuple[int, int]]) -> set[tuple[int, int]]:
     """The (tokens, cu_seqlens entries) keys whose capture can wait (defers_captures): all but
     each segment count's largest, so that every micro-batch of the plan has a captured graph

@@ -125,10 +125,10 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
         mcs = {graphed: _memory_config(cfg, precision, ckpt, graphs=graphed) for graphed in (False, True)}
         for b in _divisors_desc(effective):
             tokens = bucketed(b * cfg.max_length, uses_graphs(cfg, precision, ckpt), args)
+            graphed = tokens != b * cfg.max_length
             new = _with(cfg, batch_size=b, grad_accum=effective // b, gradient_checkpointing=ckpt)
-            peak, moved = breakdown(args, mcs[tokens != b * cfg.max_length], tokens).total, ""  # graphed: no offload
+            peak, moved = breakdown(args, mcs[graphed], tokens).total, ""  # graphed: no offload
             if offload:  # eager at its own size (a captured graph skips the offload)
-                graphed = tokens != b * cfg.max_length
                 found = offload_fit(_with(new, cuda_graphs=False) if graphed else new, args, precision,
                                     b * cfg.max_length, budget)
                 if found is None:
