@@ -30,6 +30,7 @@ for round in ${ROUNDS:-1 2}; do
 done
 if [ -n "${FINAL_ARGS:-}" ]; then
   echo "== $FINAL_ARGS"
-  timeout 170 python3 -m hivetune bench ${FINAL_WORKLOAD:-$WORKLOAD} --out $OUT/final $FINAL_ARGS 2>&1 | grep -E "^W|rror"
+  timeout 170 python3 -m hivetune bench ${FINAL_WORKLOAD:-$WORKLOAD} --out $OUT/final $FINAL_ARGS 2>&1 \
+    | grep -E "^W|rror"
 fi
 [ "${MEMORY:-1}" = 0 ] || SKIP_TESTS=1 CAPS=4 bash bench/wide_memory_run.sh  # 2 files (+ 4 W1 files, test log)
