@@ -56,6 +56,8 @@ def main() -> None:
                         help="the allocations alive at the steps' peak, grouped by the hivetune line that made them")
     parser.add_argument("--ops", action="store_true",
                         help="count the aten ops a step dispatches, by op and the hivetune line that called it")
+    parser.add_argument("--cap", type=float, default=0.0, help="cap the allocator at this many GiB, as bench's "
+                        "--memory-cap does")
     parser.add_argument("--bucket", type=int, default=0, help="CUDA-graph bucket in tokens (default 256)")
     parser.add_argument("--gaps", default="", help="with the profiler: write the GPU's idle gaps between kernels "
                         "(and what ran around the longest) as JSON to this file")
@@ -65,6 +67,9 @@ def main() -> None:
     os.environ["HIVETUNE_GRAPH_TIMING"] = "1"  # GPU time of each graph replay (CUDA events)
     w = WORKLOADS[opts.workload]
     device = torch.device("cuda")
+    if opts.cap:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, opts.cap * 2**30 / total), device)
     values = {"model": "random", "data": "generator", "precision": "bf16", "device": "cuda",
               "max_steps": opts.steps, "batch_size": w.micro_batch or w.examples_per_step,
               "grad_accum": w.examples_per_step // (w.micro_batch or w.examples_per_step), "lora": w.lora, "eval_prompts": 0,
