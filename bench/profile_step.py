@@ -69,7 +69,7 @@ def main() -> None:
     device = torch.device("cuda")
     if opts.cap:
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, opts.cap * 2**30 / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, opts.cap * 2**30 / total), 0)
     values = {"model": "random", "data": "generator", "precision": "bf16", "device": "cuda",
               "max_steps": opts.steps, "batch_size": w.micro_batch or w.examples_per_step,
               "grad_accum": w.examples_per_step // (w.micro_batch or w.examples_per_step), "lora": w.lora, "eval_prompts": 0,
