@@ -82,6 +82,13 @@ MAX_GRAPHS = 48  # keys beyond this many run eagerly
 # stayed 3 of 3, so something else still drains the queue before a capture. Its 2-GPU test (a
 # 6-step `hivetune train`) timed out, and a graph that captured a collective must be destroyed
 # before destroy_process_group, which otherwise waits for it for good (pytorch#115388).
+# Capturing the later sizes on a worker thread while this thread replays (session 20, not landed:
+# /work/capture-worker-wip.patch) needs one more piece first: capture_begin's generator prologue
+# fills the CUDA generator's graph seed and offset tensors on the capture stream before capture
+# starts, unordered against this thread's replays, whose own prologue fills the same tensors on
+# the main stream just before each graph launch: a replay could read offset 0 and repeat an
+# earlier replay's dropout masks. The dropout seeds of a graph would have to come from the
+# bucket's static inputs (filled on the host per micro-batch) instead of the generator.
 # Above this many matmul TFLOP per micro-batch (4 x linear weights x tokens) the GPU outruns the
 # host's dispatch anyway: W2 (7B) with 16 examples (~2,900 tokens: ~82 TFLOP) measured 23.8 s with
 # graphs against 21.4 s eager (capture time, padding) and 65 against 40 GiB reserved. With 8
