@@ -85,3 +85,21 @@ def test_auto_offloads_where_nothing_fits_and_the_run_fits_the_cap(model_and_dat
     offload = run.model.activation_offload
     assert offload is not None and offload.stats["passes"] == 2 * EXAMPLES  # every micro-batch offloaded
     assert "CUDA out of memory" not in capsys.readouterr().err
+
+
+def test_auto_sizes_to_what_this_process_may_hold(model_and_data, tmp_path):
+    """Without memory_gib, auto plans in train.device_memory_bytes: a per-process fraction of a
+    quarter of the GPU makes the budget a quarter (it planned in the whole device before)."""
+    from hivetune.train import device_memory_bytes
+
+    cfg = config(model_and_data, tmp_path / "run")
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_per_process_memory_fraction(0.25, device.index)
+    try:
+        room = device_memory_bytes(device)
+        _, why = auto_config(cfg, device)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device.index)
+    total = torch.cuda.get_device_properties(device).total_memory
+    assert room <= 0.25 * total + 1
+    assert f" of {room / GIB:.1f} GiB at {LENGTH} tokens an example" in why, why

@@ -86,8 +86,11 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
     planner: the largest micro-batch (a divisor of the effective batch) that fits the device's
     memory without checkpointing; where none does, the largest that fits with its input embedding
     in host memory and the fewest layers of activation offload (offload_fit); else with
-    checkpointing. Micro-batches are sized at max_length tokens an example (the worst case). On a
-    CPU nothing changes.
+    checkpointing. Micro-batches are sized at max_length tokens an example (the worst case), in
+    `memory_gib`, by default what this process may hold on the device (train.device_memory_bytes:
+    its memory times a per-process fraction where one is set, no more than is free plus what the
+    process holds; it was the device's whole memory, which a GPU shared with another process or
+    capped does not give). On a CPU nothing changes.
     """
     import torch
 
@@ -115,8 +118,10 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
     from hivetune.model.load import load_args
 
     args = load_args(Path(cfg.model) if cfg.model else embedded_model_path())
-    if memory_gib is None:
-        memory_gib = torch.cuda.get_device_properties(device).total_memory / GIB
+    if memory_gib is None:  # what this process may hold: a per-process cap, other processes' share
+        from hivetune.train import device_memory_bytes
+
+        memory_gib = device_memory_bytes(device) / GIB
     budget = memory_gib * GIB
     precision = cfg.precision
     if precision == "auto":
