@@ -8,7 +8,8 @@ machine (session 19). One suspect: the host memory or the thread on the NUMA nod
 GPU. This probe reports the GPU's node (sysfs), the nodes this process may run on, and for each
 pair (memory node, thread node) the pinned copy bandwidth each way (host memory first-touched by a
 thread bound to the memory node, then registered with cudaHostRegister), and for each thread node
-the host microseconds of a small kernel launch. Writes numa-probe-<commit>-<time>.json.
+the host microseconds of a small kernel launch (bench.launch_us, as in every result's host
+probe). Writes numa-probe-<commit>-<time>.json.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hivetune.bench import environment  # noqa: E402
+from hivetune.bench import environment, launch_us  # noqa: E402
 
 
 def cpulist(text: str) -> set[int]:
@@ -85,22 +86,6 @@ def bandwidth(host: torch.Tensor, gpu: torch.Tensor, to_gpu: bool, reps: int = 5
     return round(host.numel() / best / 1e9, 1)
 
 
-def launch_us(calls: int = 5000) -> float:
-    """Host microseconds a tiny in-place add and a 64 x 64 matmul take to launch (mean of the pair)."""
-    x = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    best = float("inf")
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            x.add_(1)
-            torch.mm(x, x, out=y)
-        best = min(best, (time.perf_counter() - t0) / (2 * calls))
-        torch.cuda.synchronize()
-    return round(best * 1e6, 2)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results")
@@ -129,7 +114,7 @@ def main() -> None:
         del host
     for thread in found:
         os.sched_setaffinity(0, found[thread])
-        launches[thread] = launch_us()
+        launches[thread] = launch_us(torch.device("cuda"))
         print(f"thread on node {thread}: {launches[thread]} us a launch")
     os.sched_setaffinity(0, start)
     try:

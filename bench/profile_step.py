@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from hivetune.bench import WORKLOADS, random_model, workload_examples  # noqa: E402
 from hivetune.config import load_config, parse_overrides  # noqa: E402
+from hivetune.device import cap_memory  # noqa: E402
 from hivetune.data.dataset import TokenizedExamples  # noqa: E402
 from hivetune.train import assemble, fit  # noqa: E402
 
@@ -68,8 +69,7 @@ def main() -> None:
     w = WORKLOADS[opts.workload]
     device = torch.device("cuda")
     if opts.cap:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, opts.cap * 2**30 / total), 0)
+        cap_memory(device, opts.cap)
     values = {"model": "random", "data": "generator", "precision": "bf16", "device": "cuda",
               "max_steps": opts.steps, "batch_size": w.micro_batch or w.examples_per_step,
               "grad_accum": w.examples_per_step // (w.micro_batch or w.examples_per_step), "lora": w.lora, "eval_prompts": 0,

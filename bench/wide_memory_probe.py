@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from hivetune.bench import WORKLOADS, allocator_counts, environment, random_model, workload_examples  # noqa: E402
 from hivetune.config import load_config  # noqa: E402
 from hivetune.data.dataset import TokenizedExamples  # noqa: E402
+from hivetune.device import cap_memory  # noqa: E402
 from hivetune.ops import graphs  # noqa: E402
 from hivetune.train import assemble, fit  # noqa: E402
 
@@ -134,8 +135,7 @@ def main() -> None:
         layout = segment_layout(run.model)
         print(json.dumps({"layout_after_assemble": layout}), flush=True)
         if opts.cap:
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, opts.cap * GIB / total), device)
+            cap_memory(device, opts.cap)
         t0 = time.perf_counter()
         fit(run, progress=False)
         torch.cuda.synchronize()

@@ -22,7 +22,7 @@ import torch
 from hivetune.config import load_config
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.data.formats import Encoded
-from hivetune.device import DTYPES, cuda_index
+from hivetune.device import DTYPES, cap_memory
 from hivetune.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM
@@ -165,6 +165,21 @@ def environment(device) -> dict:
     return env
 
 
+def launch_us(device, calls: int = 2000) -> float:
+    """Host microseconds one small kernel launch takes (an in-place add on a 256-element tensor,
+    the mean of `calls`, after a warm-up): the CPU that eager steps wait on."""
+    x = torch.zeros(256, device=device)
+    for _ in range(100):
+        x.add_(1.0)
+    torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    for _ in range(calls):
+        x.add_(1.0)
+    seconds = time.perf_counter() - t
+    torch.cuda.synchronize(device)
+    return round(seconds / calls * 1e6, 2)
+
+
 def host_probe(device) -> dict:
     """What this machine gives, measured after the run (hosts of one GPU model spread: W1 ±5%,
     W2 up to 35%): a bf16 8192^3 matmul's TFLOP/s (the GPU's clocks and power), the host
@@ -184,16 +199,7 @@ def host_probe(device) -> dict:
     end.synchronize()
     tflops = 20 * 2 * 8192 ** 3 / (start.elapsed_time(end) / 1e3) / 1e12
     del a, b
-    x = torch.zeros(256, device=device)
-    for _ in range(100):
-        x.add_(1.0)
-    torch.cuda.synchronize(device)
-    t = time.perf_counter()
-    for _ in range(2000):
-        x.add_(1.0)
-    launch_us = (time.perf_counter() - t) / 2000 * 1e6
-    torch.cuda.synchronize(device)
-    probe = {"matmul_tflops": round(tflops, 1), "launch_us": round(launch_us, 2)}
+    probe = {"matmul_tflops": round(tflops, 1), "launch_us": launch_us(device)}
     try:
         probe["sm_clock_mhz"] = int(subprocess.check_output(
             ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits",
@@ -223,9 +229,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
     model = random_model(w.args, device, DTYPES[cfg.precision])
     capped = device.type == "cuda" and memory_cap_gib > 0
     if capped:  # before assemble: lora_inputs auto reads it (train.device_memory_bytes)
-        index = cuda_index(device)
-        total = torch.cuda.get_device_properties(index).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_gib * 2**30 / total), index)
+        cap_memory(device, memory_cap_gib)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             run = assemble(cfg, model, examples, None, device, cfg.precision, Path(tmp) / "run", Path("random"))
@@ -244,7 +248,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
             losses = [json.loads(line)["loss"] for line in (run.folder / "metrics.jsonl").read_text().splitlines()]
     finally:
         if capped:  # the next workload of `bench all` runs uncapped unless capped itself
-            torch.cuda.set_per_process_memory_fraction(1.0, index)
+            cap_memory(device, 0)
     tokens = sum(examples.lengths[i] for step in run.steps for i in step)
     flops_per_token = 4 * w.args.linear_weight_count
     tps = tokens / seconds

@@ -63,6 +63,15 @@ def cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def cap_memory(device: torch.device, gib: float) -> None:
+    """Let this process's caching allocator hold at most `gib` GiB of a CUDA device (its
+    per-process memory fraction, of the total cudaMemGetInfo reports, which torch multiplies it by:
+    out-of-memory errors as on a card that size); 0: no cap."""
+    index = cuda_index(device)
+    total = torch.cuda.mem_get_info(index)[1]
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total) if gib > 0 else 1.0, index)
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated GPU memory, or the process's peak resident set on the CPU."""
     if device.type == "cuda":

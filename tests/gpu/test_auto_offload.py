@@ -1,12 +1,13 @@
 """`--auto`'s offload pass on a real GPU (plan.auto.offload_fit; the choice itself is CPU-tested
-in tests/test_plan_auto.py): where no micro-batch fits the memory as it is, auto moves the input
+in tests/test_plan.py): where no micro-batch fits the memory as it is, auto moves the input
 embedding to pinned host memory and offloads the fewest layers' activations that make the
 largest micro-batch fit, and the run then trains under an allocator capped at that memory.
 
 The model (hidden 512, 8 layers, untied, bf16) with 8 examples of 8,192 tokens a step is
-activation-bound (the planner, on the CPU: 1.58 GiB for one example, 1.29 with 4 layers moved): the budget is set halfway between the planner's peak for one example with
-nothing moved and its peak with the embedding moved and half the layers offloaded, so no
-micro-batch fits as it is and one example fits with some layers offloaded."""
+activation-bound (the planner, on the CPU: 1.58 GiB for one example, 1.29 with 4 layers moved):
+the budget is set halfway between the planner's peak for one example with nothing moved and its
+peak with the embedding moved and half the layers offloaded, so no micro-batch fits as it is and
+one example fits with some layers offloaded."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from hivetune.config import load_config
+from hivetune.device import cap_memory
 from hivetune.model.load import load_args
 from hivetune.plan import auto_config
 from hivetune.plan.memory import GIB, breakdown
@@ -70,13 +72,13 @@ def test_auto_offloads_where_nothing_fits_and_the_run_fits_the_cap(model_and_dat
     assert f"activation_offload={chosen.activation_offload}" in why
 
     run = setup(chosen)
-    total = torch.cuda.mem_get_info()[1]
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gib * GIB / total))
+    device = torch.device("cuda", torch.cuda.current_device())
+    cap_memory(device, budget_gib)
     try:
         result = fit(run, progress=False)
         peak_bytes = torch.cuda.max_memory_allocated()
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
+        cap_memory(device, 0)
     print(f"budget {budget_gib:.3f} GiB, predicted {moved / GIB:.3f} GiB with {LAYERS // 2} layers moved and "
           f"{plain / GIB:.3f} with none; measured peak {peak_bytes / GIB:.3f} GiB allocated, "
           f"{chosen.activation_offload} layers offloaded")

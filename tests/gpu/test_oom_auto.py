@@ -24,6 +24,7 @@ import torch
 import hivetune.train as train_module
 from hivetune.checkpoint import checkpoint_folders, load_checkpoint, verify_checkpoint
 from hivetune.config import load_config
+from hivetune.device import cap_memory
 from hivetune.errors import UserError
 from hivetune.model.lora import lora_state_dict
 from hivetune.train import fit, setup
@@ -72,8 +73,7 @@ def held_bytes() -> int:
 
 def cap_at(limit: int) -> None:
     """Let this process's allocator reserve at most `limit` bytes."""
-    total = torch.cuda.mem_get_info()[1]
-    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total))
+    cap_memory(torch.device("cuda", torch.cuda.current_device()), limit / 2**30)
 
 
 def release(*runs) -> None:
