@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One device call (~7 min, one GPU): does the host's NUMA placement set W2's speed under 24 GiB?
+# One device call (~5 min, one GPU): does the host's NUMA placement set W2's speed under 24 GiB?
 # bench/numa_probe.py (the GPU's node, copy bandwidth and launch cost by node), then W2 capped
-# (host_embeddings, activation_offload=5) bound by taskset to the GPU's node and, where the process
-# may run on another, to that one, alternating ROUNDS times; then the capped step under the
-# profiler: the GPU's idle gaps (w2-gaps.json) and its synchronising calls.
+# (host_embeddings, activation_offload=5) bound (sched_setaffinity) to the GPU's node and, where the process
+# may run on another, to that one, alternating ROUNDS times. (The capped step under the profiler,
+# its idle gaps and synchronising calls: bench/w2_gaps_run.sh.)
 # Usage: HIVETUNE_COMMIT=<commit> SKIP_TESTS=1 [ROUNDS="1 2"] [RUN_TIMEOUT=120] bash bench/numa_run.sh
 set -u
 source bench/device_prelude.sh
@@ -22,7 +22,8 @@ EOF
 echo "local CPUs: $LOCAL; other node's CPUs: $OTHER"
 pin() {  # CPU list, then a command: the command bound to those CPUs (taskset, where the image lacks it)
   local cpus=$1; shift
-  python3 -c 'import os, sys; from numa_probe import cpulist; os.sched_setaffinity(0, cpulist(sys.argv[1])); os.execvp(sys.argv[2], sys.argv[2:])' "$cpus" "$@"
+  python3 -c 'import os, sys; from numa_probe import cpulist
+os.sched_setaffinity(0, cpulist(sys.argv[1])); os.execvp(sys.argv[2], sys.argv[2:])' "$cpus" "$@"
 }
 ARGS="--memory-cap 24 --set host_embeddings=true --set activation_offload=5"
 run() {  # label, CPU list ("-": none given), then extra bench arguments
@@ -40,9 +41,3 @@ for round in ${ROUNDS:-1 2}; do
   run local "$LOCAL"
   if [ "$OTHER" != - ]; then run other "$OTHER"; else run unbound -; fi
 done
-export PYTHONPATH=$PYTHONPATH:$PWD/bench
-pin "$LOCAL" timeout 150 python3 bench/profile_step.py W2 --steps 6 --cap 24 --set host_embeddings=true \
-  --set activation_offload=5 --gaps $OUT/w2-gaps.json > $OUT/w2-profile.txt 2>&1
-grep -E "under the profiler|idle a step" $OUT/w2-profile.txt
-pin "$LOCAL" timeout 120 python3 bench/profile_step.py W2 --steps 4 --cap 24 --set host_embeddings=true \
-  --set activation_offload=5 --sync-debug 2>&1 | grep -A16 "synchronising calls"
