@@ -188,3 +188,31 @@ def test_fused_loss_trains_like_reference_loss(tiny_model_dir, alpaca_file, tmp_
     # (the same reason test_distributed's adapter tolerance is 5e-6)
     for key, value in adapters[0].items():
         assert torch.allclose(value, adapters[1][key], atol=5e-6, rtol=1e-5), key
+
+
+def test_dropout_seeds_follow_the_step_plan():
+    """train.dropout_seeds: one int64 per joined group call, a function of (seed, rank, step,
+    micro-batch) alone (a resumed run draws what an unbroken one did), different for each of
+    them; None where nothing is seeded (CPU, no dropout, no joined groups)."""
+    from types import SimpleNamespace
+
+    from hivetune.train import dropout_seeds
+
+    def run(seed=0, rank=0, dropout=0.05, device="cuda", slots=8):
+        cfg = SimpleNamespace(seed=seed, lora=SimpleNamespace(dropout=dropout))
+        casts = SimpleNamespace(slots=dict.fromkeys(range(slots))) if slots else None
+        return SimpleNamespace(cfg=cfg, device=torch.device(device), parallel=SimpleNamespace(rank=rank),
+                               model=SimpleNamespace(lora_casts=casts))
+
+    base = dropout_seeds(run(), 3, 1)
+    assert base.dtype == torch.int64 and base.shape == (8,)
+    assert torch.equal(base, dropout_seeds(run(), 3, 1))
+    torch.manual_seed(123)  # torch's generator plays no part
+    assert torch.equal(base, dropout_seeds(run(), 3, 1))
+    others = [dropout_seeds(run(seed=1), 3, 1), dropout_seeds(run(rank=1), 3, 1), dropout_seeds(run(), 4, 1),
+              dropout_seeds(run(), 3, 0)]
+    assert all(not torch.equal(base, o) for o in others)
+    assert int(base.min()) >= 0 and int(base.max()) < 2**31 - 1
+    assert dropout_seeds(run(device="cpu"), 3, 1) is None
+    assert dropout_seeds(run(dropout=0.0), 3, 1) is None
+    assert dropout_seeds(run(slots=0), 3, 1) is None

@@ -7,6 +7,7 @@ accumulation gives exactly the gradient of the mean over the step's target token
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import sys
 import threading
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -42,7 +43,7 @@ from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_par
 from hivetune.model.tokenizer import load_tokenizer
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.ops.graphs import micro_step_fn
-from hivetune.ops.lora_group import join_aside
+from hivetune.ops.lora_group import given_seeds, join_aside
 from hivetune.ops.loss import target_loss_sum
 
 
@@ -354,16 +355,36 @@ def split_validation(n: int, fraction: float, seed: int) -> tuple[list[int], lis
     return sorted(order[k:]), sorted(order[:k])
 
 
-def micro_batches(run: Run, example_ids: list[int], size: int = 0):
+def micro_batches(run: Run, example_ids: list[int], size: int = 0, step: int | None = None):
     """Tokenise the step's examples and cut them into micro-batches of `size` examples
-    (default batch_size: grad_accum micro-batches)."""
+    (default batch_size: grad_accum micro-batches); given the step's index, each carries its
+    dropout seeds (dropout_seeds)."""
     cfg = run.cfg
     size = size or cfg.batch_size
     examples = [run.data.example(i) for i in example_ids]
     pad = run.pad_id
-    for start in range(0, len(examples), size):
+    for k, start in enumerate(range(0, len(examples), size)):
         chunk = examples[start:start + size]
-        yield collate_packed(chunk, pad_id=pad) if cfg.packing else collate_padded(chunk, pad)
+        batch = collate_packed(chunk, pad_id=pad) if cfg.packing else collate_padded(chunk, pad)
+        batch.dropout_seeds = dropout_seeds(run, step, k) if step is not None else None
+        yield batch
+
+
+def dropout_seeds(run: Run, step: int, micro: int) -> torch.Tensor | None:
+    """The seeded LoRA dropout's seeds for micro-batch `micro` of step `step` on this rank: one
+    int64 a joined group call of the model's forward, drawn on the host from a generator seeded
+    by (run seed, rank, step, micro-batch). Given to the forward (lora_group.given_seeds), they
+    make its masks a function of the step plan alone: a resumed run draws what an unbroken one
+    does, and a CUDA graph reads them from its static inputs (ops.graphs) instead of drawing
+    from torch's CUDA generator. None where nothing is seeded: no LoRA dropout, or no joined
+    groups (lora.fuse_projections), or not on CUDA (the CPU's dropout draws from torch's
+    generator)."""
+    casts = getattr(run.model, "lora_casts", None)
+    if casts is None or run.device.type != "cuda" or run.cfg.lora.dropout <= 0:
+        return None
+    key = f"{run.cfg.seed}:{run.parallel.rank}:{step}:{micro}".encode()
+    generator = torch.Generator().manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little"))
+    return torch.randint(0, 2**31 - 1, (len(casts.slots),), generator=generator, dtype=torch.int64)
 
 
 def autocast(run: Run):
@@ -388,7 +409,7 @@ def forward_backward(run: Run, batch, n_targets: int, loss_fn) -> torch.Tensor:
     """One micro-batch: forward, loss over its targets divided by the step's target count,
     backward (gradients accumulate in the LoRA parameters). Returns the detached loss."""
     model = run.model
-    with autocast(run):
+    with autocast(run), given_seeds(batch.dropout_seeds):
         hidden = (run.module or model)(batch.input_ids, batch.position_ids, batch.layout)
         loss_sum = loss_fn(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
     loss = loss_sum / n_targets
@@ -443,13 +464,13 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     # CUDA with fused AdamW: a non-finite step is skipped by the optimizer kernel itself (its
     # found_inf input), so no step waits for the GPU; the host reads what happened in batches.
     ledger = StepLedger(deferred=defer_steps(run), started=t_start)
-    with _stop_signals() as stop, (run.sink or nullcontext()), quiet_gc():
+    settle = getattr(micro_step, "settle", None) or (lambda: None)  # ops.graphs' capture worker
+    with _stop_signals() as stop, (run.sink or nullcontext()), quiet_gc(), _finally(settle):
         while step < len(run.steps):
             example_ids = run.steps[step]
             n_targets = sum(run.data.n_targets[i] for i in example_ids)  # the whole step's, all ranks
             step_loss, step_tokens = accumulate_step(run, parallel.shard(example_ids, getattr(run.data, "lengths", None)),
-                                                     n_targets, micro_step,
-                                                     counters)
+                                                     n_targets, micro_step, counters, step)
             # One collective per step: loss and tokens summed over ranks, and whether any rank
             # got SIGINT / SIGTERM (all ranks must stop at the same step).
             step_loss, step_tokens, signal_flag = reduce_step(parallel, step_loss, step_tokens, stop.signum,
@@ -512,6 +533,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
             if not ledger.due(validate or save_now or done == len(run.steps) or done == stop_after or signal_flag is True):
                 step = done
                 continue
+            settle()  # no graph capture on the worker beside what follows (evaluation, checkpoints...)
             records, bad_run_end, signalled = ledger.read(counters, cfg.max_bad_steps)
             for record in records:
                 loss_value = record["loss"]
@@ -552,7 +574,16 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
                        stopped_early=done < len(run.steps))
 
 
-def accumulate_step(run: Run, example_ids: list[int], n_targets: int, micro_step, counters: dict):
+@contextmanager
+def _finally(fn):
+    try:
+        yield
+    finally:
+        fn()
+
+
+def accumulate_step(run: Run, example_ids: list[int], n_targets: int, micro_step, counters: dict,
+                    step: int | None = None):
     """Forward + backward of this rank's examples of one step, counters["micro_batch"] examples
     per micro-batch; returns (summed loss, tokens). On a CUDA out-of-memory error: with `auto`,
     halve the micro-batch and redo the step (same examples, same gradient); else stop with a
@@ -563,7 +594,7 @@ def accumulate_step(run: Run, example_ids: list[int], n_targets: int, micro_step
         step_tokens = 0
         batches = []
         try:
-            batches = list(micro_batches(run, example_ids, size))
+            batches = list(micro_batches(run, example_ids, size, step))
             for k, batch in enumerate(batches):
                 # FSDP: the gradient collective runs once, after the last micro-batch (ddp: after the step).
                 with distributed.gradient_sync(run.module, run.strategy, k == len(batches) - 1):

@@ -140,6 +140,7 @@ def test_planned_sizes_hold_every_micro_batch_and_the_timing_replay_adds_nothing
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-3, atol=1e-3)
     assert torch.nn.functional.cosine_similarity(got, want, dim=0).item() > 0.9999
     assert graphed.stats["capture_tokens"] > 0 and graphed.stats["sizes"]
+    graphed.settle()  # the sizes the capture worker still holds
     for tokens, segments in graphs.planned_micro_batches(run):
         size, seg = graphed.key_of(_fake(tokens, segments))
         assert seg == segments and size > tokens and (size, seg) in graphed.buckets
@@ -324,3 +325,48 @@ def test_lora_weight_gradients_on_a_side_stream_match_the_one_stream_graphs(tmp_
     assert ref_blocks == 0 and blocks == 3 * 4 * stats["graphs"]  # 3 layers x 4 groups a capture
     assert got == ref
     assert ref_grads.norm() > 0 and (got_grads - ref_grads).norm() / ref_grads.norm() < 3e-4
+
+
+def test_capture_worker_takes_its_sizes_at_their_due_calls(tmp_path, monkeypatch):
+    """The capture worker (a fresh run, several planned sizes, dropout seeded from fit's
+    micro-batches): the first call captures each segment count's largest size only; the worker
+    captures the others and each is taken at its due call, so two runs replay the same sizes in
+    the same order and give the same losses and gradients bit for bit, however fast the worker
+    was. Against the graphs all captured at once (worker off): the same micro-batches, the same
+    dropout seeds, larger sizes until the smaller ones are due: bf16 tolerance."""
+    from hivetune.train import micro_batches
+
+    monkeypatch.setattr(graphs, "capture_cost_tokens", lambda *a: 512.0)  # several sizes, spacing 2
+
+    def run_graphs(name, worker):
+        torch.manual_seed(0)
+        run, _ = small_run(tmp_path / name, batch_size=4, dropout=0.1)
+        run.model.train()
+        graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None, worker=worker)
+        out, keys, graphs_held = [], [], []
+        for index, step in enumerate(run.steps[:8]):
+            for batch in micro_batches(run, step, step=index):
+                assert batch.dropout_seeds is not None
+                keys.append(graphed.key_of(batch) if graphed.warmed else None)
+                out.append(graphed(batch, 1000).item())
+                graphs_held.append(len(graphed.buckets))
+        graphed.settle()
+        assert graphed.off is None
+        return out, grads_of(run), keys, graphs_held, graphed
+
+    ref, ref_grads, ref_keys, _, upfront = run_graphs("upfront", False)
+    first, first_grads, keys, held, worker = run_graphs("worker", True)
+    again, again_grads, keys_again, held_again, _ = run_graphs("worker-again", True)
+    planned = sum(len(s) for s in worker.sizes.values())
+    assert planned >= 3 and worker.stats["worker"] == planned - len(worker.sizes)
+    assert worker.stats["worker_spacing"] == 2 and worker.draws_nothing
+    assert upfront.stats["worker"] == 0 and upfront.stats["graphs"] == planned
+    # the largest at once, then one more every 2 calls from the third (due: 1 + 2 k), the rest at settle
+    assert held == [min(len(worker.sizes) + max(0, (i - 1) // 2), planned) for i in range(1, len(held) + 1)]
+    assert len(worker.buckets) == planned
+    assert held == held_again and keys == keys_again
+    assert first == again and torch.equal(first_grads, again_grads)
+    assert all(k[0] >= r[0] for k, r in zip(keys[1:], ref_keys[1:]))
+    assert any(k[0] > r[0] for k, r in zip(keys[1:], ref_keys[1:]))
+    assert first == pytest.approx(ref, rel=5e-3)
+    assert (first_grads - ref_grads).norm() / ref_grads.norm() < 2e-2

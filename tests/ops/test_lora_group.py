@@ -370,3 +370,38 @@ def test_wide_layout_only_where_micro_batches_are_small(monkeypatch):
         load_config(None, {"model": "random", "data": "generator", "wide_lora": "sometimes"})
     monkeypatch.setenv("HIVETUNE_REFERENCE", "wide_lora")
     assert not run("W1", 8, 199)
+
+
+def test_given_seeds_decide_the_dropout_masks_not_the_generator(monkeypatch):
+    """A forward inside lora_group.given_seeds takes every group call's dropout seed from the
+    given tensor (train.dropout_seeds; a CUDA graph's static inputs) and draws none from torch's
+    generator: the same seeds give the same loss and gradients, bit for bit, whatever the
+    generator's state; other seeds give other masks; without the block the generator decides."""
+    from hivetune.ops import elementwise
+    from hivetune.plan.measure import fused_layers_standin
+
+    model = with_lora(tiny("qwen2", True), 0.2).to(torch.bfloat16)
+    fuse_projections(model)
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(2))
+    n = len(model.lora_casts.slots)
+    seeds = torch.randint(0, 2**31 - 1, (n,), generator=torch.Generator().manual_seed(3))
+    with fused_layers_standin():
+        draws = []
+        real_draw = elementwise.new_dropout_seed
+        monkeypatch.setattr(elementwise, "new_dropout_seed", lambda *a, **k: draws.append(1) or real_draw(*a, **k))
+        results = []
+        for generator_seed, given in ((1, seeds), (2, seeds), (1, seeds + 1)):
+            torch.manual_seed(generator_seed)
+            with lg.given_seeds(given):
+                results.append(loss_and_grads(model, ids))
+        assert draws == []
+        drawn = []
+        for generator_seed in (1, 2):
+            torch.manual_seed(generator_seed)
+            drawn.append(loss_and_grads(model, ids))
+        assert len(draws) == 2  # one draw a forward for all groups
+    (loss_a, grads_a), (loss_b, grads_b), (loss_c, grads_c) = results
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+    assert not torch.equal(loss_a, loss_c)
+    assert not torch.equal(drawn[0][0], drawn[1][0])

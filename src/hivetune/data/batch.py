@@ -23,16 +23,20 @@ class MicroBatch:
     layout: Packed | None  # None: one example per row, right-padded
     n_examples: int
     n_tokens: int  # real (non-pad) tokens
+    # int64 [n]: the seeded LoRA dropout's seeds for this micro-batch's forward, one a group call
+    # (train.dropout_seeds; None: drawn from torch's CUDA generator, or no seeded dropout)
+    dropout_seeds: torch.Tensor | None = None
 
     def to(self, device) -> "MicroBatch":
         layout = self.layout
         if layout is not None:
             layout = Packed(layout.cu_seqlens.to(device, non_blocking=True), layout.max_seqlen, layout.lengths)
+        seeds = self.dropout_seeds.to(device, non_blocking=True) if self.dropout_seeds is not None else None
         return MicroBatch(self.input_ids.to(device, non_blocking=True),
                           self.position_ids.to(device, non_blocking=True),
                           self.target_index.to(device, non_blocking=True),
                           self.target_ids.to(device, non_blocking=True),
-                          layout, self.n_examples, self.n_tokens)
+                          layout, self.n_examples, self.n_tokens, seeds)
 
 
 def _targets(example: Encoded, row_start: int) -> tuple[list[int], list[int]]:

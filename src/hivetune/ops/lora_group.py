@@ -55,6 +55,10 @@ from hivetune.fastpath import forced
 from hivetune.ops import elementwise
 
 _ACTIVE: "CastCache | None" = None  # the cache refreshed by the model forward now running
+# The seeds the next refreshed forward's seeded dropouts take (int64 on the device, one a group
+# call), set by given_seeds: train draws them on the host per micro-batch, and a CUDA graph reads
+# them from its static inputs, so no graph draws from torch's CUDA generator.
+_GIVEN_SEEDS: "torch.Tensor | None" = None
 
 
 class _Kind:
@@ -145,7 +149,7 @@ class CastCache:
         with torch.no_grad():
             for kind in self.kinds:
                 kind.refresh(dtype)
-        self.seeds, self.seeds_used = None, 0
+        self.seeds, self.seeds_used = _GIVEN_SEEDS, 0
         self.dtype, previous, _ACTIVE = dtype, _ACTIVE, self
         try:
             yield
@@ -153,9 +157,10 @@ class CastCache:
             _ACTIVE = previous
 
     def next_seed(self, device) -> torch.Tensor:
-        """The seeded dropout's seed for the next group call of this forward: one draw of a seed
-        per group for the whole model at the first call (one kernel a forward, not one a group:
-        W1 ran 96 of them a step), then a view of the next one."""
+        """The seeded dropout's seed for the next group call of this forward: the next of the
+        seeds given for it (given_seeds), else one draw of a seed per group for the whole model
+        at the first call (one kernel a forward, not one a group: W1 ran 96 of them a step),
+        then a view of the next one."""
         if self.seeds is None or self.seeds_used == self.seeds.numel():
             self.seeds, self.seeds_used = elementwise.new_dropout_seed(device, len(self.slots)), 0
         self.seeds_used += 1
@@ -170,6 +175,19 @@ class CastCache:
         if any(x is not y for x, y in zip(a, a_params)) or any(x is not y for x, y in zip(b, b_params)):
             return None
         return kind.a_buf[layer], kind.bd_buf[layer]
+
+
+@contextmanager
+def given_seeds(seeds: torch.Tensor | None):
+    """The forwards refreshed inside this block take their dropout seeds from `seeds` (int64 on
+    the model's device, at least one per joined group call: train.dropout_seeds) instead of
+    drawing them from torch's CUDA generator. None: drawn, as without the block."""
+    global _GIVEN_SEEDS
+    previous, _GIVEN_SEEDS = _GIVEN_SEEDS, seeds
+    try:
+        yield
+    finally:
+        _GIVEN_SEEDS = previous
 
 
 def casts_active() -> bool:
@@ -276,10 +294,17 @@ def add_mm_fp32_(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: fl
     into.add_(mm_fp32(a, b), alpha=alpha)
 
 
+# The persistent .grad of each LoRA parameter (by id) while ops.graphs captures on its worker
+# thread: the training loop may set .grad to None between steps meanwhile (zero_grad), and the
+# captured backward must still add into the buffers every replay adds into.
+CAPTURE_GRADS: dict[int, torch.Tensor] = {}
+
+
 def grads_into(params, joined_rows: int = 0) -> tuple | None:
     """The .grad tensors the backward adds into (autograd then has nothing to accumulate), or
     None where it must hand fresh gradients to autograd: a parameter without a .grad yet (the
-    first micro-batch of an eager step, which autograd takes as it is, no copy), a .grad autograd
+    first micro-batch of an eager step, which autograd takes as it is, no copy; during a
+    background capture CAPTURE_GRADS stands in for a missing one), a .grad autograd
     would not simply add to, or grad mode on (a double backward). `joined_rows`: the .grads must
     also be consecutive in one buffer (GradArena), returned as one [n r, d] view.
     HIVETUNE_REFERENCE=grad_arena: always None (autograd accumulates, as before the arena)."""
@@ -287,7 +312,7 @@ def grads_into(params, joined_rows: int = 0) -> tuple | None:
         return None
     grads = []
     for p in params:
-        g = p.grad
+        g = p.grad if p.grad is not None else CAPTURE_GRADS.get(id(p))
         if g is None or g.dtype != p.dtype or g.shape != p.shape or not g.is_contiguous():
             return None
         grads.append(g)
