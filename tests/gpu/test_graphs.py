@@ -351,7 +351,7 @@ def test_capture_worker_takes_its_sizes_at_their_due_calls(tmp_path, monkeypatch
                 out.append(graphed(batch, 1000).item())
                 graphs_held.append(len(graphed.buckets))
         graphed.settle()
-        assert graphed.off is None
+        assert graphed.off is None and graphed.stats["worker_failed"] is None, graphed.stats
         return out, grads_of(run), keys, graphs_held, graphed
 
     ref, ref_grads, ref_keys, _, upfront = run_graphs("upfront", False)
@@ -370,3 +370,25 @@ def test_capture_worker_takes_its_sizes_at_their_due_calls(tmp_path, monkeypatch
     assert any(k[0] > r[0] for k, r in zip(keys[1:], ref_keys[1:]))
     assert first == pytest.approx(ref, rel=5e-3)
     assert (first_grads - ref_grads).norm() / ref_grads.norm() < 2e-2
+
+
+def test_a_failed_capture_leaves_the_generator_usable():
+    """A capture that fails midway leaves torch's CUDA generator in its capture state (capture_end
+    raises before its epilogue), where every later draw fails; release_generator (called on each
+    failed capture in ops.graphs) gives it back, seed and offset kept."""
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    seed = generator.initial_seed()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        with pytest.raises(Exception):
+            torch.cuda.synchronize()  # not allowed while capturing: the capture is invalidated
+        with pytest.raises(Exception):
+            graph.capture_end()
+    with pytest.raises(RuntimeError, match="Offset increment outside graph capture"):
+        torch.rand(4, device="cuda")
+    offset = generator.get_offset()
+    graphs.release_generator(torch.device("cuda"))
+    assert generator.initial_seed() == seed and generator.get_offset() == offset
+    assert torch.rand(4, device="cuda").shape == (4,)
+    assert generator.get_offset() > offset

@@ -473,7 +473,7 @@ class GraphedForwardBackward:
                       "instantiate_wait_s": 0.0,  # host time replays waited for their graph's instantiation
                       "deferred": 0, "deferred_idle": 0,  # captures after a replay; those the GPU ran dry in
                       # the capture worker's graphs, the calls between two, the host time waited for them
-                      "worker": 0, "worker_spacing": None, "worker_wait_s": 0.0}
+                      "worker": 0, "worker_spacing": None, "worker_wait_s": 0.0, "worker_failed": None}
         global last_stats, last_graphed
         last_stats = self.stats
         last_graphed = self if self.replay_events is not None else None
@@ -529,14 +529,30 @@ class GraphedForwardBackward:
         from hivetune.ops import lora_group
 
         lora_group.CAPTURE_GRADS.update({id(p): g for p, g in zip(self.params, self.grads)})
-        self.capturer = ThreadPoolExecutor(1, thread_name_prefix="hivetune-capture", initializer=torch.cuda.set_device,
-                                           initargs=(cuda_index(self.run.device),))
+        self.capturer = ThreadPoolExecutor(1, thread_name_prefix="hivetune-capture", initializer=self._worker_init)
         # The worker holds the GIL for most of a capture; this thread takes it back within this,
         # not the default 5 ms, after each call that released it (a replay, a copy).
         self.switch = sys.getswitchinterval()
         sys.setswitchinterval(min(self.switch, WORKER_SWITCH_S))
         for k, key in enumerate(keys, 1):
             self.waiting.append((self.calls + k * self.spacing, key, self.capturer.submit(self._capture_aside, key)))
+
+    def _worker_init(self) -> None:
+        """The worker thread's CUDA state, made before its first capture: its device, and its own
+        cuBLAS and cuBLASLt handles and their workspaces on the capture stream (torch keeps them
+        per thread; made during a capture, their allocations would invalidate it: "operation
+        failed due to a previous error during capture")."""
+        from hivetune.ops.lora_group import mm_fp32
+
+        torch.cuda.set_device(cuda_index(self.run.device))
+        with torch.cuda.stream(self.stream):
+            a = torch.ones(64, 64, dtype=torch.bfloat16, device=self.run.device)
+            torch.mm(a, a)
+            torch.addmm(a[0], a, a.t())
+            torch.nn.functional.linear(a, a, a[0])
+            a.addmm_(a, a)
+            mm_fp32(a, a.t())
+        self.stream.synchronize()
 
     def _capture_aside(self, key: tuple[int, int]):
         """The worker's job: capture (and instantiate) one graph; (its bucket, seconds)."""
@@ -554,10 +570,13 @@ class GraphedForwardBackward:
             t0 = time.perf_counter()
             try:
                 bucket, seconds = future.result()
-            except Exception as e:  # noqa: BLE001 - as in _capture_key: run eagerly from now on
+            except Exception as e:  # noqa: BLE001 - the graphs captured so far stay (their memory is theirs)
                 self._stop_worker()
                 torch.cuda.synchronize()
-                self._turn_off(f"capture of a {key[0]}-token bucket failed: {_first_line(e)}")
+                release_generator(self.run.device)
+                self.stats["worker_failed"] = f"{key[0]} tokens: {_first_line(e)}"
+                print(f"hivetune: capturing a {key[0]}-token graph on the worker failed ({_first_line(e)}); "
+                      "the sizes captured so far take every micro-batch", file=sys.stderr)
                 return
             finally:
                 self.stats["worker_wait_s"] = round(self.stats["worker_wait_s"] + time.perf_counter() - t0, 3)
@@ -842,6 +861,7 @@ class GraphedForwardBackward:
             bucket = self._capture_graph(key, bucket)
         except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly from now on
             torch.cuda.synchronize()
+            release_generator(self.run.device)
             self._turn_off(f"capture of a {key[0]}-token bucket failed: {_first_line(e)}")
             return False
         if self.background:
@@ -850,6 +870,15 @@ class GraphedForwardBackward:
         self.stats["graphs"] += 1
         self.stats["capture_each_s"].append(round(time.perf_counter() - t0, 3))
         return True
+
+
+def release_generator(device) -> None:
+    """After a failed capture: torch's CUDA generator of `device` as it was, out of the capture
+    state the aborted capture left it in (capture_end raised before its epilogue), where every
+    later random draw on the device would fail ("Offset increment outside graph capture
+    encountered unexpectedly"). Its state is replaced by a clone (seed and offset kept)."""
+    generator = torch.cuda.default_generators[cuda_index(device)]
+    generator.graphsafe_set_state(generator.clone_state())
 
 
 def with_buckets(batch: MicroBatch, bucket: int = BUCKET_TOKENS, pad_id: int = 0) -> MicroBatch:
