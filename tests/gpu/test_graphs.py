@@ -331,8 +331,7 @@ def test_capture_worker_takes_its_sizes_at_their_due_calls(tmp_path, monkeypatch
     """The capture worker (a fresh run, several planned sizes, dropout seeded from fit's
     micro-batches): the first call captures each segment count's largest size only; the worker
     captures the others and each is taken at its due call, so two runs replay the same sizes in
-    the same order and give the same losses and gradients bit for bit, however fast the worker
-    was. Against the graphs all captured at once (worker off): the same micro-batches, the same
+    the same order and give the same losses bit for bit, however fast the worker was. Against the graphs all captured at once (worker off): the same micro-batches, the same
     dropout seeds, larger sizes until the smaller ones are due: bf16 tolerance."""
     from hivetune.train import micro_batches
 
@@ -365,7 +364,8 @@ def test_capture_worker_takes_its_sizes_at_their_due_calls(tmp_path, monkeypatch
     assert held == [min(len(worker.sizes) + max(0, (i - 1) // 2), planned) for i in range(1, len(held) + 1)]
     assert len(worker.buckets) == planned
     assert held == held_again and keys == keys_again
-    assert first == again and torch.equal(first_grads, again_grads)
+    assert first == again  # bit for bit (flash attention's backward adds dq atomically: the gradients to 1e-3)
+    assert (first_grads - again_grads).norm() / first_grads.norm() < 1e-3
     assert all(k[0] >= r[0] for k, r in zip(keys[1:], ref_keys[1:]))
     assert any(k[0] > r[0] for k, r in zip(keys[1:], ref_keys[1:]))
     assert first == pytest.approx(ref, rel=5e-3)
