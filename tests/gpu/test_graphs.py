@@ -331,8 +331,9 @@ def test_capture_worker_takes_its_sizes_at_their_due_calls(tmp_path, monkeypatch
     """The capture worker (a fresh run, several planned sizes, dropout seeded from fit's
     micro-batches): the first call captures each segment count's largest size only; the worker
     captures the others and each is taken at its due call, so two runs replay the same sizes in
-    the same order and give the same losses bit for bit, however fast the worker was. Against the graphs all captured at once (worker off): the same micro-batches, the same
-    dropout seeds, larger sizes until the smaller ones are due: bf16 tolerance."""
+    the same order and give the same losses bit for bit, however fast the worker was. Against
+    the graphs all captured at once (worker off): the same micro-batches, the same dropout
+    seeds, larger sizes until the smaller ones are due: bf16 tolerance."""
     from hivetune.train import micro_batches
 
     monkeypatch.setattr(graphs, "capture_cost_tokens", lambda *a: 512.0)  # several sizes, spacing 2
