@@ -337,12 +337,14 @@ def test_capture_worker_takes_its_sizes_at_their_due_calls(tmp_path, monkeypatch
     from hivetune.train import micro_batches
 
     monkeypatch.setattr(graphs, "capture_cost_tokens", lambda *a: 512.0)  # several sizes, spacing 2
+    monkeypatch.setattr(graphs, "defers_captures", lambda *a: True)  # as if replays were long (W2 DDP)
 
     def run_graphs(name, worker):
         torch.manual_seed(0)
         run, _ = small_run(tmp_path / name, batch_size=4, dropout=0.1)
         run.model.train()
-        graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None, worker=worker)
+        graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None, worker=worker,
+                                                defer=None if worker else False)
         out, keys, graphs_held = [], [], []
         for index, step in enumerate(run.steps[:8]):
             for batch in micro_batches(run, step, step=index):

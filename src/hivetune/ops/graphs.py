@@ -33,10 +33,13 @@ HIVETUNE_REFERENCE=graph_instantiate instantiates inside capture_end, as before.
 graph is waited for at once (its timing replay), so the planner's capture cost still includes
 one instantiation.
 
-The capture worker. Where a fresh run plans more than one size for a segment count, only each
-count's largest is captured at the first micro-batch; the others are captured one after another
-on a worker thread while this thread replays: the GPU works through replays instead of waiting
-for each capture's host pass (~0.1-0.2 s on W1, 0.1-0.4 s on W2 under DDP). Which graph a
+The capture worker. Where a fresh run plans more than one size for a segment count and its
+replays are long (defers_captures: W2 under DDP), only each count's largest is captured at the
+first micro-batch; the others are captured one after another on a worker thread while this
+thread replays: the GPU works through replays instead of waiting for each capture's host pass
+(0.1-0.4 s on W2 under DDP). Not on W1 (~18 ms replays; 10.10 / 10.38 s with the worker against
+9.97 / 10.01 with the captures at once, H100, 3f72888): its loop's host work, ~8 ms a step,
+shares the GIL with the worker, which then was late (0.65-0.84 s waited for it). Which graph a
 micro-batch replays must not depend on how fast the worker is (the same run twice gives the same
 numbers), so each size has a due micro-batch: the k-th size the worker captures is taken from the
 call `spacing` k calls after the first (worker_spacing: a capture's cost in tokens of GPU work,
@@ -790,11 +793,12 @@ class GraphedForwardBackward:
             return planned_keys(self.run, self.bucket)
         capture_s, s_per_token = (sum(t[i] for t in timings) / len(timings) for i in (0, 1))
         capture_tokens = capture_cost_tokens(capture_s, s_per_token)
-        if self.worker and self.draws_nothing:  # the sizes after the largest go to the capture worker
+        long_replays = defers_captures(capture_s, s_per_token * sum(t for t, _ in micro) / len(micro))
+        if self.worker and self.draws_nothing and long_replays:  # the sizes after the largest: to the worker
             self.micro, self.spacing = micro, worker_spacing(capture_tokens, micro)
             self.stats["worker_spacing"] = self.spacing
         elif self.defer is None:
-            self.defer = defers_captures(capture_s, s_per_token * sum(t for t, _ in micro) / len(micro))
+            self.defer = long_replays
         self.stats["capture_tokens"] = round(capture_tokens)
         groups: dict[int, list[int]] = {}
         for t, segments in micro:
