@@ -337,7 +337,8 @@ def test_capture_worker_takes_its_sizes_at_their_due_calls(tmp_path, monkeypatch
     from hivetune.train import micro_batches
 
     monkeypatch.setattr(graphs, "capture_cost_tokens", lambda *a: 512.0)  # several sizes, spacing 2
-    monkeypatch.setattr(graphs, "defers_captures", lambda *a: True)  # as if replays were long (W2 DDP)
+    monkeypatch.setattr(graphs, "WORKER_MAX_REPLAYS", 1e9)  # as if replays were long (W2 under DDP)
+    monkeypatch.setattr(graphs, "WORKER_PLAN_SHARE", 1.0)  # the sizes the upfront run plans
 
     def run_graphs(name, worker):
         torch.manual_seed(0)

@@ -34,8 +34,8 @@ graph is waited for at once (its timing replay), so the planner's capture cost s
 one instantiation.
 
 The capture worker. Where a fresh run plans more than one size for a segment count and its
-replays are long (defers_captures: W2 under DDP), only each count's largest is captured at the
-first micro-batch; the others are captured one after another on a worker thread while this
+replays are long (a capture's host pass at most WORKER_MAX_REPLAYS replays: W2 under DDP), only
+each count's largest is captured at the first micro-batch; the others are captured one after another on a worker thread while this
 thread replays: the GPU works through replays instead of waiting for each capture's host pass
 (0.1-0.4 s on W2 under DDP). Not on W1 (~18 ms replays; 10.10 / 10.38 s with the worker against
 9.97 / 10.01 with the captures at once, H100, 3f72888): its loop's host work, ~8 ms a step,
@@ -117,6 +117,12 @@ MAX_GRAPHS = 48  # keys beyond this many run eagerly
 MAX_TFLOP_PER_MICRO_BATCH = float(os.environ.get("HIVETUNE_GRAPH_MAX_TFLOP", 60.0))  # env: experiments
 
 WORKER_SLACK = 1.5  # a worker's capture is given this many times its cost in replays (the GIL is shared)
+# The worker captures where a capture's host pass costs at most this many replays of the plan's
+# mean micro-batch (W2 under DDP: ~0.2 s against ~0.09 s; W1: ~0.2 s against ~0.018 s, off)...
+WORKER_MAX_REPLAYS = 6
+# ...and the planner then weighs each size's capture at this fraction of its host pass (the GPU
+# does not wait for it: only the larger graphs the micro-batches take until it is due cost).
+WORKER_PLAN_SHARE = 0.25
 WORKER_SWITCH_S = 0.0005  # the interpreter's switch interval while the worker captures (default 5 ms)
 
 last_stats: dict = {}  # the most recent GraphedForwardBackward's counters (read by the benchmark)
@@ -793,17 +799,19 @@ class GraphedForwardBackward:
             return planned_keys(self.run, self.bucket)
         capture_s, s_per_token = (sum(t[i] for t in timings) / len(timings) for i in (0, 1))
         capture_tokens = capture_cost_tokens(capture_s, s_per_token)
-        long_replays = defers_captures(capture_s, s_per_token * sum(t for t, _ in micro) / len(micro))
-        if self.worker and self.draws_nothing and long_replays:  # the sizes after the largest: to the worker
-            self.micro, self.spacing = micro, worker_spacing(capture_tokens, micro)
+        replay_s = s_per_token * sum(t for t, _ in micro) / len(micro)  # at the plan's mean micro-batch
+        plan_tokens = capture_tokens
+        if self.worker and self.draws_nothing and capture_s <= WORKER_MAX_REPLAYS * replay_s:
+            self.micro, self.spacing = micro, worker_spacing(capture_tokens, micro)  # the later sizes: to the worker
             self.stats["worker_spacing"] = self.spacing
+            plan_tokens = capture_tokens * WORKER_PLAN_SHARE
         elif self.defer is None:
-            self.defer = long_replays
+            self.defer = defers_captures(capture_s, replay_s)
         self.stats["capture_tokens"] = round(capture_tokens)
         groups: dict[int, list[int]] = {}
         for t, segments in micro:
             groups.setdefault(segments, []).append(t)
-        self.sizes = self.run.graph_sizes = {seg: plan_sizes(ts, capture_tokens) for seg, ts in groups.items()}
+        self.sizes = self.run.graph_sizes = {seg: plan_sizes(ts, plan_tokens) for seg, ts in groups.items()}
         self.stats["sizes"] = {seg: sizes for seg, sizes in self.sizes.items()}
         return [(size, seg) for seg, sizes in self.sizes.items() for size in sizes]
 
