@@ -122,7 +122,7 @@ WORKER_SLACK = 1.5  # a worker's capture is given this many times its cost in re
 WORKER_MAX_REPLAYS = 6
 # ...and the planner then weighs each size's capture at this fraction of its host pass (the GPU
 # does not wait for it: only the larger graphs the micro-batches take until it is due cost).
-WORKER_PLAN_SHARE = 0.25
+WORKER_PLAN_SHARE = float(os.environ.get("HIVETUNE_WORKER_PLAN_SHARE", 0.25))  # env: experiments
 WORKER_SWITCH_S = 0.0005  # the interpreter's switch interval while the worker captures (default 5 ms)
 
 last_stats: dict = {}  # the most recent GraphedForwardBackward's counters (read by the benchmark)
