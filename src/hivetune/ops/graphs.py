@@ -35,9 +35,10 @@ one instantiation.
 
 The capture worker. Where a fresh run plans more than one size for a segment count and its
 replays are long (a capture's host pass at most WORKER_MAX_REPLAYS replays: W2 under DDP), only
-each count's largest is captured at the first micro-batch; the others are captured one after another on a worker thread while this
-thread replays: the GPU works through replays instead of waiting for each capture's host pass
-(0.1-0.4 s on W2 under DDP). Not on W1 (~18 ms replays; 10.10 / 10.38 s with the worker against
+each count's largest is captured at the first micro-batch; the others are captured one after
+another on a worker thread while this thread replays (at most WORKER_LEAD ahead of the GPU): the
+GPU works through replays instead of waiting for each capture's host pass (0.1-0.4 s on W2 under
+DDP). Not on W1 (~18 ms replays; 10.10 / 10.38 s with the worker against
 9.97 / 10.01 with the captures at once, H100, 3f72888): its loop's host work, ~8 ms a step,
 shares the GIL with the worker, which then was late (0.65-0.84 s waited for it). Which graph a
 micro-batch replays must not depend on how fast the worker is (the same run twice gives the same
@@ -124,6 +125,11 @@ WORKER_MAX_REPLAYS = 6
 # does not wait for it: only the larger graphs the micro-batches take until it is due cost).
 WORKER_PLAN_SHARE = float(os.environ.get("HIVETUNE_WORKER_PLAN_SHARE", 0.25))  # env: experiments
 WORKER_SWITCH_S = 0.0005  # the interpreter's switch interval while the worker captures (default 5 ms)
+# While the worker captures, this thread queues at most this many replays ahead of the GPU and
+# waits for the oldest with the GIL released: a host further ahead blocks in a kernel launch (the
+# queue full) holding the GIL, and the worker starves (W2 under DDP, 2 x H100, f97d411: 0.6-0.7 s
+# a capture on the worker against 0.15-0.3 s on this thread, 1.3-1.5 s waited for it).
+WORKER_LEAD = 2
 
 last_stats: dict = {}  # the most recent GraphedForwardBackward's counters (read by the benchmark)
 last_graphed = None  # the most recent one, kept only with HIVETUNE_GRAPH_TIMING=1 (profiling)
@@ -471,6 +477,7 @@ class GraphedForwardBackward:
         self.worker = (defer is None and self.background and not forced("capture_worker")
                        and self._worker_safe()) if worker is None else worker
         self.capturer, self.waiting, self.calls, self.spacing, self.switch = None, [], 0, None, None
+        self.leads: list = []  # events of the replays queued while the worker captures
         self.off: str | None = None
         self.flops_per_token = 4 * run.model.args.linear_weight_count
         self.replay_events: list | None = [] if os.environ.get("HIVETUNE_GRAPH_TIMING") else None
@@ -508,8 +515,14 @@ class GraphedForwardBackward:
         if bucket is None:
             self.settle()  # this thread's capture uses the worker's stream and the autograd engine
             return self._capture(key, batch, padded, n_targets)
+        if self.capturer is not None:  # the worker captures: keep the GPU only WORKER_LEAD replays ahead
+            while len(self.leads) >= WORKER_LEAD:
+                self.leads.pop(0).synchronize()  # the GIL released while waiting
         bucket.load(padded, n_targets)
         self._replay(bucket)
+        if self.capturer is not None:
+            self.leads.append(torch.cuda.Event())
+            self.leads[-1].record()
         loss = bucket.loss.clone()  # now: the next replay of a graph in this pool may overwrite it
         if self.pending:
             self._capture_deferred()
@@ -603,7 +616,7 @@ class GraphedForwardBackward:
         from hivetune.ops import lora_group
 
         self.capturer.shutdown(wait=True, cancel_futures=True)
-        self.capturer, self.waiting = None, []
+        self.capturer, self.waiting, self.leads = None, [], []
         lora_group.CAPTURE_GRADS.clear()
         sys.setswitchinterval(self.switch)
 
