@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -464,8 +464,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     # CUDA with fused AdamW: a non-finite step is skipped by the optimizer kernel itself (its
     # found_inf input), so no step waits for the GPU; the host reads what happened in batches.
     ledger = StepLedger(deferred=defer_steps(run), started=t_start)
-    settle = getattr(micro_step, "settle", None) or (lambda: None)  # ops.graphs' capture worker
-    with _stop_signals() as stop, (run.sink or nullcontext()), quiet_gc(), _finally(settle):
+    with _stop_signals() as stop, (run.sink or nullcontext()), quiet_gc():
         while step < len(run.steps):
             example_ids = run.steps[step]
             n_targets = sum(run.data.n_targets[i] for i in example_ids)  # the whole step's, all ranks
@@ -533,7 +532,6 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
             if not ledger.due(validate or save_now or done == len(run.steps) or done == stop_after or signal_flag is True):
                 step = done
                 continue
-            settle()  # no graph capture on the worker beside what follows (evaluation, checkpoints...)
             records, bad_run_end, signalled = ledger.read(counters, cfg.max_bad_steps)
             for record in records:
                 loss_value = record["loss"]
@@ -572,14 +570,6 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     return TrainResult(run.folder, adapter, done, counters["last_loss"], tokens_done / max(seconds, 1e-9),
                        seconds, peak_memory_bytes(device), best_val_loss=counters["best_val_loss"],
                        stopped_early=done < len(run.steps))
-
-
-@contextmanager
-def _finally(fn):
-    try:
-        yield
-    finally:
-        fn()
 
 
 def accumulate_step(run: Run, example_ids: list[int], n_targets: int, micro_step, counters: dict,

@@ -140,7 +140,6 @@ def test_planned_sizes_hold_every_micro_batch_and_the_timing_replay_adds_nothing
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-3, atol=1e-3)
     assert torch.nn.functional.cosine_similarity(got, want, dim=0).item() > 0.9999
     assert graphed.stats["capture_tokens"] > 0 and graphed.stats["sizes"]
-    graphed.settle()  # the sizes the capture worker still holds
     for tokens, segments in graphs.planned_micro_batches(run):
         size, seg = graphed.key_of(_fake(tokens, segments))
         assert seg == segments and size > tokens and (size, seg) in graphed.buckets
@@ -327,55 +326,6 @@ def test_lora_weight_gradients_on_a_side_stream_match_the_one_stream_graphs(tmp_
     assert ref_grads.norm() > 0 and (got_grads - ref_grads).norm() / ref_grads.norm() < 3e-4
 
 
-def test_capture_worker_takes_its_sizes_at_their_due_calls(tmp_path, monkeypatch):
-    """The capture worker (a fresh run, several planned sizes, dropout seeded from fit's
-    micro-batches): the first call captures each segment count's largest size only; the worker
-    captures the others and each is taken at its due call, so two runs replay the same sizes in
-    the same order and give the same losses bit for bit, however fast the worker was. Against
-    the graphs all captured at once (worker off): the same micro-batches, the same dropout
-    seeds, larger sizes until the smaller ones are due: bf16 tolerance."""
-    from hivetune.train import micro_batches
-
-    monkeypatch.setattr(graphs, "capture_cost_tokens", lambda *a: 512.0)  # several sizes, spacing 2
-    monkeypatch.setattr(graphs, "WORKER_MAX_REPLAYS", 1e9)  # as if replays were long (W2 under DDP)
-    monkeypatch.setattr(graphs, "WORKER_PLAN_SHARE", 1.0)  # the sizes the upfront run plans
-
-    def run_graphs(name, worker):
-        torch.manual_seed(0)
-        run, _ = small_run(tmp_path / name, batch_size=4, dropout=0.1)
-        run.model.train()
-        graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None, worker=worker,
-                                                defer=None if worker else False)
-        out, keys, graphs_held = [], [], []
-        for index, step in enumerate(run.steps[:8]):
-            for batch in micro_batches(run, step, step=index):
-                assert batch.dropout_seeds is not None
-                keys.append(graphed.key_of(batch) if graphed.warmed else None)
-                out.append(graphed(batch, 1000).item())
-                graphs_held.append(len(graphed.buckets))
-        graphed.settle()
-        assert graphed.off is None and graphed.stats["worker_failed"] is None, graphed.stats
-        return out, grads_of(run), keys, graphs_held, graphed
-
-    ref, ref_grads, ref_keys, _, upfront = run_graphs("upfront", False)
-    first, first_grads, keys, held, worker = run_graphs("worker", True)
-    again, again_grads, keys_again, held_again, _ = run_graphs("worker-again", True)
-    planned = sum(len(s) for s in worker.sizes.values())
-    assert planned >= 3 and worker.stats["worker"] == planned - len(worker.sizes)
-    assert worker.stats["worker_spacing"] == 2 and worker.draws_nothing
-    assert upfront.stats["worker"] == 0 and upfront.stats["graphs"] == planned
-    # the largest at once, then one more every 2 calls from the third (due: 1 + 2 k), the rest at settle
-    assert held == [min(len(worker.sizes) + max(0, (i - 1) // 2), planned) for i in range(1, len(held) + 1)]
-    assert len(worker.buckets) == planned
-    assert held == held_again and keys == keys_again
-    assert first == again  # bit for bit (flash attention's backward adds dq atomically: the gradients to 1e-3)
-    assert (first_grads - again_grads).norm() / first_grads.norm() < 1e-3
-    assert all(k[0] >= r[0] for k, r in zip(keys[1:], ref_keys[1:]))
-    assert any(k[0] > r[0] for k, r in zip(keys[1:], ref_keys[1:]))
-    assert first == pytest.approx(ref, rel=5e-3)
-    assert (first_grads - ref_grads).norm() / ref_grads.norm() < 2e-2
-
-
 def test_a_failed_capture_leaves_the_generator_usable():
     """A capture that fails midway leaves torch's CUDA generator in its capture state (capture_end
     raises before its epilogue), where every later draw fails; release_generator (called on each
@@ -396,3 +346,32 @@ def test_a_failed_capture_leaves_the_generator_usable():
     assert generator.initial_seed() == seed and generator.get_offset() == offset
     assert torch.rand(4, device="cuda").shape == (4,)
     assert generator.get_offset() > offset
+
+
+def test_graphs_take_each_micro_batchs_dropout_seeds(tmp_path):
+    """fit's micro-batches carry their dropout seeds (train.dropout_seeds), which a graph reads
+    from its static inputs: replays of one micro-batch with its seeds give the same loss, bit for
+    bit (not fresh masks from torch's generator), that loss is eager's with those seeds (bf16,
+    other padding), and other seeds give other masks."""
+    from hivetune.train import micro_batches
+
+    run, _ = small_run(tmp_path, dropout=0.3)
+    run.model.train()
+    with torch.no_grad():  # LoRA large enough that the masks move the loss well beyond bf16 noise
+        for p in lora_parameters(run.model):
+            p.normal_(0, 0.1)
+    batch = next(iter(micro_batches(run, run.steps[0], step=0)))
+    assert batch.dropout_seeds is not None and batch.dropout_seeds.numel() == len(run.model.lora_casts.slots)
+    n = batch.target_ids.numel()
+    eager = forward_backward(run, batch.to("cuda"), n, fused_target_loss_sum).item()
+    graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None, bucket=128)
+    losses = []
+    for generator_seed in (1, 2, 3):  # warm-up + capture, then two replays; the generator plays no part
+        torch.manual_seed(generator_seed)
+        losses.append(graphed(batch, n).item())
+    assert graphed.stats["replays"] == 2 and graphed.n_seeds == batch.dropout_seeds.numel()
+    assert losses[1] == losses[2]
+    assert losses[1] == pytest.approx(eager, rel=5e-3)
+    other = micro_batches(run, run.steps[0], step=1)  # the same examples, the next step's seeds
+    moved = graphed(next(iter(other)), n).item()
+    assert abs(moved - losses[1]) > 5 * max(abs(losses[1] - eager), 1e-5)

@@ -304,22 +304,3 @@ def test_each_segment_counts_largest_size_is_captured_at_once():
     keys = [(1728, 10), (1600, 10), (1408, 10), (896, 7), (768, 7)]
     assert deferrable(keys) == {(1600, 10), (1408, 10), (768, 7)}
     assert deferrable([(1728, 10)]) == set() and deferrable([]) == set()
-
-
-def test_worker_spacing_and_order():
-    """The capture worker's schedule: a size is due `spacing` micro-batches after the one before
-    (a capture's cost in tokens, 1.5 times over, in micro-batches of the plan's mean size), and
-    the worker captures first the size that saves the most pad tokens given those held."""
-    from hivetune.ops.graphs import worker_order, worker_spacing
-
-    assert worker_spacing(16384, [(1591, 10)] * 4) == 16  # W1: 1.5 x 16,384 / 1,591 = 15.4
-    assert worker_spacing(4096, [(1400, 10), (1520, 10)]) == 5  # 1.5 x 4,096 / 1,460 = 4.2
-    assert worker_spacing(0, [(100, 2)]) == 1
-    # 10 micro-batches of ~600 tokens and 2 of ~1,000 under a held 1,088-token graph: 640 saves
-    # 10 x (1,088 - 640) pad tokens, 1,024 saves 2 x 64: 640 first
-    micro = [(600, 3)] * 10 + [(1000, 3)] * 2
-    assert worker_order([(640, 3), (1024, 3)], [(1088, 3)], micro) == [(640, 3), (1024, 3)]
-    # once 1,024 is held, 640 still saves the most; a size nothing fits saves nothing and goes last
-    assert worker_order([(640, 3), (320, 3)], [(1024, 3)], micro) == [(640, 3), (320, 3)]
-    # sizes of another segment count only count that count's micro-batches
-    assert worker_order([(640, 4), (640, 3)], [(1088, 3), (1088, 4)], micro) == [(640, 3), (640, 4)]

@@ -33,25 +33,6 @@ HIVETUNE_REFERENCE=graph_instantiate instantiates inside capture_end, as before.
 graph is waited for at once (its timing replay), so the planner's capture cost still includes
 one instantiation.
 
-The capture worker. Where a fresh run plans more than one size for a segment count and its
-replays are long (a capture's host pass at most WORKER_MAX_REPLAYS replays: W2 under DDP), only
-each count's largest is captured at the first micro-batch; the others are captured one after
-another on a worker thread while this thread replays (at most WORKER_LEAD ahead of the GPU): the
-GPU works through replays instead of waiting for each capture's host pass (0.1-0.4 s on W2 under
-DDP). Not on W1 (~18 ms replays; 10.10 / 10.38 s with the worker against
-9.97 / 10.01 with the captures at once, H100, 3f72888): its loop's host work, ~8 ms a step,
-shares the GIL with the worker, which then was late (0.65-0.84 s waited for it). Which graph a
-micro-batch replays must not depend on how fast the worker is (the same run twice gives the same
-numbers), so each size has a due micro-batch: the k-th size the worker captures is taken from the
-call `spacing` k calls after the first (worker_spacing: a capture's cost in tokens of GPU work,
-1.5 times over, in micro-batches of the plan's mean size); the thread waits for it there if the
-worker is late. The worker captures the size that saves the most padding next (worker_order).
-Until its size is due, a micro-batch takes the smallest size due that holds it. Everything else
-this thread would run on the GPU beside a capture (an eager micro-batch, a capture of its own, an
-evaluation, a checkpoint, the end of training) first waits for the worker (``settle``). The
-captured backward adds into the persistent gradients even while the loop has set .grad to None
-(lora_group.CAPTURE_GRADS). HIVETUNE_REFERENCE=capture_worker: defers_captures decides, as before.
-
 All graphs share one memory pool; each replay's loss is cloned at once, so no graph's output is
 alive while another replays. Gradients accumulate in place into persistent .grad tensors, views
 of one buffer (lora_group.GradArena) that LoRAGroup's backward adds into; the LoRA parameters
@@ -62,7 +43,7 @@ host per step and micro-batch), which a bucket's static inputs hold like the tok
 replay gets its micro-batch's masks and no graph draws from torch's CUDA generator. (A caller's
 micro-batch without seeds gets seeds drawn on the host at load; and where the model's dropout
 is not the seeded one, the graphs draw from the CUDA generator, whose offset each replay
-advances, and the capture worker stays off.)
+advances.)
 
 Falls back to eager with one line on stderr when the run is on CUDA but cannot be graphed
 (fp16 loss scaling, no flash varlen attention, gradient checkpointing, FSDP, a failed capture).
@@ -105,31 +86,24 @@ MAX_GRAPHS = 48  # keys beyond this many run eagerly
 # stayed 3 of 3, so something else still drains the queue before a capture. Its 2-GPU test (a
 # 6-step `hivetune train`) timed out, and a graph that captured a collective must be destroyed
 # before destroy_process_group, which otherwise waits for it for good (pytorch#115388).
-# The capture worker (below) was first written in session 20 and held back: capture_begin's
-# generator prologue fills the CUDA generator's graph offset on the capture stream, unordered
-# against this thread's replays, whose own prologue fills it too (a replay could repeat an earlier
-# one's dropout masks). Since the graphs take their dropout seeds from their static inputs, no
-# replay reads that offset, and the worker runs only where the warm-up step drew nothing.
+# Capturing the sizes after each segment count's largest on a worker thread while this thread
+# replays (each size taken at a due call, so the run stays deterministic) was tried and removed
+# (session 21; the code is in git at d6b00fa). It needed the graphs' dropout seeds in their static
+# inputs (capture_begin's generator prologue would otherwise race the replays' own) and the
+# worker's own cuBLAS / cuBLASLt handles made before its first capture (made inside one, their
+# allocations invalidate it). It lost everywhere: W1 (H100) 10.10 / 10.38 s against 9.97 / 10.01
+# with the captures at once (the loop's ~8 ms of host work a step shares the GIL, and the worker
+# was 0.65-0.84 s late); W2 under DDP (2 x H100) 10.93 / 10.96 s, and 10.61 s with the loop held
+# to 2 replays ahead of the GPU (waiting with the GIL released), against 10.44 / 10.56 / 10.33 s
+# with the deferred captures: each capture on the worker took 0.5-0.76 s against 0.1-0.34 s on
+# this thread (capture_begin also waits for the NCCL work in flight, which the loop renews each
+# step), so the loop waited 0.9-1.5 s for it.
 # Above this many matmul TFLOP per micro-batch (4 x linear weights x tokens) the GPU outruns the
 # host's dispatch anyway: W2 (7B) with 16 examples (~2,900 tokens: ~82 TFLOP) measured 23.8 s with
 # graphs against 21.4 s eager (capture time, padding) and 65 against 40 GiB reserved. With 8
 # examples (~46 TFLOP; W2 on 2 GPUs, or 2 x 8 on one) the eager step is dispatch-bound: 6,463
 # against ~13,700 tokens/s with 16 (H100, faae9e6).
 MAX_TFLOP_PER_MICRO_BATCH = float(os.environ.get("HIVETUNE_GRAPH_MAX_TFLOP", 60.0))  # env: experiments
-
-WORKER_SLACK = 1.5  # a worker's capture is given this many times its cost in replays (the GIL is shared)
-# The worker captures where a capture's host pass costs at most this many replays of the plan's
-# mean micro-batch (W2 under DDP: ~0.2 s against ~0.09 s; W1: ~0.2 s against ~0.018 s, off)...
-WORKER_MAX_REPLAYS = 6
-# ...and the planner then weighs each size's capture at this fraction of its host pass (the GPU
-# does not wait for it: only the larger graphs the micro-batches take until it is due cost).
-WORKER_PLAN_SHARE = float(os.environ.get("HIVETUNE_WORKER_PLAN_SHARE", 0.25))  # env: experiments
-WORKER_SWITCH_S = 0.0005  # the interpreter's switch interval while the worker captures (default 5 ms)
-# While the worker captures, this thread queues at most this many replays ahead of the GPU and
-# waits for the oldest with the GIL released: a host further ahead blocks in a kernel launch (the
-# queue full) holding the GIL, and the worker starves (W2 under DDP, 2 x H100, f97d411: 0.6-0.7 s
-# a capture on the worker against 0.15-0.3 s on this thread, 1.3-1.5 s waited for it).
-WORKER_LEAD = 2
 
 last_stats: dict = {}  # the most recent GraphedForwardBackward's counters (read by the benchmark)
 last_graphed = None  # the most recent one, kept only with HIVETUNE_GRAPH_TIMING=1 (profiling)
@@ -302,48 +276,6 @@ def deferrable(keys: list[tuple[int, int]]) -> set[tuple[int, int]]:
     return {(t, seg) for t, seg in keys if t < largest[seg]}
 
 
-def worker_spacing(capture_tokens: float, micro: list[tuple[int, int]]) -> int:
-    """Micro-batches between two sizes the capture worker hands over: a capture's cost in tokens
-    of GPU work (capture_cost_tokens: a power of two, so the same from run to run), WORKER_SLACK
-    times over, in micro-batches of the plan's mean token count. W1 (16,384 tokens a capture,
-    1,591 a micro-batch): 16; W2 under DDP (4,096, ~1,460): 5."""
-    mean = sum(t for t, _ in micro) / max(len(micro), 1)
-    return max(1, math.ceil(WORKER_SLACK * capture_tokens / max(mean, 1.0)))
-
-
-def worker_order(later: list[tuple[int, int]], held: list[tuple[int, int]],
-                 micro: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The order in which the worker captures the keys `later`: each next the one that saves the
-    most pad tokens over the plan's micro-batches `micro` ((tokens, segments)), given the keys
-    `held` (captured at once) and those ordered before it; ties go to the larger size."""
-    counts: dict[int, dict[int, list[int]]] = {}  # segments -> bucket -> [count, tokens]
-    for t, seg in micro:
-        entry = counts.setdefault(seg, {}).setdefault(bucket_tokens(t, GRAIN), [0, 0])
-        entry[0] += 1
-        entry[1] += t
-    sizes = {seg: sorted(t for t, s in held if s == seg) for seg in {s for _, s in (*later, *held)}}
-
-    def smallest(seg: int, need: int) -> int | None:
-        return next((size for size in sizes[seg] if size >= need), None)
-
-    def saved(key: tuple[int, int]) -> int:
-        size, seg = key
-        gain = 0
-        for need, (n, _) in counts.get(seg, {}).items():
-            now = smallest(seg, need)
-            if need <= size and now is not None and now > size:
-                gain += n * (now - size)
-        return gain
-
-    order, left = [], sorted(set(later), reverse=True)
-    while left:
-        best = max(left, key=lambda k: (saved(k), k[0]))
-        left.remove(best)
-        order.append(best)
-        sizes[best[1]] = sorted(sizes[best[1]] + [best[0]])
-    return order
-
-
 def saved_sizes(run) -> dict[int, list[int]] | None:
     """This rank's graph sizes from the checkpoint the run resumed from (train.save_all_ranks
     keeps every rank's), or None: a fresh run, or one resumed on another number of processes
@@ -442,7 +374,7 @@ class GraphedForwardBackward:
     """Callable ``(batch, n_targets) -> loss``, replaying one CUDA graph per token bucket."""
 
     def __init__(self, run, loss_fn, eager, bucket: int = 0, max_graphs: int = MAX_GRAPHS,
-                 defer: bool | None = None, worker: bool | None = None):
+                 defer: bool | None = None):
         from hivetune.model.lora import lora_parameters
         from hivetune.ops.lora_group import GradArena
 
@@ -468,16 +400,9 @@ class GraphedForwardBackward:
         self.instantiator = None  # the worker thread instantiating captured graphs (background)
         self.warmed = False
         self.n_seeds = 0  # dropout seeds a micro-batch (set at the warm-up: fit's micro-batches carry them)
-        self.draws_nothing = False  # whether the warm-up step drew nothing from torch's CUDA generator
         # Whether the planned sizes after the largest are captured one after each replay (see
         # defers_captures); None: as the plan's timing decides. The keys still to capture:
         self.defer, self.pending = defer, []
-        # The capture worker (see the module doc): None, or its thread once started; `waiting`:
-        # (due call, key, Future of (bucket, seconds)) in capture order; `calls`: micro-batches so far.
-        self.worker = (defer is None and self.background and not forced("capture_worker")
-                       and self._worker_safe()) if worker is None else worker
-        self.capturer, self.waiting, self.calls, self.spacing, self.switch = None, [], 0, None, None
-        self.leads: list = []  # events of the replays queued while the worker captures
         self.off: str | None = None
         self.flops_per_token = 4 * run.model.args.linear_weight_count
         self.replay_events: list | None = [] if os.environ.get("HIVETUNE_GRAPH_TIMING") else None
@@ -487,9 +412,7 @@ class GraphedForwardBackward:
                       "warmup_s": None, "capture_each_s": [],  # where capture_s went
                       "instantiate": "background" if self.background else "in capture",
                       "instantiate_wait_s": 0.0,  # host time replays waited for their graph's instantiation
-                      "deferred": 0, "deferred_idle": 0,  # captures after a replay; those the GPU ran dry in
-                      # the capture worker's graphs, the calls between two, the host time waited for them
-                      "worker": 0, "worker_spacing": None, "worker_wait_s": 0.0, "worker_failed": None}
+                      "deferred": 0, "deferred_idle": 0}  # captures after a replay; those the GPU ran dry in
         global last_stats, last_graphed
         last_stats = self.stats
         last_graphed = self if self.replay_events is not None else None
@@ -497,136 +420,28 @@ class GraphedForwardBackward:
     def __call__(self, batch: MicroBatch, n_targets: int) -> torch.Tensor:
         if not self.off and not self.buckets and not self.warmed:
             self._check_launch_bound(batch)
-        self.calls += 1
-        if self.waiting and not self.off:
-            self._collect()
         if self.off or not isinstance(batch.layout, Packed):
-            return self._eager(batch, n_targets)
+            self.stats["eager"] += 1
+            return self.eager(batch, n_targets)
         self._attach_grads()
         key = self.key_of(batch)
         tokens = key[0]
         bucket = self.buckets.get(key)
         full = bucket is None and len(self.buckets) >= self.max_graphs
         if full or (bucket is not None and not self._ready(bucket)):
-            return self._eager(batch, n_targets)
+            self.stats["eager"] += 1
+            return self.eager(batch, n_targets)
         padded = pad_packed_batch(batch, tokens, self.run.pad_id)
         self.stats["tokens"] += batch.input_ids.shape[1]
         self.stats["pad_tokens"] += tokens - batch.input_ids.shape[1]
         if bucket is None:
-            self.settle()  # this thread's capture uses the worker's stream and the autograd engine
             return self._capture(key, batch, padded, n_targets)
-        if self.capturer is not None:  # the worker captures: keep the GPU only WORKER_LEAD replays ahead
-            while len(self.leads) >= WORKER_LEAD:
-                self.leads.pop(0).synchronize()  # the GIL released while waiting
         bucket.load(padded, n_targets)
         self._replay(bucket)
-        if self.capturer is not None:
-            self.leads.append(torch.cuda.Event())
-            self.leads[-1].record()
         loss = bucket.loss.clone()  # now: the next replay of a graph in this pool may overwrite it
         if self.pending:
             self._capture_deferred()
         return loss
-
-    def _eager(self, batch: MicroBatch, n_targets: int) -> torch.Tensor:
-        self.settle()  # no eager forward / backward beside a capture on the worker
-        self.stats["eager"] += 1
-        return self.eager(batch, n_targets)
-
-    def _worker_safe(self) -> bool:
-        """Whether a capture on the worker thread adds every LoRA gradient into the persistent
-        buffer whatever the loop does to .grad meanwhile: every parameter in one of the model's
-        joined groups (LoRAGroup's backward adds into its .grad, or CAPTURE_GRADS), none left to
-        autograd's accumulation (which would take the graph's own tensor as a missing .grad)."""
-        casts = getattr(self.run.model, "lora_casts", None)
-        if casts is None or self.arena is None:
-            return False
-        grouped = {id(p) for a, b, _, _ in casts.slots.values() for p in (*a, *b)}
-        return all(id(p) in grouped for p in self.params)
-
-    def _start_worker(self, keys: list[tuple[int, int]]) -> None:
-        """Hand `keys` to the capture worker, in that order, each due `spacing` calls after the last."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from hivetune.ops import lora_group
-
-        lora_group.CAPTURE_GRADS.update({id(p): g for p, g in zip(self.params, self.grads)})
-        self.capturer = ThreadPoolExecutor(1, thread_name_prefix="hivetune-capture", initializer=self._worker_init)
-        # The worker holds the GIL for most of a capture; this thread takes it back within this,
-        # not the default 5 ms, after each call that released it (a replay, a copy).
-        self.switch = sys.getswitchinterval()
-        sys.setswitchinterval(min(self.switch, WORKER_SWITCH_S))
-        for k, key in enumerate(keys, 1):
-            self.waiting.append((self.calls + k * self.spacing, key, self.capturer.submit(self._capture_aside, key)))
-
-    def _worker_init(self) -> None:
-        """The worker thread's CUDA state, made before its first capture: its device, and its own
-        cuBLAS and cuBLASLt handles and their workspaces on the capture stream (torch keeps them
-        per thread; made during a capture, their allocations would invalidate it: "operation
-        failed due to a previous error during capture")."""
-        from hivetune.ops.lora_group import mm_fp32
-
-        torch.cuda.set_device(cuda_index(self.run.device))
-        with torch.cuda.stream(self.stream):
-            a = torch.ones(64, 64, dtype=torch.bfloat16, device=self.run.device)
-            torch.mm(a, a)
-            torch.addmm(a[0], a, a.t())
-            torch.nn.functional.linear(a, a, a[0])
-            a.addmm_(a, a)
-            mm_fp32(a, a.t())
-        self.stream.synchronize()
-
-    def _capture_aside(self, key: tuple[int, int]):
-        """The worker's job: capture (and instantiate) one graph; (its bucket, seconds)."""
-        t0 = time.perf_counter()
-        bucket = self._capture_graph(key)
-        if self.background:
-            bucket.graph.instantiate()
-        return bucket, time.perf_counter() - t0
-
-    def _collect(self, everything: bool = False) -> None:
-        """Take over the worker's graphs that are due by this call (all of them: `everything`),
-        waiting for those not done; a failed capture turns graphs off, as on this thread."""
-        while self.waiting and (everything or self.waiting[0][0] <= self.calls):
-            _, key, future = self.waiting.pop(0)
-            t0 = time.perf_counter()
-            try:
-                bucket, seconds = future.result()
-            except Exception as e:  # noqa: BLE001 - the graphs captured so far stay (their memory is theirs)
-                self._stop_worker()
-                torch.cuda.synchronize()
-                release_generator(self.run.device)
-                self.stats["worker_failed"] = f"{key[0]} tokens: {_first_line(e)}"
-                print(f"hivetune: capturing a {key[0]}-token graph on the worker failed ({_first_line(e)}); "
-                      "the sizes captured so far take every micro-batch", file=sys.stderr)
-                return
-            finally:
-                self.stats["worker_wait_s"] = round(self.stats["worker_wait_s"] + time.perf_counter() - t0, 3)
-            self.buckets[key] = bucket
-            self.stats["graphs"] += 1
-            self.stats["worker"] += 1
-            self.stats["capture_each_s"].append(round(seconds, 3))
-        if not self.waiting:
-            self._stop_worker()
-
-    def _stop_worker(self) -> None:
-        """Wait for the worker's jobs (results dropped: _collect took what it wanted) and end it."""
-        if self.capturer is None:
-            return
-        from hivetune.ops import lora_group
-
-        self.capturer.shutdown(wait=True, cancel_futures=True)
-        self.capturer, self.waiting, self.leads = None, [], []
-        lora_group.CAPTURE_GRADS.clear()
-        sys.setswitchinterval(self.switch)
-
-    def settle(self) -> None:
-        """Every graph the worker has yet to hand over, taken now (waiting for it): before anything
-        that must not run beside a capture (fit calls it before evaluating, checkpointing and at
-        the end). A no-op without a worker."""
-        if self.waiting and not self.off:
-            self._collect(everything=True)
-        self._stop_worker()
 
     def _capture_deferred(self) -> None:
         """The next deferred size, captured while the GPU runs the replay just queued (and what
@@ -728,13 +543,8 @@ class GraphedForwardBackward:
             bucket.load(padded, n_targets)
             main = torch.cuda.current_stream()
             self.stream.wait_stream(main)
-            generator = torch.cuda.default_generators[cuda_index(self.run.device)]
-            offset = generator.get_offset()
             with torch.cuda.stream(self.stream):
                 loss = self._body(bucket)
-            # Whether the step drew from torch's CUDA generator (graphs of it would too): the
-            # capture worker needs graphs that draw nothing (see the module doc)
-            self.draws_nothing = generator.get_offset() == offset
             main.wait_stream(self.stream)
             loss.record_stream(main)
             self.warmed = True
@@ -745,17 +555,12 @@ class GraphedForwardBackward:
             torch.cuda.empty_cache()
             keys = self._plan(batch) if self.planned else planned_keys(self.run, self.bucket)
             keys = sorted(set(keys) | {self.key_of(batch)}, reverse=True)[:self.max_graphs]
-            aside = self.worker and self.spacing is not None and self.draws_nothing
-            later = deferrable(keys) if self.defer or aside else set()
+            later = deferrable(keys) if self.defer else set()
             for planned in keys:
                 if planned in later and planned not in self.buckets:
                     self.pending.append(planned)
                 elif self.off or (planned not in self.buckets and not self._capture_key(planned, None)):
                     break
-            if aside and self.pending and not self.off:
-                held = [k for k in keys if k not in later]
-                self._start_worker(worker_order(self.pending, held, self.micro))
-                self.pending = []
         elif self._capture_key(key, None) and self._ready(self.buckets[key]):
             bucket = self.buckets[key]
             bucket.load(padded, n_targets)
@@ -812,19 +617,13 @@ class GraphedForwardBackward:
             return planned_keys(self.run, self.bucket)
         capture_s, s_per_token = (sum(t[i] for t in timings) / len(timings) for i in (0, 1))
         capture_tokens = capture_cost_tokens(capture_s, s_per_token)
-        replay_s = s_per_token * sum(t for t, _ in micro) / len(micro)  # at the plan's mean micro-batch
-        plan_tokens = capture_tokens
-        if self.worker and self.draws_nothing and capture_s <= WORKER_MAX_REPLAYS * replay_s:
-            self.micro, self.spacing = micro, worker_spacing(capture_tokens, micro)  # the later sizes: to the worker
-            self.stats["worker_spacing"] = self.spacing
-            plan_tokens = capture_tokens * WORKER_PLAN_SHARE
-        elif self.defer is None:
-            self.defer = defers_captures(capture_s, replay_s)
+        if self.defer is None:
+            self.defer = defers_captures(capture_s, s_per_token * sum(t for t, _ in micro) / len(micro))
         self.stats["capture_tokens"] = round(capture_tokens)
         groups: dict[int, list[int]] = {}
         for t, segments in micro:
             groups.setdefault(segments, []).append(t)
-        self.sizes = self.run.graph_sizes = {seg: plan_sizes(ts, plan_tokens) for seg, ts in groups.items()}
+        self.sizes = self.run.graph_sizes = {seg: plan_sizes(ts, capture_tokens) for seg, ts in groups.items()}
         self.stats["sizes"] = {seg: sizes for seg, sizes in self.sizes.items()}
         return [(size, seg) for seg, sizes in self.sizes.items() for size in sizes]
 
@@ -853,44 +652,39 @@ class GraphedForwardBackward:
             self.stats["instantiate_wait_s"] = round(self.stats["instantiate_wait_s"] + time.perf_counter() - t0, 3)
         return True
 
-    def _capture_graph(self, key, bucket: _Bucket | None = None) -> _Bucket:
-        """Capture the graph of `key` into `bucket` (a new one by default); raises if it fails."""
+    def _capture_key(self, key, bucket: _Bucket | None) -> bool:
+        t0 = time.perf_counter()
         bucket = bucket or _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device, self.n_seeds)
         # Background: capture_end leaves the graph uninstantiated, and the worker thread
         # instantiates it (the driver's part, GIL released) while this thread captures the next
         # one or replays others. "thread_local": the capture forbids unsafe CUDA calls in this
-        # thread only, so the worker's instantiation (and, with the capture worker, the loop's
-        # replays, copies and optimizer steps on its own thread) are not among them.
+        # thread only, so the worker's instantiation is not one of them.
         graph = torch.cuda.CUDAGraph(keep_graph=True) if self.background else torch.cuda.CUDAGraph()
-        # Not torch.cuda.graph: it synchronises the device first, which would idle the GPU
-        # for the whole host pass instead of letting it work through the queued replays
-        # (capture executes nothing, and replays run in stream order after them).
-        # capture_begin does run one thing, on the capture stream: it zeroes the CUDA
-        # generator's graph offset, which every replay's dropout reads. Ordered after the
-        # queued replays, and later work after it (GPU-side waits: the host goes on).
-        main = torch.cuda.current_stream()
-        self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):
-            graph.capture_begin(self.pool, capture_error_mode="thread_local" if self.background else "global")
-            try:
-                bucket.loss = self._body(bucket)
-            finally:
-                graph.capture_end()
-        main.wait_stream(self.stream)
-        bucket.graph = graph
-        return bucket
-
-    def _capture_key(self, key, bucket: _Bucket | None) -> bool:
-        t0 = time.perf_counter()
         try:
-            bucket = self._capture_graph(key, bucket)
+            # Not torch.cuda.graph: it synchronises the device first, which would idle the GPU
+            # for the whole host pass instead of letting it work through the queued replays
+            # (capture executes nothing, and replays run in stream order after them).
+            # capture_begin does run one thing, on the capture stream: it zeroes the CUDA
+            # generator's graph offset, which a replay drawing from the generator reads (not
+            # fit's: their seeds are static inputs). Ordered after the queued replays, and later
+            # work after it (GPU-side waits: the host goes on).
+            main = torch.cuda.current_stream()
+            self.stream.wait_stream(main)
+            with torch.cuda.stream(self.stream):
+                graph.capture_begin(self.pool, capture_error_mode="thread_local" if self.background else "global")
+                try:
+                    bucket.loss = self._body(bucket)
+                finally:
+                    graph.capture_end()
+            main.wait_stream(self.stream)
         except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly from now on
             torch.cuda.synchronize()
             release_generator(self.run.device)
             self._turn_off(f"capture of a {key[0]}-token bucket failed: {_first_line(e)}")
             return False
+        bucket.graph = graph
         if self.background:
-            bucket.ready = self._instantiator().submit(bucket.graph.instantiate)
+            bucket.ready = self._instantiator().submit(graph.instantiate)
         self.buckets[key] = bucket
         self.stats["graphs"] += 1
         self.stats["capture_each_s"].append(round(time.perf_counter() - t0, 3))

@@ -294,17 +294,10 @@ def add_mm_fp32_(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: fl
     into.add_(mm_fp32(a, b), alpha=alpha)
 
 
-# The persistent .grad of each LoRA parameter (by id) while ops.graphs captures on its worker
-# thread: the training loop may set .grad to None between steps meanwhile (zero_grad), and the
-# captured backward must still add into the buffers every replay adds into.
-CAPTURE_GRADS: dict[int, torch.Tensor] = {}
-
-
 def grads_into(params, joined_rows: int = 0) -> tuple | None:
     """The .grad tensors the backward adds into (autograd then has nothing to accumulate), or
     None where it must hand fresh gradients to autograd: a parameter without a .grad yet (the
-    first micro-batch of an eager step, which autograd takes as it is, no copy; during a
-    background capture CAPTURE_GRADS stands in for a missing one), a .grad autograd
+    first micro-batch of an eager step, which autograd takes as it is, no copy), a .grad autograd
     would not simply add to, or grad mode on (a double backward). `joined_rows`: the .grads must
     also be consecutive in one buffer (GradArena), returned as one [n r, d] view.
     HIVETUNE_REFERENCE=grad_arena: always None (autograd accumulates, as before the arena)."""
@@ -312,7 +305,7 @@ def grads_into(params, joined_rows: int = 0) -> tuple | None:
         return None
     grads = []
     for p in params:
-        g = p.grad if p.grad is not None else CAPTURE_GRADS.get(id(p))
+        g = p.grad
         if g is None or g.dtype != p.dtype or g.shape != p.shape or not g.is_contiguous():
             return None
         grads.append(g)
