@@ -94,8 +94,14 @@ def calibration(oom_model, tmp_path_factory):
                            max_steps=STEPS if size < EXAMPLES else 2))
         assert set(run.data.lengths) == {LENGTH}
         before = held_bytes()
+        before_allocated = torch.cuda.memory_allocated()
         fit(run, progress=False)  # resets the peak statistics when it starts
         added[size] = torch.cuda.max_memory_reserved() - before
+        print(f"{size} examples: reserved {before / 2**30:.2f} GiB before, +{added[size] / 2**30:.2f} at the peak; "
+              f"allocated {before_allocated / 2**30:.2f} before, "
+              f"+{(torch.cuda.max_memory_allocated() - before_allocated) / 2**30:.2f}; "
+              f"stats {run.model.activation_offload is not None} {run.cfg.gradient_checkpointing} "
+              f"{run.cfg.lora_inputs} {getattr(run.model.lora_casts, 'keep_inputs', None)}")
         release(run)
     print(f"a step adds {added[EXAMPLES // 2] / 2**30:.2f} GiB with {EXAMPLES // 2} examples a micro-batch, "
           f"{added[EXAMPLES] / 2**30:.2f} GiB with {EXAMPLES}")
