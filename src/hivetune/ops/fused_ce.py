@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from hivetune.ops import blas
+
 try:  # Triton is optional: CPUs and GPUs without it take the PyTorch chunk
     import triton
     import triton.language as tl
@@ -82,11 +84,11 @@ def _triton_chunks(h_all, weight, targets, chunk_rows, ignore_index, grad_rows):
     for start in range(0, h_all.shape[0], chunk_rows):
         h = h_all[start:start + chunk_rows]
         logits = buf[:h.shape[0]]  # [c, V] in the compute dtype; the kernel turns it into the gradient
-        torch.mm(h, weight.t(), out=logits)
+        blas.gemm(h, weight.t(), logits)
         _ce_rows[(h.shape[0],)](logits, targets[start:start + chunk_rows], row_loss[start:],
                                 logits.stride(0), vocab, ignore, BLOCK=CE_BLOCK, num_warps=8)
         if grad_rows is not None:
-            torch.mm(logits, weight, out=grad_rows[start:start + chunk_rows])
+            blas.gemm(logits, weight, grad_rows[start:start + chunk_rows])
     return row_loss.sum()
 
 

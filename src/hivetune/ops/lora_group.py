@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from hivetune.fastpath import forced
-from hivetune.ops import elementwise
+from hivetune.ops import blas, elementwise
 
 _ACTIVE: "CastCache | None" = None  # the cache refreshed by the model forward now running
 # The seeds the next refreshed forward's seeded dropouts take (int64 on the device, one a group
@@ -208,6 +208,8 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tenso
     """alpha a @ b with a float32 result: one kernel on CUDA for bf16 / fp16 inputs (cuBLAS
     writes fp32), else the matmul then a cast (a no-op for fp32 inputs)."""
     global _MM_OUT_DTYPE
+    if a.is_cuda and a.dtype != torch.float32 and blas.available(a.device):
+        return blas.gemm(a, b, alpha=alpha, out_dtype=torch.float32)
     if alpha != 1.0:
         out = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
         add_mm_fp32_(out, a, b, alpha)
@@ -284,6 +286,9 @@ def add_mm_fp32_(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: fl
     cuBLAS's epilogue (beta = 1); elsewhere the product then the add, which is what autograd's
     gradient accumulation does (the same bits)."""
     global _ADDMM_OUT_DTYPE
+    if a.is_cuda and a.dtype != torch.float32 and blas.available(a.device):
+        blas.gemm(a, b, into, alpha, 1.0)
+        return
     if _ADDMM_OUT_DTYPE is not False and a.is_cuda and a.dtype != torch.float32:
         try:
             torch.addmm(into, a, b, alpha=alpha, out_dtype=torch.float32, out=into)
@@ -410,20 +415,20 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
         if wide is not None:  # xa into x's free columns; kept apart for backward (x is not kept)
             joined = x2.as_strided((x2.shape[0], d + k), x2.stride())
             slot = joined[:, d:]
-            torch.addmm(slot, xd, a_all.t(), beta=0, alpha=scale, out=slot)
+            blas.gemm(xd, a_all.t(), slot, scale)
             if xd is x2:  # kept for backward: a view made after the write (autograd checks)
                 xd = joined[:, :d]
             xa, x2, w = slot.contiguous(), joined, wide
         else:
             xa = x2.new_empty((x2.shape[0], k))
-            torch.addmm(xa, xd, a_all.t(), beta=0, alpha=scale, out=xa)  # s (xd A^T): the scale is free
+            blas.gemm(xd, a_all.t(), xa, scale)  # s (xd A^T): the scale is free
     r2 = residual.reshape(-1, w.shape[0]) if residual is not None else None
     if r2 is not None and bias is None and r2.dtype == dtype and not forced("residual_epilogue"):
-        y, r2 = torch.addmm(r2, x2, w.t()), None  # residual + x W^T in one kernel
+        y, r2 = blas.gemm(x2, w.t(), beta=1.0, c=r2), None  # residual + x W^T in one kernel
     else:
-        y = torch.mm(x2, w.t()) if bias is None else F.linear(x2, w, bias.to(dtype))  # (mm: less dispatch than linear)
+        y = blas.gemm(x2, w.t()) if bias is None else F.linear(x2, w, bias.to(dtype))  # (less dispatch than linear)
     if wide is None:
-        y.addmm_(xa, bd.t())
+        blas.gemm(xa, bd.t(), y, 1.0, 1.0)
     else:
         w = w[:, :d]
     if r2 is not None:
@@ -449,12 +454,12 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
     if ctx.wide:  # [g W | g Bd] in one matmul; the scale then rides in the matmuls reading g Bd
         d, k = w.shape[1], a_all.shape[0]
         joined = g.new_empty((g.shape[0], w.stride(0)))[:, :d + k]  # rows as aligned as the weight's
-        torch.mm(g, w.as_strided((w.shape[0], d + k), w.stride()), out=joined)
+        blas.gemm(g, w.as_strided((w.shape[0], d + k), w.stride()), joined)
         gw, g_xa, alpha = joined[:, :d], joined[:, d:], ctx.scale
     else:
         gw, alpha = None, 1.0
         g_xa = torch.empty((g.shape[0], a_all.shape[0]), dtype=g.dtype, device=g.device)
-        torch.addmm(g_xa, g, bd, beta=0, alpha=ctx.scale, out=g_xa)  # d loss / d (xd A^T)
+        blas.gemm(g, bd, g_xa, ctx.scale)  # d loss / d (xd A^T)
     # A's gradient first: a recomputed xd (down_proj: [T, I]) is freed before grad_x is made.
     # Where the parameters have their .grad (GradArena), added into it: autograd gets None.
     n = len(sizes)
@@ -506,17 +511,17 @@ def _input_grads(ctx, g, gw, g_xa, a_all, mask, w, alpha, given, in_matmul):
     grad_x = grad_xd = None
     if given:  # the dropout's backward is the caller's: g_xa A goes back as it is
         if ctx.needs_input_grad[0]:
-            grad_x = (gw if gw is not None else torch.mm(g, w)).view(ctx.x_shape)
+            grad_x = (gw if gw is not None else blas.gemm(g, w)).view(ctx.x_shape)
         if ctx.needs_input_grad[9]:
             grad_xd = _mm_scaled(g_xa, a_all, alpha).view(ctx.x_shape)
     elif ctx.needs_input_grad[0]:
-        grad_x = gw if gw is not None else torch.mm(g, w)
+        grad_x = gw if gw is not None else blas.gemm(g, w)
         if in_matmul:
             elementwise.matmul_drop_add_(grad_x, g_xa, a_all, mask, ctx.p)
         elif ctx.seeded:
-            elementwise.seeded_masked_add_(grad_x, torch.mm(g_xa, a_all), mask, ctx.p)
+            elementwise.seeded_masked_add_(grad_x, blas.gemm(g_xa, a_all), mask, ctx.p)
         elif mask is None:
-            grad_x.addmm_(g_xa, a_all, alpha=alpha)
+            blas.gemm(g_xa, a_all, grad_x, alpha, 1.0)
         else:
             masked_add_(grad_x, _mm_scaled(g_xa, a_all, alpha), mask, 1.0 / (1.0 - ctx.p))
         grad_x = grad_x.view(ctx.x_shape)
@@ -587,10 +592,7 @@ def join_aside() -> None:
 
 def _mm_scaled(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
     """alpha a @ b in one matmul (alpha in cuBLAS's epilogue)."""
-    if alpha == 1.0:
-        return torch.mm(a, b)
-    out = a.new_empty((a.shape[0], b.shape[1]))
-    return torch.addmm(out, a, b, beta=0, alpha=alpha, out=out)
+    return blas.gemm(a, b, alpha=alpha)
 
 
 def _casts(x2, weight, sizes, a_params, b_params, dtype):

@@ -1,0 +1,116 @@
+"""ops.blas.gemm on the GPU: each product the LoRA groups make, through the cached cuBLASLt plan,
+against torch's (the reference path), inside CUDA graphs too; the model's LoRA gradients with the
+plans against HIVETUNE_REFERENCE=cublaslt."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hivetune.model.lora import fuse_projections, lora_parameters
+from hivetune.ops import blas
+from hivetune.ops.loss import target_loss_sum
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def products(n=300, d=256, o=384, r=16, seed=0):
+    """(name, a, b, out, alpha, beta, c) for each form the groups call, the column slices of a
+    joined gradient and of xa included (their rows 64 bytes apart in the slice's start)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    x, w = torch.randn(n, d, generator=g, **bf), torch.randn(o, d, generator=g, **bf) / d ** 0.5
+    a_all, bd = torch.randn(3 * r, d, generator=g, **bf) / d ** 0.5, torch.randn(o, 3 * r, generator=g, **bf)
+    grad, xa = torch.randn(n, o, generator=g, **bf), torch.randn(n, 3 * r, generator=g, **bf)
+    res = torch.randn(n, o, generator=g, **bf)
+    f32 = dict(dtype=torch.float32, device="cuda")
+    return [
+        ("y = x W^T", x, w.t(), torch.empty(n, o, **bf), 1.0, 0.0, None),
+        ("y = res + x W^T", x, w.t(), torch.empty(n, o, **bf), 1.0, 1.0, res),
+        ("xa = s x A^T", x, a_all.t(), torch.empty(n, 3 * r, **bf), 2.0, 0.0, None),
+        ("y += xa Bd^T", xa, bd.t(), res.clone(), 1.0, 1.0, None),
+        ("g_xa = s g Bd", grad, bd, torch.empty(n, 3 * r, **bf), 2.0, 0.0, None),
+        ("dx = g W", grad, w, torch.empty(n, d, **bf), 1.0, 0.0, None),
+        ("dA += g_xa^T x", xa.t(), x, torch.randn(3 * r, d, generator=g, **f32), 1.0, 1.0, None),
+        ("dB_i = g_i^T xa_i", grad[:, o // 3:2 * o // 3].t(), xa[:, r:2 * r], torch.empty(o // 3, r, **f32), 1.0,
+         0.0, None),
+    ]
+
+
+def reference(a, b, out, alpha, beta, c):
+    """In fp32 (bf16 products are exact there), rounded to out's dtype."""
+    base = (c if c is not None else out).float()
+    return (alpha * (a.float() @ b.float()) + beta * base).to(out.dtype)
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_each_product_matches_torch_through_its_plan(case):
+    name, a, b, out, alpha, beta, c = products()[case]
+    assert blas.available(a.device)
+    want = reference(a, b, out, alpha, beta, c)
+    before = dict(blas.STATS)
+    got = blas.gemm(a, b, out, alpha, beta, c=c)
+    assert got is out and blas.STATS["lt"] == before["lt"] + 1, name  # the plan ran, not torch
+    tol = dict(rtol=1e-5, atol=1e-4) if out.dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(got, want, **tol, msg=name)
+    plans = blas.STATS["plans"]
+    blas.gemm(a, b, out.clone(), alpha, beta, c=c)  # same shapes, layouts, alignments: the same plan
+    assert blas.STATS["plans"] == plans
+
+
+def test_reference_env_takes_torch(monkeypatch):
+    name, a, b, out, alpha, beta, c = products()[0]
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "cublaslt")
+    before = dict(blas.STATS)
+    got = blas.gemm(a, b, out, alpha, beta)
+    assert blas.STATS["torch"] == before["torch"] + 1 and blas.STATS["lt"] == before["lt"]
+    assert torch.equal(got, torch.mm(a, b))
+
+
+def test_plans_replay_in_a_cuda_graph():
+    cases = products()
+    for _, a, b, out, alpha, beta, c in cases:  # eager first: plans, workspaces, kernels loaded
+        blas.gemm(a, b, out.clone(), alpha, beta, c=c)
+    torch.cuda.synchronize()
+    outs = [out.clone() for _, _, _, out, _, _, _ in cases]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for (_, a, b, _, alpha, beta, c), o in zip(cases, outs):
+            blas.gemm(a, b, o, alpha, beta, c=c)
+    fresh = products(seed=1)  # new inputs copied into the captured ones
+    starts = [out.clone() for _, _, _, out, _, _, _ in fresh]
+    for (_, a, b, _, _, _, c), (_, a2, b2, out2, _, _, c2), o, s in zip(cases, fresh, outs, starts):
+        a.copy_(a2), b.copy_(b2), o.copy_(s)
+        if c is not None:
+            c.copy_(c2)
+    graph.replay()
+    torch.cuda.synchronize()
+    for (name, a, b, _, alpha, beta, c), o, s in zip(cases, outs, starts):
+        want = reference(a, b, s, alpha, beta, c)
+        tol = dict(rtol=1e-5, atol=1e-4) if o.dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(o, want, **tol, msg=name)
+
+
+def test_model_gradients_with_the_plans_match_torchs(lora_model_and_batch, monkeypatch):
+    ref, batch = lora_model_and_batch
+    model = copy.deepcopy(ref)
+    fuse_projections(model)
+
+    def loss_and_grads():
+        for p in lora_parameters(model):
+            p.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            hidden = model(batch.input_ids, batch.position_ids, batch.layout)
+            loss = target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.flatten() for p in lora_parameters(model)])
+
+    before = blas.STATS["lt"]
+    loss, grads = loss_and_grads()
+    assert blas.STATS["lt"] > before  # the groups took the plans
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "cublaslt")
+    ref_loss, ref_grads = loss_and_grads()
+    assert loss == pytest.approx(ref_loss, rel=1e-3)
+    assert ((grads - ref_grads).norm() / ref_grads.norm()).item() < 1e-2
