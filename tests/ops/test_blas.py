@@ -1,6 +1,6 @@
 """ops.blas on the CPU: the reference path (torch) gives torch's own bits, for every form the
 LoRA groups call (beta 0 / 1, a separate C, fp32 output from bf16 inputs), and the layouts the
-cuBLASLt plans take or leave to torch. The cuBLASLt path itself: tests/gpu/test_blas.py."""
+cuBLASLt plans take or leave to torch. The cuBLASLt path itself: tests/gpu/test_cuda_blas.py."""
 
 from __future__ import annotations
 

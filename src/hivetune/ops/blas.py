@@ -16,7 +16,7 @@ transposed view (stride(0) == 1) is the other layout with the transpose flag set
 g^T cost no copy. Outputs must be row-major; inputs row- or column-major with 16-byte aligned
 leading dimensions (everything the LoRA groups pass).
 
-Fallback (the reference path, and the oracle in tests/gpu/test_blas.py): torch.mm / addmm with
+Fallback (the reference path, and the oracle in tests/gpu/test_cuda_blas.py): torch.mm / addmm with
 out=, on the CPU, without CUDA or the library, for any layout the plan does not take, and with
 HIVETUNE_REFERENCE=cublaslt.
 """
@@ -60,6 +60,9 @@ class _Lib:
             "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32, ctypes.POINTER(_HeuristicResult),
                                                ctypes.POINTER(i32)],
             "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp],
+            "cublasLtMatmulDescDestroy": [vp],
+            "cublasLtMatrixLayoutDestroy": [vp],
+            "cublasLtMatmulPreferenceDestroy": [vp],
         }
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
@@ -111,16 +114,26 @@ class _Plan:
                             (_PREF_ALIGN_D, d_align)):
             lib.set_attr(setter, pref, attr, value, ctypes.c_uint32)
         result, count = _HeuristicResult(), ctypes.c_int(0)
+        self.desc = desc
         status = lib.lib.cublasLtMatmulAlgoGetHeuristic(lib.handle, desc, self.b_layout, self.a_layout,
                                                         self.d_layout, self.d_layout, pref, 1,
                                                         ctypes.byref(result), ctypes.byref(count))
+        lib.lib.cublasLtMatmulPreferenceDestroy(pref)
         if status != 0 or count.value < 1:
+            self.destroy(lib)
             raise RuntimeError(f"cuBLASLt has no algorithm for {m}x{k} @ {k}x{n} (status {status})")
-        self.desc, self.algo = desc, result.algo
+        self.algo = result.algo
+
+    def destroy(self, lib: _Lib) -> None:
+        """Free the descriptors (a CUDA graph that captured this plan's call does not need them)."""
+        for layout in (self.a_layout, self.b_layout, self.d_layout):
+            lib.lib.cublasLtMatrixLayoutDestroy(layout)
+        lib.lib.cublasLtMatmulDescDestroy(self.desc)
 
 
 _LIB: _Lib | None | bool = None  # None: not tried yet; False: unavailable in this process
 _PLANS: dict[tuple, _Plan | None] = {}
+MAX_PLANS = 8192  # W2 makes ~14 a step (its token count changes each step); past this all are freed
 _WORKSPACES: dict[int, torch.Tensor] = {}  # raw stream -> its workspace
 _LOCK = threading.Lock()
 STATS = {"lt": 0, "torch": 0, "plans": 0}  # calls each way, plans made (tests and benches read them)
@@ -199,6 +212,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, alph
                    _alignment(pa), _alignment(pb), min(_alignment(po), _alignment(pc)))
             plan = _PLANS.get(key, False)
             if plan is False:
+                if len(_PLANS) >= MAX_PLANS:
+                    _clear(lib)
                 plan = _PLANS[key] = _plan(lib, a, b, out, key[-3:])
             if plan is not None:
                 stream = torch._C._cuda_getCurrentRawStream(key[7])
@@ -226,6 +241,14 @@ def _reference(a, b, out, alpha, beta, c):
     if beta == 0.0:
         return torch.mm(a, b, out=out) if alpha == 1.0 else torch.addmm(out, a, b, beta=0, alpha=alpha, out=out)
     return torch.addmm(c, a, b, beta=beta, alpha=alpha, out=out)
+
+
+def _clear(lib: _Lib) -> None:
+    """Free every plan (their calls already queued or captured do not read the descriptors)."""
+    for plan in _PLANS.values():
+        if plan is not None:
+            plan.destroy(lib)
+    _PLANS.clear()
 
 
 def _plan(lib: _Lib, a, b, out, aligns: tuple[int, int, int]) -> _Plan | None:

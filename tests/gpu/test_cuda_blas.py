@@ -116,3 +116,13 @@ def test_model_gradients_with_the_plans_match_torchs(lora_model_and_batch, monke
     ref_loss, ref_grads = loss_and_grads()
     assert loss == pytest.approx(ref_loss, rel=1e-3)
     assert ((grads - ref_grads).norm() / ref_grads.norm()).item() < 1e-2
+
+
+def test_plans_freed_past_the_bound_are_made_again(monkeypatch):
+    monkeypatch.setattr(blas, "MAX_PLANS", 2)
+    for name, a, b, out, alpha, beta, c in products():
+        want = reference(a, b, out, alpha, beta, c)
+        got = blas.gemm(a, b, out, alpha, beta, c=c)
+        assert len(blas._PLANS) <= 2
+        tol = dict(rtol=1e-5, atol=1e-4) if out.dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(got, want, **tol, msg=name)
