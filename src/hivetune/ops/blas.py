@@ -45,7 +45,7 @@ class _HeuristicResult(ctypes.Structure):
 
 
 class _Lib:
-    """The process's libcublasLt, one handle, the argument types of the calls used here."""
+    """The process's libcublasLt, a handle per device, the argument types of the calls used here."""
 
     def __init__(self, path: str):
         lib = self.lib = ctypes.CDLL(path)
@@ -67,9 +67,18 @@ class _Lib:
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, i32
-        self.handle = vp()
-        self.check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.handles: dict[int, ctypes.c_void_p] = {}
         self.matmul = lib.cublasLtMatmul
+
+    def handle(self, index: int) -> ctypes.c_void_p:
+        """Device `index`'s handle, made with that device current."""
+        handle = self.handles.get(index)
+        if handle is None:
+            handle = ctypes.c_void_p()
+            with torch.cuda.device(index):
+                self.check(self.lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+            self.handles[index] = handle
+        return handle
 
     @staticmethod
     def check(status: int, what: str) -> None:
@@ -91,10 +100,10 @@ class _Plan:
     """One product's descriptors and algorithm (kept alive for the process: a few hundred of
     them for a training run, each a few hundred bytes)."""
 
-    __slots__ = ("desc", "a_layout", "b_layout", "d_layout", "algo", "first_is_b")
+    __slots__ = ("desc", "a_layout", "b_layout", "d_layout", "algo")
 
-    def __init__(self, lib: _Lib, m: int, n: int, k: int, a_op: int, a_ld: int, b_op: int, b_ld: int, in_type: int,
-                 out_type: int, out_ld: int, aligns: tuple[int, int, int]):
+    def __init__(self, lib: _Lib, handle, m: int, n: int, k: int, a_op: int, a_ld: int, b_op: int, b_ld: int,
+                 in_type: int, out_type: int, out_ld: int, aligns: tuple[int, int, int]):
         # cuBLAS computes D^T [N, M] = op(B') [N, K] @ op(A') [K, M]: its "A" is our b, its "B" our a.
         desc = ctypes.c_void_p()
         lib.check(lib.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _CUDA_R_32F),
@@ -115,7 +124,7 @@ class _Plan:
             lib.set_attr(setter, pref, attr, value, ctypes.c_uint32)
         result, count = _HeuristicResult(), ctypes.c_int(0)
         self.desc = desc
-        status = lib.lib.cublasLtMatmulAlgoGetHeuristic(lib.handle, desc, self.b_layout, self.a_layout,
+        status = lib.lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, self.b_layout, self.a_layout,
                                                         self.d_layout, self.d_layout, pref, 1,
                                                         ctypes.byref(result), ctypes.byref(count))
         lib.lib.cublasLtMatmulPreferenceDestroy(pref)
@@ -221,10 +230,10 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, alph
                 if workspace is None:
                     workspace = _WORKSPACES[stream] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8,
                                                                   device=a.device)
-                status = lib.matmul(lib.handle, plan.desc, ctypes.byref(ctypes.c_float(alpha)), pb, plan.b_layout,
-                                    pa, plan.a_layout, ctypes.byref(ctypes.c_float(beta)), pc, plan.d_layout, po,
-                                    plan.d_layout, ctypes.byref(plan.algo), workspace.data_ptr(), WORKSPACE_BYTES,
-                                    stream)
+                status = lib.matmul(lib.handle(key[7]), plan.desc, ctypes.byref(ctypes.c_float(alpha)),
+                                    pb, plan.b_layout, pa, plan.a_layout, ctypes.byref(ctypes.c_float(beta)),
+                                    pc, plan.d_layout, po, plan.d_layout, ctypes.byref(plan.algo),
+                                    workspace.data_ptr(), WORKSPACE_BYTES, stream)
                 if status == 0:
                     STATS["lt"] += 1
                     return out
@@ -261,8 +270,8 @@ def _plan(lib: _Lib, a, b, out, aligns: tuple[int, int, int]) -> _Plan | None:
             and a.dtype != torch.float32 and out.dtype in (a.dtype, torch.float32) and a_op and b_op and out_ok):
         return None
     try:
-        plan = _Plan(lib, m, n, k, a_op[0], a_op[1], b_op[0], b_op[1], in_type, out_type, max(out.stride(0), n),
-                     aligns)
+        plan = _Plan(lib, lib.handle(a.get_device()), m, n, k, a_op[0], a_op[1], b_op[0], b_op[1], in_type,
+                     out_type, max(out.stride(0), n), aligns)
     except RuntimeError:
         return None
     STATS["plans"] += 1
