@@ -482,6 +482,8 @@ def results_table(folder: Path) -> str:
             setting += f"; allocator capped at {h['memory_cap_gib']:g} GiB"
         if env.get("triton_cache"):
             setting += f"; Triton kernel cache {env['triton_cache']} at start"
+        if h.get("first_step_s") is not None:  # seconds where this workload's kernels compiled in the clock
+            setting += f"; first step {h['first_step_s']:g} s"
         graphs = h.get("cuda_graphs")
         if graphs and graphs.get("off"):
             setting += f"; CUDA graphs off: {graphs['off']}"
