@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from blas_host import gpu_us, host_us  # noqa: E402  (bench/, the script's folder)
 from hivetune.ops import blas  # noqa: E402
 from hivetune.ops.lora_group import add_mm_fp32_  # noqa: E402
 
@@ -49,30 +49,6 @@ def cases(n: int, d: int, o: int, r: int, dev) -> dict:
     }
 
 
-def host_us(fn, calls: int = 2000) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
-
-
-def gpu_us(fn, calls: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls * 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default="")
@@ -93,7 +69,8 @@ def main() -> None:
             torch.addmm(ref, a, b, beta=beta, alpha=alpha, out=ref)
         blas.gemm(a, b, got, alpha, beta)
         rel = ((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
-        row = {"call": name, "host_us_torch": round(host_us(torch_fn), 1), "host_us_lt": round(host_us(lt_fn), 1),
+        row = {"call": name, "host_us_torch": round(host_us(torch_fn, 2000), 1),
+               "host_us_lt": round(host_us(lt_fn, 2000), 1),
                "gpu_us_torch": round(gpu_us(wtorch_fn), 1), "gpu_us_lt": round(gpu_us(wlt_fn), 1),
                "rel_diff_w2": rel}
         rows.append(row)

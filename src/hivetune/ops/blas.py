@@ -187,10 +187,10 @@ def _operand(t: torch.Tensor, rows: int, cols: int) -> tuple[int, int] | None:
     s0, s1 = t.stride()
     if s1 == 1 or cols == 1:  # row-major: column-major [cols, rows], used as is
         ld = s0 if rows > 1 else cols
-        return (_OP_N, max(ld, cols, 1)) if ld >= cols and ld * t.element_size() % 16 == 0 else None
+        return (_OP_N, ld) if ld >= cols and ld * t.element_size() % 16 == 0 else None
     if s0 == 1 or rows == 1:  # column-major [rows, cols]: its transpose
         ld = s1 if cols > 1 else rows
-        return (_OP_T, max(ld, rows, 1)) if ld >= rows and ld * t.element_size() % 16 == 0 else None
+        return (_OP_T, ld) if ld >= rows and ld * t.element_size() % 16 == 0 else None
     return None
 
 

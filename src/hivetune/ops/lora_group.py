@@ -513,7 +513,7 @@ def _input_grads(ctx, g, gw, g_xa, a_all, mask, w, alpha, given, in_matmul):
         if ctx.needs_input_grad[0]:
             grad_x = (gw if gw is not None else blas.gemm(g, w)).view(ctx.x_shape)
         if ctx.needs_input_grad[9]:
-            grad_xd = _mm_scaled(g_xa, a_all, alpha).view(ctx.x_shape)
+            grad_xd = blas.gemm(g_xa, a_all, alpha=alpha).view(ctx.x_shape)
     elif ctx.needs_input_grad[0]:
         grad_x = gw if gw is not None else blas.gemm(g, w)
         if in_matmul:
@@ -523,7 +523,7 @@ def _input_grads(ctx, g, gw, g_xa, a_all, mask, w, alpha, given, in_matmul):
         elif mask is None:
             blas.gemm(g_xa, a_all, grad_x, alpha, 1.0)
         else:
-            masked_add_(grad_x, _mm_scaled(g_xa, a_all, alpha), mask, 1.0 / (1.0 - ctx.p))
+            masked_add_(grad_x, blas.gemm(g_xa, a_all, alpha=alpha), mask, 1.0 / (1.0 - ctx.p))
         grad_x = grad_x.view(ctx.x_shape)
         if grad_x.dtype != ctx.x_dtype:
             grad_x = grad_x.to(ctx.x_dtype)
@@ -588,11 +588,6 @@ def join_aside() -> None:
                 torch.cuda.current_stream(aside.stream.device).wait_stream(aside.stream)
             finally:  # a failed capture's events are not waited on again
                 aside.pending.clear()
-
-
-def _mm_scaled(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
-    """alpha a @ b in one matmul (alpha in cuBLAS's epilogue)."""
-    return blas.gemm(a, b, alpha=alpha)
 
 
 def _casts(x2, weight, sizes, a_params, b_params, dtype):
