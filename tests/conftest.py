@@ -106,6 +106,20 @@ def lora_model_and_batch():
     return model, batch
 
 
+def bf16_loss_and_grads(model, batch) -> tuple[float, torch.Tensor]:
+    """GPU tests: (loss, every LoRA gradient flattened into one fp32 vector) of one bf16 autocast
+    forward + backward of `batch`, the gradients cleared first."""
+    from hivetune.model.lora import lora_parameters
+    from hivetune.ops.loss import target_loss_sum
+
+    for p in lora_parameters(model):
+        p.grad = None
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        hidden = model(batch.input_ids, batch.position_ids, batch.layout)
+        loss = target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+    loss.backward()
+    return loss.item(), torch.cat([p.grad.flatten() for p in lora_parameters(model)])
+
 def pytest_collection_modifyitems(config, items):
     """tests/gpu/test_oom_auto.py runs first. Its calibration measures what a training step adds to
     the memory the caching allocator reserves, and earlier GPU tests leave memory behind that

@@ -9,9 +9,10 @@ import copy
 import pytest
 import torch
 
-from hivetune.model.lora import fuse_projections, lora_parameters
+from hivetune.model.lora import fuse_projections
 from hivetune.ops import blas
-from hivetune.ops.loss import target_loss_sum
+
+from conftest import bf16_loss_and_grads
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -100,20 +101,11 @@ def test_model_gradients_with_the_plans_match_torchs(lora_model_and_batch, monke
     model = copy.deepcopy(ref)
     fuse_projections(model)
 
-    def loss_and_grads():
-        for p in lora_parameters(model):
-            p.grad = None
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            hidden = model(batch.input_ids, batch.position_ids, batch.layout)
-            loss = target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
-        loss.backward()
-        return loss.item(), torch.cat([p.grad.flatten() for p in lora_parameters(model)])
-
     before = blas.STATS["lt"]
-    loss, grads = loss_and_grads()
+    loss, grads = bf16_loss_and_grads(model, batch)
     assert blas.STATS["lt"] > before  # the groups took the plans
     monkeypatch.setenv("HIVETUNE_REFERENCE", "cublaslt")
-    ref_loss, ref_grads = loss_and_grads()
+    ref_loss, ref_grads = bf16_loss_and_grads(model, batch)
     assert loss == pytest.approx(ref_loss, rel=1e-3)
     assert ((grads - ref_grads).norm() / ref_grads.norm()).item() < 1e-2
 
