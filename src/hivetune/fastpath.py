@@ -19,6 +19,9 @@ fallback and one log line when it falls back.
     CUDA graph sizes after the   a replay's GPU time covers a third of a       all at the first
       largest captured one after   capture's host time                           micro-batch
       each replay                  (ops.graphs.defers_captures)                  (deferred_captures)
+    activation_offload scaled    activation_offload on, packing, the step      N layers every
+      to the micro-batch (ops.     plan's largest micro-batch known              micro-batch
+      offload layers_for)                                                        (scaled_offload)
     fused LM-head CE             config fused_loss (plain PyTorch, any device) ops.loss.target_loss_sum
     joined q/k/v, gate/up with   always in training (plain PyTorch, any        layer by layer LoRALinear
       LoRA (ops.lora_group)        device), except FSDP                          (model.lora)
@@ -47,8 +50,8 @@ A fallback on a device where the fast path is expected (a GPU for varlen and fus
 asked for auto precision) prints ``hivetune: note: <what> unavailable (<why>); using <reference>``
 once per process. ``HIVETUNE_REFERENCE=varlen,fused_adamw,cpu_bf16,gpu_bf16`` (also fused_lora,
 fused_layers, dropout_matmul, gc, autocast, grad_arena, residual_epilogue, flat_adamw, norm_dropout,
-rope_qkv, swiglu_dropout, wide_lora, graph_instantiate, paced_sizes, deferred_captures; or
-``all``) forces the reference paths, for tests and A/B runs; the fast and reference paths are
+rope_qkv, swiglu_dropout, wide_lora, graph_instantiate, paced_sizes, deferred_captures, cublaslt,
+scaled_offload; or ``all``) forces the reference paths, for tests and A/B runs; the fast and reference paths are
 compared in tests/test_robust_fallbacks.py (CPU) and tests/gpu/test_fallbacks.py (CUDA).
 """
 

@@ -99,6 +99,7 @@ class TrainResult:
     samples: list[dict] = field(default_factory=list)  # held-out answers, base vs tuned
     best_val_loss: float | None = None
     stopped_early: bool = False
+    save_seconds: float = 0.0  # the final adapter's write after the loop (the benchmarks' clocks leave it out)
 
 
 def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
@@ -266,9 +267,9 @@ def planned_memory(run: Run) -> None:
     """What the planner's memory model decides for the run, at the step plan's largest
     micro-batch (so a resumed run decides the same): cfg.lora_inputs on the model's CastCache
     (whether the seeded-dropout LoRA groups keep their dropped inputs for backward; auto:
-    plan.memory.resolve_keep_inputs), and the host memory activation_offload will use, pinned
-    before the loop (W2 with 8 layers: ~2.9 GB; pinned in its first steps instead, the run took
-    20.8 s against 19.8 with this, in two H200 calls)."""
+    plan.memory.resolve_keep_inputs), the micro-batch activation_offload's layer count is for, and
+    the host memory it will use, pinned before the loop (W2 with 8 layers: ~2.9 GB; pinned in its
+    first steps instead, the run took 20.8 s against 19.8 with this, in two H200 calls)."""
     from hivetune.ops.graphs import planned_micro_batches
     from hivetune.plan.memory import keep_inputs_extra_bytes, offloaded_bytes, offloaded_layer_bytes
     from hivetune.plan.planner import _memory_config
@@ -285,6 +286,7 @@ def planned_memory(run: Run) -> None:
         casts.kept_by_auto_bytes = (keep_inputs_extra_bytes(run.model.args, mc, tokens)
                                     if mc.keep_inputs and run.cfg.lora_inputs == "auto" else 0)
     if offload is not None and tokens:
+        offload.max_tokens = tokens  # smaller micro-batches offload fewer layers (ActivationOffload.layers_for)
         offload.reserve(offloaded_bytes(run.model.args, mc, tokens), offloaded_layer_bytes(run.model.args, mc, tokens))
 
 
@@ -566,10 +568,11 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     if cfg.early_stopping_patience and (run.folder / BEST_ADAPTER).is_dir():
         load_lora_weights(model, run.folder / BEST_ADAPTER)  # the adapter of the best validation loss
     adapter = run.folder / "adapter"
+    saving = time.perf_counter()
     save_adapter_all_ranks(run, adapter)
     return TrainResult(run.folder, adapter, done, counters["last_loss"], tokens_done / max(seconds, 1e-9),
                        seconds, peak_memory_bytes(device), best_val_loss=counters["best_val_loss"],
-                       stopped_early=done < len(run.steps))
+                       stopped_early=done < len(run.steps), save_seconds=time.perf_counter() - saving)
 
 
 def accumulate_step(run: Run, example_ids: list[int], n_targets: int, micro_step, counters: dict,

@@ -17,7 +17,7 @@ from hivetune.model.decoder import CausalLM
 from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_parameters
 from hivetune.ops import offload as offload_module
 from hivetune.ops.fused_ce import fused_target_loss_sum
-from hivetune.ops.offload import ActivationOffload, peak_resident_layers, prefetch_trigger
+from hivetune.ops.offload import ActivationOffload, peak_resident_layers, prefetch_lead, prefetch_trigger
 
 
 def tiny_lora_model(dropout: float, dtype=torch.float32, layers: int = 4) -> CausalLM:
@@ -163,6 +163,42 @@ def test_prefetch_schedule():
     assert peak_resident_layers(14, 28) == 15
     assert peak_resident_layers(2, 4) == 3
     assert peak_resident_layers(4, 4) == 4
+    # a few layers: the copies still lead by 4 layers where the window fits beside the rest
+    assert [prefetch_lead(n, 28) for n in (1, 3, 5)] == [4, 4, 5]
+    assert [prefetch_trigger(i, 2, 28) for i in (0, 1)] == [4, 5]
+    assert [peak_resident_layers(n, 28) for n in (0, 1, 2)] == [28, 27, 26]
+    assert prefetch_lead(1, 4) == 2 and peak_resident_layers(1, 4) == 3  # a shallow model: a shorter lead
+
+
+def test_smaller_micro_batches_offload_fewer_layers(monkeypatch):
+    """layers_for: the fewest first layers whose offload keeps (resident layers x tokens) within
+    the largest micro-batch's with N offloaded; N without a known largest micro-batch, above it,
+    or with HIVETUNE_REFERENCE=scaled_offload."""
+    offload = ActivationOffload(tiny_lora_model(0.0, layers=8), 3, cpu_test=True)
+    assert offload.layers_for(100) == 3  # max_tokens unknown
+    offload.max_tokens = 1000  # budget: peak_resident_layers(3, 8) = 5 layers x 1000 tokens
+    assert [offload.layers_for(t) for t in (1000, 999, 834, 833, 715, 714, 625, 1)] == [3, 3, 3, 2, 2, 1, 0, 0]
+    assert offload.layers_for(1001) == 3
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "scaled_offload")
+    assert offload.layers_for(1) == 3
+
+
+def test_scaled_offload_is_bitwise():
+    """A micro-batch under the planned largest offloads fewer layers, with the same bits."""
+    model = tiny_lora_model(0.2)
+    batch = packed_batch()
+    plain = loss_and_grads(model, batch)
+    model.activation_offload = offload = ActivationOffload(model, 2, threshold=0, cpu_test=True)
+    offload.max_tokens = batch.n_tokens  # budget 3 resident layers x T: one offloaded layer keeps 3
+    assert offload.layers_for(batch.n_tokens - 1) == 1
+    offload.max_tokens = batch.n_tokens + 1
+    assert_bitwise(plain, loss_and_grads(model, batch))
+    assert offload.stats["passes"] == 1 and offload.stats["layers"] == 1
+    assert offload.stats["copies"] > 0 and offload.stats["late"] == 0
+    offload.max_tokens = 4 * batch.n_tokens  # all 4 layers' activations fit the budget: none moves
+    copies = offload.stats["copies"]
+    assert_bitwise(plain, loss_and_grads(model, batch))
+    assert offload.stats["passes"] == 2 and offload.stats["layers"] == 1 and offload.stats["copies"] == copies
 
 
 def test_offloaded_bytes_match_the_planner():

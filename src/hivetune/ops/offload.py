@@ -8,6 +8,12 @@ it the [T, 2 I] gate|up output that SwiGLU and down_proj's LoRA group keep. Movi
 PCIe), 26.27 -> 23.55 GiB allocated, 227 against 230 ms a step (three interleaved runs of 20
 steps each way; the runs' spread was +-10 ms).
 
+How many layers: N (``activation_offload``) for the run's largest micro-batch, which the memory
+was sized for; a smaller micro-batch offloads the fewest first layers that keep no more saved
+activations on the GPU than that one does (``layers_for``). W2 under a 24 GiB cap: N = 5 for
+3,426 tokens, 1.6 layers on average over its 93 steps (2,316-3,426 tokens), so the copies and
+hooks of 3.4 layers a step are saved.
+
 How, per training forward (``CausalLM.forward`` calls ``begin``, then ``layer`` for each layer):
 
 - Pack (``torch.autograd.graph.saved_tensors_hooks`` around layer i < N): a saved tensor whose
@@ -27,14 +33,15 @@ How, per training forward (``CausalLM.forward`` calls ``begin``, then ``layer`` 
   their copies are done).
 - Host to device, ahead of backward: a hook on the output of layer j (run when backward reaches
   layer j) issues the copies of every offloaded layer i with ``prefetch_trigger(i) >= j``, i.e.
-  layer i's when backward reaches layer min(L - 1, i + N), highest layer first, each into a GPU
+  layer i's when backward reaches layer min(L - 1, i + lead), lead = max(N, 4) (``prefetch_lead``:
+  less on a model too shallow for that window), highest layer first, each into a GPU
   buffer allocated on the compute stream, the side stream waiting for it, with an event after
   each layer's copies. Why lead N: the copies run back to back from the first one (issued at
   layer 2N - 1) at ~7 ms a layer while backward takes ~4 ms a layer, so layer i is ready 7 (N - i)
   ms after that point and needed 4 (2N - 1 - i) ms after it: in time for every i when N >= 4
-  (W2 with N = 8: 56 ms of copies inside 60 ms of backward). The window holds at most N + 1
-  layers on the GPU (layers N..j and the fetched ones), fewer than the L - N of the start of
-  backward whenever N < L / 2 (``peak_resident_layers``); fetching all N at once would hold 2N.
+  (W2 with N = 8: 56 ms of copies inside 60 ms of backward), hence the floor of 4. The window
+  holds at most lead + 1 layers on the GPU (layers N..j and the fetched ones), no more than the
+  L - N of the start of backward whenever N < L / 2 (``peak_resident_layers``); fetching all N at once would hold 2N.
 - Unpack: the compute stream waits for the layer's event, and gets a view of the GPU copy with
   the saved dtype, offset, size and strides. The handle keeps the GPU copy until it dies (when
   every node that saved it has run): SwiGLU's backward writes its gradient over the gate|up
@@ -54,21 +61,33 @@ runs the same hooks with plain CPU tensors as the "host" copies, so tests check 
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 
 import torch
 
+from hivetune.fastpath import forced
+
 THRESHOLD_BYTES = 1 << 20  # storages under 1 MiB stay on the GPU (W2: lse, 1/rms, the rank-r xa)
 CHUNK_BYTES = 256 << 20  # pinned host memory is allocated in chunks of up to this size
 ALIGN = 4096  # host copies start at 4 KiB boundaries
+MIN_LEAD = 4  # prefetch_lead's floor
+
+
+def prefetch_lead(offloaded: int, layers: int) -> int:
+    """How many layers of backward ahead of offloaded layer i its copies are issued: N, at least
+    MIN_LEAD (a few offloaded layers: each one's copies take ~7 ms a W2 layer, its backward ~4)
+    where the window of fetched and kept layers (lead + 1) stays within the L - N that never left."""
+    return max(offloaded, min(MIN_LEAD, layers - offloaded - 1))
 
 
 def prefetch_trigger(layer: int, offloaded: int, layers: int) -> int:
     """The decoder layer whose backward, when reached, issues offloaded `layer`'s copies back."""
-    return min(layers - 1, layer + offloaded)
+    return min(layers - 1, layer + prefetch_lead(offloaded, layers))
 
 
+@functools.lru_cache(maxsize=4096)
 def peak_resident_layers(offloaded: int, layers: int) -> int:
     """The most decoder layers whose saved activations are on the GPU at once during backward:
     when it reaches layer j, layers max(N, .)..j never left, and the offloaded layers <= j whose
@@ -144,12 +163,14 @@ class ActivationOffload:
         self.threshold = THRESHOLD_BYTES if threshold is None else threshold
         self.persistent = frozenset(t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()))
         self.casts = getattr(model, "lora_casts", None)  # ops.lora_group.CastCache: its buffers stay
-        self.triggers = {prefetch_trigger(i, layers, self.total) for i in range(layers)}
+        # The largest micro-batch's tokens (train's step plan), which `layers` is sized for: a
+        # smaller one offloads fewer layers (layers_for). None: every forward offloads `layers`.
+        self.max_tokens: int | None = None
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.arena = _HostArena(pin=self.cuda)
-        # totals over all forwards: offloading ones, saved tensors moved, storages copied (and
-        # their bytes), unpacks that came before their prefetch
-        self.stats = {"passes": 0, "saved": 0, "copies": 0, "bytes": 0, "late": 0}
+        # totals over all training forwards: forwards, layers offloaded, saved tensors moved,
+        # storages copied (and their bytes), unpacks that came before their prefetch
+        self.stats = {"passes": 0, "layers": 0, "saved": 0, "copies": 0, "bytes": 0, "late": 0}
         self.graph_noted = False
 
     def begin(self, x: torch.Tensor, shared: tuple = ()) -> "_Pass | None":
@@ -163,13 +184,29 @@ class ActivationOffload:
                 print("hivetune: activation_offload skips CUDA-graphed micro-batches (a graph keeps its "
                       "activations in its pool); eager ones offload", file=sys.stderr)
             return None
+        n = self.layers_for(x.numel() // max(1, x.shape[-1]))
+        self.stats["passes"] += 1
+        self.stats["layers"] += n
+        if n == 0:
+            return None
         skip = set(self.persistent)
         skip.update(t.untyped_storage().data_ptr() for t in shared)
         for kind in getattr(self.casts, "kinds", ()):  # reallocated when the compute dtype changes
             skip.update(getattr(kind, name).untyped_storage().data_ptr() for name in ("a_buf", "bd_buf")
                         if hasattr(kind, name))
-        self.stats["passes"] += 1
-        return _Pass(self, skip)
+        return _Pass(self, skip, n)
+
+    def layers_for(self, tokens: int) -> int:
+        """How many of the first layers a forward of `tokens` tokens offloads: the fewest that
+        keep no more saved activations on the GPU (peak_resident_layers x tokens: a layer saves
+        about the same per token) than the largest micro-batch (max_tokens) keeps with `layers`
+        offloaded, which is what the run's memory was sized for. W2 under a 24 GiB cap (5 layers
+        for 3,426 tokens): 1.6 layers a step on average instead of 5. HIVETUNE_REFERENCE=
+        scaled_offload, no max_tokens, or a larger micro-batch than planned: `layers` always."""
+        if self.max_tokens is None or tokens > self.max_tokens or forced("scaled_offload"):
+            return self.layers
+        budget = peak_resident_layers(self.layers, self.total) * self.max_tokens
+        return next(n for n in range(self.layers + 1) if peak_resident_layers(n, self.total) * tokens <= budget)
 
     def copy_in(self, handles: list[_Handle]) -> None:
         """Issue the host-to-device copies of `handles` (one layer's), with one event after them."""
@@ -205,18 +242,19 @@ class ActivationOffload:
 class _Pass:
     """One training forward's offload: its pack / unpack hooks, its handles and their prefetch."""
 
-    def __init__(self, offload: ActivationOffload, skip: set):
-        self.o, self.skip = offload, skip
+    def __init__(self, offload: ActivationOffload, skip: set, layers: int):
+        self.o, self.skip, self.n = offload, skip, layers  # this forward offloads layers 0..n-1
+        self.triggers = {prefetch_trigger(i, layers, offload.total) for i in range(layers)}
         self.lease = _Lease(offload.arena)
         self.index = -1  # the offloaded layer running forward now
         self.saving: dict[int, tuple[_Handle, torch.Tensor]] = {}  # this layer's: address -> (handle, storage)
-        self.handles: list[list] = [[] for _ in range(offload.layers)]  # weak references, per layer
-        self.next = offload.layers - 1  # the highest offloaded layer whose copies are not issued yet
+        self.handles: list[list] = [[] for _ in range(layers)]  # weak references, per layer
+        self.next = layers - 1  # the highest offloaded layer whose copies are not issued yet
 
     def layer(self, i: int, module, x: torch.Tensor, cos, sin, layout) -> torch.Tensor:
         """Decoder layer i's forward, its saved tensors offloaded when i < N, and the prefetch
         hook on its output when backward reaching it issues copies back."""
-        if i < self.o.layers:
+        if i < self.n:
             self.index = i
             try:
                 with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
@@ -225,7 +263,7 @@ class _Pass:
                 self._copy_out()
         else:
             x = module(x, cos, sin, layout, None)
-        if i in self.o.triggers and x.requires_grad:
+        if i in self.triggers and x.requires_grad:
             x.register_hook(lambda grad, j=i: self.prefetch(j))
         return x
 
@@ -266,7 +304,7 @@ class _Pass:
     def prefetch(self, j: int) -> None:
         """Backward reached layer j: issue the copies of every offloaded layer due by then."""
         o = self.o
-        while self.next >= 0 and prefetch_trigger(self.next, o.layers, o.total) >= j:
+        while self.next >= 0 and prefetch_trigger(self.next, self.n, o.total) >= j:
             alive = [h for h in (ref() for ref in self.handles[self.next]) if h is not None and h.gpu is None]
             self.handles[self.next] = []
             if alive:
