@@ -19,6 +19,11 @@ fallback and one log line when it falls back.
     CUDA graph sizes after the   a replay's GPU time covers a third of a       all at the first
       largest captured one after   capture's host time                           micro-batch
       each replay                  (ops.graphs.defers_captures)                  (deferred_captures)
+    LoRA-group and fused-CE      CUDA, the process's libcublasLt found, a     torch.mm / addmm
+      matmuls through cached       layout the plan takes (ops.blas)             (cublaslt)
+      cuBLASLt plans
+    one cuBLASLt heuristic       dimensions above 1,024 in one 256-wide       a query per shape
+      query per token bucket       bucket (ops.blas._bucket_algo)               (lt_buckets)
     activation_offload scaled    activation_offload on, packing, the step      N layers every
       to the micro-batch (ops.     plan's largest micro-batch known              micro-batch
       offload layers_for)                                                        (scaled_offload)
@@ -51,7 +56,7 @@ asked for auto precision) prints ``hivetune: note: <what> unavailable (<why>); u
 once per process. ``HIVETUNE_REFERENCE=varlen,fused_adamw,cpu_bf16,gpu_bf16`` (also fused_lora,
 fused_layers, dropout_matmul, gc, autocast, grad_arena, residual_epilogue, flat_adamw, norm_dropout,
 rope_qkv, swiglu_dropout, wide_lora, graph_instantiate, paced_sizes, deferred_captures, cublaslt,
-scaled_offload; or ``all``) forces the reference paths, for tests and A/B runs; the fast and reference paths are
+lt_buckets, scaled_offload; or ``all``) forces the reference paths, for tests and A/B runs; the fast and reference paths are
 compared in tests/test_robust_fallbacks.py (CPU) and tests/gpu/test_fallbacks.py (CUDA).
 """
 

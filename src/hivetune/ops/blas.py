@@ -7,7 +7,8 @@ per call it builds the cuBLASLt descriptors, asks the heuristic for an algorithm
 handle. That is 20-65 ms of a ~180 ms step whose kernels take ~160 ms, so the step is bound by
 the host's dispatch. Here the descriptors, the heuristic's algorithm and a workspace are made
 once per shape / layout / dtype / alignment (a "plan") and each call is a dictionary lookup and
-one cublasLtMatmul through ctypes.
+one cublasLtMatmul through ctypes. The heuristic is asked once per bucket of shapes (dimensions
+above 1,024 rounded up to a multiple of 256, _bucket_algo): W2's token count changes every step.
 
 The library is the libcublasLt that torch itself loaded (found in /proc/self/maps after a first
 torch matmul), so there is no second copy and no build step. Layouts: torch's row-major [M, K] @
@@ -100,10 +101,10 @@ class _Plan:
     """One product's descriptors and algorithm (kept alive for the process: a few hundred of
     them for a training run, each a few hundred bytes)."""
 
-    __slots__ = ("desc", "a_layout", "b_layout", "d_layout", "algo")
+    __slots__ = ("desc", "a_layout", "b_layout", "d_layout", "algo", "shared")
 
     def __init__(self, lib: _Lib, handle, m: int, n: int, k: int, a_op: int, a_ld: int, b_op: int, b_ld: int,
-                 in_type: int, out_type: int, out_ld: int, aligns: tuple[int, int, int]):
+                 in_type: int, out_type: int, out_ld: int, aligns: tuple[int, int, int], algo=None):
         # cuBLAS computes D^T [N, M] = op(B') [N, K] @ op(A') [K, M]: its "A" is our b, its "B" our a.
         desc = ctypes.c_void_p()
         lib.check(lib.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _CUDA_R_32F),
@@ -114,6 +115,11 @@ class _Plan:
         self.b_layout = lib.layout(in_type, *((n, k) if b_op == _OP_N else (k, n)), b_ld)
         self.a_layout = lib.layout(in_type, *((k, m) if a_op == _OP_N else (m, k)), a_ld)
         self.d_layout = lib.layout(out_type, n, m, out_ld)
+        self.desc, self.shared = desc, algo is not None
+        if algo is not None:  # the heuristic's answer for this product's bucket (_bucket_algo)
+            self.algo = algo
+            return
+        STATS["heuristics"] += 1
         pref = ctypes.c_void_p()
         lib.check(lib.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
         setter = lib.lib.cublasLtMatmulPreferenceSetAttribute
@@ -123,7 +129,6 @@ class _Plan:
                             (_PREF_ALIGN_D, d_align)):
             lib.set_attr(setter, pref, attr, value, ctypes.c_uint32)
         result, count = _HeuristicResult(), ctypes.c_int(0)
-        self.desc = desc
         status = lib.lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, self.b_layout, self.a_layout,
                                                         self.d_layout, self.d_layout, pref, 1,
                                                         ctypes.byref(result), ctypes.byref(count))
@@ -145,7 +150,13 @@ _PLANS: dict[tuple, _Plan | None] = {}
 MAX_PLANS = 8192  # W2 makes ~14 a step (its token count changes each step); past this all are freed
 _WORKSPACES: dict[int, torch.Tensor] = {}  # raw stream -> its workspace
 _LOCK = threading.Lock()
-STATS = {"lt": 0, "torch": 0, "plans": 0}  # calls each way, plans made (tests and benches read them)
+STATS = {"lt": 0, "torch": 0, "plans": 0, "heuristics": 0}  # calls each way, plans and heuristic queries made
+# Dimensions above 1,024 are bucketed to multiples of this for the heuristic's query: the token
+# count of W2's products changes every step (2,316-3,426), and each new one asked the heuristic
+# (~0.2 ms of host time, ~14 a step); a bucket's products share the algorithm chosen for its
+# largest shape (model widths, multiples of 256 in every supported family, stay exact).
+BUCKET = 256
+_ALGOS: dict[tuple, object] = {}  # a bucket's product -> the heuristic's algorithm for it
 
 
 def _find_library() -> str | None:
@@ -234,6 +245,10 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, alph
                                     pb, plan.b_layout, pa, plan.a_layout, ctypes.byref(ctypes.c_float(beta)),
                                     pc, plan.d_layout, po, plan.d_layout, ctypes.byref(plan.algo),
                                     workspace.data_ptr(), WORKSPACE_BYTES, stream)
+                if status != 0 and plan.shared:  # the bucket's algorithm refused: this shape's own
+                    plan.destroy(lib)
+                    plan = _PLANS[key] = _plan(lib, a, b, out, key[-3:], shared=False)
+                    return gemm(a, b, out, alpha, beta, c=c)
                 if status == 0:
                     STATS["lt"] += 1
                     return out
@@ -260,8 +275,31 @@ def _clear(lib: _Lib) -> None:
     _PLANS.clear()
 
 
-def _plan(lib: _Lib, a, b, out, aligns: tuple[int, int, int]) -> _Plan | None:
-    """The plan of this product, or None where the layout or dtypes are not taken (torch runs it)."""
+def _bucket(d: int) -> int:
+    return d if d <= 1024 else -(-d // BUCKET) * BUCKET
+
+
+def _bucket_algo(lib: _Lib, handle, m: int, n: int, k: int, a_op: int, a_ld: int, b_op: int, b_ld: int,
+                 in_type: int, out_type: int, out_ld: int, aligns: tuple[int, int, int]):
+    """The heuristic's algorithm for the bucketed product (each dimension rounded up by _bucket,
+    leading dimensions widened to hold it), asked once per bucket; None where the product is its
+    own bucket (its plan asks the heuristic itself)."""
+    mb, nb, kb = _bucket(m), _bucket(n), _bucket(k)
+    if (mb, nb, kb) == (m, n, k):
+        return None
+    a_ld, b_ld = max(a_ld, kb if a_op == _OP_N else mb), max(b_ld, nb if b_op == _OP_N else kb)
+    key = (handle.value, mb, nb, kb, a_op, a_ld, b_op, b_ld, in_type, out_type, max(out_ld, nb), aligns)
+    algo = _ALGOS.get(key)
+    if algo is None:
+        probe = _Plan(lib, handle, *key[1:])
+        probe.destroy(lib)
+        algo = _ALGOS[key] = probe.algo
+    return algo
+
+
+def _plan(lib: _Lib, a, b, out, aligns: tuple[int, int, int], shared: bool = True) -> _Plan | None:
+    """The plan of this product, or None where the layout or dtypes are not taken (torch runs it).
+    shared: with its bucket's algorithm (_bucket_algo; HIVETUNE_REFERENCE=lt_buckets: its own)."""
     (m, k), n = a.shape, b.shape[1]
     in_type, out_type = _DTYPES.get(a.dtype), _DTYPES.get(out.dtype)
     a_op, b_op = _operand(a, m, k), _operand(b, k, n)
@@ -269,9 +307,11 @@ def _plan(lib: _Lib, a, b, out, aligns: tuple[int, int, int]) -> _Plan | None:
     if not (m and n and k and in_type is not None and out_type is not None and b.dtype == a.dtype
             and a.dtype != torch.float32 and out.dtype in (a.dtype, torch.float32) and a_op and b_op and out_ok):
         return None
+    handle = lib.handle(a.get_device())
+    product = (m, n, k, a_op[0], a_op[1], b_op[0], b_op[1], in_type, out_type, max(out.stride(0), n), aligns)
     try:
-        plan = _Plan(lib, lib.handle(a.get_device()), m, n, k, a_op[0], a_op[1], b_op[0], b_op[1], in_type,
-                     out_type, max(out.stride(0), n), aligns)
+        algo = _bucket_algo(lib, handle, *product) if shared and not forced("lt_buckets") else None
+        plan = _Plan(lib, handle, *product, algo=algo)
     except RuntimeError:
         return None
     STATS["plans"] += 1

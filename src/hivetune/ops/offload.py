@@ -62,6 +62,7 @@ runs the same hooks with plain CPU tensors as the "host" copies, so tests check 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import weakref
 
@@ -73,6 +74,7 @@ THRESHOLD_BYTES = 1 << 20  # storages under 1 MiB stay on the GPU (W2: lse, 1/rm
 CHUNK_BYTES = 256 << 20  # pinned host memory is allocated in chunks of up to this size
 ALIGN = 4096  # host copies start at 4 KiB boundaries
 MIN_LEAD = 4  # prefetch_lead's floor
+BUDGET_SHARE = float(os.environ.get("HIVETUNE_OFFLOAD_BUDGET", 1.0))  # experiment: layers_for's budget x this
 
 
 def prefetch_lead(offloaded: int, layers: int) -> int:
@@ -205,7 +207,7 @@ class ActivationOffload:
         scaled_offload, no max_tokens, or a larger micro-batch than planned: `layers` always."""
         if self.max_tokens is None or tokens > self.max_tokens or forced("scaled_offload"):
             return self.layers
-        budget = peak_resident_layers(self.layers, self.total) * self.max_tokens
+        budget = peak_resident_layers(self.layers, self.total) * self.max_tokens * BUDGET_SHARE
         return next(n for n in range(self.layers + 1) if peak_resident_layers(n, self.total) * tokens <= budget)
 
     def copy_in(self, handles: list[_Handle]) -> None:
