@@ -120,3 +120,63 @@ def test_oom_after_auto_kept_the_lora_inputs_names_recompute_first(tiny_model_di
     assert str(e.value).endswith("try --set lora_inputs=recompute (frees ~3.00 GiB of LoRA inputs kept for "
                                  "backward), --batch-size 4 --grad-accum 2, or --auto to shrink the micro-batch "
                                  "when this happens")
+
+
+def test_scaled_offload_backs_off_on_oom_and_redoes_the_step(tmp_path, alpaca_file, monkeypatch, capsys):
+    """A step whose micro-batch offloaded fewer layers than activation_offload's N (a smaller
+    micro-batch than the largest) and still ran out of memory is redone with a 5% smaller budget,
+    more layers offloaded, the same result; one that offloaded N stops as before. (The offload in
+    its CPU test mode: the same hooks, CPU tensors as the host copies.)"""
+    from conftest import build_tiny_model, build_tokenizer
+    from hivetune.model.lora import lora_state_dict
+    from hivetune.ops.offload import ActivationOffload
+
+    model_dir = tmp_path / "model"
+    build_tokenizer(model_dir)
+    build_tiny_model(model_dir, num_hidden_layers=6)
+
+    def run_with_offload(out, fail_when):
+        run = setup(tiny_config(model_dir, alpaca_file, out, batch_size=2, max_steps=3))
+        offload = run.model.activation_offload = ActivationOffload(run.model, 2, threshold=0, cpu_test=True)
+        offload.max_tokens = 10_000  # the budget holds every micro-batch here with nothing moved
+        real = train_module.micro_step_fn
+        attempts = []
+
+        def micro_step_fn(r, loss_fn):
+            step = real(r, loss_fn)
+
+            def guarded(batch, n_targets):
+                loss = step(batch, n_targets)  # forward and backward ran: gradients accumulated
+                attempts.append(offload.last_layers)
+                if fail_when(offload.last_layers, len(attempts)):
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+                return loss
+            return guarded
+
+        monkeypatch.setattr(train_module, "micro_step_fn", micro_step_fn)
+        return run, offload, attempts
+
+    run, offload, _ = run_with_offload(tmp_path / "ref", lambda layers, k: False)
+    fit(run, progress=False)
+    want, want_rows = lora_state_dict(run.model), rows(tmp_path / "ref")
+    assert offload.stats["layers"] == 0
+
+    # micro-batches of 128, 140 and 140 tokens; 6 layers, N = 2 (4 resident), budget 4 x 190 tokens:
+    # 1 layer moved (5 resident) for 140 tokens until the budget falls below 700 (0.95^2 x 760)
+    run, offload, attempts = run_with_offload(tmp_path / "oom", lambda layers, k: k in (2, 3))
+    offload.max_tokens = 190
+    fit(run, progress=False)
+    assert attempts == [1, 1, 1, 2, 2]  # step 2 failed twice with 1 layer, then ran with 2
+    assert offload.stats["back_offs"] == 2 and offload.share == pytest.approx(0.95 ** 2)
+    err = capsys.readouterr().err
+    assert ("hivetune: CUDA out of memory at step 1 with 1 of activation_offload's 2 layers offloaded (fewer for "
+            "a smaller micro-batch); redoing the step with 90% of that budget") in err
+    assert [r["loss"] for r in rows(tmp_path / "oom")] == pytest.approx([r["loss"] for r in want_rows], abs=1e-6)
+    for key, value in lora_state_dict(run.model).items():
+        assert torch.allclose(value, want[key], atol=1e-6), key
+
+    run, offload, _ = run_with_offload(tmp_path / "full", lambda layers, k: True)
+    offload.share = 0.0  # every micro-batch offloads N: nothing more to move, so the error stands
+    with pytest.raises(UserError, match="^CUDA out of memory with 2 examples"):
+        fit(run, progress=False)
+    assert offload.stats["back_offs"] == 0

@@ -578,9 +578,10 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
 def accumulate_step(run: Run, example_ids: list[int], n_targets: int, micro_step, counters: dict,
                     step: int | None = None):
     """Forward + backward of this rank's examples of one step, counters["micro_batch"] examples
-    per micro-batch; returns (summed loss, tokens). On a CUDA out-of-memory error: with `auto`,
-    halve the micro-batch and redo the step (same examples, same gradient); else stop with a
-    message that says what would fit."""
+    per micro-batch; returns (summed loss, tokens). On a CUDA out-of-memory error: where the
+    activation offload moved fewer layers than it may (one process), redo the step with more
+    (ActivationOffload.back_off); with `auto`, halve the micro-batch and redo the step (same
+    examples, same gradient); else stop with a message that says what would fit."""
     while True:
         size = counters["micro_batch"]
         step_loss = torch.zeros((), device=run.device)
@@ -601,6 +602,12 @@ def accumulate_step(run: Run, example_ids: list[int], n_targets: int, micro_step
         del step_loss
         run.optimizer.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
+        offload = getattr(run.model, "activation_offload", None)
+        if offload is not None and not run.parallel.enabled and offload.back_off():
+            print(f"hivetune: CUDA out of memory at step {step} with {offload.last_layers} of activation_offload's "
+                  f"{offload.layers} layers offloaded (fewer for a smaller micro-batch); redoing the step with "
+                  f"{offload.share:.0%} of that budget", file=sys.stderr)
+            continue
         counters["micro_batch"] = out_of_memory(run, size, max((b.n_tokens for b in batches), default=0))
 
 

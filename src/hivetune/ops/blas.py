@@ -282,11 +282,8 @@ def _bucket(d: int) -> int:
 def _bucket_algo(lib: _Lib, handle, m: int, n: int, k: int, a_op: int, a_ld: int, b_op: int, b_ld: int,
                  in_type: int, out_type: int, out_ld: int, aligns: tuple[int, int, int]):
     """The heuristic's algorithm for the bucketed product (each dimension rounded up by _bucket,
-    leading dimensions widened to hold it), asked once per bucket; None where the product is its
-    own bucket (its plan asks the heuristic itself)."""
+    leading dimensions widened to hold it), asked once per bucket."""
     mb, nb, kb = _bucket(m), _bucket(n), _bucket(k)
-    if (mb, nb, kb) == (m, n, k):
-        return None
     a_ld, b_ld = max(a_ld, kb if a_op == _OP_N else mb), max(b_ld, nb if b_op == _OP_N else kb)
     key = (handle.value, mb, nb, kb, a_op, a_ld, b_op, b_ld, in_type, out_type, max(out_ld, nb), aligns)
     algo = _ALGOS.get(key)

@@ -12,7 +12,8 @@ How many layers: N (``activation_offload``) for the run's largest micro-batch, w
 was sized for; a smaller micro-batch offloads the fewest first layers that keep no more saved
 activations on the GPU than that one does (``layers_for``). W2 under a 24 GiB cap: N = 5 for
 3,426 tokens, 1.6 layers on average over its 93 steps (2,316-3,426 tokens), so the copies and
-hooks of 3.4 layers a step are saved.
+hooks of 3.4 layers a step are saved. A step that still runs out of memory is redone with a
+smaller budget (``back_off``).
 
 How, per training forward (``CausalLM.forward`` calls ``begin``, then ``layer`` for each layer):
 
@@ -168,11 +169,13 @@ class ActivationOffload:
         # The largest micro-batch's tokens (train's step plan), which `layers` is sized for: a
         # smaller one offloads fewer layers (layers_for). None: every forward offloads `layers`.
         self.max_tokens: int | None = None
+        self.share = 1.0  # of that budget (back_off lowers it)
+        self.last_layers: int | None = None  # what the latest training forward offloaded
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.arena = _HostArena(pin=self.cuda)
         # totals over all training forwards: forwards, layers offloaded, saved tensors moved,
         # storages copied (and their bytes), unpacks that came before their prefetch
-        self.stats = {"passes": 0, "layers": 0, "saved": 0, "copies": 0, "bytes": 0, "late": 0}
+        self.stats = {"passes": 0, "layers": 0, "saved": 0, "copies": 0, "bytes": 0, "late": 0, "back_offs": 0}
         self.graph_noted = False
 
     def begin(self, x: torch.Tensor, shared: tuple = ()) -> "_Pass | None":
@@ -189,6 +192,7 @@ class ActivationOffload:
         n = self.layers_for(x.numel() // max(1, x.shape[-1]))
         self.stats["passes"] += 1
         self.stats["layers"] += n
+        self.last_layers = n
         if n == 0:
             return None
         skip = set(self.persistent)
@@ -207,8 +211,21 @@ class ActivationOffload:
         scaled_offload, no max_tokens, or a larger micro-batch than planned: `layers` always."""
         if self.max_tokens is None or tokens > self.max_tokens or forced("scaled_offload"):
             return self.layers
-        budget = peak_resident_layers(self.layers, self.total) * self.max_tokens * BUDGET_SHARE
-        return next(n for n in range(self.layers + 1) if peak_resident_layers(n, self.total) * tokens <= budget)
+        budget = peak_resident_layers(self.layers, self.total) * self.max_tokens * self.share * BUDGET_SHARE
+        return next((n for n in range(self.layers) if peak_resident_layers(n, self.total) * tokens <= budget),
+                    self.layers)
+
+    def back_off(self) -> bool:
+        """After a CUDA out-of-memory error in a step (train.accumulate_step): whether redoing it
+        offloads more, i.e. the latest forward offloaded fewer than N layers; then the budget
+        shrinks by 5% for the rest of the run. The saved activations stay within the largest
+        micro-batch's, but the allocator's free blocks need not fit the next request: on an
+        H100 one W2 run in three hit the 24 GiB cap once (step 78, 3,020 tokens, 2 layers)."""
+        if self.last_layers is None or self.last_layers >= self.layers:
+            return False
+        self.share *= 0.95
+        self.stats["back_offs"] += 1
+        return True
 
     def copy_in(self, handles: list[_Handle]) -> None:
         """Issue the host-to-device copies of `handles` (one layer's), with one event after them."""
