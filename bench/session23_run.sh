@@ -10,8 +10,9 @@ A="--set host_embeddings=true --set activation_offload=5"
 timeout 170 python3 -m hivetune bench W2 --out /tmp/warm --max-steps 20 $A --memory-cap 24 2>&1 | grep -E "^W|rror"
 for round in 1 2; do
   for ref in "scaled_offload,lt_buckets" ""; do
+    side=new; [ -n "$ref" ] && side=reference
     echo "== round $round: ${ref:-defaults}"
-    HIVETUNE_REFERENCE=$ref timeout 170 python3 bench/step_probe.py W2 --cap 24 $A --json $OUT/steps-$round-${ref:+ref}${ref:-new}.json \
+    HIVETUNE_REFERENCE=$ref timeout 170 python3 bench/step_probe.py W2 --cap 24 $A --json $OUT/steps-$round-$side.json \
       2>&1 | grep -vE "^hivetune: (CUDA graphs|note)|arn" | cut -c1-300
   done
 done
