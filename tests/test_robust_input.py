@@ -403,3 +403,21 @@ def test_iter_records_column_is_the_lines_own():
     with pytest.raises(UserError) as e:
         list(iter_records(path))
     assert str(e.value) == f"{path}:1: malformed JSON (Expecting ',' delimiter at column 13)"
+
+
+def test_deep_nesting_is_judged_the_same_at_any_stack_depth():
+    """Nesting past formats.MAX_NESTING is refused before json.loads, whose RecursionError came at
+    a depth that depended on the caller's stack (hypothesis: a line ~990 deep parsed in one parser
+    and failed in the other)."""
+    from hivetune.data.formats import MAX_NESTING
+
+    def line(depth):
+        return b'{"text": ' + b"[" * depth + b"]" * depth + b"}"
+
+    def at_stack_depth(frames, depth):
+        return at_stack_depth(frames - 1, depth) if frames else parse_jsonl_line(line(depth))
+
+    for depth in (MAX_NESTING - 1, MAX_NESTING, 990):  # the record's own braces are one more level
+        answers = {parse_jsonl_line(line(depth))[1], parse_line(7, line(depth)).error, at_stack_depth(400, depth)[1]}
+        assert answers == ({None} if depth < MAX_NESTING else {"malformed JSON (nested too deeply)"}), depth
+    assert parse_jsonl_line(b'{"text": "' + b"[" * 900 + b'"}')[0] == {"text": "[" * 900}  # in a string: text

@@ -67,7 +67,10 @@ def parse_jsonl_line(raw: bytes) -> tuple[dict | None, str | None]:
     bytes that are not UTF-8, nesting deeper than Python's recursion limit, integers longer than
     Python converts (4300 digits)."""
     try:
-        record = json.loads(raw.rstrip(b"\r\n").decode("utf-8"))
+        text = raw.rstrip(b"\r\n").decode("utf-8")
+        if _nested_too_deeply(text):
+            raise RecursionError
+        record = json.loads(text)
     except UnicodeDecodeError as e:
         return None, f"not valid UTF-8 (byte {e.start})"
     except json.JSONDecodeError as e:
@@ -79,6 +82,35 @@ def parse_jsonl_line(raw: bytes) -> tuple[dict | None, str | None]:
     if not isinstance(record, dict):
         return None, f"expected a JSON object, got {type(record).__name__}"
     return record, None
+
+
+MAX_NESTING = 500  # below Python's recursion limit, so the answer does not depend on the caller's stack
+
+
+def _nested_too_deeply(text: str) -> bool:
+    """Whether arrays / objects nest deeper than MAX_NESTING (brackets inside strings aside).
+    json.loads's own RecursionError comes at a depth that depends on how deep the caller's stack
+    is, so two callers of this parser disagreed on a line nested ~990 deep (hypothesis found it)."""
+    if text.count("[") + text.count("{") <= MAX_NESTING:
+        return False
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_NESTING:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
 
 
 def _json_error(e: json.JSONDecodeError) -> str:
