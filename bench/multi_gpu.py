@@ -151,7 +151,8 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
     tokens = sum(examples.lengths[i] for step in run.steps for i in step)
     out = {"mode": mode, "workload": workload, "gpus": parallel.world, "strategy": run.strategy,
            "steps": len(run.steps), "global_batch": per_step, "per_gpu_micro_batch": cfg.batch_size,
-           "seconds": round(seconds, 3), "adapter_save_s": round(result.save_seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
+           "seconds": round(seconds, 3), "adapter_save_s": round(result.save_seconds, 3),
+           "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
            "peak_allocated_gib_per_gpu": [round(a / 2**30, 2) for a, _ in peaks],
            "peak_reserved_gib_per_gpu": [round(r / 2**30, 2) for _, r in peaks],
            "final_loss": result.final_loss, "losses_logged": losses,

@@ -56,8 +56,9 @@ asked for auto precision) prints ``hivetune: note: <what> unavailable (<why>); u
 once per process. ``HIVETUNE_REFERENCE=varlen,fused_adamw,cpu_bf16,gpu_bf16`` (also fused_lora,
 fused_layers, dropout_matmul, gc, autocast, grad_arena, residual_epilogue, flat_adamw, norm_dropout,
 rope_qkv, swiglu_dropout, wide_lora, graph_instantiate, paced_sizes, deferred_captures, cublaslt,
-lt_buckets, scaled_offload; or ``all``) forces the reference paths, for tests and A/B runs; the fast and reference paths are
-compared in tests/test_robust_fallbacks.py (CPU) and tests/gpu/test_fallbacks.py (CUDA).
+lt_buckets, scaled_offload; or ``all``) forces the reference paths, for tests and A/B runs; the
+fast and reference paths are compared in tests/test_robust_fallbacks.py (CPU) and
+tests/gpu/test_fallbacks.py (CUDA).
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ How, per training forward (``CausalLM.forward`` calls ``begin``, then ``layer`` 
   ms after that point and needed 4 (2N - 1 - i) ms after it: in time for every i when N >= 4
   (W2 with N = 8: 56 ms of copies inside 60 ms of backward), hence the floor of 4. The window
   holds at most lead + 1 layers on the GPU (layers N..j and the fetched ones), no more than the
-  L - N of the start of backward whenever N < L / 2 (``peak_resident_layers``); fetching all N at once would hold 2N.
+  L - N of the start of backward whenever N < L / 2 (``peak_resident_layers``); fetching all N at
+  once would hold 2N.
 - Unpack: the compute stream waits for the layer's event, and gets a view of the GPU copy with
   the saved dtype, offset, size and strides. The handle keeps the GPU copy until it dies (when
   every node that saved it has run): SwiGLU's backward writes its gradient over the gate|up
@@ -63,7 +64,6 @@ runs the same hooks with plain CPU tensors as the "host" copies, so tests check 
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import weakref
 
@@ -75,7 +75,6 @@ THRESHOLD_BYTES = 1 << 20  # storages under 1 MiB stay on the GPU (W2: lse, 1/rm
 CHUNK_BYTES = 256 << 20  # pinned host memory is allocated in chunks of up to this size
 ALIGN = 4096  # host copies start at 4 KiB boundaries
 MIN_LEAD = 4  # prefetch_lead's floor
-BUDGET_SHARE = float(os.environ.get("HIVETUNE_OFFLOAD_BUDGET", 1.0))  # experiment: layers_for's budget x this
 
 
 def prefetch_lead(offloaded: int, layers: int) -> int:
@@ -211,7 +210,7 @@ class ActivationOffload:
         scaled_offload, no max_tokens, or a larger micro-batch than planned: `layers` always."""
         if self.max_tokens is None or tokens > self.max_tokens or forced("scaled_offload"):
             return self.layers
-        budget = peak_resident_layers(self.layers, self.total) * self.max_tokens * self.share * BUDGET_SHARE
+        budget = peak_resident_layers(self.layers, self.total) * self.max_tokens * self.share
         return next((n for n in range(self.layers) if peak_resident_layers(n, self.total) * tokens <= budget),
                     self.layers)
 
