@@ -25,8 +25,8 @@ fallback and one log line when it falls back.
     one cuBLASLt heuristic       dimensions above 1,024 in one 256-wide       a query per shape
       query per token bucket       bucket (ops.blas._bucket_algo)               (lt_buckets)
     activation_offload scaled    activation_offload on, packing, the step      N layers every
-      to the micro-batch (ops.     plan's largest micro-batch known              micro-batch
-      offload layers_for)                                                        (scaled_offload)
+      to the micro-batch (ops.     plan's largest micro-batch known, one         micro-batch
+      offload layers_for)          process                                       (scaled_offload)
     fused LM-head CE             config fused_loss (plain PyTorch, any device) ops.loss.target_loss_sum
     joined q/k/v, gate/up with   always in training (plain PyTorch, any        layer by layer LoRALinear
       LoRA (ops.lora_group)        device), except FSDP                          (model.lora)

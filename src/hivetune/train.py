@@ -290,7 +290,9 @@ def planned_memory(run: Run) -> None:
         casts.kept_by_auto_bytes = (keep_inputs_extra_bytes(run.model.args, mc, tokens)
                                     if mc.keep_inputs and run.cfg.lora_inputs == "auto" else 0)
     if offload is not None and tokens:
-        offload.max_tokens = tokens  # smaller micro-batches offload fewer layers (ActivationOffload.layers_for)
+        # smaller micro-batches offload fewer layers (ActivationOffload.layers_for); not under
+        # torchrun, where a step that runs out of memory cannot be redone on one rank (back_off)
+        offload.max_tokens = None if run.parallel.enabled else tokens
         offload.reserve(offloaded_bytes(run.model.args, mc, tokens), offloaded_layer_bytes(run.model.args, mc, tokens))
 
 

@@ -282,3 +282,23 @@ def test_reserved_host_memory_is_all_the_steps_take():
         loss_and_grads(model, batch)
         loss_and_grads(model, batch)
     assert offload.stats["passes"] == 2 and offload.host_bytes == reserved
+
+
+def test_train_sizes_the_scaled_offload_for_one_process_only(tiny_model_dir, alpaca_file, tmp_path):
+    """train.planned_memory gives the offload the step plan's largest micro-batch (so smaller
+    ones offload fewer layers) in one process; under torchrun none (every step offloads N): an
+    out-of-memory step cannot be redone on one rank alone."""
+    import dataclasses
+
+    from hivetune.distributed import Dist
+    from hivetune.ops.graphs import planned_micro_batches
+    from hivetune.train import planned_memory, setup
+    from test_train import tiny_config
+
+    run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "run", batch_size=2, max_steps=3))
+    run.model.activation_offload = offload = ActivationOffload(run.model, 1, threshold=0, cpu_test=True)
+    planned_memory(run)
+    assert offload.max_tokens == max(t for t, _ in planned_micro_batches(run, start=0)) == 140
+    two = dataclasses.replace(run, parallel=Dist(rank=0, world=2))
+    planned_memory(two)
+    assert offload.max_tokens is None and offload.layers_for(1) == 1
