@@ -23,7 +23,8 @@ fallback and one log line when it falls back.
       matmuls through cached       layout the plan takes (ops.blas)             (cublaslt)
       cuBLASLt plans
     one cuBLASLt heuristic       dimensions above 1,024 in one 256-wide       a query per shape
-      query per token bucket       bucket (ops.blas._bucket_algo)               (lt_buckets)
+      query per token bucket       bucket (ops.blas._bucket_algo), eager        (lt_buckets)
+                                   products (not in a graph capture)
     activation_offload scaled    activation_offload on, packing, the step      N layers every
       to the micro-batch (ops.     plan's largest micro-batch known, one         micro-batch
       offload layers_for)          process                                       (scaled_offload)

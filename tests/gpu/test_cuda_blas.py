@@ -145,3 +145,23 @@ def test_token_counts_of_one_bucket_share_one_heuristic_query(case, monkeypatch)
         torch.testing.assert_close(blas.gemm(a, b, out, alpha, beta, c=c), want,
                                    **(TOL_LONG_K if out.dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)))
     assert blas.STATS["heuristics"] == heuristics + 3, name
+
+
+def test_a_product_first_met_in_a_graph_capture_takes_its_own_heuristic_query():
+    """Inside a capture the plan asks the heuristic for its exact shape (a graph asks once per
+    size; its replays keep that choice), though its bucket's algorithm is known; the replay with
+    new inputs matches fp32."""
+    name, a, b, out, alpha, beta, c = products(n=2305, d=1296, seed=5)[5]
+    blas.gemm(a, b, out, alpha, beta, c=c)  # eager: the bucket (2,560 tokens) asks once
+    torch.cuda.synchronize()
+    heuristics = blas.STATS["heuristics"]
+    _, a2, b2, out2, _, _, _ = products(n=2410, d=1296, seed=6)[5]  # the same bucket, a new shape
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        blas.gemm(a2, b2, out2, alpha, beta)
+    assert blas.STATS["heuristics"] == heuristics + 1, name
+    _, a3, b3, _, _, _, _ = products(n=2410, d=1296, seed=7)[5]
+    a2.copy_(a3), b2.copy_(b3)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out2, reference(a2, b2, out2, alpha, 0.0, None), rtol=1.6e-2, atol=1e-2, msg=name)

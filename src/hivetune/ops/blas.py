@@ -296,7 +296,8 @@ def _bucket_algo(lib: _Lib, handle, m: int, n: int, k: int, a_op: int, a_ld: int
 
 def _plan(lib: _Lib, a, b, out, aligns: tuple[int, int, int], shared: bool = True) -> _Plan | None:
     """The plan of this product, or None where the layout or dtypes are not taken (torch runs it).
-    shared: with its bucket's algorithm (_bucket_algo; HIVETUNE_REFERENCE=lt_buckets: its own)."""
+    shared: with its bucket's algorithm (_bucket_algo; HIVETUNE_REFERENCE=lt_buckets, or inside a
+    graph capture: its own)."""
     (m, k), n = a.shape, b.shape[1]
     in_type, out_type = _DTYPES.get(a.dtype), _DTYPES.get(out.dtype)
     a_op, b_op = _operand(a, m, k), _operand(b, k, n)
@@ -307,7 +308,10 @@ def _plan(lib: _Lib, a, b, out, aligns: tuple[int, int, int], shared: bool = Tru
     handle = lib.handle(a.get_device())
     product = (m, n, k, a_op[0], a_op[1], b_op[0], b_op[1], in_type, out_type, max(out.stride(0), n), aligns)
     try:
-        algo = _bucket_algo(lib, handle, *product) if shared and not forced("lt_buckets") else None
+        # not inside a CUDA graph capture: a graph asks once per size, and its replays keep the
+        # algorithm chosen for their exact shape
+        shared = shared and not forced("lt_buckets") and not torch.cuda.is_current_stream_capturing()
+        algo = _bucket_algo(lib, handle, *product) if shared else None
         plan = _Plan(lib, handle, *product, algo=algo)
     except RuntimeError:
         return None
