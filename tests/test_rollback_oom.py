@@ -169,7 +169,7 @@ def test_scaled_offload_backs_off_on_oom_and_redoes_the_step(tmp_path, alpaca_fi
     assert attempts == [1, 1, 1, 2, 2]  # step 2 failed twice with 1 layer, then ran with 2
     assert offload.stats["back_offs"] == 2 and offload.share == pytest.approx(0.95 ** 2)
     err = capsys.readouterr().err
-    assert ("hivetune: CUDA out of memory at step 1 with 1 of activation_offload's 2 layers offloaded (fewer for "
+    assert ("hivetune: CUDA out of memory at step 2 with 1 of activation_offload's 2 layers offloaded (fewer for "
             "a smaller micro-batch); redoing the step with 90% of that budget") in err
     assert [r["loss"] for r in rows(tmp_path / "oom")] == pytest.approx([r["loss"] for r in want_rows], abs=1e-6)
     for key, value in lora_state_dict(run.model).items():

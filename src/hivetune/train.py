@@ -610,7 +610,8 @@ def accumulate_step(run: Run, example_ids: list[int], n_targets: int, micro_step
         torch.cuda.empty_cache()
         offload = getattr(run.model, "activation_offload", None)
         if offload is not None and not run.parallel.enabled and offload.back_off():
-            print(f"hivetune: CUDA out of memory at step {step} with {offload.last_layers} of activation_offload's "
+            where = f" at step {step + 1}" if step is not None else ""  # numbered as in metrics.jsonl
+            print(f"hivetune: CUDA out of memory{where} with {offload.last_layers} of activation_offload's "
                   f"{offload.layers} layers offloaded (fewer for a smaller micro-batch); redoing the step with "
                   f"{offload.share:.0%} of that budget", file=sys.stderr)
             continue
