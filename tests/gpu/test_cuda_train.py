@@ -12,6 +12,8 @@ from hivetune.generate import greedy_ids
 from hivetune.model.load import load_model
 from hivetune.train import fit, setup
 
+from conftest import bf16_loss_and_grads
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -65,7 +67,6 @@ def test_varlen_attention_matches_sdpa_reference(tiny_model_dir, monkeypatch):
     from hivetune.data.formats import Encoded
     from hivetune.model.lora import LoRASpec, apply_lora, lora_parameters
     from hivetune.ops import attention
-    from hivetune.ops.loss import target_loss_sum
 
     model = load_model(tiny_model_dir, dtype=torch.bfloat16, device="cuda")
     torch.manual_seed(0)
@@ -77,21 +78,12 @@ def test_varlen_attention_matches_sdpa_reference(tiny_model_dir, monkeypatch):
     batch = collate_packed(examples, pad_to_multiple=64, pad_id=0).to("cuda")
     assert batch.layout.lengths[-1] > 0 and sum(batch.layout.lengths) == batch.input_ids.shape[1]
 
-    def loss_and_grads():
-        for p in lora_parameters(model):
-            p.grad = None
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            hidden = model(batch.input_ids, batch.position_ids, batch.layout)
-            loss = target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
-        loss.backward()
-        return loss.detach().float(), torch.cat([p.grad.flatten() for p in lora_parameters(model)])
-
     assert attention.varlen_supported(torch.zeros(1, 1, 1, 1, device="cuda", dtype=torch.bfloat16))
-    fast_loss, fast_grads = loss_and_grads()
+    fast_loss, fast_grads = bf16_loss_and_grads(model, batch)
     monkeypatch.setenv("HIVETUNE_ATTENTION", "sdpa")
-    ref_loss, ref_grads = loss_and_grads()
+    ref_loss, ref_grads = bf16_loss_and_grads(model, batch)
     assert torch.isfinite(fast_grads).all()
-    assert fast_loss.item() == pytest.approx(ref_loss.item(), rel=1e-2)
+    assert fast_loss == pytest.approx(ref_loss, rel=1e-2)
     assert torch.nn.functional.cosine_similarity(fast_grads, ref_grads, dim=0).item() > 0.999
 
 
