@@ -300,10 +300,12 @@ def test_lora_weight_gradients_on_a_side_stream_match_the_one_stream_graphs(tmp_
     joined after the backward (HIVETUNE_LORA_SIDE_STREAM=0: on the one stream). Over 6 steps of micro-batches
     (dropout 0.1: the seeded kernels; the wide layout and the plain one), without optimizer steps,
     the losses are bitwise those of the one-stream graphs and the accumulated gradients equal
-    them to fp32 summation order (the side stream's cuBLAS calls may take other kernels, which
-    add the tokens in another order: 7.7e-5 relative with the wide layout, 8a16ee3, H100; a
-    gradient missed or raced is off by its whole size); the side stream is used (every group,
-    every capture) unless switched off."""
+    them to rounding (the side stream changes the allocation pattern, so a product may meet other
+    pointer alignments and take another cuBLASLt algorithm, which adds the tokens in another order
+    and can round a bf16 intermediate such as g B the other way: 7.7e-5 relative with the wide
+    layout, 8a16ee3, H100; 5.4e-4 with the narrow one, 9ad1db2, H200; a gradient missed or raced
+    is off by its whole size); the side stream is used (every group, every capture) unless
+    switched off."""
     from hivetune.ops import lora_group
 
     def run_graphs(name):
@@ -323,7 +325,7 @@ def test_lora_weight_gradients_on_a_side_stream_match_the_one_stream_graphs(tmp_
     got, got_grads, blocks, stats = run_graphs("side-stream")
     assert ref_blocks == 0 and blocks == 3 * 4 * stats["graphs"]  # 3 layers x 4 groups a capture
     assert got == ref
-    assert ref_grads.norm() > 0 and (got_grads - ref_grads).norm() / ref_grads.norm() < 3e-4
+    assert ref_grads.norm() > 0 and (got_grads - ref_grads).norm() / ref_grads.norm() < 2e-3
 
 
 def test_a_failed_capture_leaves_the_generator_usable():
