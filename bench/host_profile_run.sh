@@ -2,7 +2,8 @@
 # One device call (~4 min, one GPU; issue 3): where the host's time goes in W2's eager steps under the 24 GiB cap
 # (host_embeddings, activation_offload=5): after an untimed warm-up, one bench run sampled by py-spy (Python
 # frames) and one with --native (C / C++ frames too), as collapsed stacks into $OUT. py-spy is not in the
-# image: its wheel travels in pyspy_wheel/ (pip download py-spy --no-deps -d pyspy_wheel).
+# image: fetch its wheel here (pip download py-spy --no-deps -d pyspy_wheel) and carry pyspy_wheel (ignored).
+# The --native run left no file on the H200 of 197c29b (py-spy fell ~3 s behind at 200 Hz in the first).
 # Usage: HIVETUNE_COMMIT=<commit> bash bench/host_profile_run.sh
 set -u
 SKIP_TESTS=1 source bench/device_prelude.sh

@@ -138,7 +138,7 @@ TRITON_CACHE_WARM_AT_START = triton_cache_has_kernels()
 
 
 # switches under trial, recorded with each result where set
-EXPERIMENTS = ("HIVETUNE_LORA_SIDE_STREAM", "HIVETUNE_OFFLOAD_SHARE")
+EXPERIMENTS = ("HIVETUNE_LORA_SIDE_STREAM",)
 
 
 def environment(device) -> dict:

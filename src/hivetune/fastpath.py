@@ -19,9 +19,6 @@ fallback and one log line when it falls back.
     CUDA graph sizes after the   a replay's GPU time covers a third of a       all at the first
       largest captured one after   capture's host time                           micro-batch
       each replay                  (ops.graphs.defers_captures)                  (deferred_captures)
-    Triton launches through the  a JITFunction launched with a grid tuple      Triton's kernel[grid]
-      compiled kernel's launcher   whose argument types the key covers, after    every call
-      (ops.launch)                 the specialization's first call               (triton_launch)
     LoRA-group and fused-CE      CUDA, the process's libcublasLt found, a     torch.mm / addmm
       matmuls through cached       layout the plan takes (ops.blas)             (cublaslt)
       cuBLASLt plans
@@ -60,8 +57,8 @@ asked for auto precision) prints ``hivetune: note: <what> unavailable (<why>); u
 once per process. ``HIVETUNE_REFERENCE=varlen,fused_adamw,cpu_bf16,gpu_bf16`` (also fused_lora,
 fused_layers, dropout_matmul, gc, autocast, grad_arena, residual_epilogue, flat_adamw, norm_dropout,
 rope_qkv, swiglu_dropout, wide_lora, graph_instantiate, paced_sizes, deferred_captures, cublaslt,
-lt_buckets, scaled_offload, triton_launch; or ``all``) forces the reference paths, for tests and A/B
-runs; the fast and reference paths are compared in tests/test_robust_fallbacks.py (CPU) and
+lt_buckets, scaled_offload; or ``all``) forces the reference paths, for tests and A/B runs; the
+fast and reference paths are compared in tests/test_robust_fallbacks.py (CPU) and
 tests/gpu/test_fallbacks.py (CUDA).
 """
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 
 from hivetune.fastpath import env, forced, note_fallback
-from hivetune.ops.launch import fast_launch
 
 try:  # Triton is optional: CPUs, ROCm builds without it, old GPUs take the references
     import triton
@@ -73,7 +72,6 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 # ---------------------------------------------------------------- kernels
 
 if triton is not None:
-    @fast_launch
     @triton.jit(do_not_specialize=["eps"])
     def _rms_norm_fwd(X, W, Y, RSTD, stride, N, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -86,7 +84,6 @@ if triton is not None:
         tl.store(Y + row * stride + cols, (w * normed).to(Y.dtype.element_ty), mask=mask)
         tl.store(RSTD + row, rstd)
 
-    @fast_launch
     @triton.jit
     def _rms_norm_bwd(DY, X, W, RSTD, DX, stride, N, BLOCK: tl.constexpr):
         # y = w * xhat, xhat = x * r, r = (mean(x^2) + eps)^-1/2, w frozen:
@@ -115,7 +112,6 @@ if triton is not None:
         act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
         return mask, (act * u).to(Y.dtype.element_ty)
 
-    @fast_launch
     @triton.jit
     def _swiglu_fwd(G, U, Y, n, COLS, STRIDE, BLOCK: tl.constexpr):
         # y[i] for i < n = rows x COLS
@@ -132,7 +128,6 @@ if triton is not None:
         tl.store(DU + at, (dy * g * s).to(DU.dtype.element_ty), mask=mask)
         tl.store(DG + at, (dy * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=mask)
 
-    @fast_launch
     @triton.jit
     def _swiglu_bwd(DY, G, U, DG, DU, n, COLS, STRIDE, BLOCK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -140,7 +135,6 @@ if triton is not None:
         dy = tl.load(DY + i, mask=mask, other=0.0).to(tl.float32)
         _swiglu_grads(G, U, DG, DU, dy, (i // COLS) * STRIDE + i % COLS, mask)
 
-    @fast_launch
     @triton.jit
     def _masked_add(OUT, T, M, n, keep, BLOCK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -174,7 +168,6 @@ if triton is not None:
             y += tl.load(OUT + e, mask=m, other=0.0).to(tl.float32)
         tl.store(OUT + e, y.to(OUT.dtype.element_ty), mask=m)
 
-    @fast_launch
     @triton.jit
     def _seeded_dropout(OUT, X, SEED, n, thr, scale, ADD: tl.constexpr, NG: tl.constexpr):
         """OUT = X * keep * scale, or with ADD, OUT += X * keep * scale (the dropout's backward,
@@ -223,7 +216,6 @@ if triton is not None:
             tl.store(Y + yat, y, mask=inside)
         tl.store(YD + at, tl.where(keep, y.to(tl.float32) * scale, 0.0).to(YD.dtype.element_ty), mask=inside)
 
-    @fast_launch
     @triton.jit(do_not_specialize=["eps"])
     def _rms_norm_drop_fwd(X, W, Y, YD, RSTD, SEED, N, Y_STRIDE, eps, thr, scale, GP: tl.constexpr,
                            WRITE_Y: tl.constexpr):
@@ -264,7 +256,6 @@ if triton is not None:
             dx += tl.load(DR + at, mask=inside, other=0.0).to(tl.float32)
         tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=inside)
 
-    @fast_launch
     @triton.jit
     def _rms_norm_drop_bwd(DY, DYD, DR, X, W, RSTD, DX, SEED, N, DY_STRIDE, thr, scale, GP: tl.constexpr,
                            HAS_DYD: tl.constexpr, HAS_DR: tl.constexpr):
@@ -317,7 +308,6 @@ if triton is not None:
         x = _mix32(i.to(tl.uint32) + _mix32(tl.load(SEED).to(tl.uint32)))
         return (x >> 16).to(tl.int32) >= thr
 
-    @fast_launch
     @triton.jit
     def _hashed_dropout(X, OUT, SEED, n, thr, scale, BLOCK: tl.constexpr):
         """OUT = X * keep * scale with _hashed_keep's mask (dropout_hashed: the tests' oracle)."""
@@ -326,7 +316,6 @@ if triton is not None:
         x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
         tl.store(OUT + i, tl.where(_hashed_keep(SEED, i, thr), x * scale, 0.0).to(OUT.dtype.element_ty), mask=m)
 
-    @fast_launch
     @triton.jit
     def _swiglu_drop_fwd(G, U, Y, YD, SEED, n, COLS, STRIDE, thr, scale, BLOCK: tl.constexpr,
                          WRITE_Y: tl.constexpr):
@@ -339,7 +328,6 @@ if triton is not None:
         keep = _hashed_keep(SEED, i, thr)
         tl.store(YD + i, tl.where(keep, y.to(tl.float32) * scale, 0.0).to(YD.dtype.element_ty), mask=m)
 
-    @fast_launch
     @triton.jit
     def _swiglu_drop_bwd(DY, DYD, G, U, DG, DU, SEED, n, COLS, STRIDE, thr, scale, BLOCK: tl.constexpr):
         """_swiglu_bwd of dy + the dropout's backward of dyd (its mask drawn again)."""
@@ -379,7 +367,6 @@ if triton is not None:
         tl.debug_barrier()
         return last
 
-    @fast_launch
     @triton.jit(do_not_specialize=["T", "cols_per_split", "splits"])
     def _drop_mm(X, A, OUT, PART, COUNT, SEED, T, D, R, thr, scale, cols_per_split, splits,
                  BT: tl.constexpr, RP: tl.constexpr):
@@ -430,7 +417,6 @@ if triton is not None:
             total = tl.load(OUT + at, mask=m, other=0.0) + total
         tl.store(OUT + at, total, mask=m)
 
-    @fast_launch
     @triton.jit(do_not_specialize=["T", "rows_per_split", "splits"])
     def _drop_mm_grad(G, X, OUT, PART, COUNT, SEED, T, D, R, thr, scale, rows_per_split, splits,
                       BT: tl.constexpr, RP: tl.constexpr, ACC: tl.constexpr):
@@ -489,7 +475,6 @@ if triton is not None:
         o = tl.load(OUT + at, mask=inside[:, None], other=0.0).to(tl.float32)
         tl.store(OUT + at, (o + t * keep.to(tl.float32)).to(OUT.dtype.element_ty), mask=inside[:, None])
 
-    @fast_launch
     @triton.jit(do_not_specialize=["T"])
     def _mm_drop_add(G, A, OUT, SEED, T, D, R, thr, scale, BT: tl.constexpr, RP: tl.constexpr):
         """OUT [T, D] += scale * keep * (G @ A), one [BT, 128] tile a program: the LoRA branch's
@@ -517,7 +502,6 @@ if triton is not None:
             return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
         return x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
 
-    @fast_launch
     @triton.jit
     def _rope(X, COS, SIN, Y, heads, HALF, X_TOKEN_STRIDE, sign, H_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
         # One token, all heads: y1 = x1 c1 - sign x2 s1, y2 = x2 c2 + sign x1 s2 (sign -1: the
@@ -560,7 +544,6 @@ if triton is not None:
         tl.store(dst, y1.to(DST.dtype.element_ty), mask=mask)
         tl.store(dst + HALF, y2.to(DST.dtype.element_ty), mask=mask)
 
-    @fast_launch
     @triton.jit
     def _rope_qkv(QS, KS, VS, QD, KD, VD, COS, SIN, HQ, HK, HALF, Q_SRC, KV_SRC, Q_DST, KV_DST, sign,
                   HQ_BLOCK: tl.constexpr, HK_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):

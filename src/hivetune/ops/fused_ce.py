@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 
 from hivetune.ops import blas
-from hivetune.ops.launch import fast_launch
 
 try:  # Triton is optional: CPUs and GPUs without it take the PyTorch chunk
     import triton
@@ -37,7 +36,6 @@ CE_BLOCK = 4096  # vocabulary columns per step of the kernel's two passes over a
 
 if triton is not None:
 
-    @fast_launch
     @triton.jit
     def _ce_rows(LOGITS, TARGETS, LOSS, stride, V, ignore, BLOCK: tl.constexpr):
         """One row per program: LOSS[row] = lse - logit[target] (0 for ignored rows), and the row

@@ -18,13 +18,11 @@ import torch.nn as nn
 
 from hivetune.fastpath import note_fallback
 from hivetune.ops import elementwise
-from hivetune.ops.launch import fast_launch
 
 triton = elementwise.triton
 if triton is not None:
     import triton.language as tl
 
-    @fast_launch
     @triton.jit
     def _gather_rows(TABLE, IDS, OUT, D, BLOCK: tl.constexpr):
         """OUT[i] = TABLE[IDS[i]]: one program a row, BLOCK columns at a time."""

@@ -64,7 +64,6 @@ runs the same hooks with plain CPU tensors as the "host" copies, so tests check 
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import weakref
 
@@ -169,8 +168,7 @@ class ActivationOffload:
         # The largest micro-batch's tokens (train's step plan), which `layers` is sized for: a
         # smaller one offloads fewer layers (layers_for). None: every forward offloads `layers`.
         self.max_tokens: int | None = None
-        # of that budget (back_off lowers it); HIVETUNE_OFFLOAD_SHARE, an experiment: another start
-        self.share = float(os.environ.get("HIVETUNE_OFFLOAD_SHARE") or 1.0)
+        self.share = 1.0  # of that budget (back_off lowers it)
         self.last_layers: int | None = None  # what the latest training forward offloaded
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.arena = _HostArena(pin=self.cuda)
