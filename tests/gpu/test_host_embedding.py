@@ -3,6 +3,7 @@ gathered over PCIe by a Triton kernel, against the table on the GPU."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -35,15 +36,21 @@ def test_gather_from_host_memory_equals_the_embedding():
 
 def process_caches() -> int:
     """Bytes of the process-wide GPU caches made at their first use and kept (ops.blas's cuBLASLt
-    workspace per stream, 32 MiB each; the split kernels' counters): one made in a run's fit
-    would count against the next run's base. Run after the elementwise tests alone (561bbb3,
-    H200), b's base came out 16 MiB above a's instead of 16 MiB below: one workspace more."""
+    workspace per stream, 32 MiB each; the split kernels' counters)."""
     from hivetune.ops import blas, elementwise
 
     return sum(t.numel() * t.element_size() for t in (*blas._WORKSPACES.values(), *elementwise._COUNTERS.values()))
 
 
 def losses_and_peak(tmp_path: Path, tie: bool, **cfg):
+    """(logged losses, the GPU memory the model and run hold after setup, the input embedding's
+    class). The memory is what setup added (what earlier runs' fits left in the process's caches
+    does not count: run after the elementwise tests alone, run b's base with the whole process's
+    memory came out 16 MiB above run a's, then 15 MiB above with the cuBLASLt workspaces left out,
+    instead of 16 MiB below; 561bbb3 and dcac461, H200)."""
+    gc.collect()  # an earlier run's model, if a cycle still holds it, goes before the count
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated() - process_caches()
     args = qwen25_shape(VOCAB, 256, 512, 2, 8, 2, tie)
     model = random_model(args, "cuda", torch.bfloat16)
     examples = TokenizedExamples(workload_examples(32, VOCAB, cap=0, seed=5))
@@ -53,7 +60,7 @@ def losses_and_peak(tmp_path: Path, tie: bool, **cfg):
     run = assemble(load_config(None, values), model, examples, None, torch.device("cuda"), "bf16", tmp_path,
                    Path("random"))
     torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated() - process_caches()
+    base = torch.cuda.memory_allocated() - process_caches() - before
     fit(run, progress=False)
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return losses, base, type(run.model.model.embed_tokens).__name__
