@@ -410,6 +410,10 @@ class GraphedForwardBackward:
                       "bucket_tokens": self.bucket if not self.planned else "planned", "sizes": None,
                       "capture_tokens": None, "off": None,
                       "warmup_s": None, "capture_each_s": [],  # where capture_s went
+                      # of each capture: the host's time in capture_begin, and whether the GPU had
+                      # run out of queued work just before it (a wait there that the queue covered
+                      # would leave the GPU idle: what drains the queue before DDP's captures?)
+                      "begin_each_s": [], "idle_before_begin": [],
                       "instantiate": "background" if self.background else "in capture",
                       "instantiate_wait_s": 0.0,  # host time replays waited for their graph's instantiation
                       "deferred": 0, "deferred_idle": 0}  # captures after a replay; those the GPU ran dry in
@@ -671,7 +675,12 @@ class GraphedForwardBackward:
             main = torch.cuda.current_stream()
             self.stream.wait_stream(main)
             with torch.cuda.stream(self.stream):
+                queued = torch.cuda.Event()
+                queued.record(main)
+                self.stats["idle_before_begin"].append(queued.query())
+                begin = time.perf_counter()
                 graph.capture_begin(self.pool, capture_error_mode="thread_local" if self.background else "global")
+                self.stats["begin_each_s"].append(round(time.perf_counter() - begin, 4))
                 try:
                     bucket.loss = self._body(bucket)
                 finally:
