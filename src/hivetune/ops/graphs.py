@@ -86,6 +86,10 @@ MAX_GRAPHS = 48  # keys beyond this many run eagerly
 # stayed 3 of 3, so something else still drains the queue before a capture. Its 2-GPU test (a
 # 6-step `hivetune train`) timed out, and a graph that captured a collective must be destroyed
 # before destroy_process_group, which otherwise waits for it for good (pytorch#115388).
+# Measured since (stats begin_each_s, idle_before_begin; W2 DDP, 2 x H200, f5cd96b): the deferred
+# captures' capture_begin returns in 0-0.1 ms and the GPU still had queued work just before it
+# (both ranks, both deferred captures). What idles the GPU is the capture's host pass, 0.10-0.26 s,
+# outlasting the one replay (~0.09 s) queued ahead of it: the host has no larger lead then.
 # Capturing the sizes after each segment count's largest on a worker thread while this thread
 # replays (each size taken at a due call, so the run stays deterministic) was tried and removed
 # (session 21; the code is in git at d6b00fa). It needed the graphs' dropout seeds in their static
