@@ -453,6 +453,22 @@ def test_collect_appends_new_valid_pairs_and_counts_skips(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "server.log.jsonl"]
 
 
+def test_collect_skips_hostile_message_arrays_with_the_data_tools_messages(tmp_path, capsys):
+    """A log line holding a bare message array is decoded as the data tools decode JSONL lines
+    (formats.parse_json_line): nesting 3,000 deep and a 5,000-digit integer are skipped as
+    malformed JSON, where json.loads raised RecursionError / ValueError through the CLI."""
+    lines = ["[" * 3000 + "]" * 3000, "[" + "9" * 5000 + "]", '[{"role": "user"',  # cut after 16 characters
+             json.dumps(chat("Uptime?", "Run `uptime`."))]
+    log = write_text(tmp_path / "log.jsonl", "\n".join(lines) + "\n")
+    out = tmp_path / "chats.jsonl"
+    code, text, _ = run(capsys, "collect", log, "--out", out)
+    assert code == 0 and "  added: 1\n  skipped, duplicate: 0\n  skipped, invalid: 3\n" in text
+    assert f"    {log}:1: malformed JSON (nested too deeply)" in text
+    assert f"    {log}:2: malformed JSON (Exceeds the limit (4300 digits) for integer string conversion" in text
+    assert f"    {log}:3: malformed JSON (Expecting ',' delimiter at column 17)" in text
+    assert [r["messages"] for r in lines_of(out)] == [chat("Uptime?", "Run `uptime`.")]
+
+
 def test_collect_into_alpaca_file_takes_single_turns(tmp_path, capsys):
     out = write_jsonl(tmp_path / "train.jsonl", [alpaca("Existing question?", "Existing answer.")])
     log = write_text(tmp_path / "log.jsonl", "\n".join(log_lines()) + "\n")

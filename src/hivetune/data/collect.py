@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hivetune.data.dedupe import FirstSeen
-from hivetune.data.formats import check_record, detect_format
+from hivetune.data.formats import check_record, detect_format, parse_json_line
 from hivetune.data.scan import empty_fields, exact_key, open_data_file, parse_line, stream_lines
 from hivetune.errors import UserError
 from hivetune.fileio import atomic_write_with
@@ -161,10 +161,9 @@ def _interaction(raw: bytes) -> list[dict]:
     """The conversation of one log line, ending with the assistant's reply."""
     stripped = raw.strip()
     if stripped.startswith(b"["):
-        try:
-            messages = json.loads(stripped.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise NotAnInteraction(f"malformed JSON ({e})") from None
+        messages, error = parse_json_line(stripped)
+        if error:
+            raise NotAnInteraction(error)
         return _finish(_messages(messages))
     line = parse_line(0, raw)
     if line.error:

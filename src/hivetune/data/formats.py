@@ -62,15 +62,25 @@ def parse_jsonl_line(raw: bytes) -> tuple[dict | None, str | None]:
     """One JSONL line -> (record, None), or (None, what is wrong with it) without a file:line prefix.
 
     The one parser of JSONL lines: training stops at the first error (``iter_records``), the data
-    tools collect them (``scan.parse_line``). The line break is stripped first, so an error at the
-    end of the line gets this line's column. Hostile input gets a message, never an exception:
-    bytes that are not UTF-8, nesting deeper than Python's recursion limit, integers longer than
-    Python converts (4300 digits)."""
+    tools collect them (``scan.parse_line``). The record must be a JSON object; the decoding is
+    parse_json_line's."""
+    record, error = parse_json_line(raw)
+    if error is None and not isinstance(record, dict):
+        return None, f"expected a JSON object, got {type(record).__name__}"
+    return record, error
+
+
+def parse_json_line(raw: bytes) -> tuple[object, str | None]:
+    """One line's JSON value of any type -> (value, None), or (None, what is wrong with it): the
+    decoding of parse_jsonl_line, and of `data collect`'s log lines that hold a bare message
+    array. The line break is stripped first, so an error at the end of the line gets this line's
+    column. Hostile input gets a message, never an exception: bytes that are not UTF-8, nesting
+    deeper than MAX_NESTING, integers longer than Python converts (4300 digits)."""
     try:
         text = raw.rstrip(b"\r\n").decode("utf-8")
         if _nested_too_deeply(text):
             raise RecursionError
-        record = json.loads(text)
+        return json.loads(text), None
     except UnicodeDecodeError as e:
         return None, f"not valid UTF-8 (byte {e.start})"
     except json.JSONDecodeError as e:
@@ -79,9 +89,6 @@ def parse_jsonl_line(raw: bytes) -> tuple[dict | None, str | None]:
         return None, "malformed JSON (nested too deeply)"
     except ValueError as e:  # e.g. an integer of more than 4300 digits
         return None, f"malformed JSON ({str(e).split(':')[0]})"
-    if not isinstance(record, dict):
-        return None, f"expected a JSON object, got {type(record).__name__}"
-    return record, None
 
 
 MAX_NESTING = 500  # below Python's recursion limit, so the answer does not depend on the caller's stack
