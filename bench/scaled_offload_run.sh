@@ -6,15 +6,8 @@
 # run of the default into $OUT/results.  Usage: HIVETUNE_COMMIT=<commit> bash bench/scaled_offload_run.sh
 set -u
 SKIP_TESTS=1 source bench/device_prelude.sh
-A="--set host_embeddings=true --set activation_offload=5"
-timeout 170 python3 -m hivetune bench W2 --out /tmp/warm --max-steps 20 $A --memory-cap 24 2>&1 | grep -E "^W|rror"
-timeout 120 python3 bench/profile_step.py W2 --first --steps 2 --cap 24 $A > $OUT/cprofile-w2-first-capped.txt 2>&1
+warm_w2_capped
+timeout 120 python3 bench/profile_step.py W2 --first --steps 2 --cap 24 $W2_CAPPED > $OUT/cprofile-w2-first-capped.txt 2>&1
 head -3 $OUT/cprofile-w2-first-capped.txt | tail -1
-for round in ${ROUNDS:-1 2}; do
-  for ref in scaled_offload ""; do
-    echo "== round $round: ${ref:-scaled offload (default)}"
-    HIVETUNE_REFERENCE=$ref timeout 170 python3 bench/step_probe.py W2 --cap 24 $A \
-      --json $OUT/steps-$round-${ref:-scaled}.json 2>&1 | grep -vE "^hivetune:|arn"
-  done
-done
-timeout 170 python3 -m hivetune bench W2 --out $OUT/results $A --memory-cap 24 2>&1 | grep -E "^W|rror"
+ab_w2_capped scaled_offload scaled
+timeout 170 python3 -m hivetune bench W2 --out $OUT/results $W2_CAPPED --memory-cap 24 2>&1 | grep -E "^W|rror"

@@ -8,14 +8,7 @@ set -u
 SKIP_TESTS=1 source bench/device_prelude.sh
 timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="-W ignore::FutureWarning" \
   "tests/gpu/test_graphs.py::test_lora_weight_gradients_on_a_side_stream_match_the_one_stream_graphs" 2>&1 | tail -3
-A="--set host_embeddings=true --set activation_offload=5"
-timeout 170 python3 -m hivetune bench W2 --out /tmp/warm --max-steps 20 $A --memory-cap 24 2>&1 | grep -E "^W|rror"
-for round in ${ROUNDS:-1 2}; do
-  for ref in lt_buckets ""; do
-    echo "== round $round: ${ref:-buckets (default)}"
-    HIVETUNE_REFERENCE=$ref timeout 170 python3 bench/step_probe.py W2 --cap 24 $A \
-      --json $OUT/steps-$round-${ref:-buckets}.json 2>&1 | grep -vE "^hivetune:|arn"
-  done
-done
+warm_w2_capped
+ab_w2_capped lt_buckets buckets
 echo "== uncapped, defaults"
 timeout 170 python3 bench/step_probe.py W2 --json $OUT/steps-uncapped.json 2>&1 | grep -vE "^hivetune:|arn"
