@@ -120,6 +120,7 @@ def bf16_loss_and_grads(model, batch) -> tuple[float, torch.Tensor]:
     loss.backward()
     return loss.item(), torch.cat([p.grad.flatten() for p in lora_parameters(model)])
 
+
 # GPU tests that run first, under tight allocator caps (see pytest_collection_modifyitems)
 FIRST = ("test_oom_auto.py", "test_auto_offload.py")
 
