@@ -4,7 +4,7 @@
 # (bench/multi_gpu.py, HIVETUNE_MULTI_PROFILE).
 # Usage (device tool):
 #   HIVETUNE_COMMIT=<commit> [TESTS=1] [EXTRA="VAR=value ...[;VAR=value ...]"] [PROFILE=0] \
-#     [RUN_TIMEOUT=170] [TESTS_TIMEOUT=240] bash bench/ddp_ab_run.sh
+#     [PROFILE_ENV="VAR=value ..."] [RUN_TIMEOUT=170] [TESTS_TIMEOUT=240] bash bench/ddp_ab_run.sh
 # (variants apart by ";"; config overrides through HIVETUNE_MULTI_SET=key=value; PROFILE=0 skips the
 # profiled fit; TESTS=1 runs tests/gpu/test_multi_gpu.py first, into $OUT/gpu-multi-tests.log)
 source bench/ddp_common.sh
@@ -25,7 +25,7 @@ for pass in ${PASSES:-1 2}; do
   done
 done
 if [ "${PROFILE:-1}" != 0 ]; then
-  HIVETUNE_MULTI_PROFILE=$OUT run "ddp, kernels profiled" "${DDP[@]}"
+  (export ${PROFILE_ENV:-}; HIVETUNE_MULTI_PROFILE=$OUT run "ddp, kernels profiled ${PROFILE_ENV:-}" "${DDP[@]}")
   head -1 "$OUT"/kernels-*.txt | tee -a "$S"
 fi
 echo "== done ($(date +%T))" | tee -a "$S"
