@@ -25,7 +25,7 @@ for pass in ${PASSES:-1 2}; do
   done
 done
 if [ "${PROFILE:-1}" != 0 ]; then
-  (export ${PROFILE_ENV:-}; HIVETUNE_MULTI_PROFILE=$OUT run "ddp, kernels profiled ${PROFILE_ENV:-}" "${DDP[@]}")
+  ([ -z "${PROFILE_ENV:-}" ] || export ${PROFILE_ENV}; HIVETUNE_MULTI_PROFILE=$OUT run "ddp, kernels profiled ${PROFILE_ENV:-}" "${DDP[@]}")
   head -1 "$OUT"/kernels-*.txt | tee -a "$S"
 fi
 echo "== done ($(date +%T))" | tee -a "$S"
