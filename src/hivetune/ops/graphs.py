@@ -109,6 +109,15 @@ MAX_GRAPHS = 48  # keys beyond this many run eagerly
 # examples (~46 TFLOP; W2 on 2 GPUs, or 2 x 8 on one) the eager step is dispatch-bound: 6,463
 # against ~13,700 tokens/s with 16 (H100, faae9e6).
 MAX_TFLOP_PER_MICRO_BATCH = float(os.environ.get("HIVETUNE_GRAPH_MAX_TFLOP", 60.0))  # env: experiments
+# Deferred captures (defers_captures) wait until this many replays are queued ahead of the GPU
+# (GraphedForwardBackward._lead_enough). One capture after every replay left the GPU idle after
+# each (the host pass, 0.1-0.25 s, outlasts the ~0.09 s replay queued before it): W2 under DDP on
+# 2 x H100 at 69425b2, the same call, alternating: 9.95 / 9.71 s with 3 against 10.16 / 9.94 s
+# without (both with fixed segments, distributed.fixed_segments). Captures made with replays
+# queued take longer on the host (0.4-0.58 s against 0.1-0.25 s: something in the capture still
+# waits for the GPU), so the lead covers part of a capture, not all of it. HIVETUNE_CAPTURE_LEAD
+# overrides it (experiments, tests).
+CAPTURE_LEAD = 3
 
 last_stats: dict = {}  # the most recent GraphedForwardBackward's counters (read by the benchmark)
 last_graphed = None  # the most recent one, kept only with HIVETUNE_GRAPH_TIMING=1 (profiling)
@@ -344,35 +353,6 @@ def graphs_unsupported(run, loss_fn) -> str | None:
     return None
 
 
-class _Staging:
-    """EXPERIMENT (HIVETUNE_GRAPH_STAGING=1; unmeasured): pinned host buffers for the buckets'
-    inputs, made before the loop and reused in turn. Without it each load pins a fresh block
-    (torch's host allocator hands back a cached one only once its copy is done), so a host that
-    runs ahead of the GPU allocates page-locked memory, which the CUDA programming guide lists
-    among the implicit synchronisations: it could be what keeps DDP's host from building a lead
-    before its deferred captures. A slot is written again only after its copy is done: the host
-    waits there only when `slots` copies are still queued."""
-
-    def __init__(self, numel: int, slots: int = 8):
-        self.buffers = [torch.empty(numel, dtype=torch.long, pin_memory=True) for _ in range(slots)]
-        self.events: list = [None] * slots
-        self.next = 0
-
-    def copy(self, flat: torch.Tensor, parts: list[torch.Tensor]) -> None:
-        k = self.next
-        self.next = (k + 1) % len(self.buffers)
-        if self.events[k] is not None:
-            self.events[k].synchronize()
-        if self.buffers[k].numel() < flat.numel():  # a larger bucket than planned: this slot grows
-            self.buffers[k] = torch.empty(flat.numel(), dtype=torch.long, pin_memory=True)
-        host = self.buffers[k][:flat.numel()]
-        torch.cat(parts, out=host)
-        flat.copy_(host, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        self.events[k] = done
-
-
 class _Bucket:
     """Static device inputs of one graph: one int64 buffer holding input ids, positions, target
     index, target ids, cu_seqlens and the dropout seeds (one host-to-device copy per micro-batch)."""
@@ -391,17 +371,13 @@ class _Bucket:
         self.ready = None  # background instantiation: the Future of graph.instantiate()
         self.loss = None
 
-    def load(self, padded: MicroBatch, n_targets: int, staging: _Staging | None = None) -> None:
+    def load(self, padded: MicroBatch, n_targets: int) -> None:
         parts = [padded.input_ids[0], padded.position_ids[0], padded.target_index, padded.target_ids,
                  padded.layout.cu_seqlens.long()]
         if self.seeds:  # a micro-batch without seeds of its own (a caller outside fit): drawn here
             given = padded.dropout_seeds
             parts.append(given.cpu() if given is not None and given.numel() == self.seeds
                          else torch.randint(0, 2**31 - 1, (self.seeds,), dtype=torch.long))
-        if staging is not None:
-            staging.copy(self.flat, parts)
-            self.n_targets.fill_(float(n_targets))
-            return
         host = torch.cat(parts)
         # Pinned: the copy is asynchronous, and torch's host allocator keeps the block until it is done.
         self.flat.copy_(host.pin_memory(), non_blocking=True)
@@ -441,14 +417,10 @@ class GraphedForwardBackward:
         # Whether the planned sizes after the largest are captured one after each replay (see
         # defers_captures); None: as the plan's timing decides. The keys still to capture:
         self.defer, self.pending = defer, []
-        # EXPERIMENT (HIVETUNE_CAPTURE_LEAD=k; unmeasured): a deferred capture waits until the
-        # replay k back has not finished (k replays still queued for the GPU to work through
-        # during the capture's host pass), or until 4 k replays went by without such a lead.
-        self.lead = int(os.environ.get("HIVETUNE_CAPTURE_LEAD") or 0)
+        # A deferred capture waits for a lead of queued replays (_lead_enough); 0: none.
+        self.lead = 0 if forced("capture_lead") else int(os.environ.get("HIVETUNE_CAPTURE_LEAD") or CAPTURE_LEAD)
         self.replayed: collections.deque = collections.deque(maxlen=max(self.lead, 1))
         self.waited = 0
-        self.staging = (_Staging(4 * 8192 + 1024) if os.environ.get("HIVETUNE_GRAPH_STAGING") == "1"
-                        and run.device.type == "cuda" else None)
         self.off: str | None = None
         self.flops_per_token = 4 * run.model.args.linear_weight_count
         self.replay_events: list | None = [] if os.environ.get("HIVETUNE_GRAPH_TIMING") else None
@@ -486,7 +458,7 @@ class GraphedForwardBackward:
         self.stats["pad_tokens"] += tokens - batch.input_ids.shape[1]
         if bucket is None:
             return self._capture(key, batch, padded, n_targets)
-        bucket.load(padded, n_targets, self.staging)
+        bucket.load(padded, n_targets)
         self._replay(bucket)
         loss = bucket.loss.clone()  # now: the next replay of a graph in this pool may overwrite it
         if self.pending and self._lead_enough():
@@ -494,7 +466,11 @@ class GraphedForwardBackward:
         return loss
 
     def _lead_enough(self) -> bool:
-        """Whether a deferred capture goes now (HIVETUNE_CAPTURE_LEAD: see __init__; else always)."""
+        """Whether the next deferred capture goes now: once the replay `lead` calls back is still
+        queued on the GPU (the host is that many replays ahead, so the GPU has work through the
+        capture's host pass), or after 4 x lead replays without such a lead (a host that never
+        leads still captures). stats lead_waits: "queued" or "cap", a capture each.
+        HIVETUNE_REFERENCE=capture_lead: one capture after every replay, as before."""
         if not self.lead:
             return True
         done = torch.cuda.Event()
@@ -683,9 +659,6 @@ class GraphedForwardBackward:
             return planned_keys(self.run, self.bucket)
         capture_s, s_per_token = (sum(t[i] for t in timings) / len(timings) for i in (0, 1))
         capture_tokens = capture_cost_tokens(capture_s, s_per_token)
-        # EXPERIMENT (HIVETUNE_CAPTURE_TOKENS=n; unmeasured): a capture costed at n tokens (with the
-        # capture lead, a deferred capture's host pass overlaps queued replays: more sizes, less padding)
-        capture_tokens = float(os.environ.get("HIVETUNE_CAPTURE_TOKENS") or capture_tokens)
         if self.defer is None:
             self.defer = defers_captures(capture_s, s_per_token * sum(t for t, _ in micro) / len(micro))
         self.stats["capture_tokens"] = round(capture_tokens)
