@@ -218,9 +218,10 @@ def fixed_segments(device: torch.device) -> bool:
     import hivetune
     from hivetune.fastpath import forced
 
-    if device.type != "cuda" or forced("ddp_segments") or not hivetune.ALLOC_CONF_IS_OURS:
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)  # private: absent, nothing changes
+    if device.type != "cuda" or forced("ddp_segments") or not hivetune.ALLOC_CONF_IS_OURS or setter is None:
         return False
-    torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    setter("expandable_segments:False")
     return True
 
 
