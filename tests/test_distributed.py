@@ -209,28 +209,3 @@ def test_allreduce_sums_a_gradient_arena_in_place(tmp_path):
             n *= d
         want = torch.arange(n, dtype=torch.float32).view(shape) * 3 + 2 * i  # (rank 0 + 1) + (rank 1 + 1) = 3
         assert torch.equal(got[0][i], want) and torch.equal(got[1][i], want)
-
-
-def test_the_allocator_setting_is_ours_only_where_hivetune_set_it(tmp_path):
-    """hivetune's PYTORCH_CUDA_ALLOC_CONF (expandable segments) is marked as its own, and a
-    process it starts (torchrun's workers) sees the mark; a user's setting, even the same text,
-    is not ours, so distributed.fixed_segments leaves it alone. On the CPU it changes nothing."""
-    probe = ("import os, hivetune, torch; from hivetune.distributed import fixed_segments; "
-             "print(hivetune.ALLOC_CONF_IS_OURS, os.environ['PYTORCH_CUDA_ALLOC_CONF'], "
-             "fixed_segments(torch.device('cpu')))")
-    child = ("import hivetune, subprocess, sys; "
-             f"sys.stdout.write(subprocess.run([sys.executable, '-c', {probe!r}], capture_output=True, "
-             "text=True).stdout)")
-    base = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "HIVETUNE_OWN_ALLOC_CONF")}
-
-    def out(code, **env):
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**base, **env})
-        assert done.returncode == 0, done.stderr
-        return done.stdout.split()
-
-    assert out(probe) == ["True", "expandable_segments:True", "False"]
-    assert out(child) == ["True", "expandable_segments:True", "False"]  # inherited from a hivetune parent
-    assert out(probe, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True") == ["False", "expandable_segments:True",
-                                                                              "False"]
-    assert out(probe, PYTORCH_CUDA_ALLOC_CONF="garbage_collection_threshold:0.8") == [
-        "False", "garbage_collection_threshold:0.8", "False"]

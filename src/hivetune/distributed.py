@@ -204,27 +204,6 @@ def wrap(model: torch.nn.Module, strategy: str, d: Dist, device: torch.device) -
     return model
 
 
-def fixed_segments(device: torch.device) -> bool:
-    """ddp on CUDA: the caching allocator makes its new segments whole (cudaMalloc) instead of
-    expandable (hivetune's default, set in hivetune/__init__.py against packed rows'
-    fragmentation); True where it switched. Mapping and unmapping an expandable segment's pages
-    synchronises with the GPU, and a DDP rank's start (the eager warm-up, empty_cache, the
-    graphs' pool growing capture by capture, their static inputs) does that while the GPU still
-    has queued work. W2 under DDP on 2 x H100 at 69425b2, the same call, alternating: 10.16 / 9.94 s
-    with whole segments against 10.40 / 10.32 s, at 24.56 against 24.07 GiB reserved (the graphs
-    replay the same pool's blocks every step: no fragmentation to fear). Segments made before
-    (the frozen base) stay as they are. HIVETUNE_REFERENCE=ddp_segments, or a
-    PYTORCH_CUDA_ALLOC_CONF of the user's own: left alone."""
-    import hivetune
-    from hivetune.fastpath import forced
-
-    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)  # private: absent, nothing changes
-    if device.type != "cuda" or forced("ddp_segments") or not hivetune.ALLOC_CONF_IS_OURS or setter is None:
-        return False
-    setter("expandable_segments:False")
-    return True
-
-
 def gradient_sync(module: torch.nn.Module, strategy: str, enabled: bool):
     """Context for one micro-batch: FSDP reduce-scatters only on the last one (ddp syncs after
     the step, in allreduce_gradients)."""

@@ -221,8 +221,6 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     if parallel.enabled:
         base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
         strategy = distributed.choose_strategy(cfg.distributed, base_bytes, device, cfg, model.args)
-        if strategy == "ddp":
-            distributed.fixed_segments(device)
     if strategy != "fsdp" and fused_lora_usable():  # FSDP shards each weight: it keeps them apart
         fuse_projections(model, wide=wide_groups(model, cfg, data, device, strategy))
     if cfg.host_embeddings and device.type == "cuda":

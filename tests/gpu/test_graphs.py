@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -382,56 +379,3 @@ def test_graphs_take_each_micro_batchs_dropout_seeds(tmp_path):
     assert losses[1] == pytest.approx(eager[0], rel=5e-3) and moved == pytest.approx(eager[1], rel=5e-3)
     assert abs(losses[1] - eager[0]) < abs(losses[1] - eager[1])
     assert abs(moved - eager[1]) < abs(moved - eager[0])
-
-
-def test_deferred_captures_wait_for_a_lead_of_queued_replays(tmp_path, monkeypatch):
-    """Deferred captures (a fixed grid: several keys, all but the largest deferred) with a lead
-    of 2 and every loss read at once (the host never leads): each capture comes at the cap, 8
-    replays after the previous one, so 20 micro-batches (19 replays) make 2 deferred captures
-    where the reference (HIVETUNE_REFERENCE=capture_lead) makes one after every replay; the
-    losses agree within the padding's rounding, the gradients too."""
-    monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
-    monkeypatch.setenv("HIVETUNE_CAPTURE_LEAD", "2")
-
-    def run_graphs(name):
-        torch.manual_seed(0)
-        run, _ = small_run(tmp_path / name, max_steps=20, epochs=2)
-        run.model.train()
-        graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None, bucket=64, defer=True)
-        batches = [batch for step in run.steps for batch in graphs_micro_batches(run, step)]
-        assert len(batches) == 20
-        out = [graphed(batch, 1000).item() for batch in batches]
-        torch.cuda.synchronize()
-        return out, grads_of(run), graphed.stats, len(graphed.pending)
-
-    losses, grads, stats, left = run_graphs("lead")
-    assert left >= 1 and stats["deferred"] == 2 and stats["lead_waits"] == ["cap", "cap"]
-    monkeypatch.setenv("HIVETUNE_REFERENCE", "capture_lead")
-    ref_losses, ref_grads, ref_stats, ref_left = run_graphs("reference")
-    assert "lead_waits" not in ref_stats and ref_stats["deferred"] == min(2 + left, 19) and ref_left == 0
-    assert losses == pytest.approx(ref_losses, rel=1e-2)
-    assert (grads - ref_grads).norm() / ref_grads.norm() < 2e-2
-
-
-def test_fixed_segments_make_new_segments_whole(tmp_path):
-    """distributed.fixed_segments (DDP on CUDA): a segment made before stays expandable, one made
-    after is not; HIVETUNE_REFERENCE=ddp_segments leaves the allocator as it was."""
-    code = ("import torch, hivetune\n"
-            "from hivetune.distributed import fixed_segments\n"
-            "a = torch.empty(64 << 20, dtype=torch.uint8, device='cuda')\n"
-            "switched = fixed_segments(torch.device('cuda'))\n"
-            "b = torch.empty(96 << 20, dtype=torch.uint8, device='cuda')\n"
-            "segs = torch.cuda.memory_snapshot()\n"
-            "def seg(t):\n"
-            "    return next(s for s in segs if s['address'] <= t.data_ptr() < s['address'] + s['total_size'])\n"
-            "print(switched, seg(a).get('is_expandable'), seg(b).get('is_expandable'))\n")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTORCH_CUDA_ALLOC_CONF", "HIVETUNE_OWN_ALLOC_CONF", "HIVETUNE_REFERENCE")}
-
-    def probe(**extra):
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, **extra})
-        assert done.returncode == 0, done.stderr
-        return done.stdout.split()
-
-    assert probe() == ["True", "True", "False"]
-    assert probe(HIVETUNE_REFERENCE="ddp_segments") == ["False", "True", "True"]
