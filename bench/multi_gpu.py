@@ -104,6 +104,98 @@ def kernel_profile(rank: int):
     (Path(folder) / f"kernels-rank{rank}.txt").write_text("\n".join(lines))
 
 
+@contextmanager
+def step_timeline(rank: int):
+    """HIVETUNE_MULTI_TIMELINE=DIR: each rank's steps on the GPU clock, as DIR/timeline-rank<r>.json
+    and a summary line: CUDA events at each step's start (train.accumulate_step), before and after
+    its gradient all-reduce (distributed.allreduce_gradients), with the host's clock at each record.
+    Per step: the micro-batches' GPU time (start -> before the all-reduce), the all-reduce's
+    (its wait for the other rank included: NCCL's kernel spins until both have arrived), and the
+    rest up to the next step's start (clipping, the optimizer, and any wait for the host); the
+    host's lead is how far the GPU's start of a step trails the host's queueing of it."""
+    folder = os.environ.get("HIVETUNE_MULTI_TIMELINE")
+    if not folder:
+        yield
+        return
+    import hivetune.train as train_module
+
+    marks: list[tuple[str, int, object, float]] = []  # (what, step index, event, host seconds)
+
+    def mark(what: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((what, sum(m[0] == "start" for m in marks) - (what != "start"), event, time.perf_counter()))
+
+    step_fn, reduce_fn = train_module.accumulate_step, distributed.allreduce_gradients
+
+    def timed_step(*args, **kwargs):
+        mark("start")
+        return step_fn(*args, **kwargs)
+
+    def timed_reduce(*args, **kwargs):
+        mark("reduce")
+        reduce_fn(*args, **kwargs)
+        mark("reduced")
+
+    train_module.accumulate_step, distributed.allreduce_gradients = timed_step, timed_reduce
+    try:
+        yield
+    finally:
+        train_module.accumulate_step, distributed.allreduce_gradients = step_fn, reduce_fn
+    torch.cuda.synchronize()
+    first_event, first_host = marks[0][2], marks[0][3]
+    rows = [{"what": what, "step": step, "gpu_s": round(first_event.elapsed_time(event) / 1e3, 5),
+             "host_s": round(host - first_host, 5)} for what, step, event, host in marks]
+    at = {(r["what"], r["step"]): r["gpu_s"] for r in rows}
+    steps = sorted({r["step"] for r in rows})
+    compute = [at[("reduce", k)] - at[("start", k)] for k in steps if ("reduce", k) in at]
+    reduce = [at[("reduced", k)] - at[("reduce", k)] for k in steps if ("reduced", k) in at]
+    rest = [at[("start", k + 1)] - at[("reduced", k)] for k in steps if ("start", k + 1) in at and ("reduced", k) in at]
+    lead = [r["gpu_s"] - r["host_s"] for r in rows if r["what"] == "start"]
+
+    def stats(values: list[float]) -> str:
+        v = sorted(values)
+        return (f"sum {sum(v):.3f} s, median {v[len(v) // 2] * 1e3:.1f} ms, max {v[-1] * 1e3:.1f} ms"
+                if v else "none")
+
+    summary = (f"rank {rank}: {len(steps)} steps; micro-batches {stats(compute)}; all-reduce {stats(reduce)}; "
+               f"after it to the next step {stats(rest)}; GPU start minus host queueing of a step "
+               f"{stats(lead)}")
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"timeline-rank{rank}.json").write_text(json.dumps({"summary": summary, "marks": rows}))
+    print(summary, file=sys.stderr, flush=True)
+
+
+def allreduce_probe(numel: int = 80_740_352, repeats: int = 20) -> dict:
+    """The gradient all-reduce alone: `numel` fp32 values (W2's LoRA gradients by default) summed
+    over the ranks `repeats` times after 3 untimed, each timed on the GPU clock after a barrier
+    (so no rank waits for another's late arrival); median and best milliseconds and the bus
+    bandwidth (2 (n - 1) / n of the bytes a millisecond), the figure nccl-tests reports."""
+    import torch.distributed as dist
+
+    parallel = distributed.init("cuda")
+    device = distributed.device_for(parallel, torch.device("cuda"))
+    flat = torch.ones(numel, dtype=torch.float32, device=device)
+    times = []
+    for k in range(repeats + 3):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dist.all_reduce(flat)
+        end.record()
+        end.synchronize()
+        if k >= 3:
+            times.append(start.elapsed_time(end))
+    times.sort()
+    n = parallel.world
+    busbw = 2 * (n - 1) / n * numel * 4 / (times[len(times) // 2] / 1e3) / 1e9
+    out = {"mode": "allreduce", "ranks": n, "numel": numel, "median_ms": round(times[len(times) // 2], 3),
+           "best_ms": round(times[0], 3), "busbw_gb_s": round(busbw, 1), "environment": environment(device)}
+    distributed.shutdown(parallel)
+    return out
+
+
 def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
     parallel = distributed.init(device_name)
     device = distributed.device_for(parallel, torch.device(device_name))
@@ -136,7 +228,7 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
             torch.cuda.reset_peak_memory_stats(device)
         distributed.barrier(parallel)
         t0 = time.perf_counter()
-        with kernel_profile(parallel.rank):
+        with kernel_profile(parallel.rank), step_timeline(parallel.rank):
             result = fit(run, progress=False)
             if cuda:
                 torch.cuda.synchronize()
@@ -199,7 +291,7 @@ def run_all(out_dir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["all", "single", "ddp", "fsdp"])
+    parser.add_argument("mode", choices=["all", "single", "ddp", "fsdp", "allreduce"])
     parser.add_argument("workload", nargs="?", default="W2")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--device", default="cuda")
@@ -207,7 +299,7 @@ def main() -> None:
     if ns.mode == "all":
         run_all(Path(ns.out))
         return
-    result = train_once(ns.mode, ns.workload, ns.device)
+    result = allreduce_probe() if ns.mode == "allreduce" else train_once(ns.mode, ns.workload, ns.device)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result), flush=True)
 

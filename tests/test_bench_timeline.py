@@ -1,0 +1,48 @@
+"""bench/multi_gpu.py's step timeline (HIVETUNE_MULTI_TIMELINE) on 2 gloo processes, with CUDA
+events replaced by host-clock stand-ins (the probe's bookkeeping, not the GPU's clock)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SHIM = """
+import runpy, sys, time, torch
+class Event:  # a CUDA event's record / elapsed_time on the host clock
+    def __init__(self, enable_timing=False):
+        self.t = None
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+torch.cuda.Event = Event
+torch.cuda.synchronize = lambda *a, **k: None
+sys.argv = [sys.argv[1], "ddp", "tiny", "--device", "cpu"]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_ddp_step_timeline_marks_each_step_and_sums_its_parts(tmp_path):
+    shim = tmp_path / "shim.py"
+    shim.write_text(SHIM)
+    env = {**os.environ, "HIVETUNE_MULTI_TIMELINE": str(tmp_path / "tl"), "PYTHONPATH": str(ROOT / "src"),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(shim), str(ROOT / "bench" / "multi_gpu.py")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for rank in (0, 1):
+        timeline = json.loads((tmp_path / "tl" / f"timeline-rank{rank}.json").read_text())
+        marks = timeline["marks"]
+        expected = [(what, k) for k in range(3) for what in ("start", "reduce", "reduced")]
+        assert [(m["what"], m["step"]) for m in marks] == expected
+        gpu = [m["gpu_s"] for m in marks]
+        assert gpu[0] == 0.0 and gpu == sorted(gpu)
+        assert timeline["summary"].startswith(f"rank {rank}: 3 steps; micro-batches sum ")
+        # the three parts of steps 0-1 and step 2's first two add up to the span of the marks
+        parts = [float(p.split("sum ")[1].split(" s")[0]) for p in timeline["summary"].split("; ")[1:4]]
+        assert abs(sum(parts) - gpu[-1]) < 5e-3
