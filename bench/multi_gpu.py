@@ -120,11 +120,14 @@ def step_timeline(rank: int):
     import hivetune.train as train_module
 
     marks: list[tuple[str, int, object, float]] = []  # (what, step index, event, host seconds)
+    started = 0  # steps begun so far
 
     def mark(what: str) -> None:
+        nonlocal started
         event = torch.cuda.Event(enable_timing=True)
         event.record()
-        marks.append((what, sum(m[0] == "start" for m in marks) - (what != "start"), event, time.perf_counter()))
+        started += what == "start"
+        marks.append((what, started - 1, event, time.perf_counter()))
 
     step_fn, reduce_fn = train_module.accumulate_step, distributed.allreduce_gradients
 
@@ -188,9 +191,9 @@ def allreduce_probe(numel: int = 80_740_352, repeats: int = 20) -> dict:
         if k >= 3:
             times.append(start.elapsed_time(end))
     times.sort()
-    n = parallel.world
-    busbw = 2 * (n - 1) / n * numel * 4 / (times[len(times) // 2] / 1e3) / 1e9
-    out = {"mode": "allreduce", "ranks": n, "numel": numel, "median_ms": round(times[len(times) // 2], 3),
+    n, median = parallel.world, times[len(times) // 2]
+    busbw = 2 * (n - 1) / n * numel * 4 / (median / 1e3) / 1e9
+    out = {"mode": "allreduce", "ranks": n, "numel": numel, "median_ms": round(median, 3),
            "best_ms": round(times[0], 3), "busbw_gb_s": round(busbw, 1), "environment": environment(device)}
     distributed.shutdown(parallel)
     return out
