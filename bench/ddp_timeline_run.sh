@@ -4,10 +4,12 @@
 # median of 20 after a barrier each), then W2 under DDP with each rank's step timeline
 # (HIVETUNE_MULTI_TIMELINE: per step the micro-batches' GPU time, the all-reduce's with its wait
 # for the other rank, the rest up to the next step, and the host's lead), optionally per variant
-# (EXTRA, apart by ";"), and W2 on one GPU.
-# Usage (device tool): HIVETUNE_COMMIT=<commit> [EXTRA="VAR=value ...[;...]"] bash bench/ddp_timeline_run.sh
+# (EXTRA, apart by ";"), optionally one DDP fit profiled (PROFILE_ENV: its variables, "X=1" for the
+# defaults; kernels-rank<r>.txt: kernels, idle gaps, the host's CUDA calls), and W2 on one GPU.
+# Usage (device tool): HIVETUNE_COMMIT=<commit> [EXTRA="VAR=value ...[;...]"] [PROFILE_ENV="VAR=value ..."]
+#   bash bench/ddp_timeline_run.sh
 # Files: summary.txt (the runs and each rank's timeline summary), runs.jsonl, allreduce.jsonl,
-# topo.txt, timelines.tar.gz (every rank's per-step marks).
+# topo.txt, timelines.tar.gz (every rank's per-step marks), kernels-rank<r>.txt (PROFILE_ENV).
 source bench/ddp_common.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$S"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
@@ -28,6 +30,9 @@ IFS=';' read -ra variants <<< "${EXTRA:-}"
 for v in "${variants[@]}"; do
   [ -n "$v" ] && timeline "$(echo "$v" | tr ' =/' '_-_')" $v
 done
+if [ -n "${PROFILE_ENV:-}" ]; then  # one DDP fit with each rank's kernels and host CUDA calls profiled
+  (export ${PROFILE_ENV}; HIVETUNE_MULTI_PROFILE=$OUT run "ddp, profiled, ${PROFILE_ENV}" "${DDP[@]}")
+fi
 run "single" python3 bench/multi_gpu.py single W2
 tar -czf "$OUT/timelines.tar.gz" -C "$OUT" timelines && rm -rf "$OUT/timelines"
 echo "== done ($(date +%T))" | tee -a "$S"

@@ -69,8 +69,13 @@ def kernel_profile(rank: int):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         yield
     wall = time.perf_counter() - t0
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+    events = prof.events()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
                    if e.device_type == torch.autograd.DeviceType.CUDA)
+    # The host's CUDA runtime and driver calls (CUPTI records them with the kernels): a call that
+    # blocks (a synchronising allocation, a module load, a full launch queue) shows as a long one.
+    api = sorted((e.time_range.end - e.time_range.start, e.time_range.start, e.name) for e in events
+                 if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cu"))
     busy, end, nccl, before, gaps = 0.0, -1.0, 0.0, "", []
     for start, stop, name in spans:
         if "nccl" in name.lower():
@@ -97,6 +102,16 @@ def kernel_profile(rank: int):
     for start, stop, name in spans:
         total, count = totals.get(name, (0.0, 0))
         totals[name] = (total + stop - start, count + 1)
+    api_totals: dict = {}
+    for us, _, name in api:
+        total, count = api_totals.get(name, (0.0, 0))
+        api_totals[name] = (total + us, count + 1)
+    lines.append(f"host CUDA API calls: {len(api)}; by total (ms, calls, longest ms, name)")
+    longest = {name: us for us, _, name in api}  # sorted ascending: the last one kept is the longest
+    lines += [f"  {t / 1e3:9.1f} {c:7d} {longest[name] / 1e3:9.2f}  {name[:60]}"
+              for name, (t, c) in sorted(api_totals.items(), key=lambda kv: -kv[1][0])[:25]]
+    lines.append("the longest host CUDA API calls (ms, at s, name)")
+    lines += [f"  {us / 1e3:9.2f} {(at - first) / 1e6:8.3f}  {name[:60]}" for us, at, name in reversed(api[-40:])]
     lines.append("every kernel: total ms, calls, mean us, name")
     lines += [f"  {t / 1e3:9.2f} {c:7d} {t / c:9.1f}  {name[:110]}"
               for name, (t, c) in sorted(totals.items(), key=lambda kv: -kv[1][0])]

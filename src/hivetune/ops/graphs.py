@@ -52,6 +52,7 @@ Under DDP each rank replays its own graphs; the gradient all-reduce runs after t
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import os
@@ -108,6 +109,12 @@ MAX_GRAPHS = 48  # keys beyond this many run eagerly
 # examples (~46 TFLOP; W2 on 2 GPUs, or 2 x 8 on one) the eager step is dispatch-bound: 6,463
 # against ~13,700 tokens/s with 16 (H100, faae9e6).
 MAX_TFLOP_PER_MICRO_BATCH = float(os.environ.get("HIVETUNE_GRAPH_MAX_TFLOP", 60.0))  # env: experiments
+# Deferred captures (defers_captures) may wait until this many replays are queued ahead of the GPU
+# (GraphedForwardBackward._lead_enough); 0: one capture after every replay. Session 25 (2 x H100)
+# measured 3 within the spread of 0: captures made with replays queued took 0.4-0.7 s on the host
+# against 0.1-0.29 s with the GPU idle (something in the capture waits for the GPU).
+# HIVETUNE_CAPTURE_LEAD sets it (experiments, tests).
+CAPTURE_LEAD = 0
 
 last_stats: dict = {}  # the most recent GraphedForwardBackward's counters (read by the benchmark)
 last_graphed = None  # the most recent one, kept only with HIVETUNE_GRAPH_TIMING=1 (profiling)
@@ -407,6 +414,10 @@ class GraphedForwardBackward:
         # Whether the planned sizes after the largest are captured one after each replay (see
         # defers_captures); None: as the plan's timing decides. The keys still to capture:
         self.defer, self.pending = defer, []
+        # A deferred capture waits for a lead of queued replays (_lead_enough); 0: none.
+        self.lead = 0 if forced("capture_lead") else int(os.environ.get("HIVETUNE_CAPTURE_LEAD") or CAPTURE_LEAD)
+        self.replayed: collections.deque = collections.deque(maxlen=max(self.lead, 1))
+        self.waited = 0
         self.off: str | None = None
         self.flops_per_token = 4 * run.model.args.linear_weight_count
         self.replay_events: list | None = [] if os.environ.get("HIVETUNE_GRAPH_TIMING") else None
@@ -447,9 +458,29 @@ class GraphedForwardBackward:
         bucket.load(padded, n_targets)
         self._replay(bucket)
         loss = bucket.loss.clone()  # now: the next replay of a graph in this pool may overwrite it
-        if self.pending:
+        if self.pending and self._lead_enough():
             self._capture_deferred()
         return loss
+
+    def _lead_enough(self) -> bool:
+        """Whether the next deferred capture goes now: once the replay `lead` calls back is still
+        queued on the GPU (the host is that many replays ahead, so the GPU has work through the
+        capture's host pass), or after 4 x lead replays without such a lead (a host that never
+        leads still captures). stats lead_waits: "queued" or "cap", a capture each.
+        HIVETUNE_REFERENCE=capture_lead: one capture after every replay, as before."""
+        if not self.lead:
+            return True
+        done = torch.cuda.Event()
+        done.record()
+        self.replayed.append(done)
+        self.waited += 1
+        queued = len(self.replayed) == self.lead and not self.replayed[0].query()
+        if queued or self.waited >= 4 * self.lead:
+            self.waited = 0
+            self.replayed.clear()
+            self.stats["lead_waits"] = self.stats.get("lead_waits", []) + [("queued" if queued else "cap")]
+            return True
+        return False
 
     def _capture_deferred(self) -> None:
         """The next deferred size, captured while the GPU runs the replay just queued (and what
