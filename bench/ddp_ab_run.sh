@@ -6,14 +6,10 @@
 #   HIVETUNE_COMMIT=<commit> [TESTS=1] [EXTRA="VAR=value ...[;VAR=value ...]"] [PROFILE=0] \
 #     [PROFILE_ENV="VAR=value ..."] [RUN_TIMEOUT=170] [TESTS_TIMEOUT=240] bash bench/ddp_ab_run.sh
 # (variants apart by ";"; config overrides through HIVETUNE_MULTI_SET=key=value; PROFILE=0 skips the
-# profiled fit; TESTS=1 runs tests/gpu/test_multi_gpu.py first, into $OUT/gpu-multi-tests.log)
+# profiled fit; TESTS=1 runs tests/gpu/test_multi_gpu.py first, into $OUT/gpu-tests.log)
 source bench/ddp_common.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$S"
-if [ -n "${TESTS:-}" ]; then
-  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest tests/gpu/test_multi_gpu.py -q -rfE --tb=short -p no:cacheprovider \
-    -o addopts="-W ignore::FutureWarning" > "$OUT/gpu-multi-tests.log" 2>&1
-  tail -1 "$OUT/gpu-multi-tests.log" | tee -a "$S"; grep -E "^FAILED|^E " "$OUT/gpu-multi-tests.log" | head -10
-fi
+[ -z "${TESTS:-}" ] || gpu_tests tests/gpu/test_multi_gpu.py
 run "ddp, warm-up pass" "${DDP[@]}"
 run "single, warm-up pass" python3 bench/multi_gpu.py single W2
 for pass in ${PASSES:-1 2}; do

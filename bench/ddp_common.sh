@@ -21,3 +21,8 @@ for line in sys.stdin:
           'sizes per rank:', [g.get('sizes') for g in r.get('cuda_graphs_per_rank', [])])" | tee -a "$S"
 }
 DDP=(python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/multi_gpu.py ddp W2)
+gpu_tests() {  # pytest arguments: the GPU tests, logged to $OUT/gpu-tests.log, their tail to $S
+  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest "$@" -q -rfE --tb=short -p no:cacheprovider \
+    -o addopts="-W ignore::FutureWarning" > "$OUT/gpu-tests.log" 2>&1
+  tail -1 "$OUT/gpu-tests.log" | tee -a "$S"; grep -E "^FAILED|^E " "$OUT/gpu-tests.log" | head -10
+}

@@ -1,21 +1,38 @@
 #!/usr/bin/env bash
 # One device call on 2 GPUs (issue 10): where a DDP step's time goes. The GPUs' link (nvidia-smi
-# topo), the gradient all-reduce alone (bench/multi_gpu.py allreduce: W2's 80.7M fp32 values,
-# median of 20 after a barrier each), then W2 under DDP with each rank's step timeline
-# (HIVETUNE_MULTI_TIMELINE: per step the micro-batches' GPU time, the all-reduce's with its wait
-# for the other rank, the rest up to the next step, and the host's lead), optionally per variant
-# (EXTRA, apart by ";"), optionally one DDP fit profiled (PROFILE_ENV: its variables, "X=1" for the
-# defaults; kernels-rank<r>.txt: kernels, idle gaps, the host's CUDA calls), and W2 on one GPU.
+# topo), their clocks, power and temperature every 0.2 s through the call and which processes hold
+# a context on each GPU, the gradient all-reduce alone (bench/multi_gpu.py allreduce: W2's 80.7M
+# fp32 values, median of 20 after a barrier each; ALLREDUCE=0 skips it), then W2 under DDP with
+# each rank's step timeline (HIVETUNE_MULTI_TIMELINE: per step the micro-batches' GPU time, the
+# all-reduce's with its wait for the other rank, the rest up to the next step, and the host's
+# lead), optionally per variant (EXTRA, apart by ";"; PASSES=2 repeats defaults and variants),
+# optionally one DDP fit profiled (PROFILE_ENV: its variables, "X=1" for the defaults;
+# kernels-rank<r>.txt: kernels, idle gaps, the host's CUDA calls), and W2 on one GPU, optionally
+# per variant too (SINGLES, apart by ";", e.g. CUDA_VISIBLE_DEVICES=1). TESTS="pytest args" runs
+# GPU tests first (gpu-tests.log).
 # Usage (device tool): HIVETUNE_COMMIT=<commit> [EXTRA="VAR=value ...[;...]"] [PROFILE_ENV="VAR=value ..."]
-#   bash bench/ddp_timeline_run.sh
+#   [PASSES=2] [SINGLES="VAR=value[;...]"] [TESTS="tests/gpu/..."] [ALLREDUCE=0] bash bench/ddp_timeline_run.sh
 # Files: summary.txt (the runs and each rank's timeline summary), runs.jsonl, allreduce.jsonl,
-# topo.txt, timelines.tar.gz (every rank's per-step marks), kernels-rank<r>.txt (PROFILE_ENV).
+# timelines.tar.gz (every rank's per-step marks, gpu-clocks.csv, gpu-apps.txt, topo.txt),
+# kernels-rank<r>.txt (PROFILE_ENV), gpu-tests.log (TESTS).
 source bench/ddp_common.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$S"
-nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+mkdir -p "$OUT/timelines"
+nvidia-smi topo -m > "$OUT/timelines/topo.txt" 2>&1
+reasons=clocks_event_reasons.active
+nvidia-smi --query-gpu=$reasons --format=csv,noheader > /dev/null 2>&1 || reasons=clocks_throttle_reasons.active
+nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,$reasons \
+  --format=csv -lms 200 > "$OUT/timelines/gpu-clocks.csv" 2>&1 &
+clocks=$!
+(while sleep 5; do date +%T; nvidia-smi --query-compute-apps=pid,gpu_bus_id,used_memory --format=csv,noheader; done) \
+  > "$OUT/timelines/gpu-apps.txt" 2>&1 &
+apps=$!
+[ -z "${TESTS:-}" ] || gpu_tests $TESTS
 run "ddp, warm-up pass" "${DDP[@]}"
-timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/multi_gpu.py allreduce 2>/dev/null \
-  | grep "^{" | tee "$OUT/allreduce.jsonl" | tee -a "$S"
+if [ "${ALLREDUCE:-1}" != 0 ]; then
+  timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/multi_gpu.py allreduce 2>/dev/null \
+    | grep "^{" | tee "$OUT/allreduce.jsonl" | tee -a "$S"
+fi
 timeline() {  # label, then the variant's VAR=value words (none: the defaults)
   local label=$1; shift
   mkdir -p "$OUT/timelines/$label"
@@ -25,14 +42,21 @@ timeline() {  # label, then the variant's VAR=value words (none: the defaults)
     python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['summary'])" "$f" | tee -a "$S"
   done
 }
-timeline defaults
 IFS=';' read -ra variants <<< "${EXTRA:-}"
-for v in "${variants[@]}"; do
-  [ -n "$v" ] && timeline "$(echo "$v" | tr ' =/' '_-_')" $v
+for pass in $(seq 1 "${PASSES:-1}"); do
+  timeline "defaults-$pass"
+  for v in "${variants[@]}"; do
+    [ -n "$v" ] && timeline "$(echo "$v" | tr ' =/,' '_-__')-$pass" $v
+  done
 done
 if [ -n "${PROFILE_ENV:-}" ]; then  # one DDP fit with each rank's kernels and host CUDA calls profiled
   (export ${PROFILE_ENV}; HIVETUNE_MULTI_PROFILE=$OUT run "ddp, profiled, ${PROFILE_ENV}" "${DDP[@]}")
 fi
 run "single" python3 bench/multi_gpu.py single W2
+IFS=';' read -ra singles <<< "${SINGLES:-}"
+for v in "${singles[@]}"; do
+  [ -n "$v" ] && (export $v; run "single, $v" python3 bench/multi_gpu.py single W2)
+done
+kill $clocks $apps 2>/dev/null
 tar -czf "$OUT/timelines.tar.gz" -C "$OUT" timelines && rm -rf "$OUT/timelines"
 echo "== done ($(date +%T))" | tee -a "$S"

@@ -65,6 +65,7 @@ from hivetune.data.batch import MicroBatch
 from hivetune.device import cuda_index
 from hivetune.distributed import all_gather_objects
 from hivetune.fastpath import forced
+from hivetune.ops import blas
 from hivetune.ops.attention import Packed, varlen_supported
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.ops.loss import target_loss_sum
@@ -621,7 +622,8 @@ class GraphedForwardBackward:
         top_t, top_segments = max(micro)
         top = (bucket_tokens(top_t, GRAIN), top_segments)
         t0 = time.perf_counter()
-        captured = self._capture_key(top, None) and self._ready(self.buckets[top])
+        with blas.recording() as products:
+            captured = self._capture_key(top, None) and self._ready(self.buckets[top])
         capture_s = time.perf_counter() - t0  # the host pass and the instantiation, as before background ones
         saved = saved_sizes(self.run)
         timing = None  # (capture seconds, GPU seconds a token), if this rank can measure them
@@ -664,6 +666,10 @@ class GraphedForwardBackward:
             groups.setdefault(segments, []).append(t)
         self.sizes = self.run.graph_sizes = {seg: plan_sizes(ts, capture_tokens) for seg, ts in groups.items()}
         self.stats["sizes"] = {seg: sizes for seg, sizes in self.sizes.items()}
+        if not forced("preload_kernels"):  # the other sizes' matmul kernels, loaded while the GPU idles
+            t0 = time.perf_counter()
+            self.stats["preloaded"] = len(blas.preload(products, top[0], {s for v in self.sizes.values() for s in v}))
+            self.stats["preload_s"] = round(time.perf_counter() - t0, 3)
         return [(size, seg) for seg, sizes in self.sizes.items() for size in sizes]
 
     def _instantiator(self):
