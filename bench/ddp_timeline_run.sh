@@ -7,7 +7,8 @@
 # all-reduce's with its wait for the other rank, the rest up to the next step, and the host's
 # lead), optionally per variant (EXTRA, apart by ";"; PASSES=2 repeats defaults and variants),
 # optionally one DDP fit profiled (PROFILE_ENV: its variables, "X=1" for the defaults;
-# kernels-rank<r>.txt: kernels, idle gaps, the host's CUDA calls), and W2 on one GPU, optionally
+# kernels-rank<r>.txt: kernels, idle gaps, the host's CUDA calls), and W2 on one GPU (after an
+# untimed pass: the eager run's own Triton variants compile the first time), optionally
 # per variant too (SINGLES, apart by ";", e.g. CUDA_VISIBLE_DEVICES=1). TESTS="pytest args" runs
 # GPU tests first (gpu-tests.log).
 # Usage (device tool): HIVETUNE_COMMIT=<commit> [EXTRA="VAR=value ...[;...]"] [PROFILE_ENV="VAR=value ..."]
@@ -52,6 +53,7 @@ done
 if [ -n "${PROFILE_ENV:-}" ]; then  # one DDP fit with each rank's kernels and host CUDA calls profiled
   (export ${PROFILE_ENV}; HIVETUNE_MULTI_PROFILE=$OUT run "ddp, profiled, ${PROFILE_ENV}" "${DDP[@]}")
 fi
+run "single, warm-up pass" python3 bench/multi_gpu.py single W2  # its eager shapes' Triton variants compiled
 run "single" python3 bench/multi_gpu.py single W2
 IFS=';' read -ra singles <<< "${SINGLES:-}"
 for v in "${singles[@]}"; do

@@ -658,6 +658,10 @@ class GraphedForwardBackward:
             return planned_keys(self.run, self.bucket)
         capture_s, s_per_token = (sum(t[i] for t in timings) / len(timings) for i in (0, 1))
         capture_tokens = capture_cost_tokens(capture_s, s_per_token)
+        # experiments: HIVETUNE_CAPTURE_TOKENS=n (the capture cost plan_sizes weighs), HIVETUNE_GRAPH_DEFER=1 / 0
+        capture_tokens = float(os.environ.get("HIVETUNE_CAPTURE_TOKENS") or capture_tokens)
+        if self.defer is None and os.environ.get("HIVETUNE_GRAPH_DEFER") in ("0", "1"):
+            self.defer = os.environ["HIVETUNE_GRAPH_DEFER"] == "1"
         if self.defer is None:
             self.defer = defers_captures(capture_s, s_per_token * sum(t for t, _ in micro) / len(micro))
         self.stats["capture_tokens"] = round(capture_tokens)
