@@ -112,6 +112,10 @@ def kernel_profile(rank: int):
               for name, (t, c) in sorted(api_totals.items(), key=lambda kv: -kv[1][0])[:25]]
     lines.append("the longest host CUDA API calls (ms, at s, name)")
     lines += [f"  {us / 1e3:9.2f} {(at - first) / 1e6:8.3f}  {name[:60]}" for us, at, name in reversed(api[-40:])]
+    lines.append("host CUDA calls over 2 ms but graph launches, in time order (ms, at s, name)")
+    lines += [f"  {us / 1e3:9.2f} {(at - first) / 1e6:8.3f}  {name[:60]}"
+              for at, us, name in sorted((at, us, name) for us, at, name in api
+                                         if us > 2000 and name != "cudaGraphLaunch")[:80]]
     lines.append("every kernel: total ms, calls, mean us, name")
     lines += [f"  {t / 1e3:9.2f} {c:7d} {t / c:9.1f}  {name[:110]}"
               for name, (t, c) in sorted(totals.items(), key=lambda kv: -kv[1][0])]

@@ -174,7 +174,7 @@ def test_preload_runs_every_product_a_capture_of_another_size_makes():
     are untouched (preload writes only its scratch memory)."""
     def capture(n):
         cases = products(n=n, seed=n)
-        outs = [out.clone() for _, _, _, out, _, _, _ in cases]
+        outs = [out.fill_(1.5) for _, _, _, out, _, _, _ in cases]
         with blas.recording() as recorded:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -188,10 +188,9 @@ def test_preload_runs_every_product_a_capture_of_another_size_makes():
     top, outs = capture(1472)
     # 7 products: y = x W^T with and without the residual share one (beta is a call argument)
     assert len(top) == 7 and all(1472 in (p[0], p[2]) for _, p in top)
-    before = [o.clone() for o in outs]
     ran = blas.preload(top, 1472, [1216, 1472])
     torch.cuda.synchronize()
     assert len(ran) == 7 and all(1216 in p[:3] and 1472 not in p for _, p in ran)
-    assert all(torch.equal(o, b) for o, b in zip(outs, before))
+    assert all(bool((o == 1.5).all()) for o in outs)
     smaller, _ = capture(1216)
     assert smaller == set(ran)
