@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from contextlib import contextmanager
 
 import torch
 
@@ -102,7 +101,7 @@ class _Plan:
     """One product's descriptors and algorithm (kept alive for the process: a few hundred of
     them for a training run, each a few hundred bytes)."""
 
-    __slots__ = ("desc", "a_layout", "b_layout", "d_layout", "algo", "shared", "product")
+    __slots__ = ("desc", "a_layout", "b_layout", "d_layout", "algo", "shared")
 
     def __init__(self, lib: _Lib, handle, m: int, n: int, k: int, a_op: int, a_ld: int, b_op: int, b_ld: int,
                  in_type: int, out_type: int, out_ld: int, aligns: tuple[int, int, int], algo=None):
@@ -117,7 +116,6 @@ class _Plan:
         self.a_layout = lib.layout(in_type, *((k, m) if a_op == _OP_N else (m, k)), a_ld)
         self.d_layout = lib.layout(out_type, n, m, out_ld)
         self.desc, self.shared = desc, algo is not None
-        self.product = (m, n, k, a_op, a_ld, b_op, b_ld, in_type, out_type, out_ld, aligns)
         if algo is not None:  # the heuristic's answer for this product's bucket (_bucket_algo)
             self.algo = algo
             return
@@ -159,7 +157,6 @@ STATS = {"lt": 0, "torch": 0, "plans": 0, "heuristics": 0}  # calls each way, pl
 # largest shape (model widths, multiples of 256 in every supported family, stay exact).
 BUCKET = 256
 _ALGOS: dict[tuple, object] = {}  # a bucket's product -> the heuristic's algorithm for it
-_RECORDING: set | None = None  # inside recording(): (device index, product) of each product run
 
 
 def _find_library() -> str | None:
@@ -254,8 +251,6 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, alph
                     return gemm(a, b, out, alpha, beta, c=c)
                 if status == 0:
                     STATS["lt"] += 1
-                    if _RECORDING is not None:
-                        _RECORDING.add((key[7], plan.product))
                     return out
                 _PLANS[key] = None  # refused at run time: this shape takes torch from now on
     STATS["torch"] += 1
@@ -322,73 +317,3 @@ def _plan(lib: _Lib, a, b, out, aligns: tuple[int, int, int], shared: bool = Tru
         return None
     STATS["plans"] += 1
     return plan
-
-
-@contextmanager
-def recording():
-    """The set of products (device index, _Plan.product) run through the plans meanwhile, for
-    preload."""
-    global _RECORDING
-    _RECORDING = products = set()
-    try:
-        yield products
-    finally:
-        _RECORDING = None
-
-
-def resized(product: tuple, tokens: int, size: int) -> tuple:
-    """A recorded product with every dimension and leading dimension equal to `tokens` set to
-    `size` (the dtypes, ops and alignments as they were)."""
-    return tuple(size if i < 10 and d == tokens else d for i, d in enumerate(product))
-
-
-def scratch_bytes(product: tuple) -> tuple[int, int, int]:
-    """Bytes of a product's a, b and out (its stored layouts, leading dimensions included)."""
-    m, n, k, a_op, a_ld, b_op, b_ld, in_type, out_type, out_ld, _ = product
-    size = {_CUDA_R_32F: 4, _CUDA_R_16F: 2, _CUDA_R_16BF: 2}
-    return (size[in_type] * a_ld * (m if a_op == _OP_N else k), size[in_type] * b_ld * (k if b_op == _OP_N else n),
-            size[out_type] * out_ld * m)
-
-
-def preload(products: set, tokens: int, sizes) -> list[tuple[int, tuple]]:
-    """Run each recorded product whose dimensions hold `tokens` once on scratch memory with that
-    dimension (and leading dimension) set to each of `sizes`, through the algorithm the heuristic
-    gives that exact product (as a graph capture of that size asks it: _plan), so that its
-    kernels are loaded now. CUDA loads a kernel at its first launch (lazy loading, its default),
-    and a load may synchronise the context: a capture made while replays are queued then waits
-    for them on the host, and the GPU idles for the rest of the capture (W2 under DDP: 0.40-0.71 s
-    a capture against 0.11-0.29 s with nothing queued). Meant for where the GPU idles anyway. A
-    model dimension equal to `tokens` is changed as well: an extra product run, no harm.
-    Returns the (device index, product) run."""
-    lib = _LIB or None
-    if lib is None or not products or forced("cublaslt"):
-        return []
-    runs = sorted({(index, resized(product, tokens, size)) for index, product in products
-                   if tokens in product[:10] for size in sizes if size != tokens})
-    done = []
-    for index in sorted({index for index, _ in runs}):
-        mine = [product for i, product in runs if i == index]
-        with torch.cuda.device(index):
-            scratch = torch.empty(max(sum(scratch_bytes(p)) for p in mine) + 512, dtype=torch.uint8, device=index)
-            stream = torch.cuda.current_stream().cuda_stream
-            workspace = _WORKSPACES.get(stream)
-            if workspace is None:
-                workspace = _WORKSPACES[stream] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=index)
-            zero = ctypes.c_float(0.0)
-            for product in mine:
-                a_bytes, b_bytes, _ = scratch_bytes(product)
-                pa = scratch.data_ptr()
-                pb = pa + -(-a_bytes // 256) * 256
-                pd = pb + -(-b_bytes // 256) * 256
-                try:
-                    plan = _Plan(lib, lib.handle(index), *product)
-                except RuntimeError:
-                    continue
-                status = lib.matmul(lib.handle(index), plan.desc, ctypes.byref(zero), pb, plan.b_layout, pa,
-                                    plan.a_layout, ctypes.byref(zero), pd, plan.d_layout, pd, plan.d_layout,
-                                    ctypes.byref(plan.algo), workspace.data_ptr(), WORKSPACE_BYTES, stream)
-                plan.destroy(lib)
-                if status == 0:
-                    done.append((index, product))
-            del scratch
-    return done

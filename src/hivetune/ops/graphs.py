@@ -65,7 +65,6 @@ from hivetune.data.batch import MicroBatch
 from hivetune.device import cuda_index
 from hivetune.distributed import all_gather_objects
 from hivetune.fastpath import forced
-from hivetune.ops import blas
 from hivetune.ops.attention import Packed, varlen_supported
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.ops.loss import target_loss_sum
@@ -111,10 +110,12 @@ MAX_GRAPHS = 48  # keys beyond this many run eagerly
 # against ~13,700 tokens/s with 16 (H100, faae9e6).
 MAX_TFLOP_PER_MICRO_BATCH = float(os.environ.get("HIVETUNE_GRAPH_MAX_TFLOP", 60.0))  # env: experiments
 # Deferred captures (defers_captures) may wait until this many replays are queued ahead of the GPU
-# (GraphedForwardBackward._lead_enough); 0: one capture after every replay. Session 25 (2 x H100)
-# measured 3 within the spread of 0: captures made with replays queued took 0.4-0.7 s on the host
-# against 0.1-0.29 s with the GPU idle (something in the capture waits for the GPU).
-# HIVETUNE_CAPTURE_LEAD sets it (experiments, tests).
+# (GraphedForwardBackward._lead_enough); 0: one capture after every replay. No gain measured with 3
+# (sessions 25-26, 2 x H100 and 2 x H200): a capture made with replays queued takes 0.3-0.7 s on
+# the host against 0.1-0.29 s with the GPU idle, so something in it waits for the queue to drain.
+# Not the lazy loading of the new sizes' matmul kernels (preloading them changed nothing), nor the
+# background instantiation (in capture_end: the same times). HIVETUNE_CAPTURE_LEAD sets it
+# (experiments, tests).
 CAPTURE_LEAD = 0
 
 last_stats: dict = {}  # the most recent GraphedForwardBackward's counters (read by the benchmark)
@@ -468,7 +469,7 @@ class GraphedForwardBackward:
         queued on the GPU (the host is that many replays ahead, so the GPU has work through the
         capture's host pass), or after 4 x lead replays without such a lead (a host that never
         leads still captures). stats lead_waits: "queued" or "cap", a capture each.
-        HIVETUNE_REFERENCE=capture_lead: one capture after every replay, as before."""
+        HIVETUNE_REFERENCE=capture_lead: one capture after every replay, whatever the lead."""
         if not self.lead:
             return True
         done = torch.cuda.Event()
@@ -622,8 +623,7 @@ class GraphedForwardBackward:
         top_t, top_segments = max(micro)
         top = (bucket_tokens(top_t, GRAIN), top_segments)
         t0 = time.perf_counter()
-        with blas.recording() as products:
-            captured = self._capture_key(top, None) and self._ready(self.buckets[top])
+        captured = self._capture_key(top, None) and self._ready(self.buckets[top])
         capture_s = time.perf_counter() - t0  # the host pass and the instantiation, as before background ones
         saved = saved_sizes(self.run)
         timing = None  # (capture seconds, GPU seconds a token), if this rank can measure them
@@ -670,10 +670,6 @@ class GraphedForwardBackward:
             groups.setdefault(segments, []).append(t)
         self.sizes = self.run.graph_sizes = {seg: plan_sizes(ts, capture_tokens) for seg, ts in groups.items()}
         self.stats["sizes"] = {seg: sizes for seg, sizes in self.sizes.items()}
-        if not forced("preload_kernels"):  # the other sizes' matmul kernels, loaded while the GPU idles
-            t0 = time.perf_counter()
-            self.stats["preloaded"] = len(blas.preload(products, top[0], {s for v in self.sizes.values() for s in v}))
-            self.stats["preload_s"] = round(time.perf_counter() - t0, 3)
         return [(size, seg) for seg, sizes in self.sizes.items() for size in sizes]
 
     def _instantiator(self):
