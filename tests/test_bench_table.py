@@ -11,11 +11,13 @@ from hivetune import bench
 
 
 def test_an_experiment_switch_is_recorded_and_shown_in_the_table(tmp_path, monkeypatch):
-    monkeypatch.delenv("HIVETUNE_LORA_SIDE_STREAM", raising=False)
+    for name in bench.EXPERIMENTS:
+        monkeypatch.delenv(name, raising=False)
     assert bench.environment(torch.device("cpu"))["experiments"] == ""
     monkeypatch.setenv("HIVETUNE_LORA_SIDE_STREAM", "0")
+    monkeypatch.setenv("HIVETUNE_CAPTURE_LEAD", "3")
     env = bench.environment(torch.device("cpu"))
-    assert env["experiments"] == "HIVETUNE_LORA_SIDE_STREAM=0"
+    assert env["experiments"] == "HIVETUNE_LORA_SIDE_STREAM=0 HIVETUNE_CAPTURE_LEAD=3"
     record = {"workload": "W1", "date": "2026-11-26T17:00:00+00:00", "environment": env,
               "hivetune": {"steps": 562, "seconds": 10.0, "tokens_per_s": 89_000.0, "mfu": 0.17,
                            "peak_memory_allocated_gib": 3.7, "peak_memory_reserved_gib": 3.9,
@@ -26,7 +28,8 @@ def test_an_experiment_switch_is_recorded_and_shown_in_the_table(tmp_path, monke
     (tmp_path / "W1-20261126-165900.json").write_text(json.dumps(plain))
     rows = [line for line in bench.results_table(tmp_path).splitlines() if line.startswith("| W1")]
     assert len(rows) == 2
-    assert "defaults; experiments: HIVETUNE_LORA_SIDE_STREAM=0; allocator capped at 4 GiB" in rows[0]
+    assert ("defaults; experiments: HIVETUNE_LORA_SIDE_STREAM=0 HIVETUNE_CAPTURE_LEAD=3; allocator capped at 4 GiB"
+            in rows[0])
     assert "; first step 6.37 s; adapter write 0.45 s after the clock; 1.8 layers offloaded a micro-batch" in rows[0]
     assert "experiments" not in rows[1] and "W1-20261126-165900.json" in rows[1]
 
