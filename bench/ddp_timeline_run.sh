@@ -10,11 +10,13 @@
 # kernels-rank<r>.txt: kernels, idle gaps, the host's CUDA calls), and W2 on one GPU (after an
 # untimed pass: the eager run's own Triton variants compile the first time), optionally
 # per variant too (SINGLES, apart by ";", e.g. CUDA_VISIBLE_DEVICES=1). TESTS="pytest args" runs
-# GPU tests first (gpu-tests.log).
+# GPU tests first (gpu-tests.log). CAPTURE_PROFILE_ENV="VAR=value ..." (e.g. HIVETUNE_GRAPH_DEFER=1):
+# one DDP fit with each deferred capture under cProfile (bench/multi_gpu.py capture_profile).
 # Usage (device tool): HIVETUNE_COMMIT=<commit> [EXTRA="VAR=value ...[;...]"] [PROFILE_ENV="VAR=value ..."]
-#   [PASSES=2] [SINGLES="VAR=value[;...]"] [TESTS="tests/gpu/..."] [ALLREDUCE=0] bash bench/ddp_timeline_run.sh
+#   [PASSES=2] [SINGLES="VAR=value[;...]"] [TESTS="tests/gpu/..."] [ALLREDUCE=0] [CAPTURE_PROFILE_ENV=...]
+#   bash bench/ddp_timeline_run.sh
 # Files: summary.txt (the runs and each rank's timeline summary), runs.jsonl, allreduce.jsonl,
-# timelines.tar.gz (every rank's per-step marks, gpu-clocks.csv, gpu-apps.txt, topo.txt),
+# timelines.tar.gz (every rank's per-step marks, gpu-clocks.csv, gpu-apps.txt, topo.txt, captures/),
 # kernels-rank<r>.txt (PROFILE_ENV), gpu-tests.log (TESTS).
 source bench/ddp_common.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$S"
@@ -50,6 +52,10 @@ for pass in $(seq 1 "${PASSES:-1}"); do
     [ -n "$v" ] && timeline "$(echo "$v" | tr ' =/,' '_-__')-$pass" $v
   done
 done
+if [ -n "${CAPTURE_PROFILE_ENV:-}" ]; then  # each deferred capture under cProfile (captures-rank<r>.txt)
+  (export ${CAPTURE_PROFILE_ENV}; HIVETUNE_MULTI_CAPTURE_PROFILE=$OUT/timelines/captures \
+     run "ddp, captures profiled, ${CAPTURE_PROFILE_ENV}" "${DDP[@]}")
+fi
 if [ -n "${PROFILE_ENV:-}" ]; then  # one DDP fit with each rank's kernels and host CUDA calls profiled
   (export ${PROFILE_ENV}; HIVETUNE_MULTI_PROFILE=$OUT run "ddp, profiled, ${PROFILE_ENV}" "${DDP[@]}")
 fi

@@ -188,6 +188,51 @@ def step_timeline(rank: int):
     print(summary, file=sys.stderr, flush=True)
 
 
+@contextmanager
+def capture_profile(rank: int):
+    """HIVETUNE_MULTI_CAPTURE_PROFILE=DIR: each deferred graph capture (ops.graphs'
+    GraphedForwardBackward._capture_deferred) under cProfile, as DIR/captures-rank<r>.txt: per
+    capture its wall time, whether the GPU still had work queued at its start and end, and the
+    functions by their own time. A call that waits for the GPU (the queue draining inside a
+    capture) shows as one builtin with a long own time; cProfile's overhead stretches the rest."""
+    folder = os.environ.get("HIVETUNE_MULTI_CAPTURE_PROFILE")
+    if not folder:
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    cls = graphs.GraphedForwardBackward
+    original = cls._capture_deferred
+    reports: list[str] = []
+
+    def profiled(self):
+        before = torch.cuda.Event()
+        before.record()
+        profiler = cProfile.Profile()
+        t0 = time.perf_counter()
+        profiler.enable()
+        try:
+            return original(self)
+        finally:
+            profiler.disable()
+            wall = time.perf_counter() - t0
+            busy_at_end = not before.query()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+            reports.append(f"== capture {len(reports) + 1}: {wall:.3f} s, the work queued before it still running "
+                           f"at its end: {busy_at_end}\n{text.getvalue()}")
+
+    cls._capture_deferred = profiled
+    try:
+        yield
+    finally:
+        cls._capture_deferred = original
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"captures-rank{rank}.txt").write_text("\n".join(reports) or "no deferred capture\n")
+
+
 def allreduce_probe(numel: int = 80_740_352, repeats: int = 20) -> dict:
     """The gradient all-reduce alone: `numel` fp32 values (W2's LoRA gradients by default) summed
     over the ranks `repeats` times after 3 untimed, each timed on the GPU clock after a barrier
@@ -250,7 +295,7 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
             torch.cuda.reset_peak_memory_stats(device)
         distributed.barrier(parallel)
         t0 = time.perf_counter()
-        with kernel_profile(parallel.rank), step_timeline(parallel.rank):
+        with kernel_profile(parallel.rank), step_timeline(parallel.rank), capture_profile(parallel.rank):
             result = fit(run, progress=False)
             if cuda:
                 torch.cuda.synchronize()

@@ -46,3 +46,46 @@ def test_ddp_step_timeline_marks_each_step_and_sums_its_parts(tmp_path):
         # the three parts of steps 0-1 and step 2's first two add up to the span of the marks
         parts = [float(p.split("sum ")[1].split(" s")[0]) for p in timeline["summary"].split("; ")[1:4]]
         assert abs(sum(parts) - gpu[-1]) < 5e-3
+
+
+def test_capture_profile_reports_each_deferred_capture(tmp_path, monkeypatch):
+    """HIVETUNE_MULTI_CAPTURE_PROFILE: each deferred capture's wall time, whether the GPU's queue
+    outlasted it, and its functions by own time (here a capture that sleeps 50 ms: the sleep
+    tops the list); the method is restored after."""
+    import importlib.util
+    import re
+    import time
+
+    import torch
+
+    from hivetune.ops import graphs
+
+    spec = importlib.util.spec_from_file_location("multi_gpu_bench", ROOT / "bench" / "multi_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    class Event:  # the GPU still busy with what was queued before each capture
+        def record(self, stream=None):
+            pass
+
+        def query(self):
+            return False
+
+    def capture(self):
+        time.sleep(0.05)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(graphs.GraphedForwardBackward, "_capture_deferred", capture)
+    monkeypatch.setenv("HIVETUNE_MULTI_CAPTURE_PROFILE", str(tmp_path))
+    graphed = object.__new__(graphs.GraphedForwardBackward)
+    with module.capture_profile(1):
+        graphed._capture_deferred()
+        graphed._capture_deferred()
+    assert graphs.GraphedForwardBackward._capture_deferred is capture
+    text = (tmp_path / "captures-rank1.txt").read_text()
+    walls = [float(w) for w in re.findall(r"== capture \d: ([\d.]+) s, the work queued before it still running "
+                                          r"at its end: True", text)]
+    assert len(walls) == 2 and all(0.05 <= w < 1.0 for w in walls)
+    first = text.split("== capture 2")[0]
+    rows = [line for line in first.splitlines() if re.match(r"\s+\d+\s+[\d.]+", line)]
+    assert "time.sleep" in rows[0] and float(rows[0].split()[1]) >= 0.05  # the top row by own time
