@@ -381,6 +381,20 @@ def test_graphs_take_each_micro_batchs_dropout_seeds(tmp_path):
     assert abs(moved - eager[1]) < abs(moved - eager[0])
 
 
+def deferred_run(folder: Path):
+    """20 micro-batches (2 epochs of 10 steps) through deferred captures, each loss read at once
+    (the host never leads): (losses, LoRA gradients, the GraphedForwardBackward)."""
+    torch.manual_seed(0)
+    run, _ = small_run(folder, max_steps=20, epochs=2)
+    run.model.train()
+    graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None, defer=True)
+    batches = [batch for step in run.steps for batch in graphs_micro_batches(run, step)]
+    assert len(batches) == 20
+    losses = [graphed(batch, 1000).item() for batch in batches]
+    torch.cuda.synchronize()
+    return losses, grads_of(run), graphed
+
+
 def test_deferred_captures_wait_for_a_lead_of_queued_replays(tmp_path, monkeypatch):
     """Deferred captures (planned sizes, a capture costed at 1 token: every 64-token size the
     plan meets, all but the largest deferred) with a lead of 2 and every loss read at once (the
@@ -393,23 +407,13 @@ def test_deferred_captures_wait_for_a_lead_of_queued_replays(tmp_path, monkeypat
     monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
     monkeypatch.setenv("HIVETUNE_CAPTURE_LEAD", "2")
     monkeypatch.setattr(graphs, "capture_cost_tokens", lambda capture_s, s_per_token: 1.0)
-
-    def run_graphs(name):
-        torch.manual_seed(0)
-        run, _ = small_run(tmp_path / name, max_steps=20, epochs=2)
-        run.model.train()
-        graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None, defer=True)
-        batches = [batch for step in run.steps for batch in graphs_micro_batches(run, step)]
-        assert len(batches) == 20
-        out = [graphed(batch, 1000).item() for batch in batches]
-        torch.cuda.synchronize()
-        return out, grads_of(run), graphed.stats, len(graphed.pending)
-
-    losses, grads, stats, left = run_graphs("lead")
+    losses, grads, graphed = deferred_run(tmp_path / "lead")
+    stats, left = graphed.stats, len(graphed.pending)
     assert left >= 1 and stats["deferred"] == 2 and stats["lead_waits"] == ["cap", "cap"]
     monkeypatch.setenv("HIVETUNE_REFERENCE", "capture_lead")
-    ref_losses, ref_grads, ref_stats, ref_left = run_graphs("reference")
-    assert "lead_waits" not in ref_stats and ref_stats["deferred"] == min(2 + left, 19) and ref_left == 0
+    ref_losses, ref_grads, ref = deferred_run(tmp_path / "reference")
+    ref_stats = ref.stats
+    assert "lead_waits" not in ref_stats and ref_stats["deferred"] == min(2 + left, 19) and not ref.pending
     assert losses == pytest.approx(ref_losses, rel=1e-2)
     assert (grads - ref_grads).norm() / ref_grads.norm() < 2e-2
 
@@ -426,25 +430,14 @@ def test_quiet_deferred_captures_match_the_reference(tmp_path, monkeypatch):
     monkeypatch.setenv("HIVETUNE_CAPTURE_LEAD", "2")
     monkeypatch.setenv("HIVETUNE_QUIET_CAPTURE", "1")
     monkeypatch.setattr(graphs, "capture_cost_tokens", lambda capture_s, s_per_token: 1.0)
-
-    def run_graphs(name):
-        torch.manual_seed(0)
-        run, _ = small_run(tmp_path / name, max_steps=20, epochs=2)
-        run.model.train()
-        graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None, defer=True)
-        batches = [batch for step in run.steps for batch in graphs_micro_batches(run, step)]
-        out = [graphed(batch, 1000).item() for batch in batches]
-        torch.cuda.synchronize()
-        return out, grads_of(run), graphed
-
-    losses, grads, graphed = run_graphs("quiet")
+    losses, grads, graphed = deferred_run(tmp_path / "quiet")
     stats = graphed.stats
     assert graphed.quiet and stats["deferred"] in (1, 2) and stats["lead_waits"] == ["cap", "cap"]
     assert stats["instantiated_later"] == stats["deferred"] - (graphed.uninstantiated is not None)
     assert stats["eager"] == 0
     monkeypatch.setenv("HIVETUNE_REFERENCE", "capture_lead")
     monkeypatch.delenv("HIVETUNE_QUIET_CAPTURE")
-    ref_losses, ref_grads, ref = run_graphs("reference")
+    ref_losses, ref_grads, ref = deferred_run(tmp_path / "reference")
     assert not ref.quiet and "instantiated_later" not in ref.stats and ref.stats["deferred"] >= 2
     assert losses == pytest.approx(ref_losses, rel=1e-2)
     assert (grads - ref_grads).norm() / ref_grads.norm() < 2e-2
