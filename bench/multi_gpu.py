@@ -53,12 +53,22 @@ def random_model_bf16(args, device) -> CausalLM:
     return model
 
 
+def totals_by(pairs) -> dict:
+    """{key: (sum of values, count)} of (key, value) pairs."""
+    out: dict = {}
+    for key, value in pairs:
+        total, count = out.get(key, (0.0, 0))
+        out[key] = (total + value, count + 1)
+    return out
+
+
 @contextmanager
 def kernel_profile(rank: int):
-    """HIVETUNE_MULTI_PROFILE=DIR: each rank's GPU kernels over the whole fit (CUPTI only, no host
-    events), as DIR/kernels-rank<r>.txt: the GPU's busy time (the union of kernel intervals)
-    against the wall, NCCL's share, the idle gaps by the kernels around them, and every kernel
-    by total time."""
+    """HIVETUNE_MULTI_PROFILE=DIR: each rank's GPU kernels over the whole fit (CUPTI only: no
+    operator events, the CUDA runtime and driver calls included), as DIR/kernels-rank<r>.txt: the
+    GPU's busy time (the union of kernel intervals) against the wall, NCCL's share, the idle gaps
+    by the kernels around them, the host's CUDA calls (by name, the longest, those over 2 ms in
+    time order), and every kernel by total time."""
     folder = os.environ.get("HIVETUNE_MULTI_PROFILE")
     if not folder:
         yield
@@ -89,33 +99,27 @@ def kernel_profile(rank: int):
     lines = [f"rank {rank}: wall {wall:.3f} s, kernels from first to last {(end - first) / 1e6:.3f} s, "
              f"GPU busy (union) {busy / 1e6:.3f} s, NCCL kernels {nccl / 1e6:.3f} s, {len(spans)} kernels, "
              f"{len(gaps)} gaps over 0.2 ms: {sum(g[0] for g in gaps) / 1e6:.3f} s"]
-    by_pair: dict = {}
-    for us, _, a, b in gaps:
-        total, count = by_pair.get((a, b), (0.0, 0))
-        by_pair[(a, b)] = (total + us, count + 1)
+    by_pair = totals_by(((a, b), us) for us, _, a, b in gaps)
     lines.append("idle over 0.2 ms by the kernels around it (ms, count, before -> after):")
     lines += [f"  {t / 1e3:9.1f} {c:5d}  {a} -> {b}" for (a, b), (t, c) in sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:25]]
     lines.append("the longest gaps (ms, at s, before -> after):")
     lines += [f"  {us / 1e3:9.1f} {at:8.3f}  {a} -> {b}" for us, at, a, b in sorted(gaps, reverse=True)[:25]]
     # Every kernel (not the top rows: single-vs-DDP differences hide in the small ones), by total time
-    totals: dict = {}
-    for start, stop, name in spans:
-        total, count = totals.get(name, (0.0, 0))
-        totals[name] = (total + stop - start, count + 1)
-    api_totals: dict = {}
-    for us, _, name in api:
-        total, count = api_totals.get(name, (0.0, 0))
-        api_totals[name] = (total + us, count + 1)
+    totals = totals_by((name, stop - start) for start, stop, name in spans)
+    api_totals = totals_by((name, us) for us, _, name in api)
     lines.append(f"host CUDA API calls: {len(api)}; by total (ms, calls, longest ms, name)")
     longest = {name: us for us, _, name in api}  # sorted ascending: the last one kept is the longest
     lines += [f"  {t / 1e3:9.1f} {c:7d} {longest[name] / 1e3:9.2f}  {name[:60]}"
               for name, (t, c) in sorted(api_totals.items(), key=lambda kv: -kv[1][0])[:25]]
+
+    def call_row(us: float, at: float, name: str) -> str:
+        return f"  {us / 1e3:9.2f} {(at - first) / 1e6:8.3f}  {name[:60]}"
+
     lines.append("the longest host CUDA API calls (ms, at s, name)")
-    lines += [f"  {us / 1e3:9.2f} {(at - first) / 1e6:8.3f}  {name[:60]}" for us, at, name in reversed(api[-40:])]
+    lines += [call_row(*call) for call in reversed(api[-40:])]
     lines.append("host CUDA calls over 2 ms but graph launches, in time order (ms, at s, name)")
-    lines += [f"  {us / 1e3:9.2f} {(at - first) / 1e6:8.3f}  {name[:60]}"
-              for at, us, name in sorted((at, us, name) for us, at, name in api
-                                         if us > 2000 and name != "cudaGraphLaunch")[:80]]
+    lines += [call_row(*call) for call in sorted((c for c in api if c[0] > 2000 and c[2] != "cudaGraphLaunch"),
+                                                 key=lambda c: c[1])[:80]]
     lines.append("every kernel: total ms, calls, mean us, name")
     lines += [f"  {t / 1e3:9.2f} {c:7d} {t / c:9.1f}  {name[:110]}"
               for name, (t, c) in sorted(totals.items(), key=lambda kv: -kv[1][0])]

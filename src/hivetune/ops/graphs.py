@@ -735,12 +735,13 @@ class GraphedForwardBackward:
         instantiation is left for _submit_instantiation."""
         t0 = time.perf_counter()
         main = torch.cuda.current_stream()
-        if bucket is None and after is not None:
-            with torch.cuda.stream(self.stream):  # its zero fills queue there (ordered before main's
-                bucket = _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device, self.n_seeds)  # use below)
-            for t in (bucket.flat, bucket.cu, bucket.n_targets):
-                t.record_stream(main)
-        bucket = bucket or _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device, self.n_seeds)
+        if bucket is None:
+            # quiet: its zero fills queue on the capture stream (ordered before main's use below)
+            with torch.cuda.stream(self.stream if after is not None else main):
+                bucket = _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device, self.n_seeds)
+            if after is not None:
+                for t in (bucket.flat, bucket.cu, bucket.n_targets):
+                    t.record_stream(main)
         # Background: capture_end leaves the graph uninstantiated, and the worker thread
         # instantiates it (the driver's part, GIL released) while this thread captures the next
         # one or replays others. "thread_local": the capture forbids unsafe CUDA calls in this
