@@ -416,28 +416,3 @@ def test_deferred_captures_wait_for_a_lead_of_queued_replays(tmp_path, monkeypat
     assert "lead_waits" not in ref_stats and ref_stats["deferred"] == min(2 + left, 19) and not ref.pending
     assert losses == pytest.approx(ref_losses, rel=1e-2)
     assert (grads - ref_grads).norm() / ref_grads.norm() < 2e-2
-
-
-def test_quiet_deferred_captures_match_the_reference(tmp_path, monkeypatch):
-    """HIVETUNE_QUIET_CAPTURE=1 (an experiment): a deferred capture orders its stream on the event
-    after the last replay, makes its bucket on the capture stream and leaves its instantiation for
-    the next lead (or for its first replay, whichever comes first). With a lead of 2 and every loss
-    read at once, the first lead check (8 replays in) captures and the second (16 in) submits the
-    instantiation, unless a micro-batch of that size came first; losses and gradients match the
-    reference (HIVETUNE_REFERENCE=capture_lead: a capture after every replay, instantiated at once)
-    within the padding's rounding."""
-    monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
-    monkeypatch.setenv("HIVETUNE_CAPTURE_LEAD", "2")
-    monkeypatch.setenv("HIVETUNE_QUIET_CAPTURE", "1")
-    monkeypatch.setattr(graphs, "capture_cost_tokens", lambda capture_s, s_per_token: 1.0)
-    losses, grads, graphed = deferred_run(tmp_path / "quiet")
-    stats = graphed.stats
-    assert graphed.quiet and stats["deferred"] in (1, 2) and stats["lead_waits"] == ["cap", "cap"]
-    assert stats["instantiated_later"] == stats["deferred"] - (graphed.uninstantiated is not None)
-    assert stats["eager"] == 0
-    monkeypatch.setenv("HIVETUNE_REFERENCE", "capture_lead")
-    monkeypatch.delenv("HIVETUNE_QUIET_CAPTURE")
-    ref_losses, ref_grads, ref = deferred_run(tmp_path / "reference")
-    assert not ref.quiet and "instantiated_later" not in ref.stats and ref.stats["deferred"] >= 2
-    assert losses == pytest.approx(ref_losses, rel=1e-2)
-    assert (grads - ref_grads).norm() / ref_grads.norm() < 2e-2

@@ -115,16 +115,14 @@ MAX_TFLOP_PER_MICRO_BATCH = float(os.environ.get("HIVETUNE_GRAPH_MAX_TFLOP", 60.
 # the host against 0.1-0.29 s with the GPU idle, so something in it waits for the queue to drain.
 # Not the lazy loading of the new sizes' matmul kernels (preloading them changed nothing), nor the
 # background instantiation (in capture_end: the same times). HIVETUNE_CAPTURE_LEAD sets it
-# (experiments, tests).
+# (experiments, tests). Nor the enqueues a capture made on the loop's stream before its host pass:
+# ordering the capture stream on the event after the last replay instead, with the new bucket
+# made on the capture stream and its instantiation left for the next lead, was tried and removed
+# (session 27, 2 x H100, 5a0917a): 9.84 / 9.92 s against 9.66 / 10.15 s, the 1,408-token capture
+# still 0.42-0.45 s, and replays waited 0.6 s for the late instantiations. Its cProfile put 0.3 s
+# of that capture in the cuBLASLt calls (ops.blas.gemm's own time) while the 1,536-token one,
+# whose token count is the eager products' heuristic bucket, took none.
 CAPTURE_LEAD = 0
-# QUIET_CAPTURE (experiment HIVETUNE_QUIET_CAPTURE=1, background instantiation only): a deferred
-# capture enqueues nothing on the loop's stream before its host pass. The host runs 4-5 W2
-# replays ahead at most (its graph launches block ~80 ms each once the queue is full: profile at
-# 5b63908), and a capture began with 3-4 such enqueues (two stats events, the capture stream's
-# ordering event, the new bucket's zero fills), each of which may wait for a replay to finish
-# while the host does nothing else: the queue could drain before the host pass began. Its
-# instantiation (80-118 ms with the GPU busy, blocking the loop's CUDA calls meanwhile) is
-# submitted at the next lead instead of right away. Not yet measured.
 
 last_stats: dict = {}  # the most recent GraphedForwardBackward's counters (read by the benchmark)
 last_graphed = None  # the most recent one, kept only with HIVETUNE_GRAPH_TIMING=1 (profiling)
@@ -428,13 +426,6 @@ class GraphedForwardBackward:
         self.lead = 0 if forced("capture_lead") else int(os.environ.get("HIVETUNE_CAPTURE_LEAD") or CAPTURE_LEAD)
         self.replayed: collections.deque = collections.deque(maxlen=max(self.lead, 1))
         self.waited = 0
-        # Experiment HIVETUNE_QUIET_CAPTURE=1 (see QUIET_CAPTURE): the deferred captures enqueue
-        # nothing on the loop's stream before their host pass, and their instantiation waits for
-        # the next lead. last_done: the event after the latest replay (_lead_enough's);
-        # uninstantiated: a quiet capture's bucket whose instantiation is not yet submitted.
-        self.quiet = os.environ.get("HIVETUNE_QUIET_CAPTURE") == "1" and self.background
-        self.last_done: torch.cuda.Event | None = None
-        self.uninstantiated: _Bucket | None = None
         self.off: str | None = None
         self.flops_per_token = 4 * run.model.args.linear_weight_count
         self.replay_events: list | None = [] if os.environ.get("HIVETUNE_GRAPH_TIMING") else None
@@ -475,11 +466,8 @@ class GraphedForwardBackward:
         bucket.load(padded, n_targets)
         self._replay(bucket)
         loss = bucket.loss.clone()  # now: the next replay of a graph in this pool may overwrite it
-        if (self.pending or self.uninstantiated is not None) and self._lead_enough():
-            if self.uninstantiated is not None:  # quiet: the last capture's instantiation first
-                self._submit_instantiation(self.uninstantiated)
-            else:
-                self._capture_deferred()
+        if self.pending and self._lead_enough():
+            self._capture_deferred()
         return loss
 
     def _lead_enough(self) -> bool:
@@ -488,12 +476,10 @@ class GraphedForwardBackward:
         capture's host pass), or after 4 x lead replays without such a lead (a host that never
         leads still captures). stats lead_waits: "queued" or "cap", a capture each.
         HIVETUNE_REFERENCE=capture_lead: one capture after every replay, whatever the lead."""
-        if not self.lead and not self.quiet:
-            return True
-        done = self.last_done = torch.cuda.Event()
-        done.record()
         if not self.lead:
             return True
+        done = torch.cuda.Event()
+        done.record()
         self.replayed.append(done)
         self.waited += 1
         queued = len(self.replayed) == self.lead and not self.replayed[0].query()
@@ -508,14 +494,11 @@ class GraphedForwardBackward:
         """The next deferred size, captured while the GPU runs the replay just queued (and what
         was queued before it). stats: deferred counts these captures, deferred_idle those after
         which the replay had finished (the GPU waited for the rest of the host pass)."""
-        if self.quiet:  # no new event on the loop's stream: the one after the last replay
-            queued = self.last_done
-        else:
-            queued = torch.cuda.Event()
-            queued.record()
+        queued = torch.cuda.Event()
+        queued.record()
         key = self.pending.pop(0)
         t0 = time.perf_counter()
-        captured = key in self.buckets or self._capture_key(key, None, after=queued if self.quiet else None)
+        captured = key in self.buckets or self._capture_key(key, None)
         self.stats["capture_s"] = round(self.stats["capture_s"] + time.perf_counter() - t0, 3)
         self.stats["deferred"] += 1
         self.stats["deferred_idle"] += int(queued.query())
@@ -707,8 +690,6 @@ class GraphedForwardBackward:
     def _ready(self, bucket: _Bucket) -> bool:
         """Whether the bucket's graph can replay: waits for its background instantiation; a
         failed one turns graphs off, as a failed capture does."""
-        if bucket is self.uninstantiated:  # a quiet capture's size met before the lead came back
-            self._submit_instantiation(bucket)
         if bucket.ready is None:
             return not self.off
         ready, bucket.ready = bucket.ready, None
@@ -722,26 +703,9 @@ class GraphedForwardBackward:
             self.stats["instantiate_wait_s"] = round(self.stats["instantiate_wait_s"] + time.perf_counter() - t0, 3)
         return True
 
-    def _submit_instantiation(self, bucket: _Bucket) -> None:
-        """A quiet capture's instantiation, on the worker (stats instantiated_later counts them)."""
-        self.uninstantiated = None
-        bucket.ready = self._instantiator().submit(bucket.graph.instantiate)
-        self.stats["instantiated_later"] = self.stats.get("instantiated_later", 0) + 1
-
-    def _capture_key(self, key, bucket: _Bucket | None, after: torch.cuda.Event | None = None) -> bool:
-        """Capture key's graph (into `bucket`, else a new one). after (quiet captures): the event
-        after the last replay, which orders the capture stream instead of an event recorded on the
-        loop's stream now; the new bucket's buffers are made on the capture stream, and the
-        instantiation is left for _submit_instantiation."""
+    def _capture_key(self, key, bucket: _Bucket | None) -> bool:
         t0 = time.perf_counter()
-        main = torch.cuda.current_stream()
-        if bucket is None:
-            # quiet: its zero fills queue on the capture stream (ordered before main's use below)
-            with torch.cuda.stream(self.stream if after is not None else main):
-                bucket = _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device, self.n_seeds)
-            if after is not None:
-                for t in (bucket.flat, bucket.cu, bucket.n_targets):
-                    t.record_stream(main)
+        bucket = bucket or _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device, self.n_seeds)
         # Background: capture_end leaves the graph uninstantiated, and the worker thread
         # instantiates it (the driver's part, GIL released) while this thread captures the next
         # one or replays others. "thread_local": the capture forbids unsafe CUDA calls in this
@@ -755,14 +719,11 @@ class GraphedForwardBackward:
             # generator's graph offset, which a replay drawing from the generator reads (not
             # fit's: their seeds are static inputs). Ordered after the queued replays, and later
             # work after it (GPU-side waits: the host goes on).
-            if after is None:
-                self.stream.wait_stream(main)
+            main = torch.cuda.current_stream()
+            self.stream.wait_stream(main)
+            with torch.cuda.stream(self.stream):
                 queued = torch.cuda.Event()
                 queued.record(main)
-            else:
-                self.stream.wait_event(after)
-                queued = after
-            with torch.cuda.stream(self.stream):
                 self.stats["idle_before_begin"].append(queued.query())
                 begin = time.perf_counter()
                 graph.capture_begin(self.pool, capture_error_mode="thread_local" if self.background else "global")
@@ -778,10 +739,7 @@ class GraphedForwardBackward:
             self._turn_off(f"capture of a {key[0]}-token bucket failed: {_first_line(e)}")
             return False
         bucket.graph = graph
-        if self.background and after is not None:
-            self.uninstantiated = bucket
-            bucket.ready = None
-        elif self.background:
+        if self.background:
             bucket.ready = self._instantiator().submit(graph.instantiate)
         self.buckets[key] = bucket
         self.stats["graphs"] += 1
