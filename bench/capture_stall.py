@@ -34,6 +34,7 @@ from hivetune.ops import blas  # noqa: E402
 
 D, FF = 3584, 18944  # W2's hidden and intermediate widths
 BF = dict(dtype=torch.bfloat16, device="cuda")
+ALIVE: list = []
 STREAM: torch.cuda.Stream | None = None  # the capture stream, as ops.graphs keeps one (made in main)
 
 
@@ -124,6 +125,7 @@ def capture(layer, tokens, pool, queued, busy, keep=True):
     drained = mark.query()
     torch.cuda.current_stream().wait_stream(stream)
     slow = [(name, round(t * 1000, 2)) for name, t in times if t > 0.005]
+    ALIVE.append(graph)  # a pool whose graphs are all gone cannot take another capture
     return graph, {"tokens": tokens, "queued": queued, "host_ms": round(host * 1000, 1), "drained": drained,
                    "slow_ops_ms": slow}
 
