@@ -416,3 +416,23 @@ def test_deferred_captures_wait_for_a_lead_of_queued_replays(tmp_path, monkeypat
     assert "lead_waits" not in ref_stats and ref_stats["deferred"] == min(2 + left, 19) and not ref.pending
     assert losses == pytest.approx(ref_losses, rel=1e-2)
     assert (grads - ref_grads).norm() / ref_grads.norm() < 2e-2
+
+
+def test_preloaded_deferred_captures_match_the_reference(tmp_path, monkeypatch):
+    """HIVETUNE_GRAPH_PRELOAD=1 (an experiment): once the plan is made, each deferred size is
+    captured through the model cut to its first layer (dropped unrun) and its bucket kept for
+    the real capture; the model keeps its layers, and the losses and gradients match the run
+    without (a capture after every replay either way) within the padding's rounding."""
+    monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
+    monkeypatch.setenv("HIVETUNE_GRAPH_PRELOAD", "1")
+    monkeypatch.setattr(graphs, "capture_cost_tokens", lambda capture_s, s_per_token: 1.0)
+    losses, grads, graphed = deferred_run(tmp_path / "preload")
+    stats = graphed.stats
+    assert len(graphed.run.model.model.layers) == 2 and stats["eager"] == 0 and not stats["off"]
+    assert stats["preloaded"] >= 2 and stats["preloaded"] == stats["deferred"] + len(graphed.pending)
+    assert set(graphed.preloaded) >= set(graphed.pending)
+    monkeypatch.delenv("HIVETUNE_GRAPH_PRELOAD")
+    ref_losses, ref_grads, ref = deferred_run(tmp_path / "reference")
+    assert "preloaded" not in ref.stats and ref.stats["deferred"] == stats["deferred"]
+    assert losses == pytest.approx(ref_losses, rel=1e-2)
+    assert (grads - ref_grads).norm() / ref_grads.norm() < 2e-2

@@ -123,6 +123,12 @@ MAX_TFLOP_PER_MICRO_BATCH = float(os.environ.get("HIVETUNE_GRAPH_MAX_TFLOP", 60.
 # of that capture in the cuBLASLt calls (ops.blas.gemm's own time) while the 1,536-token one,
 # whose token count is the eager products' heuristic bucket, took none.
 CAPTURE_LEAD = 0
+# Experiment HIVETUNE_GRAPH_PRELOAD=1 (GraphedForwardBackward._preload): what a capture behind
+# queued replays waits for is its first meeting with a new shape. bench/capture_stall.py (one
+# H100, c199146): with four 100-ms replays queued, capturing matmuls of a token count never met
+# stalled 400-410 ms in its first torch linear (CUDA_MODULE_LOADING=EAGER too), and none (0.8-1.3
+# ms in all) for a token count captured or run eagerly before with the GPU idle.
+PRELOAD = False  # HIVETUNE_GRAPH_PRELOAD=1 turns it on for a run (experiments, tests)
 
 last_stats: dict = {}  # the most recent GraphedForwardBackward's counters (read by the benchmark)
 last_graphed = None  # the most recent one, kept only with HIVETUNE_GRAPH_TIMING=1 (profiling)
@@ -422,6 +428,8 @@ class GraphedForwardBackward:
         # Whether the planned sizes after the largest are captured one after each replay (see
         # defers_captures); None: as the plan's timing decides. The keys still to capture:
         self.defer, self.pending = defer, []
+        # the deferred sizes' buckets, whose shapes a capture of the first layer met (_preload)
+        self.preloaded: dict[tuple[int, int], _Bucket] = {}
         # A deferred capture waits for a lead of queued replays (_lead_enough); 0: none.
         self.lead = 0 if forced("capture_lead") else int(os.environ.get("HIVETUNE_CAPTURE_LEAD") or CAPTURE_LEAD)
         self.replayed: collections.deque = collections.deque(maxlen=max(self.lead, 1))
@@ -498,7 +506,7 @@ class GraphedForwardBackward:
         queued.record()
         key = self.pending.pop(0)
         t0 = time.perf_counter()
-        captured = key in self.buckets or self._capture_key(key, None)
+        captured = key in self.buckets or self._capture_key(key, self.preloaded.pop(key, None))
         self.stats["capture_s"] = round(self.stats["capture_s"] + time.perf_counter() - t0, 3)
         self.stats["deferred"] += 1
         self.stats["deferred_idle"] += int(queued.query())
@@ -608,6 +616,8 @@ class GraphedForwardBackward:
                     self.pending.append(planned)
                 elif self.off or (planned not in self.buckets and not self._capture_key(planned, None)):
                     break
+            if self.pending and not self.off and (PRELOAD or os.environ.get("HIVETUNE_GRAPH_PRELOAD") == "1"):
+                self._preload(self.pending)
         elif self._capture_key(key, None) and self._ready(self.buckets[key]):
             bucket = self.buckets[key]
             bucket.load(padded, n_targets)
@@ -677,6 +687,44 @@ class GraphedForwardBackward:
         self.sizes = self.run.graph_sizes = {seg: plan_sizes(ts, capture_tokens) for seg, ts in groups.items()}
         self.stats["sizes"] = {seg: sizes for seg, sizes in self.sizes.items()}
         return [(size, seg) for seg, sizes in self.sizes.items() for size in sizes]
+
+    def _preload(self, keys: list[tuple[int, int]]) -> None:
+        """Each deferred size met once now, while the GPU idles (the plan's timing replay was
+        waited for): a capture of the model cut to its first layer (embedding, final norm, head
+        and loss kept), dropped unrun, into the bucket the size's real capture takes later. A
+        capture that meets a new shape behind queued replays waits for them (PRELOAD), which
+        leaves the GPU idle for the rest of the host pass; every layer has the first one's
+        shapes. Skipped with activation offload (it plans per layer index). stats: preloaded
+        (sizes), preload_s."""
+        model = self.run.model
+        layers = model.model.layers
+        if len(layers) < 2 or getattr(model, "activation_offload", None) is not None:
+            return
+        t0, key = time.perf_counter(), keys[0]
+        main = torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        model.model.layers = torch.nn.ModuleList(layers[:1])
+        try:
+            for key in keys:
+                bucket = _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device, self.n_seeds)
+                graph = torch.cuda.CUDAGraph(keep_graph=True) if keeps_graphs() else torch.cuda.CUDAGraph()
+                with torch.cuda.stream(self.stream):
+                    graph.capture_begin(self.pool, capture_error_mode="thread_local" if self.background else "global")
+                    try:
+                        self._body(bucket)
+                    finally:
+                        graph.capture_end()
+                del graph  # never instantiated: nothing of it runs
+                self.preloaded[key] = bucket
+        except Exception as e:  # noqa: BLE001 - as a failed capture: eager from here
+            torch.cuda.synchronize()
+            release_generator(self.run.device)
+            self._turn_off(f"a first-layer capture of a {key[0]}-token bucket failed: {_first_line(e)}")
+        finally:
+            model.model.layers = layers
+        main.wait_stream(self.stream)
+        self.stats["preloaded"] = len(self.preloaded)
+        self.stats["preload_s"] = round(time.perf_counter() - t0, 3)
 
     def _instantiator(self):
         if self.instantiator is None:
