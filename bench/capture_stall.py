@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -105,7 +106,7 @@ def timed_ops(layer, x, reps=3):
     return times
 
 
-def capture(layer, tokens, pool, queued, busy, keep=True):
+def capture(layer, tokens, pool, queued, busy, keep=True, reps=3):
     """Capture the layer body for `tokens` with `queued` busy replays ahead; host times."""
     x = torch.randn(tokens, D, **BF)
     torch.cuda.synchronize()
@@ -119,7 +120,7 @@ def capture(layer, tokens, pool, queued, busy, keep=True):
     t0 = time.perf_counter()
     with torch.cuda.stream(stream):
         graph.capture_begin(pool, capture_error_mode="thread_local")
-        times = timed_ops(layer, x)
+        times = timed_ops(layer, x, reps)
         graph.capture_end()
     host = time.perf_counter() - t0
     drained = mark.query()
@@ -176,8 +177,6 @@ def main():
     g, r = capture(layer, 1216, torch.cuda.graph_pool_handle(), q, busy)  # a fresh pool: new memory
     cases.append(("busy, new, fresh pool", r))
     # the previous capture instantiating on a worker thread meanwhile (ops.graphs' background mode)
-    import threading
-
     prev, _ = capture(layer, 1088, pool, 0, busy)
     worker = threading.Thread(target=lambda: (torch.cuda.set_device(0), prev.instantiate()))
     worker.start()
@@ -187,6 +186,33 @@ def main():
     torch.cuda.synchronize()
     for label, r in cases:
         print(json.dumps({"case": label, **r}), flush=True)
+    # a W2-sized graph (~3,000 nodes: 600 passes of the body) instantiating, idle and busy, and on
+    # a worker while this thread captures a token count captured before, with the queue full
+    for queued in (0, q):
+        big, _ = capture(layer, 1600, pool, 0, busy, reps=600)
+        torch.cuda.synchronize()
+        for _ in range(queued):
+            busy.replay()
+        mark = torch.cuda.Event()
+        mark.record()
+        t0 = time.perf_counter()
+        big.instantiate()
+        ms = (time.perf_counter() - t0) * 1000
+        print(json.dumps({"case": "instantiate, 3,000 nodes", "queued": queued, "host_ms": round(ms, 2),
+                          "drained": mark.query()}), flush=True)
+        torch.cuda.synchronize()
+    for worker_on in (False, True):
+        big, _ = capture(layer, 1600, pool, 0, busy, reps=600)
+        torch.cuda.synchronize()
+        worker = threading.Thread(target=lambda: (torch.cuda.set_device(0), big.instantiate()))
+        if worker_on:
+            worker.start()
+        g, r = capture(layer, 1472, pool, q, busy)
+        if worker_on:
+            worker.join()
+        print(json.dumps({"case": "busy, captured before" + (", a 3,000-node graph instantiating" if worker_on
+                                                               else " (control)"), **r}), flush=True)
+        torch.cuda.synchronize()
     # a cudaMalloc with the queue full (the cache holds no block this size)
     for queued in (0, q):
         torch.cuda.synchronize()
