@@ -14,6 +14,7 @@
 # one DDP fit with each deferred capture under cProfile (bench/multi_gpu.py capture_profile).
 # Usage (device tool): HIVETUNE_COMMIT=<commit> [EXTRA="VAR=value ...[;...]"] [PROFILE_ENV="VAR=value ..."]
 #   [PASSES=2] [SINGLES="VAR=value[;...]"] [TESTS="tests/gpu/..."] [ALLREDUCE=0] [CAPTURE_PROFILE_ENV=...]
+#   [SINGLE_FIRST=1: the one-GPU runs before the DDP ones, so that a call cut short keeps them]
 #   bash bench/ddp_timeline_run.sh
 # Files: summary.txt (the runs and each rank's timeline summary), runs.jsonl, allreduce.jsonl,
 # timelines.tar.gz (every rank's per-step marks, gpu-clocks.csv, gpu-apps.txt, topo.txt, captures/),
@@ -31,6 +32,15 @@ clocks=$!
   > "$OUT/timelines/gpu-apps.txt" 2>&1 &
 apps=$!
 [ -z "${TESTS:-}" ] || gpu_tests $TESTS
+one_gpu() {
+  run "single, warm-up pass" python3 bench/multi_gpu.py single W2  # its eager shapes' Triton variants compiled
+  run "single" python3 bench/multi_gpu.py single W2
+  IFS=';' read -ra singles <<< "${SINGLES:-}"
+  for v in "${singles[@]}"; do
+    [ -n "$v" ] && (export $v; run "single, $v" python3 bench/multi_gpu.py single W2)
+  done
+}
+[ "${SINGLE_FIRST:-0}" = 0 ] || one_gpu
 run "ddp, warm-up pass" "${DDP[@]}"
 if [ "${ALLREDUCE:-1}" != 0 ]; then
   timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/multi_gpu.py allreduce 2>/dev/null \
@@ -59,12 +69,7 @@ fi
 if [ -n "${PROFILE_ENV:-}" ]; then  # one DDP fit with each rank's kernels and host CUDA calls profiled
   (export ${PROFILE_ENV}; HIVETUNE_MULTI_PROFILE=$OUT run "ddp, profiled, ${PROFILE_ENV}" "${DDP[@]}")
 fi
-run "single, warm-up pass" python3 bench/multi_gpu.py single W2  # its eager shapes' Triton variants compiled
-run "single" python3 bench/multi_gpu.py single W2
-IFS=';' read -ra singles <<< "${SINGLES:-}"
-for v in "${singles[@]}"; do
-  [ -n "$v" ] && (export $v; run "single, $v" python3 bench/multi_gpu.py single W2)
-done
+[ "${SINGLE_FIRST:-0}" != 0 ] || one_gpu
 kill $clocks $apps 2>/dev/null
 tar -czf "$OUT/timelines.tar.gz" -C "$OUT" timelines && rm -rf "$OUT/timelines"
 echo "== done ($(date +%T))" | tee -a "$S"

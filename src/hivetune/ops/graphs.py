@@ -129,6 +129,11 @@ CAPTURE_LEAD = 0
 # stalled 400-410 ms in its first torch linear (CUDA_MODULE_LOADING=EAGER too), and none (0.8-1.3
 # ms in all) for a token count captured or run eagerly before with the GPU idle.
 PRELOAD = False  # HIVETUNE_GRAPH_PRELOAD=1 turns it on for a run (experiments, tests)
+# Experiment HIVETUNE_GRAPH_LAYER_WARMUP=1 (GraphedForwardBackward._first_layer_pass): the warm-up
+# before the first capture runs the model cut to its first layer, its gradients exact zeros, and
+# the first micro-batch's work is a replay. The whole eager W2 micro-batch under DDP took 0.37-0.63 s
+# of host time there (warmup_s, 2 x H100, session 27) against ~0.09 s for its replay.
+LAYER_WARMUP = False
 
 last_stats: dict = {}  # the most recent GraphedForwardBackward's counters (read by the benchmark)
 last_graphed = None  # the most recent one, kept only with HIVETUNE_GRAPH_TIMING=1 (profiling)
@@ -598,10 +603,16 @@ class GraphedForwardBackward:
             bucket.load(padded, n_targets)
             main = torch.cuda.current_stream()
             self.stream.wait_stream(main)
+            layer_only = self._layer_warmup_fits()
             with torch.cuda.stream(self.stream):
-                loss = self._body(bucket)
+                if layer_only:
+                    self._first_layer_pass(bucket)
+                else:
+                    loss = self._body(bucket)
             main.wait_stream(self.stream)
-            loss.record_stream(main)
+            if loss is not None:
+                loss.record_stream(main)
+            self.stats["warmup"] = "first layer" if layer_only else "whole micro-batch"
             self.warmed = True
             self.stats["warmup_s"] = round(time.perf_counter() - t0, 3)  # host time; the GPU runs on
             # The warm-up's activations went back to the ordinary allocator's cache, where the
@@ -618,6 +629,14 @@ class GraphedForwardBackward:
                     break
             if self.pending and not self.off and (PRELOAD or os.environ.get("HIVETUNE_GRAPH_PRELOAD") == "1"):
                 self._preload(self.pending)
+            if loss is None and not self.off:  # the first-layer warm-up: this micro-batch's work, replayed
+                first = self.key_of(batch)
+                bucket = self.buckets.get(first)
+                if bucket is not None and self._ready(bucket):
+                    self.stats["pad_tokens"] += first[0] - key[0]
+                    bucket.load(pad_packed_batch(batch, first[0], self.run.pad_id), n_targets)
+                    self._replay(bucket)
+                    loss = bucket.loss.clone()
         elif self._capture_key(key, None) and self._ready(self.buckets[key]):
             bucket = self.buckets[key]
             bucket.load(padded, n_targets)
@@ -625,6 +644,32 @@ class GraphedForwardBackward:
             loss = bucket.loss.clone()
         self.stats["capture_s"] = round(self.stats["capture_s"] + time.perf_counter() - t0, 3)
         return loss if loss is not None else self.eager(batch, n_targets)
+
+    def _layer_warmup_fits(self) -> bool:
+        """Experiment HIVETUNE_GRAPH_LAYER_WARMUP=1 (LAYER_WARMUP): whether the warm-up before the
+        first capture runs the model cut to its first layer (not with activation offload, which
+        plans per layer index, nor with a single layer)."""
+        model = self.run.model
+        return ((LAYER_WARMUP or os.environ.get("HIVETUNE_GRAPH_LAYER_WARMUP") == "1")
+                and len(model.model.layers) > 1 and getattr(model, "activation_offload", None) is None)
+
+    def _first_layer_pass(self, bucket: _Bucket) -> None:
+        """The warm-up's lazy initialisations (cuBLAS handles and workspace on the capture stream,
+        the kernels' first loads, the allocator) met by an eager forward and backward of the
+        model cut to its first layer (embedding, final norm, head and loss kept; every layer has
+        the first one's shapes), its loss divided by infinity (its loss and every gradient it
+        adds are exact zeros) and the CUDA generator set back after it, as the plan's timing
+        replay is."""
+        model = self.run.model
+        layers = model.model.layers
+        rng = torch.cuda.get_rng_state(self.run.device)
+        bucket.n_targets.fill_(float("inf"))
+        model.model.layers = torch.nn.ModuleList(layers[:1])
+        try:
+            self._body(bucket)
+        finally:
+            model.model.layers = layers
+        torch.cuda.set_rng_state(rng, self.run.device)
 
     def _plan(self, batch: MicroBatch) -> list[tuple[int, int]]:
         """Capture the largest graph the plan needs, time its capture (the host pass every graph
