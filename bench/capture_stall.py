@@ -13,9 +13,13 @@ capture is recorded, and whether the queue had drained by the capture's end. Cas
 - busy, seen: the same ops run eagerly at that token count first (kernels loaded, plans made);
 - busy, same pool reused: a token count below one already captured in the shared pool;
 - busy, malloc: a fresh 256 MiB torch.empty (a cudaMalloc) with the queue full, outside capture;
-- instantiate idle / busy: graph.instantiate() of a captured graph (keep_graph=True).
+- instantiate idle / busy: graph.instantiate() of a captured graph (keep_graph=True), a small one
+  and a W2-sized one (~3,000 nodes);
+- busy, a token count captured before, while a W2-sized graph instantiates on a worker thread.
 
-Prints one JSON line per case. Usage: python3 bench/capture_stall.py [--queued 4]
+Prints one JSON line per case, the first with the device, versions and commit (HIVETUNE_COMMIT
+wins). Usage: python3 bench/capture_stall.py [--queued 4]. Results: bench/results/ddp-27/
+capture-stall-*.jsonl (those two runs' first lines name torch and the GPU only).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from hivetune.bench import environment  # noqa: E402
 from hivetune.ops import blas  # noqa: E402
 
 D, FF = 3584, 18944  # W2's hidden and intermediate widths
@@ -131,6 +136,21 @@ def capture(layer, tokens, pool, queued, busy, keep=True, reps=3):
                    "slow_ops_ms": slow}
 
 
+def timed_instantiation(graph, busy, queued: int, label: str) -> None:
+    """graph.instantiate() with `queued` busy replays ahead: its host time, and whether the
+    queue had drained by its end (one JSON line)."""
+    torch.cuda.synchronize()
+    for _ in range(queued):
+        busy.replay()
+    mark = torch.cuda.Event()
+    mark.record()
+    t0 = time.perf_counter()
+    graph.instantiate()
+    ms = (time.perf_counter() - t0) * 1000
+    print(json.dumps({"case": label, "queued": queued, "host_ms": round(ms, 2), "drained": mark.query()}), flush=True)
+    torch.cuda.synchronize()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--queued", type=int, default=4)
@@ -147,8 +167,8 @@ def main():
     with torch.cuda.stream(STREAM):
         timed_ops(layer, torch.randn(1000, D, **BF), reps=1)
     torch.cuda.synchronize()
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
-           "module_loading": os.environ.get("CUDA_MODULE_LOADING", "(default)"), "busy_replay_ms": round(busy_ms, 1)}
+    env = {**environment(torch.device("cuda")), "module_loading": os.environ.get("CUDA_MODULE_LOADING", "(default)"),
+           "busy_replay_ms": round(busy_ms, 1)}
     print(json.dumps({"case": "env", **env}), flush=True)
     q = args.queued
     cases = []
@@ -189,18 +209,7 @@ def main():
     # a W2-sized graph (~3,000 nodes: 600 passes of the body) instantiating, idle and busy, and on
     # a worker while this thread captures a token count captured before, with the queue full
     for queued in (0, q):
-        big, _ = capture(layer, 1600, pool, 0, busy, reps=600)
-        torch.cuda.synchronize()
-        for _ in range(queued):
-            busy.replay()
-        mark = torch.cuda.Event()
-        mark.record()
-        t0 = time.perf_counter()
-        big.instantiate()
-        ms = (time.perf_counter() - t0) * 1000
-        print(json.dumps({"case": "instantiate, 3,000 nodes", "queued": queued, "host_ms": round(ms, 2),
-                          "drained": mark.query()}), flush=True)
-        torch.cuda.synchronize()
+        timed_instantiation(capture(layer, 1600, pool, 0, busy, reps=600)[0], busy, queued, "instantiate, 3,000 nodes")
     for worker_on in (False, True):
         big, _ = capture(layer, 1600, pool, 0, busy, reps=600)
         torch.cuda.synchronize()
@@ -227,18 +236,7 @@ def main():
         print(json.dumps({"case": "malloc 256 MiB", "queued": queued, "host_ms": round(ms, 2)}), flush=True)
     # instantiation idle and busy
     for queued in (0, q):
-        g, _ = capture(layer, 1152 - 64 * (queued > 0), pool, 0, busy)
-        torch.cuda.synchronize()
-        for _ in range(queued):
-            busy.replay()
-        mark = torch.cuda.Event()
-        mark.record()
-        t0 = time.perf_counter()
-        g.instantiate()
-        ms = (time.perf_counter() - t0) * 1000
-        print(json.dumps({"case": "instantiate", "queued": queued, "host_ms": round(ms, 2),
-                          "drained": mark.query()}), flush=True)
-        torch.cuda.synchronize()
+        timed_instantiation(capture(layer, 1152 - 64 * (queued > 0), pool, 0, busy)[0], busy, queued, "instantiate")
     del keep_alive
 
 

@@ -165,24 +165,3 @@ def test_a_product_first_met_in_a_graph_capture_takes_its_own_heuristic_query():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out2, reference(a2, b2, out2, alpha, 0.0, None), rtol=1.6e-2, atol=1e-2, msg=name)
-
-
-def test_with_shared_algorithms_a_capture_takes_its_buckets_algorithm(monkeypatch):
-    """HIVETUNE_GRAPH_SHARED_ALGOS=1 (an experiment): inside a capture a product of a bucket already
-    asked takes that bucket's algorithm (no heuristic query), as eager products do; the replay
-    with new inputs matches fp32."""
-    monkeypatch.setenv("HIVETUNE_GRAPH_SHARED_ALGOS", "1")
-    name, a, b, out, alpha, beta, c = products(n=2049, d=1312, seed=8)[0]
-    blas.gemm(a, b, out, alpha, beta, c=c)  # eager: the bucket (2,304 tokens) asks once
-    torch.cuda.synchronize()
-    heuristics = blas.STATS["heuristics"]
-    _, a2, b2, out2, _, _, _ = products(n=2240, d=1312, seed=9)[0]  # the same bucket, a new shape
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        blas.gemm(a2, b2, out2, alpha, beta)
-    assert blas.STATS["heuristics"] == heuristics, name
-    _, a3, b3, _, _, _, _ = products(n=2240, d=1312, seed=10)[0]
-    a2.copy_(a3), b2.copy_(b3)
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out2, reference(a2, b2, out2, alpha, 0.0, None), rtol=1.6e-2, atol=1e-2, msg=name)

@@ -437,22 +437,3 @@ def test_preloaded_deferred_captures_match_the_reference(tmp_path, monkeypatch):
     assert "preloaded" not in ref.stats and ref.stats["deferred"] == stats["deferred"]
     assert losses == pytest.approx(ref_losses, rel=1e-2)
     assert (grads - ref_grads).norm() / ref_grads.norm() < 2e-2
-
-
-def test_a_first_layer_warm_up_matches_the_whole_micro_batchs(tmp_path, monkeypatch):
-    """HIVETUNE_GRAPH_LAYER_WARMUP=1 (an experiment): the warm-up before the first capture runs
-    the model cut to its first layer with zero gradients, and the first micro-batch is a replay
-    (one more than with the eager warm-up doing its work); the model keeps its layers, and the
-    losses and gradients match the eager warm-up's run within the padding's rounding."""
-    monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
-    monkeypatch.setenv("HIVETUNE_GRAPH_LAYER_WARMUP", "1")
-    monkeypatch.setattr(graphs, "capture_cost_tokens", lambda capture_s, s_per_token: 1.0)
-    losses, grads, graphed = deferred_run(tmp_path / "layer")
-    stats, model = graphed.stats, graphed.run.model
-    assert stats["warmup"] == "first layer" and stats["eager"] == 0 and not stats["off"]
-    assert len(model.model.layers) == model.args.num_hidden_layers > 1
-    monkeypatch.delenv("HIVETUNE_GRAPH_LAYER_WARMUP")
-    ref_losses, ref_grads, ref = deferred_run(tmp_path / "reference")
-    assert ref.stats["warmup"] == "whole micro-batch" and stats["replays"] == ref.stats["replays"] + 1 == 20
-    assert losses == pytest.approx(ref_losses, rel=1e-2)
-    assert (grads - ref_grads).norm() / ref_grads.norm() < 2e-2

@@ -110,30 +110,33 @@ MAX_GRAPHS = 48  # keys beyond this many run eagerly
 # against ~13,700 tokens/s with 16 (H100, faae9e6).
 MAX_TFLOP_PER_MICRO_BATCH = float(os.environ.get("HIVETUNE_GRAPH_MAX_TFLOP", 60.0))  # env: experiments
 # Deferred captures (defers_captures) may wait until this many replays are queued ahead of the GPU
-# (GraphedForwardBackward._lead_enough); 0: one capture after every replay. No gain measured with 3
-# (sessions 25-26, 2 x H100 and 2 x H200): a capture made with replays queued takes 0.3-0.7 s on
-# the host against 0.1-0.29 s with the GPU idle, so something in it waits for the queue to drain.
-# Not the lazy loading of the new sizes' matmul kernels (preloading them changed nothing), nor the
-# background instantiation (in capture_end: the same times). HIVETUNE_CAPTURE_LEAD sets it
-# (experiments, tests). Nor the enqueues a capture made on the loop's stream before its host pass:
-# ordering the capture stream on the event after the last replay instead, with the new bucket
-# made on the capture stream and its instantiation left for the next lead, was tried and removed
-# (session 27, 2 x H100, 5a0917a): 9.84 / 9.92 s against 9.66 / 10.15 s, the 1,408-token capture
-# still 0.42-0.45 s, and replays waited 0.6 s for the late instantiations. Its cProfile put 0.3 s
-# of that capture in the cuBLASLt calls (ops.blas.gemm's own time) while the 1,536-token one,
-# whose token count is the eager products' heuristic bucket, took none.
+# (GraphedForwardBackward._lead_enough); 0: one capture after every replay. HIVETUNE_CAPTURE_LEAD
+# sets it (experiments, tests). No gain alone (sessions 25-26, 2 x H100 and 2 x H200): a capture
+# made with replays queued took 0.3-0.7 s on the host against 0.1-0.29 s with the GPU idle.
+# What waits (bench/capture_stall.py, one H100, bfaebca and 7d79771, four 100-ms replays queued):
+# - the first capture of a shape whose kernel is new: 400-410 ms in that call (a torch linear),
+#   the queue drained, with CUDA_MODULE_LOADING=EAGER too; 0.4-1.3 ms in all for a token count
+#   captured, or run eagerly, before with the GPU idle;
+# - instantiating a 3,000-node graph (a W2 step's size): 401 ms queued against 34 ms idle;
+#   the W2 profile at 5b63908 shows the loop's CUDA calls blocked meanwhile (76-104 ms), so a
+#   deferred capture that begins while the previous one instantiates on the worker waits too;
+# - not a cudaMalloc (0.6-1.3 ms either way).
+# Tried and removed (session 27, 2 x H100; the ratio against one GPU of the same machine):
+# - the deferred capture enqueueing nothing on the loop's stream before its host pass, its
+#   instantiation at the next lead (5a0917a): 9.84 / 9.92 s against 9.66 / 10.15; replays waited
+#   0.6 s for the late instantiations;
+# - products inside a capture taking their eager 256-token bucket's cuBLASLt algorithm (0bd961c):
+#   10.20 / 10.67 s against 10.13 / 10.26 (lead 3 too: 10.01 / 10.26); the stall moved from
+#   ops.blas to torch's linear;
+# - the warm-up before the first capture cut to the first layer, the first micro-batch replayed
+#   (9c7a5bf): warmup_s 0.25-0.31 s against 0.40, the run 9.60 / 9.68 s against 9.59.
 CAPTURE_LEAD = 0
-# Experiment HIVETUNE_GRAPH_PRELOAD=1 (GraphedForwardBackward._preload): what a capture behind
-# queued replays waits for is its first meeting with a new shape. bench/capture_stall.py (one
-# H100, c199146): with four 100-ms replays queued, capturing matmuls of a token count never met
-# stalled 400-410 ms in its first torch linear (CUDA_MODULE_LOADING=EAGER too), and none (0.8-1.3
-# ms in all) for a token count captured or run eagerly before with the GPU idle.
+# Experiment HIVETUNE_GRAPH_PRELOAD=1 (GraphedForwardBackward._preload): each deferred size's
+# shapes met once by a capture of the first layer while the GPU idles. With lead 3 (2 x H100,
+# ff7b4d4 and 9c7a5bf): 9.83 / 9.85 s against 9.96 / 10.12 with the defaults, and 9.44 (with the
+# first-layer warm-up too) against 9.59 on another machine; the 1,408-token capture still took
+# 0.36-0.41 s (an instantiation draining the queue?).
 PRELOAD = False  # HIVETUNE_GRAPH_PRELOAD=1 turns it on for a run (experiments, tests)
-# Experiment HIVETUNE_GRAPH_LAYER_WARMUP=1 (GraphedForwardBackward._first_layer_pass): the warm-up
-# before the first capture runs the model cut to its first layer, its gradients exact zeros, and
-# the first micro-batch's work is a replay. The whole eager W2 micro-batch under DDP took 0.37-0.63 s
-# of host time there (warmup_s, 2 x H100, session 27) against ~0.09 s for its replay.
-LAYER_WARMUP = False
 
 last_stats: dict = {}  # the most recent GraphedForwardBackward's counters (read by the benchmark)
 last_graphed = None  # the most recent one, kept only with HIVETUNE_GRAPH_TIMING=1 (profiling)
@@ -603,16 +606,10 @@ class GraphedForwardBackward:
             bucket.load(padded, n_targets)
             main = torch.cuda.current_stream()
             self.stream.wait_stream(main)
-            layer_only = self._layer_warmup_fits()
             with torch.cuda.stream(self.stream):
-                if layer_only:
-                    self._first_layer_pass(bucket)
-                else:
-                    loss = self._body(bucket)
+                loss = self._body(bucket)
             main.wait_stream(self.stream)
-            if loss is not None:
-                loss.record_stream(main)
-            self.stats["warmup"] = "first layer" if layer_only else "whole micro-batch"
+            loss.record_stream(main)
             self.warmed = True
             self.stats["warmup_s"] = round(time.perf_counter() - t0, 3)  # host time; the GPU runs on
             # The warm-up's activations went back to the ordinary allocator's cache, where the
@@ -629,14 +626,6 @@ class GraphedForwardBackward:
                     break
             if self.pending and not self.off and (PRELOAD or os.environ.get("HIVETUNE_GRAPH_PRELOAD") == "1"):
                 self._preload(self.pending)
-            if loss is None and not self.off:  # the first-layer warm-up: this micro-batch's work, replayed
-                first = self.key_of(batch)
-                bucket = self.buckets.get(first)
-                if bucket is not None and self._ready(bucket):
-                    self.stats["pad_tokens"] += first[0] - key[0]
-                    bucket.load(pad_packed_batch(batch, first[0], self.run.pad_id), n_targets)
-                    self._replay(bucket)
-                    loss = bucket.loss.clone()
         elif self._capture_key(key, None) and self._ready(self.buckets[key]):
             bucket = self.buckets[key]
             bucket.load(padded, n_targets)
@@ -644,32 +633,6 @@ class GraphedForwardBackward:
             loss = bucket.loss.clone()
         self.stats["capture_s"] = round(self.stats["capture_s"] + time.perf_counter() - t0, 3)
         return loss if loss is not None else self.eager(batch, n_targets)
-
-    def _layer_warmup_fits(self) -> bool:
-        """Experiment HIVETUNE_GRAPH_LAYER_WARMUP=1 (LAYER_WARMUP): whether the warm-up before the
-        first capture runs the model cut to its first layer (not with activation offload, which
-        plans per layer index, nor with a single layer)."""
-        model = self.run.model
-        return ((LAYER_WARMUP or os.environ.get("HIVETUNE_GRAPH_LAYER_WARMUP") == "1")
-                and len(model.model.layers) > 1 and getattr(model, "activation_offload", None) is None)
-
-    def _first_layer_pass(self, bucket: _Bucket) -> None:
-        """The warm-up's lazy initialisations (cuBLAS handles and workspace on the capture stream,
-        the kernels' first loads, the allocator) met by an eager forward and backward of the
-        model cut to its first layer (embedding, final norm, head and loss kept; every layer has
-        the first one's shapes), its loss divided by infinity (its loss and every gradient it
-        adds are exact zeros) and the CUDA generator set back after it, as the plan's timing
-        replay is."""
-        model = self.run.model
-        layers = model.model.layers
-        rng = torch.cuda.get_rng_state(self.run.device)
-        bucket.n_targets.fill_(float("inf"))
-        model.model.layers = torch.nn.ModuleList(layers[:1])
-        try:
-            self._body(bucket)
-        finally:
-            model.model.layers = layers
-        torch.cuda.set_rng_state(rng, self.run.device)
 
     def _plan(self, batch: MicroBatch) -> list[tuple[int, int]]:
         """Capture the largest graph the plan needs, time its capture (the host pass every graph
