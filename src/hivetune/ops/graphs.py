@@ -114,12 +114,12 @@ MAX_TFLOP_PER_MICRO_BATCH = float(os.environ.get("HIVETUNE_GRAPH_MAX_TFLOP", 60.
 # sets it (experiments, tests). No gain alone (sessions 25-26, 2 x H100 and 2 x H200): a capture
 # made with replays queued took 0.3-0.7 s on the host against 0.1-0.29 s with the GPU idle.
 # What waits (bench/capture_stall.py, one H100, bfaebca and 7d79771, four 100-ms replays queued):
-# - the first capture of a shape whose kernel is new: 400-410 ms in that call (a torch linear),
+# - the first capture of a shape whose kernel is new: 391-414 ms in that call (a torch linear),
 #   the queue drained, with CUDA_MODULE_LOADING=EAGER too; 0.4-1.3 ms in all for a token count
 #   captured, or run eagerly, before with the GPU idle;
-# - instantiating a 3,000-node graph (a W2 step's size): 401 ms queued against 34 ms idle;
-#   the W2 profile at 5b63908 shows the loop's CUDA calls blocked meanwhile (76-104 ms), so a
-#   deferred capture that begins while the previous one instantiates on the worker waits too;
+# - instantiating a 3,000-node graph (a W2 step's size): 401 ms queued against 34 ms idle (the
+#   W2 profile at 5b63908 showed the loop's CUDA calls blocked meanwhile, 76-104 ms), though a
+#   capture of a seen token count made meanwhile on another thread did not wait (0.8 ms);
 # - not a cudaMalloc (0.6-1.3 ms either way).
 # Tried and removed (session 27, 2 x H100; the ratio against one GPU of the same machine):
 # - the deferred capture enqueueing nothing on the loop's stream before its host pass, its
