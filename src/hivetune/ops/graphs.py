@@ -514,7 +514,8 @@ class GraphedForwardBackward:
         queued.record()
         key = self.pending.pop(0)
         t0 = time.perf_counter()
-        captured = key in self.buckets or self._capture_key(key, self.preloaded.pop(key, None))
+        preloaded = self.preloaded.pop(key, None)
+        captured = key in self.buckets or self._capture_key(key, preloaded)
         self.stats["capture_s"] = round(self.stats["capture_s"] + time.perf_counter() - t0, 3)
         self.stats["deferred"] += 1
         self.stats["deferred_idle"] += int(queued.query())
@@ -709,28 +710,18 @@ class GraphedForwardBackward:
         if len(layers) < 2 or getattr(model, "activation_offload", None) is not None:
             return
         t0, key = time.perf_counter(), keys[0]
-        main = torch.cuda.current_stream()
-        self.stream.wait_stream(main)
         model.model.layers = torch.nn.ModuleList(layers[:1])
         try:
             for key in keys:
                 bucket = _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device, self.n_seeds)
-                graph = torch.cuda.CUDAGraph(keep_graph=True) if keeps_graphs() else torch.cuda.CUDAGraph()
-                with torch.cuda.stream(self.stream):
-                    graph.capture_begin(self.pool, capture_error_mode="thread_local" if self.background else "global")
-                    try:
-                        self._body(bucket)
-                    finally:
-                        graph.capture_end()
-                del graph  # never instantiated: nothing of it runs
+                # never instantiated (where torch can keep a graph uninstantiated): nothing of it runs
+                self._record(torch.cuda.CUDAGraph(keep_graph=True) if keeps_graphs() else torch.cuda.CUDAGraph(),
+                             bucket)
                 self.preloaded[key] = bucket
         except Exception as e:  # noqa: BLE001 - as a failed capture: eager from here
-            torch.cuda.synchronize()
-            release_generator(self.run.device)
-            self._turn_off(f"a first-layer capture of a {key[0]}-token bucket failed: {_first_line(e)}")
+            self._capture_failed(f"a first-layer capture of a {key[0]}-token bucket failed: {_first_line(e)}")
         finally:
             model.model.layers = layers
-        main.wait_stream(self.stream)
         self.stats["preloaded"] = len(self.preloaded)
         self.stats["preload_s"] = round(time.perf_counter() - t0, 3)
 
@@ -768,31 +759,9 @@ class GraphedForwardBackward:
         # thread only, so the worker's instantiation is not one of them.
         graph = torch.cuda.CUDAGraph(keep_graph=True) if self.background else torch.cuda.CUDAGraph()
         try:
-            # Not torch.cuda.graph: it synchronises the device first, which would idle the GPU
-            # for the whole host pass instead of letting it work through the queued replays
-            # (capture executes nothing, and replays run in stream order after them).
-            # capture_begin does run one thing, on the capture stream: it zeroes the CUDA
-            # generator's graph offset, which a replay drawing from the generator reads (not
-            # fit's: their seeds are static inputs). Ordered after the queued replays, and later
-            # work after it (GPU-side waits: the host goes on).
-            main = torch.cuda.current_stream()
-            self.stream.wait_stream(main)
-            with torch.cuda.stream(self.stream):
-                queued = torch.cuda.Event()
-                queued.record(main)
-                self.stats["idle_before_begin"].append(queued.query())
-                begin = time.perf_counter()
-                graph.capture_begin(self.pool, capture_error_mode="thread_local" if self.background else "global")
-                self.stats["begin_each_s"].append(round(time.perf_counter() - begin, 4))
-                try:
-                    bucket.loss = self._body(bucket)
-                finally:
-                    graph.capture_end()
-            main.wait_stream(self.stream)
+            bucket.loss = self._record(graph, bucket, timed=True)
         except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly from now on
-            torch.cuda.synchronize()
-            release_generator(self.run.device)
-            self._turn_off(f"capture of a {key[0]}-token bucket failed: {_first_line(e)}")
+            self._capture_failed(f"capture of a {key[0]}-token bucket failed: {_first_line(e)}")
             return False
         bucket.graph = graph
         if self.background:
@@ -801,6 +770,41 @@ class GraphedForwardBackward:
         self.stats["graphs"] += 1
         self.stats["capture_each_s"].append(round(time.perf_counter() - t0, 3))
         return True
+
+
+    def _record(self, graph: torch.cuda.CUDAGraph, bucket: _Bucket, timed: bool = False) -> torch.Tensor:
+        """The bucket's forward, loss and backward captured into `graph` on the capture stream;
+        returns the captured loss. timed: stats idle_before_begin and begin_each_s.
+
+        Not torch.cuda.graph: it synchronises the device first, which would idle the GPU for the
+        whole host pass instead of letting it work through the queued replays (capture executes
+        nothing, and replays run in stream order after them). capture_begin does run one thing,
+        on the capture stream: it zeroes the CUDA generator's graph offset, which a replay
+        drawing from the generator reads (not fit's: their seeds are static inputs). Ordered
+        after the queued replays, and later work after it (GPU-side waits: the host goes on)."""
+        main = torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            if timed:
+                queued = torch.cuda.Event()
+                queued.record(main)
+                self.stats["idle_before_begin"].append(queued.query())
+            begin = time.perf_counter()
+            graph.capture_begin(self.pool, capture_error_mode="thread_local" if self.background else "global")
+            if timed:
+                self.stats["begin_each_s"].append(round(time.perf_counter() - begin, 4))
+            try:
+                loss = self._body(bucket)
+            finally:
+                graph.capture_end()
+        main.wait_stream(self.stream)
+        return loss
+
+    def _capture_failed(self, reason: str) -> None:
+        """After a capture that raised: the device settled, the generator released, eager from here."""
+        torch.cuda.synchronize()
+        release_generator(self.run.device)
+        self._turn_off(reason)
 
 
 def release_generator(device) -> None:
