@@ -437,3 +437,39 @@ def test_preloaded_deferred_captures_match_the_reference(tmp_path, monkeypatch):
     assert "preloaded" not in ref.stats and ref.stats["deferred"] == stats["deferred"]
     assert losses == pytest.approx(ref_losses, rel=1e-2)
     assert (grads - ref_grads).norm() / ref_grads.norm() < 2e-2
+
+
+def test_sizes_planned_on_the_first_replay_match_the_timing_replays(tmp_path, monkeypatch):
+    """HIVETUNE_PLAN_ON_REPLAY=1 (an experiment): no timing replay at the first micro-batch; the
+    second one replays the largest graph and the sizes are planned on its GPU time. With the
+    capture cost fixed (1 token: every 64-token size) the sizes are the timing replay's, and the
+    losses and gradients match that run within the padding's rounding."""
+    monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
+    monkeypatch.setenv("HIVETUNE_PLAN_ON_REPLAY", "1")
+    monkeypatch.setattr(graphs, "capture_cost_tokens", lambda capture_s, s_per_token: 1.0)
+    losses, grads, graphed = deferred_run(tmp_path / "on-replay")
+    stats = graphed.stats
+    assert stats["plan"] == "on the first replay" and graphed.plan_due is None and stats["eager"] == 0
+    monkeypatch.delenv("HIVETUNE_PLAN_ON_REPLAY")
+    ref_losses, ref_grads, ref = deferred_run(tmp_path / "reference")
+    assert "plan" not in ref.stats and graphed.sizes == ref.sizes and len(graphed.sizes[max(graphed.sizes)]) >= 3
+    assert stats["replays"] == ref.stats["replays"] and stats["deferred"] >= 1
+    assert losses == pytest.approx(ref_losses, rel=1e-2)
+    assert (grads - ref_grads).norm() / ref_grads.norm() < 2e-2
+
+
+def test_deferred_captures_wait_for_the_instantiations(tmp_path, monkeypatch):
+    """HIVETUNE_CAPTURE_AFTER_INSTANTIATION=1 (an experiment): no deferred capture begins while
+    a background instantiation is in flight (stats began_instantiating stays unset); losses and
+    gradients match the run without, within the padding's rounding."""
+    monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
+    monkeypatch.setenv("HIVETUNE_CAPTURE_AFTER_INSTANTIATION", "1")
+    monkeypatch.setattr(graphs, "capture_cost_tokens", lambda capture_s, s_per_token: 1.0)
+    losses, grads, graphed = deferred_run(tmp_path / "after")
+    stats = graphed.stats
+    assert graphed.after_instantiation and stats["deferred"] >= 1 and "began_instantiating" not in stats
+    monkeypatch.delenv("HIVETUNE_CAPTURE_AFTER_INSTANTIATION")
+    ref_losses, ref_grads, ref = deferred_run(tmp_path / "reference")
+    assert not ref.after_instantiation and "held_for_instantiation" not in ref.stats
+    assert losses == pytest.approx(ref_losses, rel=1e-2)
+    assert (grads - ref_grads).norm() / ref_grads.norm() < 2e-2

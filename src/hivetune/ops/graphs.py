@@ -137,6 +137,16 @@ CAPTURE_LEAD = 0
 # first-layer warm-up too) against 9.59 on another machine; the 1,408-token capture still took
 # 0.36-0.41 s (an instantiation draining the queue?).
 PRELOAD = False  # HIVETUNE_GRAPH_PRELOAD=1 turns it on for a run (experiments, tests)
+# Experiment HIVETUNE_PLAN_ON_REPLAY=1 (GraphedForwardBackward._finish_plan): no timing replay (its
+# ~0.09 s of W2 GPU work is thrown away); the sizes are planned on the GPU time of the next micro-
+# batch's replay of the largest graph, real work. Not yet run on a GPU.
+PLAN_ON_REPLAY = False
+# Experiment HIVETUNE_CAPTURE_AFTER_INSTANTIATION=1 (GraphedForwardBackward._instantiated): a
+# deferred capture waits (replay by replay, the host never blocks) until no background
+# instantiation is in flight. An instantiation with replays queued waits for the queue to drain
+# (bench/capture_stall.py) and holds up the loop's CUDA calls meanwhile; the W2 timeline at ff7b4d4
+# showed the 1,408-token capture beginning while the previous one instantiated, and taking 0.41 s.
+# Not yet run on a GPU.
 
 last_stats: dict = {}  # the most recent GraphedForwardBackward's counters (read by the benchmark)
 last_graphed = None  # the most recent one, kept only with HIVETUNE_GRAPH_TIMING=1 (profiling)
@@ -438,6 +448,10 @@ class GraphedForwardBackward:
         self.defer, self.pending = defer, []
         # the deferred sizes' buckets, whose shapes a capture of the first layer met (_preload)
         self.preloaded: dict[tuple[int, int], _Bucket] = {}
+        # PLAN_ON_REPLAY: the plan left for the next call (_finish_plan), and the calls so far
+        self.plan_due: dict | None = None
+        self.calls = 0
+        self.after_instantiation = os.environ.get("HIVETUNE_CAPTURE_AFTER_INSTANTIATION") == "1"
         # A deferred capture waits for a lead of queued replays (_lead_enough); 0: none.
         self.lead = 0 if forced("capture_lead") else int(os.environ.get("HIVETUNE_CAPTURE_LEAD") or CAPTURE_LEAD)
         self.replayed: collections.deque = collections.deque(maxlen=max(self.lead, 1))
@@ -461,6 +475,13 @@ class GraphedForwardBackward:
         last_graphed = self if self.replay_events is not None else None
 
     def __call__(self, batch: MicroBatch, n_targets: int) -> torch.Tensor:
+        self.calls += 1
+        loss = self._call(batch, n_targets)
+        if self.plan_due is not None and self.calls > self.plan_due["call"]:
+            self._finish_plan()  # every rank's second call, whatever its path (a collective)
+        return loss
+
+    def _call(self, batch: MicroBatch, n_targets: int) -> torch.Tensor:
         if not self.off and not self.buckets and not self.warmed:
             self._check_launch_bound(batch)
         if self.off or not isinstance(batch.layout, Packed):
@@ -480,11 +501,31 @@ class GraphedForwardBackward:
         if bucket is None:
             return self._capture(key, batch, padded, n_targets)
         bucket.load(padded, n_targets)
+        due = self.plan_due
+        if due is not None and key == due["top"] and due["events"] is None:  # the plan's timing
+            due["events"] = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            due["events"][0].record()
         self._replay(bucket)
+        if due is not None and due["events"] is not None and key == due["top"]:
+            due["events"][1].record()
         loss = bucket.loss.clone()  # now: the next replay of a graph in this pool may overwrite it
-        if self.pending and self._lead_enough():
+        if self.pending and self._instantiated() and self._lead_enough():
             self._capture_deferred()
         return loss
+
+    def _instantiating(self) -> bool:
+        return any(b.ready is not None and not b.ready.done() for b in self.buckets.values())
+
+    def _instantiated(self) -> bool:
+        """CAPTURE_AFTER_INSTANTIATION: whether no background instantiation is in flight (else
+        the deferred capture waits for a later replay; stats held_for_instantiation counts those
+        replays). Always True without the experiment."""
+        if not self.after_instantiation:
+            return True
+        busy = self._instantiating()
+        if busy:
+            self.stats["held_for_instantiation"] = self.stats.get("held_for_instantiation", 0) + 1
+        return not busy
 
     def _lead_enough(self) -> bool:
         """Whether the next deferred capture goes now: once the replay `lead` calls back is still
@@ -513,6 +554,9 @@ class GraphedForwardBackward:
         queued = torch.cuda.Event()
         queued.record()
         key = self.pending.pop(0)
+        # stats began_instantiating: deferred captures begun while an instantiation was in flight
+        if self._instantiating():
+            self.stats["began_instantiating"] = self.stats.get("began_instantiating", 0) + 1
         t0 = time.perf_counter()
         preloaded = self.preloaded.pop(key, None)
         captured = key in self.buckets or self._capture_key(key, preloaded)
@@ -618,15 +662,7 @@ class GraphedForwardBackward:
             # one micro-batch of activations twice (W2 2 x 8: 36.9 GiB reserved, 22.9 allocated).
             torch.cuda.empty_cache()
             keys = self._plan(batch) if self.planned else planned_keys(self.run, self.bucket)
-            keys = sorted(set(keys) | {self.key_of(batch)}, reverse=True)[:self.max_graphs]
-            later = deferrable(keys) if self.defer else set()
-            for planned in keys:
-                if planned in later and planned not in self.buckets:
-                    self.pending.append(planned)
-                elif self.off or (planned not in self.buckets and not self._capture_key(planned, None)):
-                    break
-            if self.pending and not self.off and (PRELOAD or os.environ.get("HIVETUNE_GRAPH_PRELOAD") == "1"):
-                self._preload(self.pending)
+            self._capture_planned(sorted(set(keys) | {self.key_of(batch)}, reverse=True))
         elif self._capture_key(key, None) and self._ready(self.buckets[key]):
             bucket = self.buckets[key]
             bucket.load(padded, n_targets)
@@ -634,6 +670,38 @@ class GraphedForwardBackward:
             loss = bucket.loss.clone()
         self.stats["capture_s"] = round(self.stats["capture_s"] + time.perf_counter() - t0, 3)
         return loss if loss is not None else self.eager(batch, n_targets)
+
+    def _capture_planned(self, keys: list[tuple[int, int]]) -> None:
+        """The planned keys (largest first): captured now, or left pending where deferred."""
+        keys = keys[:self.max_graphs]
+        later = deferrable(keys) if self.defer else set()
+        for planned in keys:
+            if planned in later and planned not in self.buckets:
+                self.pending.append(planned)
+            elif self.off or (planned not in self.buckets and not self._capture_key(planned, None)):
+                break
+        if self.pending and not self.off and (PRELOAD or os.environ.get("HIVETUNE_GRAPH_PRELOAD") == "1"):
+            self._preload(self.pending)
+
+    def _finish_plan(self) -> None:
+        """PLAN_ON_REPLAY, at every rank's second call: the GPU seconds a token of the replay of
+        the largest graph it just queued (waited for: the GPU then idles through the plan's host
+        work, as after the timing replay), agreed across ranks, plan the sizes; the ones not
+        deferred are captured now. A rank whose second micro-batch took another graph (or none)
+        brings no timing, as a rank without the plan's shape at hand does in _plan."""
+        due, self.plan_due = self.plan_due, None
+        timing = None
+        if due["events"] is not None:
+            start, end = due["events"]
+            end.synchronize()
+            timing = (due["capture_s"], start.elapsed_time(end) / 1000 / due["top"][0])
+        agreed = all_gather_objects(self.run.parallel, timing) if self.agree else [timing]
+        if self.off:
+            return
+        t0 = time.perf_counter()
+        keys = self._sizes_from([t for t in agreed if t is not None], due["micro"])
+        self._capture_planned(sorted(set(keys), reverse=True))  # `top` among them: captured already
+        self.stats["capture_s"] = round(self.stats["capture_s"] + time.perf_counter() - t0, 3)
 
     def _plan(self, batch: MicroBatch) -> list[tuple[int, int]]:
         """Capture the largest graph the plan needs, time its capture (the host pass every graph
@@ -651,6 +719,13 @@ class GraphedForwardBackward:
         captured = self._capture_key(top, None) and self._ready(self.buckets[top])
         capture_s = time.perf_counter() - t0  # the host pass and the instantiation, as before background ones
         saved = saved_sizes(self.run)
+        if saved is None and (PLAN_ON_REPLAY or os.environ.get("HIVETUNE_PLAN_ON_REPLAY") == "1"):
+            # the sizes wait for the next call's replay of `top` (_finish_plan); till then every
+            # micro-batch of its segment count takes it
+            self.plan_due = {"call": self.calls, "top": top, "capture_s": capture_s, "micro": micro, "events": None}
+            self.sizes = {top_segments: [top[0]]}
+            self.stats["plan"] = "on the first replay"
+            return [top] if captured else []
         timing = None  # (capture seconds, GPU seconds a token), if this rank can measure them
         if captured and saved is None and own[1] == top_segments and own[0] < top[0]:
             big = self.buckets[top]
@@ -678,8 +753,13 @@ class GraphedForwardBackward:
             self.stats["sizes"], self.stats["capture_tokens"] = dict(saved), "saved"
             return ([(size, seg) for seg, sizes in saved.items() for size in sizes]
                     or planned_keys(self.run, self.bucket))
+        return self._sizes_from(timings, micro)
+
+    def _sizes_from(self, timings: list[tuple[float, float]], micro: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The planned sizes (self.sizes, run.graph_sizes, stats) from the ranks' (capture
+        seconds, GPU seconds a token) and the plan's micro-batches; their keys."""
         if not timings:  # no micro-batch of the plan's shape at hand: the grid
-            self.run.graph_sizes = {}
+            self.sizes, self.run.graph_sizes = {}, {}
             return planned_keys(self.run, self.bucket)
         capture_s, s_per_token = (sum(t[i] for t in timings) / len(timings) for i in (0, 1))
         capture_tokens = capture_cost_tokens(capture_s, s_per_token)
