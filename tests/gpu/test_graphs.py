@@ -473,3 +473,22 @@ def test_deferred_captures_wait_for_the_instantiations(tmp_path, monkeypatch):
     assert not ref.after_instantiation and "held_for_instantiation" not in ref.stats
     assert losses == pytest.approx(ref_losses, rel=1e-2)
     assert (grads - ref_grads).norm() / ref_grads.norm() < 2e-2
+
+
+def test_graphs_with_target_capacities_match_the_run_without(tmp_path, monkeypatch):
+    """HIVETUNE_GRAPH_TARGET_CAPACITY=1 (an experiment): the planned sizes after the largest hold
+    as many targets as their micro-batches bring (fewer than one a token), and the losses and
+    gradients match the run without within the padding's rounding."""
+    monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
+    monkeypatch.setenv("HIVETUNE_GRAPH_TARGET_CAPACITY", "1")
+    monkeypatch.setattr(graphs, "capture_cost_tokens", lambda capture_s, s_per_token: 1.0)
+    losses, grads, graphed = deferred_run(tmp_path / "capacity")
+    stats = graphed.stats
+    assert stats["eager"] == 0 and not stats["off"] and stats["target_capacity"]
+    narrow = [b for (t, _), b in graphed.buckets.items() if b.targets < t]
+    assert len(narrow) >= 1 and all(b.batch.target_ids.numel() == b.targets for b in narrow)
+    monkeypatch.delenv("HIVETUNE_GRAPH_TARGET_CAPACITY")
+    ref_losses, ref_grads, ref = deferred_run(tmp_path / "reference")
+    assert "target_capacity" not in ref.stats and all(b.targets == t for (t, _), b in ref.buckets.items())
+    assert losses == pytest.approx(ref_losses, rel=1e-2)
+    assert (grads - ref_grads).norm() / ref_grads.norm() < 2e-2

@@ -304,3 +304,39 @@ def test_each_segment_counts_largest_size_is_captured_at_once():
     keys = [(1728, 10), (1600, 10), (1408, 10), (896, 7), (768, 7)]
     assert deferrable(keys) == {(1600, 10), (1408, 10), (768, 7)}
     assert deferrable([(1728, 10)]) == set() and deferrable([]) == set()
+
+
+def test_pad_packed_batch_to_a_target_capacity():
+    """targets=: the target rows padded to that many (IGNORE_INDEX, the last pad token), not to
+    one a token; fewer than the batch's own targets is refused."""
+    batch = packed_batch()
+    n = batch.target_ids.numel()
+    padded = pad_packed_batch(batch, 256, pad_id=7, targets=n + 3)
+    assert padded.input_ids.shape == (1, 256) and padded.target_ids.numel() == padded.target_index.numel() == n + 3
+    assert padded.target_ids[:n].equal(batch.target_ids) and padded.target_ids[n:].eq(IGNORE_INDEX).all()
+    assert padded.target_index[n:].eq(255).all()
+    with pytest.raises(ValueError, match=f"bucket of {n - 1} targets cannot hold {n} targets"):
+        pad_packed_batch(batch, 256, targets=n - 1)
+
+
+def test_target_capacities_hold_each_micro_batch_in_the_size_it_takes():
+    """Each size holds the most targets of the micro-batches whose tokens it is the smallest size
+    above; each segment count's largest size holds the most of all its micro-batches; never more
+    than a target a token."""
+    from hivetune.ops.graphs import target_capacities
+
+    sizes = {10: [1408, 1536, 1728], 6: [512]}
+    micro = [(1400, 10), (1300, 10), (1500, 10), (1450, 10), (1700, 10), (400, 6)]
+    targets = [900, 1000, 950, 1100, 1200, 380]
+    capacity = target_capacities(sizes, micro, targets)
+    assert capacity == {(1408, 10): 1000, (1536, 10): 1100, (1728, 10): 1200, (512, 6): 380}
+    assert target_capacities({10: [1408]}, [(1400, 10)], [1500]) == {(1408, 10): 1408}
+    assert target_capacities({10: [1408, 1536]}, [(1500, 10)], [700]) == {(1536, 10): 700}
+
+
+def test_planned_micro_targets_are_what_the_loop_meets(tmp_path):
+    from hivetune.ops.graphs import planned_micro_batches, planned_micro_targets
+
+    run = tiny_run(tmp_path, batch_size=3, grad_accum=2, max_steps=4)
+    met = [b.target_ids.numel() for step in run.steps for b in micro_batches(run, step)]
+    assert planned_micro_targets(run) == met and len(met) == len(planned_micro_batches(run)) > 4

@@ -141,6 +141,11 @@ PRELOAD = False  # HIVETUNE_GRAPH_PRELOAD=1 turns it on for a run (experiments, 
 # ~0.09 s of W2 GPU work is thrown away); the sizes are planned on the GPU time of the next micro-
 # batch's replay of the largest graph, real work. Not yet run on a GPU.
 PLAN_ON_REPLAY = False
+# Experiment HIVETUNE_GRAPH_TARGET_CAPACITY=1 (target_capacities): each planned size holds as many
+# targets as the most its micro-batches bring, not one a token. The LM head and the loss run on a
+# graph's target rows, pad rows included: W2's targets are 69% of its tokens (responses only), so
+# a 1,536-token graph computed ~540 head rows a micro-batch for nothing, ~1.2 of its ~44 TFLOP
+# (~2.4 ms of an 87 ms DDP step). Not yet run on a GPU.
 # Experiment HIVETUNE_CAPTURE_AFTER_INSTANTIATION=1 (GraphedForwardBackward._instantiated): a
 # deferred capture waits (replay by replay, the host never blocks) until no background
 # instantiation is in flight. An instantiation with replays queued waits for the queue to drain
@@ -167,8 +172,9 @@ def keeps_graphs() -> bool:
     return hasattr(torch.cuda.CUDAGraph, "instantiate")
 
 
-def pad_packed_batch(batch: MicroBatch, tokens: int, pad_id: int = 0) -> MicroBatch:
-    """A packed micro-batch padded to `tokens` tokens and `tokens` targets (CPU tensors).
+def pad_packed_batch(batch: MicroBatch, tokens: int, pad_id: int = 0, targets: int | None = None) -> MicroBatch:
+    """A packed micro-batch padded to `tokens` tokens and `targets` targets (default `tokens`;
+    CPU tensors).
 
     Loss and gradients are those of the unpadded batch: the pad tokens are one extra segment
     (attention stays inside it) and the pad targets carry IGNORE_INDEX.
@@ -177,15 +183,18 @@ def pad_packed_batch(batch: MicroBatch, tokens: int, pad_id: int = 0) -> MicroBa
     t = batch.input_ids.shape[1]
     extra = tokens - t
     n = batch.target_ids.numel()
+    targets = tokens if targets is None else targets
     if batch.input_ids.shape[0] != 1 or not isinstance(layout, Packed):
         raise ValueError("pad_packed_batch takes a packed micro-batch (one row)")
     if extra < 1:
         raise ValueError(f"bucket of {tokens} tokens cannot hold {t} tokens and a pad segment")
+    if n > targets:
+        raise ValueError(f"bucket of {targets} targets cannot hold {n} targets")
     input_ids = torch.cat([batch.input_ids[0], batch.input_ids.new_full((extra,), pad_id)])
     positions = torch.cat([batch.position_ids[0], torch.arange(extra, dtype=batch.position_ids.dtype)])
     cu = torch.cat([layout.cu_seqlens, torch.tensor([tokens], dtype=layout.cu_seqlens.dtype)])
-    target_index = torch.cat([batch.target_index, batch.target_index.new_full((tokens - n,), tokens - 1)])
-    target_ids = torch.cat([batch.target_ids, batch.target_ids.new_full((tokens - n,), IGNORE_INDEX)])
+    target_index = torch.cat([batch.target_index, batch.target_index.new_full((targets - n,), tokens - 1)])
+    target_ids = torch.cat([batch.target_ids, batch.target_ids.new_full((targets - n,), IGNORE_INDEX)])
     lengths = tuple(layout.lengths) + (extra,) if layout.lengths else ()
     return MicroBatch(input_ids[None], positions[None], target_index, target_ids,
                       Packed(cu, tokens, lengths), batch.n_examples, batch.n_tokens, batch.dropout_seeds)
@@ -213,23 +222,39 @@ def planned_micro_batches(run, start: int | None = None, paced: bool = False) ->
     if lengths is None:
         return []
     size = run.cfg.batch_size
-    parallel = run.parallel
 
     def micro_tokens(share: list[int]) -> list[int]:  # the tokens of each micro-batch the loop cuts
         return [sum(lengths[j] for j in share[i:i + size]) for i in range(0, len(share), size)]
 
     out = []
-    for step in run.steps[run.start_step if start is None else start:]:
-        shares = parallel.shares(step, lengths) if parallel.enabled else [step]
-        mine = shares[parallel.rank]
+    for shares, mine in _step_shares(run, start):
         counts = micro_tokens(mine)
         if paced:
             for other, share in enumerate(shares):
-                if other != parallel.rank:
+                if other != run.parallel.rank:
                     theirs = micro_tokens(share)
                     counts = [max(c, t) for c, t in itertools.zip_longest(counts, theirs[:len(counts)], fillvalue=0)]
         out += [(tokens, len(mine[i * size:(i + 1) * size]) + 2) for i, tokens in enumerate(counts)]
     return out
+
+
+def _step_shares(run, start: int | None):
+    """(every rank's share, this rank's) of each step from `start` (default: the run's start)."""
+    lengths, parallel = getattr(run.data, "lengths", None), run.parallel
+    for step in run.steps[run.start_step if start is None else start:]:
+        shares = parallel.shares(step, lengths) if parallel.enabled else [step]
+        yield shares, shares[parallel.rank]
+
+
+def planned_micro_targets(run, start: int | None = None) -> list[int]:
+    """The target count of each micro-batch planned_micro_batches lists (this rank's own), from
+    the examples' counts (TokenizedExamples.n_targets); [] without them."""
+    counts = getattr(run.data, "n_targets", None)
+    if counts is None or getattr(run.data, "lengths", None) is None:
+        return []
+    size = run.cfg.batch_size
+    return [sum(counts[j] for j in mine[i:i + size]) for _, mine in _step_shares(run, start)
+            for i in range(0, len(mine), size)]
 
 
 def ranks_agree_at_start(run) -> bool:
@@ -279,6 +304,26 @@ def plan_sizes(tokens: list[int], capture_tokens: float, grain: int = GRAIN) -> 
         sizes.append(need[j - 1])
         j = cut[j]
     return sorted(sizes)
+
+
+def target_capacities(sizes: dict[int, list[int]], micro: list[tuple[int, int]],
+                      targets: list[int]) -> dict[tuple[int, int], int]:
+    """Each planned graph's target capacity: the most targets among this rank's micro-batches
+    (its own tokens, segment count; `targets` alike) that take it (the smallest size above their
+    tokens); the largest size of a segment count holds the most of any of them (the timing
+    replay pads the warm-up micro-batch to it). Keys without a micro-batch keep a target a token."""
+    capacity: dict[tuple[int, int], int] = {}
+    for (t, segments), n in zip(micro, targets):
+        planned = sizes.get(segments) or []
+        size = next((s for s in planned if s > t), None)
+        if size is not None:
+            capacity[(size, segments)] = max(capacity.get((size, segments), 0), n)
+    for segments, planned in sizes.items():
+        if planned:
+            top = (max(planned), segments)
+            most = max((n for (_, seg), n in zip(micro, targets) if seg == segments), default=top[0])
+            capacity[top] = max(capacity.get(top, 0), most)
+    return {key: min(c, key[0]) for key, c in capacity.items()}
 
 
 def capture_cost_tokens(capture_s: float, gpu_s_per_token: float) -> float:
@@ -386,16 +431,19 @@ class _Bucket:
     """Static device inputs of one graph: one int64 buffer holding input ids, positions, target
     index, target ids, cu_seqlens and the dropout seeds (one host-to-device copy per micro-batch)."""
 
-    def __init__(self, tokens: int, segments: int, n_examples: int, device, seeds: int = 0):
+    def __init__(self, tokens: int, segments: int, n_examples: int, device, seeds: int = 0,
+                 targets: int | None = None):
         self.tokens, self.segments, self.seeds = tokens, segments, seeds
-        self.flat = torch.zeros(4 * tokens + segments + 1 + seeds, dtype=torch.long, device=device)
-        t = tokens
-        self.cu_src = self.flat[4 * t:4 * t + segments + 1]
+        t, c = tokens, tokens if targets is None else targets  # c: the target capacity
+        self.targets = c
+        self.flat = torch.zeros(2 * t + 2 * c + segments + 1 + seeds, dtype=torch.long, device=device)
+        end = 2 * t + 2 * c
+        self.cu_src = self.flat[end:end + segments + 1]
         self.cu = torch.zeros(segments + 1, dtype=torch.int32, device=device)
         self.n_targets = torch.ones((), dtype=torch.float32, device=device)
-        self.batch = MicroBatch(self.flat[:t].view(1, t), self.flat[t:2 * t].view(1, t), self.flat[2 * t:3 * t],
-                                self.flat[3 * t:4 * t], Packed(self.cu, t, ()), n_examples, 0,
-                                self.flat[4 * t + segments + 1:] if seeds else None)
+        self.batch = MicroBatch(self.flat[:t].view(1, t), self.flat[t:2 * t].view(1, t),
+                                self.flat[2 * t:2 * t + c], self.flat[2 * t + c:end], Packed(self.cu, t, ()),
+                                n_examples, 0, self.flat[end + segments + 1:] if seeds else None)
         self.graph = None
         self.ready = None  # background instantiation: the Future of graph.instantiate()
         self.loss = None
@@ -428,6 +476,7 @@ class GraphedForwardBackward:
         fixed = bucket or int(os.environ.get("HIVETUNE_GRAPH_BUCKET", 0))
         self.bucket, self.planned = fixed or BUCKET_TOKENS, not fixed
         self.sizes: dict[int, list[int]] = {}  # cu_seqlens entries -> graph sizes (tokens)
+        self.capacity: dict[tuple[int, int], int] = {}  # TARGET_CAPACITY: a new graph's targets
         self.max_graphs = max_graphs
         self.params = lora_parameters(run.model)
         # The persistent gradients, in one buffer: LoRAGroup adds into them (no autograd adds)
@@ -495,7 +544,8 @@ class GraphedForwardBackward:
         if full or (bucket is not None and not self._ready(bucket)):
             self.stats["eager"] += 1
             return self.eager(batch, n_targets)
-        padded = pad_packed_batch(batch, tokens, self.run.pad_id)
+        padded = pad_packed_batch(batch, tokens, self.run.pad_id,
+                                  bucket.targets if bucket is not None else self.capacity.get(key))
         self.stats["tokens"] += batch.input_ids.shape[1]
         self.stats["pad_tokens"] += tokens - batch.input_ids.shape[1]
         if bucket is None:
@@ -570,8 +620,9 @@ class GraphedForwardBackward:
         """The graph of a micro-batch: the smallest planned size captured so far that holds it
         and a pad token, with its segment count; the fixed grid's bucket where nothing planned
         holds it."""
-        t, segments = batch.input_ids.shape[1], len(batch.layout.cu_seqlens) + 1
-        size = next((s for s in self.sizes.get(segments, ()) if s > t and (s, segments) in self.buckets), None)
+        t, segments, n = batch.input_ids.shape[1], len(batch.layout.cu_seqlens) + 1, batch.target_ids.numel()
+        size = next((s for s in self.sizes.get(segments, ())
+                     if s > t and (s, segments) in self.buckets and n <= self.buckets[(s, segments)].targets), None)
         return (size, segments) if size else batch_key(batch, self.bucket)
 
     def _check_launch_bound(self, batch: MicroBatch) -> None:
@@ -729,7 +780,7 @@ class GraphedForwardBackward:
         timing = None  # (capture seconds, GPU seconds a token), if this rank can measure them
         if captured and saved is None and own[1] == top_segments and own[0] < top[0]:
             big = self.buckets[top]
-            big.load(pad_packed_batch(batch, top[0], self.run.pad_id), 1)
+            big.load(pad_packed_batch(batch, top[0], self.run.pad_id, big.targets), 1)
             big.n_targets.fill_(float("inf"))
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             rng = torch.cuda.get_rng_state(self.run.device)  # the replay's dropout draws are not the run's
@@ -751,6 +802,7 @@ class GraphedForwardBackward:
         if saved is not None:  # resumed: the sizes the run planned before (the same padding)
             self.sizes = self.run.graph_sizes = saved
             self.stats["sizes"], self.stats["capture_tokens"] = dict(saved), "saved"
+            self._set_capacities()
             return ([(size, seg) for seg, sizes in saved.items() for size in sizes]
                     or planned_keys(self.run, self.bucket))
         return self._sizes_from(timings, micro)
@@ -775,7 +827,19 @@ class GraphedForwardBackward:
             groups.setdefault(segments, []).append(t)
         self.sizes = self.run.graph_sizes = {seg: plan_sizes(ts, capture_tokens) for seg, ts in groups.items()}
         self.stats["sizes"] = {seg: sizes for seg, sizes in self.sizes.items()}
+        self._set_capacities()
         return [(size, seg) for seg, sizes in self.sizes.items() for size in sizes]
+
+    def _set_capacities(self) -> None:
+        """TARGET_CAPACITY (HIVETUNE_GRAPH_TARGET_CAPACITY=1): each planned size's target capacity
+        from this rank's own micro-batches (stats target_capacity; a graph already captured, the
+        largest, keeps its own)."""
+        if os.environ.get("HIVETUNE_GRAPH_TARGET_CAPACITY") != "1":
+            return
+        micro, targets = planned_micro_batches(self.run, start=0), planned_micro_targets(self.run, start=0)
+        if micro and len(micro) == len(targets):
+            self.capacity = target_capacities(self.sizes, micro, targets)
+            self.stats["target_capacity"] = {f"{t}x{seg}": c for (t, seg), c in sorted(self.capacity.items())}
 
     def _preload(self, keys: list[tuple[int, int]]) -> None:
         """Each deferred size met once now, while the GPU idles (the plan's timing replay was
@@ -793,7 +857,7 @@ class GraphedForwardBackward:
         model.model.layers = torch.nn.ModuleList(layers[:1])
         try:
             for key in keys:
-                bucket = _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device, self.n_seeds)
+                bucket = _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device, self.n_seeds, self.capacity.get(key))
                 # never instantiated (where torch can keep a graph uninstantiated): nothing of it runs
                 self._record(torch.cuda.CUDAGraph(keep_graph=True) if keeps_graphs() else torch.cuda.CUDAGraph(),
                              bucket)
@@ -832,7 +896,8 @@ class GraphedForwardBackward:
 
     def _capture_key(self, key, bucket: _Bucket | None) -> bool:
         t0 = time.perf_counter()
-        bucket = bucket or _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device, self.n_seeds)
+        bucket = bucket or _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device, self.n_seeds,
+                                   self.capacity.get(key))
         # Background: capture_end leaves the graph uninstantiated, and the worker thread
         # instantiates it (the driver's part, GIL released) while this thread captures the next
         # one or replays others. "thread_local": the capture forbids unsafe CUDA calls in this
