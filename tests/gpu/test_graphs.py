@@ -476,9 +476,9 @@ def test_deferred_captures_wait_for_the_instantiations(tmp_path, monkeypatch):
 
 
 def test_graphs_with_target_capacities_match_the_run_without(tmp_path, monkeypatch):
-    """HIVETUNE_GRAPH_TARGET_CAPACITY=1 (an experiment): the planned sizes after the largest hold
-    as many targets as their micro-batches bring (fewer than one a token), and the losses and
-    gradients match the run without within the padding's rounding."""
+    """HIVETUNE_GRAPH_TARGET_CAPACITY=1 (an experiment): the planned sizes hold as many targets
+    as their micro-batches bring (the largest: the most of any), fewer than one a token, and the
+    losses and gradients match the run without within the padding's rounding."""
     monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
     monkeypatch.setenv("HIVETUNE_GRAPH_TARGET_CAPACITY", "1")
     monkeypatch.setattr(graphs, "capture_cost_tokens", lambda capture_s, s_per_token: 1.0)

@@ -142,7 +142,7 @@ PRELOAD = False  # HIVETUNE_GRAPH_PRELOAD=1 turns it on for a run (experiments, 
 # batch's replay of the largest graph, real work. Not yet run on a GPU.
 PLAN_ON_REPLAY = False
 # Experiment HIVETUNE_GRAPH_TARGET_CAPACITY=1 (target_capacities): each planned size holds as many
-# targets as the most its micro-batches bring, not one a token. The LM head and the loss run on a
+# targets as the most its micro-batches bring (the largest size: the most of any), not one a token. The LM head and the loss run on a
 # graph's target rows, pad rows included: W2's targets are 69% of its tokens (responses only), so
 # a 1,536-token graph computed ~540 head rows a micro-batch for nothing, ~1.2 of its ~44 TFLOP
 # (~2.4 ms of an 87 ms DDP step). Not yet run on a GPU.
@@ -766,6 +766,9 @@ class GraphedForwardBackward:
         micro = planned_micro_batches(self.run, start=0, paced=not forced("paced_sizes")) or [own]
         top_t, top_segments = max(micro)
         top = (bucket_tokens(top_t, GRAIN), top_segments)
+        if os.environ.get("HIVETUNE_GRAPH_TARGET_CAPACITY") == "1":  # the most targets of any micro-batch
+            most = max(planned_micro_targets(self.run, start=0), default=top[0])
+            self.capacity[top] = min(max(most, batch.target_ids.numel()), top[0])
         t0 = time.perf_counter()
         captured = self._capture_key(top, None) and self._ready(self.buckets[top])
         capture_s = time.perf_counter() - t0  # the host pass and the instantiation, as before background ones
@@ -832,8 +835,8 @@ class GraphedForwardBackward:
 
     def _set_capacities(self) -> None:
         """TARGET_CAPACITY (HIVETUNE_GRAPH_TARGET_CAPACITY=1): each planned size's target capacity
-        from this rank's own micro-batches (stats target_capacity; a graph already captured, the
-        largest, keeps its own)."""
+        from this rank's own micro-batches (stats target_capacity; a graph already captured keeps
+        its own: the largest took the most targets of any micro-batch, in _plan)."""
         if os.environ.get("HIVETUNE_GRAPH_TARGET_CAPACITY") != "1":
             return
         micro, targets = planned_micro_batches(self.run, start=0), planned_micro_targets(self.run, start=0)
