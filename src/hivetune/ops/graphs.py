@@ -142,10 +142,11 @@ PRELOAD = False  # HIVETUNE_GRAPH_PRELOAD=1 turns it on for a run (experiments, 
 # batch's replay of the largest graph, real work. Not yet run on a GPU.
 PLAN_ON_REPLAY = False
 # Experiment HIVETUNE_GRAPH_TARGET_CAPACITY=1 (target_capacities): each planned size holds as many
-# targets as the most its micro-batches bring (the largest size: the most of any), not one a token. The LM head and the loss run on a
-# graph's target rows, pad rows included: W2's targets are 69% of its tokens (responses only), so
-# a 1,536-token graph computed ~540 head rows a micro-batch for nothing, ~1.2 of its ~44 TFLOP
-# (~2.4 ms of an 87 ms DDP step). Not yet run on a GPU.
+# targets as the most its micro-batches bring (the largest size: the most of any), not one a
+# token. The LM head and the loss run on a graph's target rows, pad rows included: W2's targets
+# are 69% of its tokens (responses only), so a 1,536-token graph computed ~540 head rows a
+# micro-batch for nothing, ~1.2 of its ~44 TFLOP (~2.4 ms of an 87 ms DDP step, estimated from
+# the FLOPs). Not yet run on a GPU.
 # Experiment HIVETUNE_CAPTURE_AFTER_INSTANTIATION=1 (GraphedForwardBackward._instantiated): a
 # deferred capture waits (replay by replay, the host never blocks) until no background
 # instantiation is in flight. An instantiation with replays queued waits for the queue to drain
