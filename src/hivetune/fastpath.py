@@ -19,6 +19,18 @@ fallback and one log line when it falls back.
     CUDA graph sizes after the   a replay's GPU time covers a third of a       all at the first
       largest captured one after   capture's host time                           micro-batch
       each replay                  (ops.graphs.defers_captures)                  (deferred_captures)
+    deferred sizes' shapes met   deferred captures, no activation offload      none (graph_preload)
+      by a first-layer capture
+      after the plan (_preload)
+    a deferred capture waits     deferred captures                             one after each replay
+      for 3 queued replays and                                                   (capture_lead,
+      no instantiation in flight                                                 instantiation_wait)
+    graph sizes planned on the   planned sizes, none saved in a checkpoint     a timing replay of the
+      next micro-batch's replay                                                  first micro-batch
+      of the largest graph                                                       (plan_on_replay)
+    graphs hold as many targets  planned sizes, the step plan's target counts  a target row a token
+      as their micro-batches                                                     (target_capacity)
+      bring (target_capacities)
     LoRA-group and fused-CE      CUDA, the process's libcublasLt found, a     torch.mm / addmm
       matmuls through cached       layout the plan takes (ops.blas)             (cublaslt)
       cuBLASLt plans
@@ -56,8 +68,9 @@ A fallback on a device where the fast path is expected (a GPU for varlen and fus
 asked for auto precision) prints ``hivetune: note: <what> unavailable (<why>); using <reference>``
 once per process. ``HIVETUNE_REFERENCE=varlen,fused_adamw,cpu_bf16,gpu_bf16`` (also fused_lora,
 fused_layers, dropout_matmul, gc, autocast, grad_arena, residual_epilogue, flat_adamw, norm_dropout,
-rope_qkv, swiglu_dropout, wide_lora, graph_instantiate, paced_sizes, deferred_captures, cublaslt,
-lt_buckets, scaled_offload; or ``all``) forces the reference paths, for tests and A/B runs; the
+rope_qkv, swiglu_dropout, wide_lora, graph_instantiate, paced_sizes, deferred_captures, graph_preload,
+capture_lead, instantiation_wait, plan_on_replay, target_capacity, cublaslt, lt_buckets, scaled_offload;
+or ``all``) forces the reference paths, for tests and A/B runs; the
 fast and reference paths are compared in tests/test_robust_fallbacks.py (CPU) and
 tests/gpu/test_fallbacks.py (CUDA).
 """

@@ -118,11 +118,13 @@ def test_compute_bound_micro_batches_stay_eager(tmp_path, monkeypatch, capsys):
     assert "hivetune: CUDA graphs off (compute-bound micro-batches" in capsys.readouterr().err
 
 
-def test_planned_sizes_hold_every_micro_batch_and_the_timing_replay_adds_nothing(tmp_path):
-    """Default graphs (no fixed bucket): plan_sizes picks the sizes at the first micro-batch from
-    the step plan, after a timing replay whose loss is divided by infinity. The first call's loss
-    and gradients are the eager ones (nothing added by that replay, no NaN), every planned
-    micro-batch gets a captured size above its token count, and later calls replay."""
+def test_planned_sizes_hold_every_micro_batch_and_the_timing_replay_adds_nothing(tmp_path, monkeypatch):
+    """Planned graphs (no fixed bucket), HIVETUNE_REFERENCE=plan_on_replay: plan_sizes picks the
+    sizes at the first micro-batch from the step plan, after a timing replay whose loss is divided
+    by infinity. The first call's loss and gradients are the eager ones (nothing added by that
+    replay, no NaN), every planned micro-batch gets a captured size above its token count, and
+    later calls replay."""
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "plan_on_replay")
     run, examples = small_run(tmp_path, batch_size=4)
     run.model.train()
     steps = run.steps
@@ -210,13 +212,15 @@ def test_a_failed_background_instantiation_turns_graphs_off(tmp_path, monkeypatc
 
 
 def test_a_resumed_run_captures_the_sizes_its_checkpoint_saved(tmp_path):
-    """The first call plans the sizes and leaves them on the run (train.save_all_ranks puts them
-    in checkpoints); a run whose counters hold saved sizes captures exactly those, without the
-    timing replay, and every planned micro-batch finds one that holds it."""
+    """The second call plans the sizes (on its replay of the largest graph) and leaves them on the
+    run (train.save_all_ranks puts them in checkpoints); a run whose counters hold saved sizes
+    captures exactly those at its first call, with no plan, and every planned micro-batch finds
+    one that holds it."""
     run, _ = small_run(tmp_path / "fresh", batch_size=4)
     run.model.train()
     graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None)
-    graphed(next(iter(graphs_micro_batches(run, run.steps[0]))), 1000)
+    for step in run.steps[:2]:
+        graphed(next(iter(graphs_micro_batches(run, step))), 1000)
     assert run.graph_sizes == graphed.sizes and graphed.stats["capture_tokens"] > 0
     saved = {seg: [max(sizes)] for seg, sizes in run.graph_sizes.items()}  # not what timing would pick
     resumed, _ = small_run(tmp_path / "resumed", batch_size=4)
@@ -231,11 +235,14 @@ def test_a_resumed_run_captures_the_sizes_its_checkpoint_saved(tmp_path):
         assert again.key_of(_fake(tokens, segments)) == (saved[segments][0], segments)
 
 
-def test_deferred_captures_take_one_size_after_each_replay(tmp_path):
-    """defers_captures: the first call captures the largest size only; each later call captures
-    the next one (largest first) after its replay, and a micro-batch takes the smallest size
-    captured so far that holds it. The losses and the accumulated gradients equal those of the
-    graphs all captured at once (other padding: bf16 tolerance)."""
+def test_deferred_captures_take_one_size_after_each_replay(tmp_path, monkeypatch):
+    """defers_captures, with neither the lead nor the wait for instantiations
+    (HIVETUNE_REFERENCE=capture_lead,instantiation_wait): the first call captures the largest
+    size only; each later call captures the next one (largest first) after its replay, and a
+    micro-batch takes the smallest size captured so far that holds it. The losses and the
+    accumulated gradients equal those of the graphs all captured at once (other padding: bf16
+    tolerance)."""
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "capture_lead,instantiation_wait")
     def run_graphs(name, defer):
         torch.manual_seed(0)
         run, _ = small_run(tmp_path / name, batch_size=4)
@@ -404,13 +411,13 @@ def test_deferred_captures_wait_for_a_lead_of_queued_replays(tmp_path, monkeypat
     padding's rounding, the gradients too. (A fixed grid would not do: there a micro-batch whose
     size is still pending is captured when met, outside the replays the lead counts; session 25
     ran that version on 2 x H100: 1 deferred capture.)"""
-    monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "instantiation_wait")  # the lead alone
     monkeypatch.setenv("HIVETUNE_CAPTURE_LEAD", "2")
     monkeypatch.setattr(graphs, "capture_cost_tokens", lambda capture_s, s_per_token: 1.0)
     losses, grads, graphed = deferred_run(tmp_path / "lead")
     stats, left = graphed.stats, len(graphed.pending)
     assert left >= 1 and stats["deferred"] == 2 and stats["lead_waits"] == ["cap", "cap"]
-    monkeypatch.setenv("HIVETUNE_REFERENCE", "capture_lead")
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "capture_lead,instantiation_wait")
     ref_losses, ref_grads, ref = deferred_run(tmp_path / "reference")
     ref_stats = ref.stats
     assert "lead_waits" not in ref_stats and ref_stats["deferred"] == min(2 + left, 19) and not ref.pending
@@ -419,12 +426,12 @@ def test_deferred_captures_wait_for_a_lead_of_queued_replays(tmp_path, monkeypat
 
 
 def test_preloaded_deferred_captures_match_the_reference(tmp_path, monkeypatch):
-    """HIVETUNE_GRAPH_PRELOAD=1 (an experiment): once the plan is made, each deferred size is
-    captured through the model cut to its first layer (dropped unrun) and its bucket kept for
-    the real capture; the model keeps its layers, and the losses and gradients match the run
-    without (a capture after every replay either way) within the padding's rounding."""
-    monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
-    monkeypatch.setenv("HIVETUNE_GRAPH_PRELOAD", "1")
+    """graph_preload: once the plan is made, each deferred size is captured through the model cut
+    to its first layer (dropped unrun) and its bucket kept for the real capture; the model keeps
+    its layers, and the losses and gradients match the run without (HIVETUNE_REFERENCE=
+    graph_preload; a capture after every replay either way: capture_lead, instantiation_wait)
+    within the padding's rounding."""
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "capture_lead,instantiation_wait")
     monkeypatch.setattr(graphs, "capture_cost_tokens", lambda capture_s, s_per_token: 1.0)
     losses, grads, graphed = deferred_run(tmp_path / "preload")
     stats = graphed.stats
@@ -432,7 +439,7 @@ def test_preloaded_deferred_captures_match_the_reference(tmp_path, monkeypatch):
     assert len(model.model.layers) == model.args.num_hidden_layers > 1 and stats["eager"] == 0 and not stats["off"]
     assert stats["preloaded"] >= 2 and stats["preloaded"] == stats["deferred"] + len(graphed.pending)
     assert set(graphed.preloaded) >= set(graphed.pending)
-    monkeypatch.delenv("HIVETUNE_GRAPH_PRELOAD")
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "capture_lead,instantiation_wait,graph_preload")
     ref_losses, ref_grads, ref = deferred_run(tmp_path / "reference")
     assert "preloaded" not in ref.stats and ref.stats["deferred"] == stats["deferred"]
     assert losses == pytest.approx(ref_losses, rel=1e-2)
@@ -440,17 +447,16 @@ def test_preloaded_deferred_captures_match_the_reference(tmp_path, monkeypatch):
 
 
 def test_sizes_planned_on_the_first_replay_match_the_timing_replays(tmp_path, monkeypatch):
-    """HIVETUNE_PLAN_ON_REPLAY=1 (an experiment): no timing replay at the first micro-batch; the
-    second one replays the largest graph and the sizes are planned on its GPU time. With the
-    capture cost fixed (1 token: every 64-token size) the sizes are the timing replay's, and the
-    losses and gradients match that run within the padding's rounding."""
+    """plan_on_replay: no timing replay at the first micro-batch; the second one replays the
+    largest graph and the sizes are planned on its GPU time. With the capture cost fixed (1
+    token: every 64-token size) the sizes are the timing replay's (HIVETUNE_REFERENCE=
+    plan_on_replay), and the losses and gradients match that run within the padding's rounding."""
     monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
-    monkeypatch.setenv("HIVETUNE_PLAN_ON_REPLAY", "1")
     monkeypatch.setattr(graphs, "capture_cost_tokens", lambda capture_s, s_per_token: 1.0)
     losses, grads, graphed = deferred_run(tmp_path / "on-replay")
     stats = graphed.stats
     assert stats["plan"] == "on the first replay" and graphed.plan_due is None and stats["eager"] == 0
-    monkeypatch.delenv("HIVETUNE_PLAN_ON_REPLAY")
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "plan_on_replay")
     ref_losses, ref_grads, ref = deferred_run(tmp_path / "reference")
     assert "plan" not in ref.stats and graphed.sizes == ref.sizes and sum(map(len, graphed.sizes.values())) >= 3
     assert stats["replays"] == ref.stats["replays"] and stats["deferred"] >= 1
@@ -459,16 +465,15 @@ def test_sizes_planned_on_the_first_replay_match_the_timing_replays(tmp_path, mo
 
 
 def test_deferred_captures_wait_for_the_instantiations(tmp_path, monkeypatch):
-    """HIVETUNE_CAPTURE_AFTER_INSTANTIATION=1 (an experiment): no deferred capture begins while
-    a background instantiation is in flight (stats began_instantiating stays unset); losses and
-    gradients match the run without, within the padding's rounding."""
+    """instantiation_wait: no deferred capture begins while a background instantiation is in
+    flight (stats began_instantiating stays unset); losses and gradients match the run without
+    (HIVETUNE_REFERENCE=instantiation_wait), within the padding's rounding."""
     monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
-    monkeypatch.setenv("HIVETUNE_CAPTURE_AFTER_INSTANTIATION", "1")
     monkeypatch.setattr(graphs, "capture_cost_tokens", lambda capture_s, s_per_token: 1.0)
     losses, grads, graphed = deferred_run(tmp_path / "after")
     stats = graphed.stats
     assert graphed.after_instantiation and stats["deferred"] >= 1 and "began_instantiating" not in stats
-    monkeypatch.delenv("HIVETUNE_CAPTURE_AFTER_INSTANTIATION")
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "instantiation_wait")
     ref_losses, ref_grads, ref = deferred_run(tmp_path / "reference")
     assert not ref.after_instantiation and "held_for_instantiation" not in ref.stats
     assert losses == pytest.approx(ref_losses, rel=1e-2)
@@ -476,19 +481,37 @@ def test_deferred_captures_wait_for_the_instantiations(tmp_path, monkeypatch):
 
 
 def test_graphs_with_target_capacities_match_the_run_without(tmp_path, monkeypatch):
-    """HIVETUNE_GRAPH_TARGET_CAPACITY=1 (an experiment): the planned sizes hold as many targets
-    as their micro-batches bring (the largest: the most of any), fewer than one a token, and the
-    losses and gradients match the run without within the padding's rounding."""
+    """target_capacity: the planned sizes hold as many targets as their micro-batches bring (the
+    largest: the most of any), fewer than one a token, and the losses and gradients match the
+    run without (HIVETUNE_REFERENCE=target_capacity) within the padding's rounding."""
     monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
-    monkeypatch.setenv("HIVETUNE_GRAPH_TARGET_CAPACITY", "1")
     monkeypatch.setattr(graphs, "capture_cost_tokens", lambda capture_s, s_per_token: 1.0)
     losses, grads, graphed = deferred_run(tmp_path / "capacity")
     stats = graphed.stats
     assert stats["eager"] == 0 and not stats["off"] and stats["target_capacity"]
     narrow = [b for (t, _), b in graphed.buckets.items() if b.targets < t]
     assert len(narrow) >= 1 and all(b.batch.target_ids.numel() == b.targets for b in narrow)
-    monkeypatch.delenv("HIVETUNE_GRAPH_TARGET_CAPACITY")
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "target_capacity")
     ref_losses, ref_grads, ref = deferred_run(tmp_path / "reference")
     assert "target_capacity" not in ref.stats and all(b.targets == t for (t, _), b in ref.buckets.items())
+    assert losses == pytest.approx(ref_losses, rel=1e-2)
+    assert (grads - ref_grads).norm() / ref_grads.norm() < 2e-2
+
+
+def test_default_graph_plan_matches_all_its_references(tmp_path, monkeypatch):
+    """The defaults together (deferred captures with the first-layer preload, the lead of 3, the
+    wait for instantiations, sizes planned on the first replay, target capacities) against all of
+    their reference paths at once: the losses and gradients agree within the padding's rounding,
+    and no micro-batch runs eagerly either way."""
+    monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
+    losses, grads, graphed = deferred_run(tmp_path / "defaults")
+    stats = graphed.stats
+    assert stats["eager"] == 0 and not stats["off"] and stats["plan"] == "on the first replay"
+    assert stats["target_capacity"] and graphed.lead == graphs.CAPTURE_LEAD == 3 and graphed.after_instantiation
+    monkeypatch.setenv("HIVETUNE_REFERENCE",
+                       "graph_preload,capture_lead,instantiation_wait,plan_on_replay,target_capacity")
+    ref_losses, ref_grads, ref = deferred_run(tmp_path / "reference")
+    assert ref.stats["eager"] == 0 and "plan" not in ref.stats and "target_capacity" not in ref.stats
+    assert ref.lead == 0 and not ref.after_instantiation and "preloaded" not in ref.stats
     assert losses == pytest.approx(ref_losses, rel=1e-2)
     assert (grads - ref_grads).norm() / ref_grads.norm() < 2e-2

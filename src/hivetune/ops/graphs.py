@@ -130,29 +130,26 @@ MAX_TFLOP_PER_MICRO_BATCH = float(os.environ.get("HIVETUNE_GRAPH_MAX_TFLOP", 60.
 #   ops.blas to torch's linear;
 # - the warm-up before the first capture cut to the first layer, the first micro-batch replayed
 #   (9c7a5bf): warmup_s 0.25-0.31 s against 0.40, the run 9.60 / 9.68 s against 9.59.
-CAPTURE_LEAD = 0
-# Experiment HIVETUNE_GRAPH_PRELOAD=1 (GraphedForwardBackward._preload): each deferred size's
-# shapes met once by a capture of the first layer while the GPU idles. With lead 3 (2 x H100,
-# ff7b4d4 and 9c7a5bf): 9.83 / 9.85 s against 9.96 / 10.12 with the defaults, and 9.44 (with the
-# first-layer warm-up too) against 9.59 on another machine; the 1,408-token capture still took
-# 0.36-0.41 s (an instantiation draining the queue?).
-PRELOAD = False  # HIVETUNE_GRAPH_PRELOAD=1 turns it on for a run (experiments, tests)
-# Experiment HIVETUNE_PLAN_ON_REPLAY=1 (GraphedForwardBackward._finish_plan): no timing replay (its
-# ~0.09 s of W2 GPU work is thrown away); the sizes are planned on the GPU time of the next micro-
-# batch's replay of the largest graph, real work. Not yet run on a GPU.
-PLAN_ON_REPLAY = False
-# Experiment HIVETUNE_GRAPH_TARGET_CAPACITY=1 (target_capacities): each planned size holds as many
-# targets as the most its micro-batches bring (the largest size: the most of any), not one a
-# token. The LM head and the loss run on a graph's target rows, pad rows included: W2's targets
-# are 69% of its tokens (responses only), so a 1,536-token graph computed ~540 head rows a
-# micro-batch for nothing, ~1.2 of its ~44 TFLOP (~2.4 ms of an 87 ms DDP step, estimated from
-# the FLOPs). Not yet run on a GPU.
-# Experiment HIVETUNE_CAPTURE_AFTER_INSTANTIATION=1 (GraphedForwardBackward._instantiated): a
-# deferred capture waits (replay by replay, the host never blocks) until no background
-# instantiation is in flight. An instantiation with replays queued waits for the queue to drain
-# (bench/capture_stall.py) and holds up the loop's CUDA calls meanwhile; the W2 timeline at ff7b4d4
-# showed the 1,408-token capture beginning while the previous one instantiated, and taking 0.41 s.
-# Not yet run on a GPU.
+CAPTURE_LEAD = 3  # by default since session 28 (with the four below: see them)
+# The four below are on by default since session 28 (2 x H200, b86b9bf, W2 under DDP: 9.40 / 9.27 s
+# with all of them and the lead of 3, against 9.60 / 9.72 s without; bench/results/ddp-28/), each
+# with its reference name in HIVETUNE_REFERENCE (fastpath's table):
+# - graph_preload (GraphedForwardBackward._preload): each deferred size's shapes met once by a
+#   capture of the first layer while the GPU idles (after the plan); its real capture later
+#   meets no new kernel behind queued replays. With the lead of 3 (2 x H100, ff7b4d4 and
+#   9c7a5bf): 9.83 / 9.85 s against 9.96 / 10.12 without.
+# - plan_on_replay (GraphedForwardBackward._finish_plan): no timing replay (its ~0.09 s of W2 GPU
+#   work thrown away); the sizes are planned on the GPU time of the next micro-batch's replay of
+#   the largest graph, real work.
+# - target_capacity (target_capacities): each planned size holds as many targets as the most its
+#   micro-batches bring (the largest size: the most of any), not one a token. The LM head and
+#   the loss run on a graph's target rows, pad rows included: W2's targets are 69% of its tokens
+#   (responses only), so a 1,536-token graph computed ~540 head rows a micro-batch for nothing.
+# - instantiation_wait (GraphedForwardBackward._instantiated): a deferred capture waits (replay
+#   by replay, the host never blocks) until no background instantiation is in flight. An
+#   instantiation with replays queued waits for the queue to drain (bench/capture_stall.py) and
+#   holds up the loop's CUDA calls meanwhile; the W2 timeline at ff7b4d4 showed the 1,408-token
+#   capture beginning while the previous one instantiated, and taking 0.41 s.
 
 last_stats: dict = {}  # the most recent GraphedForwardBackward's counters (read by the benchmark)
 last_graphed = None  # the most recent one, kept only with HIVETUNE_GRAPH_TIMING=1 (profiling)
@@ -343,15 +340,17 @@ def defers_captures(capture_s: float, replay_s: float) -> bool:
     after each replay, the host pass overlapping the GPU's work on the replay just queued (until
     its turn, a micro-batch takes the smallest captured size that holds it), rather than all at the
     first micro-batch with the GPU idle: where a replay's GPU time (`replay_s`, at the plan's mean
-    micro-batch) covers at least a third of a capture's host time (`capture_s`, the largest's, its
+    micro-batch) covers at least a quarter of a capture's host time (`capture_s`, the largest's, its
     instantiation included). W2 under DDP on 2 x H100: ~0.1 s a replay against 0.1-0.23 s a
     capture, three captures after the largest (~0.45 s of idle GPU at the start); over four pairs
     of runs (5acece1, cd7630d) 0.07 s less on average, inside the spread, each capture outlasting
-    its replay. W1 (~17 ms a replay, ~0.14 s a capture) keeps its captures together: one every 10
-    or 20 micro-batches measured no gain there (91912cc, H200), the host being ~8 ms of each ~18 ms
-    step and the larger graphs' padding costing as much. HIVETUNE_REFERENCE=deferred_captures:
-    never."""
-    return 3 * replay_s >= capture_s and not forced("deferred_captures")
+    its replay. A third (before session 28) left W2 on 2 x H200 (~0.083 s a replay, 0.19-0.24 s a
+    capture) deferring in some runs and not in others; deferred, the preload, the lead and the wait
+    for instantiations (CAPTURE_LEAD) gain 0.3 s there. W1 (~17 ms a replay, ~0.14 s a capture)
+    keeps its captures together: one every 10 or 20 micro-batches measured no gain there (91912cc,
+    H200), the host being ~8 ms of each ~18 ms step and the larger graphs' padding costing as much.
+    HIVETUNE_REFERENCE=deferred_captures: never."""
+    return 4 * replay_s >= capture_s and not forced("deferred_captures")
 
 
 def deferrable(keys: list[tuple[int, int]]) -> set[tuple[int, int]]:
@@ -477,7 +476,7 @@ class GraphedForwardBackward:
         fixed = bucket or int(os.environ.get("HIVETUNE_GRAPH_BUCKET", 0))
         self.bucket, self.planned = fixed or BUCKET_TOKENS, not fixed
         self.sizes: dict[int, list[int]] = {}  # cu_seqlens entries -> graph sizes (tokens)
-        self.capacity: dict[tuple[int, int], int] = {}  # TARGET_CAPACITY: a new graph's targets
+        self.capacity: dict[tuple[int, int], int] = {}  # target_capacity: a new graph's targets
         self.max_graphs = max_graphs
         self.params = lora_parameters(run.model)
         # The persistent gradients, in one buffer: LoRAGroup adds into them (no autograd adds)
@@ -498,10 +497,10 @@ class GraphedForwardBackward:
         self.defer, self.pending = defer, []
         # the deferred sizes' buckets, whose shapes a capture of the first layer met (_preload)
         self.preloaded: dict[tuple[int, int], _Bucket] = {}
-        # PLAN_ON_REPLAY: the plan left for the next call (_finish_plan), and the calls so far
+        # plan_on_replay: the plan left for the next call (_finish_plan), and the calls so far
         self.plan_due: dict | None = None
         self.calls = 0
-        self.after_instantiation = os.environ.get("HIVETUNE_CAPTURE_AFTER_INSTANTIATION") == "1"
+        self.after_instantiation = not forced("instantiation_wait")
         # A deferred capture waits for a lead of queued replays (_lead_enough); 0: none.
         self.lead = 0 if forced("capture_lead") else int(os.environ.get("HIVETUNE_CAPTURE_LEAD") or CAPTURE_LEAD)
         self.replayed: collections.deque = collections.deque(maxlen=max(self.lead, 1))
@@ -568,9 +567,9 @@ class GraphedForwardBackward:
         return any(b.ready is not None and not b.ready.done() for b in self.buckets.values())
 
     def _instantiated(self) -> bool:
-        """CAPTURE_AFTER_INSTANTIATION: whether no background instantiation is in flight (else
+        """instantiation_wait: whether no background instantiation is in flight (else
         the deferred capture waits for a later replay; stats held_for_instantiation counts those
-        replays). Always True without the experiment."""
+        replays). Always True with HIVETUNE_REFERENCE=instantiation_wait."""
         if not self.after_instantiation:
             return True
         busy = self._instantiating()
@@ -732,11 +731,11 @@ class GraphedForwardBackward:
                 self.pending.append(planned)
             elif self.off or (planned not in self.buckets and not self._capture_key(planned, None)):
                 break
-        if self.pending and not self.off and (PRELOAD or os.environ.get("HIVETUNE_GRAPH_PRELOAD") == "1"):
+        if self.pending and not self.off and not forced("graph_preload"):
             self._preload(self.pending)
 
     def _finish_plan(self) -> None:
-        """PLAN_ON_REPLAY, at every rank's second call: the GPU seconds a token of the replay of
+        """plan_on_replay, at every rank's second call: the GPU seconds a token of the replay of
         the largest graph it just queued (waited for: the GPU then idles through the plan's host
         work, as after the timing replay), agreed across ranks, plan the sizes; the ones not
         deferred are captured now. A rank whose second micro-batch took another graph (or none)
@@ -767,14 +766,14 @@ class GraphedForwardBackward:
         micro = planned_micro_batches(self.run, start=0, paced=not forced("paced_sizes")) or [own]
         top_t, top_segments = max(micro)
         top = (bucket_tokens(top_t, GRAIN), top_segments)
-        if os.environ.get("HIVETUNE_GRAPH_TARGET_CAPACITY") == "1":  # the most targets of any micro-batch
+        if not forced("target_capacity"):  # the most targets of any micro-batch
             most = max(planned_micro_targets(self.run, start=0), default=top[0])
             self.capacity[top] = min(max(most, batch.target_ids.numel()), top[0])
         t0 = time.perf_counter()
         captured = self._capture_key(top, None) and self._ready(self.buckets[top])
         capture_s = time.perf_counter() - t0  # the host pass and the instantiation, as before background ones
         saved = saved_sizes(self.run)
-        if saved is None and (PLAN_ON_REPLAY or os.environ.get("HIVETUNE_PLAN_ON_REPLAY") == "1"):
+        if saved is None and not forced("plan_on_replay"):
             # the sizes wait for the next call's replay of `top` (_finish_plan); till then every
             # micro-batch of its segment count takes it
             self.plan_due = {"call": self.calls, "top": top, "capture_s": capture_s, "micro": micro, "events": None}
@@ -835,10 +834,10 @@ class GraphedForwardBackward:
         return [(size, seg) for seg, sizes in self.sizes.items() for size in sizes]
 
     def _set_capacities(self) -> None:
-        """TARGET_CAPACITY (HIVETUNE_GRAPH_TARGET_CAPACITY=1): each planned size's target capacity
+        """target_capacity: each planned size's target capacity
         from this rank's own micro-batches (stats target_capacity; a graph already captured keeps
         its own: the largest took the most targets of any micro-batch, in _plan)."""
-        if os.environ.get("HIVETUNE_GRAPH_TARGET_CAPACITY") != "1":
+        if forced("target_capacity"):
             return
         micro, targets = planned_micro_batches(self.run, start=0), planned_micro_targets(self.run, start=0)
         if micro and len(micro) == len(targets):
@@ -849,7 +848,7 @@ class GraphedForwardBackward:
         """Each deferred size met once now, while the GPU idles (the plan's timing replay was
         waited for): a capture of the model cut to its first layer (embedding, final norm, head
         and loss kept), dropped unrun, into the bucket the size's real capture takes later. A
-        capture that meets a new shape behind queued replays waits for them (PRELOAD), which
+        capture that meets a new shape behind queued replays waits for them (graph_preload), which
         leaves the GPU idle for the rest of the host pass; every layer has the first one's
         shapes. Skipped with activation offload (it plans per layer index). stats: preloaded
         (sizes), preload_s."""
