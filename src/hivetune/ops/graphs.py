@@ -131,9 +131,11 @@ MAX_TFLOP_PER_MICRO_BATCH = float(os.environ.get("HIVETUNE_GRAPH_MAX_TFLOP", 60.
 # - the warm-up before the first capture cut to the first layer, the first micro-batch replayed
 #   (9c7a5bf): warmup_s 0.25-0.31 s against 0.40, the run 9.60 / 9.68 s against 9.59.
 CAPTURE_LEAD = 3  # by default since session 28 (with the four below: see them)
-# The four below are on by default since session 28 (2 x H200, b86b9bf, W2 under DDP: 9.40 / 9.27 s
-# with all of them and the lead of 3, against 9.60 / 9.72 s without; bench/results/ddp-28/), each
-# with its reference name in HIVETUNE_REFERENCE (fastpath's table):
+# The four below are on by default since session 28, each with its reference name in
+# HIVETUNE_REFERENCE (fastpath's table). W2 under DDP on 2 x H200 (bench/results/ddp-28/): 9.40 /
+# 9.27 s with all of them and the lead of 3 against 9.60 / 9.72 s without (b86b9bf, experiment
+# variables then); 9.53 / 9.39 s against 9.82 / 9.89 s with the five reference names (12d0b73).
+# W1 on one H200: 8.8 / 8.9 s against 9.1 / 9.1 s.
 # - graph_preload (GraphedForwardBackward._preload): each deferred size's shapes met once by a
 #   capture of the first layer while the GPU idles (after the plan); its real capture later
 #   meets no new kernel behind queued replays. With the lead of 3 (2 x H100, ff7b4d4 and
