@@ -73,7 +73,9 @@ IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index; fused_target_loss
 # W1: 7 token buckets, 8% pad tokens (128: 13 buckets, 4%; 512: 4, 16%). HIVETUNE_GRAPH_BUCKET
 # overrides it for experiments (bench/profile_step.py --bucket).
 BUCKET_TOKENS = 256
-GRAIN = 64  # graph sizes chosen by plan_sizes are multiples of this
+# Graph sizes chosen by plan_sizes are multiples of this; HIVETUNE_GRAPH_GRAIN=n for experiments
+# (is a multiple of the matmuls' 128-row tiles cheaper a token? bench/size_cost.py measures it).
+GRAIN = 64
 MAX_GRAPHS = 48  # keys beyond this many run eagerly
 # Capturing the sizes after the largest in turn, one every N micro-batches before that micro-batch's
 # replay, was tried and removed (session 15): W1 (H200, 91912cc) 11.43-11.85 s against 11.55-11.58;
@@ -478,6 +480,7 @@ class GraphedForwardBackward:
         fixed = bucket or int(os.environ.get("HIVETUNE_GRAPH_BUCKET", 0))
         self.bucket, self.planned = fixed or BUCKET_TOKENS, not fixed
         self.sizes: dict[int, list[int]] = {}  # cu_seqlens entries -> graph sizes (tokens)
+        self.grain = int(os.environ.get("HIVETUNE_GRAPH_GRAIN") or GRAIN)
         self.capacity: dict[tuple[int, int], int] = {}  # target_capacity: a new graph's targets
         self.max_graphs = max_graphs
         self.params = lora_parameters(run.model)
@@ -767,7 +770,7 @@ class GraphedForwardBackward:
         # Under DDP on the slowest rank's counts (HIVETUNE_REFERENCE=paced_sizes: this rank's own).
         micro = planned_micro_batches(self.run, start=0, paced=not forced("paced_sizes")) or [own]
         top_t, top_segments = max(micro)
-        top = (bucket_tokens(top_t, GRAIN), top_segments)
+        top = (bucket_tokens(top_t, self.grain), top_segments)
         if not forced("target_capacity"):  # the most targets of any micro-batch
             most = max(planned_micro_targets(self.run, start=0), default=top[0])
             self.capacity[top] = min(max(most, batch.target_ids.numel()), top[0])
@@ -830,7 +833,7 @@ class GraphedForwardBackward:
         groups: dict[int, list[int]] = {}
         for t, segments in micro:
             groups.setdefault(segments, []).append(t)
-        self.sizes = self.run.graph_sizes = {seg: plan_sizes(ts, capture_tokens) for seg, ts in groups.items()}
+        self.sizes = self.run.graph_sizes = {seg: plan_sizes(ts, capture_tokens, self.grain) for seg, ts in groups.items()}
         self.stats["sizes"] = {seg: sizes for seg, sizes in self.sizes.items()}
         self._set_capacities()
         return [(size, seg) for seg, sizes in self.sizes.items() for size in sizes]
