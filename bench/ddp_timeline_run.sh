@@ -12,9 +12,12 @@
 # per variant too (SINGLES, apart by ";", e.g. CUDA_VISIBLE_DEVICES=1). TESTS="pytest args" runs
 # GPU tests first (gpu-tests.log). CAPTURE_PROFILE_ENV="VAR=value ..." (e.g. HIVETUNE_GRAPH_DEFER=1):
 # one DDP fit with each deferred capture under cProfile (bench/multi_gpu.py capture_profile).
+# SIZE_COST="args" ("-": its defaults): bench/size_cost.py on GPU 0 after the tests (size-cost.jsonl:
+# a W2 graph's replay time by token count).
 # Usage (device tool): HIVETUNE_COMMIT=<commit> [EXTRA="VAR=value ...[;...]"] [PROFILE_ENV="VAR=value ..."]
 #   [PASSES=2] [SINGLES="VAR=value[;...]"] [TESTS="tests/gpu/..."] [ALLREDUCE=0] [CAPTURE_PROFILE_ENV=...]
 #   [SINGLE_FIRST=1: the one-GPU runs before the DDP ones, so that a call cut short keeps them]
+#   [SIZE_COST="--grain 32" or SIZE_COST=- (the defaults)]
 #   bash bench/ddp_timeline_run.sh
 # Files: summary.txt (the runs and each rank's timeline summary), runs.jsonl, allreduce.jsonl,
 # timelines.tar.gz (every rank's per-step marks, gpu-clocks.csv, gpu-apps.txt, topo.txt, captures/),
@@ -32,6 +35,12 @@ clocks=$!
   > "$OUT/timelines/gpu-apps.txt" 2>&1 &
 apps=$!
 [ -z "${TESTS:-}" ] || gpu_tests $TESTS
+if [ -n "${SIZE_COST:-}" ]; then
+  echo "== size cost ($(date +%T))" | tee -a "$S"
+  [ "$SIZE_COST" = - ] && SIZE_COST=
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 bench/size_cost.py $SIZE_COST > "$OUT/size-cost.jsonl" 2> "$OUT/size-cost.err"
+  tail -n +2 "$OUT/size-cost.jsonl" | tee -a "$S"; tail -3 "$OUT/size-cost.err" | tee -a "$S"
+fi
 one_gpu() {
   run "single, warm-up pass" python3 bench/multi_gpu.py single W2  # its eager shapes' Triton variants compiled
   run "single" python3 bench/multi_gpu.py single W2
