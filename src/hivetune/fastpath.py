@@ -16,7 +16,7 @@ fallback and one log line when it falls back.
     DDP graph sizes planned on   torch.distributed, CUDA graphs                each rank's own counts
       the slowest rank's counts                                                  (paced_sizes)
       (ops.graphs, paced)
-    CUDA graph sizes after the   a replay's GPU time covers a third of a       all at the first
+    CUDA graph sizes after the   a replay's GPU time covers a quarter of a     all at the first
       largest captured one after   capture's host time                           micro-batch
       each replay                  (ops.graphs.defers_captures)                  (deferred_captures)
     deferred sizes' shapes met   deferred captures, no activation offload      none (graph_preload)

@@ -15,13 +15,16 @@ How. A graph fixes every shape and address, so each micro-batch is padded to a b
 Which sizes Tb: plan_sizes weighs a graph's capture (a host pass, ~0.2 s on W1) against the
 padding a coarser set of sizes costs on the GPU, over the token counts of every micro-batch the
 step plan holds (known before the first step). The first micro-batch runs eagerly (its real
-work, and the warm-up capture needs); the largest graph is captured and timed, and one replay of
-it with the loss divided by infinity (exact zeros everywhere) gives the GPU time a token; then
-every planned size is captured, largest first, without synchronising the device (capture runs
-nothing): at once, or, where a replay's GPU time covers a third of a capture's host time
-(defers_captures: W2 under DDP), each segment count's largest at once and the others one after
-each replay (deferrable). A micro-batch no size holds takes the 256-token grid (bucket_tokens),
-captured when met.
+work, and the warm-up capture needs); the largest graph is captured, and the second micro-batch's
+replay of it gives the GPU time a token (plan_on_replay; HIVETUNE_REFERENCE=plan_on_replay: a
+timing replay of the first micro-batch padded to it, the loss divided by infinity, exact zeros
+everywhere); then every planned size is captured, largest first, without synchronising the
+device (capture runs nothing): at once, or, where a replay's GPU time covers a quarter of a
+capture's host time (defers_captures: W2 under DDP), each segment count's largest at once and
+the others one after each replay once 3 replays are queued and no instantiation is in flight,
+their shapes met first by a first-layer capture (deferrable, CAPTURE_LEAD and the notes below
+it). Each size holds as many target rows as its micro-batches bring (target_capacities). A
+micro-batch no size holds takes the 256-token grid (bucket_tokens), captured when met.
 The sizes go into checkpoints (train.save_all_ranks, one entry per rank): a resumed run on the
 same number of processes captures them again instead of timing anew (saved_sizes).
 
@@ -833,7 +836,8 @@ class GraphedForwardBackward:
         groups: dict[int, list[int]] = {}
         for t, segments in micro:
             groups.setdefault(segments, []).append(t)
-        self.sizes = self.run.graph_sizes = {seg: plan_sizes(ts, capture_tokens, self.grain) for seg, ts in groups.items()}
+        self.sizes = self.run.graph_sizes = {seg: plan_sizes(ts, capture_tokens, self.grain)
+                                             for seg, ts in groups.items()}
         self.stats["sizes"] = {seg: sizes for seg, sizes in self.sizes.items()}
         self._set_capacities()
         return [(size, seg) for seg, sizes in self.sizes.items() for size in sizes]
