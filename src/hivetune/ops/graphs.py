@@ -114,10 +114,11 @@ MAX_GRAPHS = 48  # keys beyond this many run eagerly
 # examples (~46 TFLOP; W2 on 2 GPUs, or 2 x 8 on one) the eager step is dispatch-bound: 6,463
 # against ~13,700 tokens/s with 16 (H100, faae9e6).
 MAX_TFLOP_PER_MICRO_BATCH = float(os.environ.get("HIVETUNE_GRAPH_MAX_TFLOP", 60.0))  # env: experiments
-# Deferred captures (defers_captures) may wait until this many replays are queued ahead of the GPU
-# (GraphedForwardBackward._lead_enough); 0: one capture after every replay. HIVETUNE_CAPTURE_LEAD
-# sets it (experiments, tests). No gain alone (sessions 25-26, 2 x H100 and 2 x H200): a capture
-# made with replays queued took 0.3-0.7 s on the host against 0.1-0.29 s with the GPU idle.
+# Deferred captures (defers_captures) wait until this many replays are queued ahead of the GPU
+# (GraphedForwardBackward._lead_enough); HIVETUNE_REFERENCE=capture_lead: 0, one capture after
+# every replay; HIVETUNE_CAPTURE_LEAD=n sets it (experiments, tests). Alone it gained nothing
+# (sessions 25-26, 2 x H100 and 2 x H200): a capture made with replays queued took 0.3-0.7 s on
+# the host against 0.1-0.29 s with the GPU idle, until the preload met its shapes first (below).
 # What waits (bench/capture_stall.py, one H100, bfaebca and 7d79771, four 100-ms replays queued):
 # - the first capture of a shape whose kernel is new: 391-414 ms in that call (a torch linear),
 #   the queue drained, with CUDA_MODULE_LOADING=EAGER too; 0.4-1.3 ms in all for a token count
