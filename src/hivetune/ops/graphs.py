@@ -227,10 +227,9 @@ def planned_micro_batches(run, start: int | None = None, paced: bool = False) ->
     lengths = getattr(run.data, "lengths", None)
     if lengths is None:
         return []
-    size = run.cfg.batch_size
 
     def micro_tokens(share: list[int]) -> list[int]:  # the tokens of each micro-batch the loop cuts
-        return [sum(lengths[j] for j in share[i:i + size]) for i in range(0, len(share), size)]
+        return [sum(lengths[j] for j in part) for part in _micro_parts(run, share)]
 
     out = []
     for shares, mine in _step_shares(run, start):
@@ -240,7 +239,7 @@ def planned_micro_batches(run, start: int | None = None, paced: bool = False) ->
                 if other != run.parallel.rank:
                     theirs = micro_tokens(share)
                     counts = [max(c, t) for c, t in itertools.zip_longest(counts, theirs[:len(counts)], fillvalue=0)]
-        out += [(tokens, len(mine[i * size:(i + 1) * size]) + 2) for i, tokens in enumerate(counts)]
+        out += [(tokens, len(part) + 2) for tokens, part in zip(counts, _micro_parts(run, mine))]
     return out
 
 
@@ -252,15 +251,19 @@ def _step_shares(run, start: int | None):
         yield shares, shares[parallel.rank]
 
 
+def _micro_parts(run, share: list[int]) -> list[list[int]]:
+    """A rank's share of a step cut into micro-batches of batch_size examples, as the loop cuts it."""
+    size = run.cfg.batch_size
+    return [share[i:i + size] for i in range(0, len(share), size)]
+
+
 def planned_micro_targets(run, start: int | None = None) -> list[int]:
     """The target count of each micro-batch planned_micro_batches lists (this rank's own), from
     the examples' counts (TokenizedExamples.n_targets); [] without them."""
     counts = getattr(run.data, "n_targets", None)
     if counts is None or getattr(run.data, "lengths", None) is None:
         return []
-    size = run.cfg.batch_size
-    return [sum(counts[j] for j in mine[i:i + size]) for _, mine in _step_shares(run, start)
-            for i in range(0, len(mine), size)]
+    return [sum(counts[j] for j in part) for _, mine in _step_shares(run, start) for part in _micro_parts(run, mine)]
 
 
 def ranks_agree_at_start(run) -> bool:
@@ -316,8 +319,8 @@ def target_capacities(sizes: dict[int, list[int]], micro: list[tuple[int, int]],
                       targets: list[int]) -> dict[tuple[int, int], int]:
     """Each planned graph's target capacity: the most targets among this rank's micro-batches
     (its own tokens, segment count; `targets` alike) that take it (the smallest size above their
-    tokens); the largest size of a segment count holds the most of any of them (the timing
-    replay pads the warm-up micro-batch to it). Keys without a micro-batch keep a target a token."""
+    tokens); the largest size of a segment count holds the most of any of them (until the plan is
+    made every micro-batch of that count takes it). Keys without a micro-batch keep a target a token."""
     capacity: dict[tuple[int, int], int] = {}
     for (t, segments), n in zip(micro, targets):
         planned = sizes.get(segments) or []
@@ -764,11 +767,13 @@ class GraphedForwardBackward:
         self.stats["capture_s"] = round(self.stats["capture_s"] + time.perf_counter() - t0, 3)
 
     def _plan(self, batch: MicroBatch) -> list[tuple[int, int]]:
-        """Capture the largest graph the plan needs, time its capture (the host pass every graph
-        costs) and one replay of it (GPU seconds a token), then let plan_sizes pick the rest.
-        The timing replay runs the warm-up micro-batch, padded to the largest size, with the
-        loss divided by infinity: its loss and every gradient it adds are exact zeros, and the
-        CUDA generator is set back after it (a resumed run draws the masks an unbroken one does)."""
+        """Capture the largest graph the plan needs and time its capture (the host pass every graph
+        costs); the GPU seconds a token come from the next call's replay of it (plan_on_replay:
+        plan_due, _finish_plan), or, with HIVETUNE_REFERENCE=plan_on_replay, from a timing replay
+        now; then plan_sizes picks the rest. The timing replay runs the warm-up micro-batch,
+        padded to the largest size, with the loss divided by infinity: its loss and every
+        gradient it adds are exact zeros, and the CUDA generator is set back after it (a resumed
+        run draws the masks an unbroken one does)."""
         own = (batch.input_ids.shape[1], len(batch.layout.cu_seqlens) + 1)
         # The whole plan, resumed or not (a resumed run takes its checkpoint's sizes: saved_sizes).
         # Under DDP on the slowest rank's counts (HIVETUNE_REFERENCE=paced_sizes: this rank's own).
@@ -855,7 +860,7 @@ class GraphedForwardBackward:
             self.stats["target_capacity"] = {f"{t}x{seg}": c for (t, seg), c in sorted(self.capacity.items())}
 
     def _preload(self, keys: list[tuple[int, int]]) -> None:
-        """Each deferred size met once now, while the GPU idles (the plan's timing replay was
+        """Each deferred size met once now, while the GPU idles (the replay the plan timed was
         waited for): a capture of the model cut to its first layer (embedding, final norm, head
         and loss kept), dropped unrun, into the bucket the size's real capture takes later. A
         capture that meets a new shape behind queued replays waits for them (graph_preload), which
