@@ -12,6 +12,7 @@
 # per variant too (SINGLES, apart by ";", e.g. CUDA_VISIBLE_DEVICES=1). TESTS="pytest args" runs
 # GPU tests first (gpu-tests.log). CAPTURE_PROFILE_ENV="VAR=value ..." (e.g. HIVETUNE_GRAPH_DEFER=1):
 # one DDP fit with each deferred capture under cProfile (bench/multi_gpu.py capture_profile).
+# HIVETUNE_RANK_SPEEDS=auto in a variant: the ranks' speeds from the first defaults timeline (bench/rank_speeds.py).
 # SIZE_COST="args" ("-": its defaults): bench/size_cost.py on GPU 0 after the tests (size-cost.jsonl:
 # a W2 graph's replay time by token count).
 # Usage (device tool): HIVETUNE_COMMIT=<commit> [EXTRA="VAR=value ...[;...]"] [PROFILE_ENV="VAR=value ..."]
@@ -58,7 +59,11 @@ fi
 timeline() {  # label, then the variant's VAR=value words (none: the defaults)
   local label=$1; shift
   mkdir -p "$OUT/timelines/$label"
-  (for v in "$@"; do export "$v"; done
+  (for v in "$@"; do
+     # HIVETUNE_RANK_SPEEDS=auto: each rank's speed from the first defaults timeline (1 / its median micro-batch)
+     [ "$v" = HIVETUNE_RANK_SPEEDS=auto ] && v=HIVETUNE_RANK_SPEEDS=$(python3 bench/rank_speeds.py "$OUT/timelines/defaults-1")
+     echo "variant $label: $v" | tee -a "$S"
+     export "$v"; done
    HIVETUNE_MULTI_TIMELINE="$OUT/timelines/$label" run "ddp, timeline, $label" "${DDP[@]}")
   for f in "$OUT/timelines/$label"/timeline-rank*.json; do
     python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['summary'])" "$f" | tee -a "$S"

@@ -61,34 +61,52 @@ class Dist:
         """Every rank's share of a step's examples (shard's split, indexed by rank)."""
         if lengths is None:
             return [ids[r::self.world] for r in range(self.world)]
-        return [[ids[k] for k in sorted(share)] for share in balanced_shares([lengths[i] for i in ids], self.world)]
+        speeds = rank_speeds(self.world)
+        return [[ids[k] for k in sorted(share)]
+                for share in balanced_shares([lengths[i] for i in ids], self.world, speeds)]
 
 
-def balanced_shares(sizes: list[int], world: int) -> list[list[int]]:
+def rank_speeds(world: int) -> list[float] | None:
+    """Experiments (issue 10): HIVETUNE_RANK_SPEEDS="1,0.965" gives each rank's relative speed,
+    and balanced_shares gives each rank tokens in proportion (a GPU held to lower clocks by its
+    power cap takes fewer). None: equal speeds."""
+    raw = os.environ.get("HIVETUNE_RANK_SPEEDS")
+    if not raw:
+        return None
+    speeds = [float(v) for v in raw.split(",")]
+    if len(speeds) != world or min(speeds) <= 0:
+        raise UserError(f"HIVETUNE_RANK_SPEEDS: {world} positive numbers expected, got {raw!r}")
+    return speeds
+
+
+def balanced_shares(sizes: list[int], world: int, speeds: list[float] | None = None) -> list[list[int]]:
     """Positions of `sizes` split into `world` shares of near-equal count and sum: longest first
     to the lightest share with room, then swaps between the heaviest and the lightest share
-    while a swap lowers the heaviest sum."""
+    while a swap lowers the heaviest sum. With `speeds`, a share's weight is its sum over its
+    rank's speed."""
+    speed = speeds or [1.0] * world
     room = [len(sizes) // world + (r < len(sizes) % world) for r in range(world)]
     shares: list[list[int]] = [[] for _ in range(world)]
     load = [0] * world
     for k in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
-        r = min((r for r in range(world) if room[r]), key=lambda r: (load[r], r))
+        r = min((r for r in range(world) if room[r]), key=lambda r: ((load[r] + sizes[k]) / speed[r], r))
         room[r] -= 1
         shares[r].append(k)
         load[r] += sizes[k]
     for _ in range(4 * len(sizes)):
-        hi = max(range(world), key=lambda r: (load[r], -r))
-        lo = min(range(world), key=lambda r: (load[r], r))
-        gap = load[hi] - load[lo]
+        hi = max(range(world), key=lambda r: (load[r] / speed[r], -r))
+        lo = min(range(world), key=lambda r: (load[r] / speed[r], r))
+        worst = load[hi] / speed[hi]
         best = None
         for i in shares[hi]:
             for j in shares[lo]:
                 d = sizes[i] - sizes[j]
-                if 0 < d < gap and (best is None or abs(gap - 2 * d) < abs(gap - 2 * best[2])):
-                    best = (i, j, d)
+                after = max((load[hi] - d) / speed[hi], (load[lo] + d) / speed[lo])
+                if d > 0 and after < worst and (best is None or after < best[2]):
+                    best = (i, j, after, d)
         if best is None:
             break
-        i, j, d = best
+        i, j, _, d = best
         shares[hi][shares[hi].index(i)], shares[lo][shares[lo].index(j)] = j, i
         load[hi] -= d
         load[lo] += d

@@ -66,7 +66,7 @@ import torch
 
 from hivetune.data.batch import MicroBatch
 from hivetune.device import cuda_index
-from hivetune.distributed import all_gather_objects
+from hivetune.distributed import all_gather_objects, rank_speeds
 from hivetune.fastpath import forced
 from hivetune.ops.attention import Packed, varlen_supported
 from hivetune.ops.fused_ce import fused_target_loss_sum
@@ -232,8 +232,13 @@ def planned_micro_batches(run, start: int | None = None, paced: bool = False) ->
         return [sum(lengths[j] for j in part) for part in _micro_parts(run, share)]
 
     out = []
+    speeds = rank_speeds(run.parallel.world) if paced and run.parallel.enabled else None
     for shares, mine in _step_shares(run, start):
         counts = micro_tokens(mine)
+        if speeds:  # experiments: shares in proportion to speed; the sizes planned on every rank's counts
+            for share in shares:
+                out += [(tokens, len(part) + 2) for tokens, part in zip(micro_tokens(share), _micro_parts(run, share))]
+            continue
         if paced:
             for other, share in enumerate(shares):
                 if other != run.parallel.rank:
