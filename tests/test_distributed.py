@@ -209,3 +209,22 @@ def test_allreduce_sums_a_gradient_arena_in_place(tmp_path):
             n *= d
         want = torch.arange(n, dtype=torch.float32).view(shape) * 3 + 2 * i  # (rank 0 + 1) + (rank 1 + 1) = 3
         assert torch.equal(got[0][i], want) and torch.equal(got[1][i], want)
+
+
+def test_rank_speeds_give_the_slower_rank_fewer_tokens(monkeypatch):
+    """HIVETUNE_RANK_SPEEDS (experiments): shares balanced on tokens over speed, counts still equal."""
+    rng = random.Random(1)
+    for _ in range(20):
+        lens = [rng.randint(16, 96) + int(min(400, max(8, rng.lognormvariate(4.8, 0.6)))) for _ in range(16)]
+        even = [sum(lens[k] for k in share) for share in balanced_shares(lens, 2)]
+        shares = balanced_shares(lens, 2, [1.0, 0.8])
+        sums = [sum(lens[k] for k in share) for share in shares]
+        assert sorted(sum(shares, [])) == list(range(16)) and [len(s) for s in shares] == [8, 8]
+        assert sums[1] < sums[0] and sums[1] < min(even)  # the slower rank takes less than an even split gives
+        assert max(sums[0], sums[1] / 0.8) <= max(even[0], even[1] / 0.8)  # and its time a step is no worse
+    ids, lengths = list(range(16)), dict(enumerate(lens))
+    monkeypatch.setenv("HIVETUNE_RANK_SPEEDS", "1,0.8")
+    assert [Dist(r, 2).shard(ids, lengths) for r in range(2)] == [[ids[k] for k in sorted(s)] for s in shares]
+    monkeypatch.setenv("HIVETUNE_RANK_SPEEDS", "1")
+    with pytest.raises(UserError, match=r"^HIVETUNE_RANK_SPEEDS: 2 positive numbers expected, got '1'$"):
+        Dist(0, 2).shard(ids, lengths)

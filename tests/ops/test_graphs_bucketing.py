@@ -250,6 +250,26 @@ def test_paced_micro_batches_are_the_slowest_rank_s_counts(tmp_path):
     assert any(a != b for (a, _), (b, _) in zip(*own))  # the ranks' counts do differ
 
 
+def test_with_rank_speeds_the_sizes_are_planned_on_every_rank_s_counts(tmp_path, monkeypatch):
+    """HIVETUNE_RANK_SPEEDS (experiments): the ranks' token counts differ by design, so paced
+    planning lists every rank's own micro-batches, each step's rank by rank (the same on every rank)."""
+    import dataclasses
+
+    from hivetune.distributed import Dist
+    from hivetune.ops.graphs import planned_micro_batches
+
+    monkeypatch.setenv("HIVETUNE_RANK_SPEEDS", "1,0.7")
+    run = tiny_run(tmp_path, cap=0, batch_size=3, grad_accum=2, max_steps=5)
+    run.cfg = dataclasses.replace(run.cfg, batch_size=3)  # 6 examples a step: 3 a rank, 1 micro-batch
+    own, paced = [], []
+    for rank in (0, 1):
+        run.parallel = Dist(rank, 2, rank)
+        own.append(planned_micro_batches(run))
+        paced.append(planned_micro_batches(run, paced=True))
+    assert paced[0] == paced[1] == [m for pair in zip(*own) for m in pair]
+    assert sum(t for t, _ in own[1]) < sum(t for t, _ in own[0])  # the slower rank takes fewer tokens
+
+
 def test_w2_ranks_planning_on_paced_counts_choose_the_same_sizes():
     """W2 on 2 ranks (93 steps of 8 + 8 examples), a capture costed at 2,048 tokens: planned on
     their own counts the ranks choose different sizes and the slower rank's graphs sum to
