@@ -61,7 +61,8 @@ timeline() {  # label, then the variant's VAR=value words (none: the defaults)
   mkdir -p "$OUT/timelines/$label"
   (for v in "$@"; do
      # HIVETUNE_RANK_SPEEDS=auto: each rank's speed from the first defaults timeline (1 / its median micro-batch)
-     [ "$v" = HIVETUNE_RANK_SPEEDS=auto ] && v=HIVETUNE_RANK_SPEEDS=$(python3 bench/rank_speeds.py "$OUT/timelines/defaults-1")
+     [ "$v" = HIVETUNE_RANK_SPEEDS=auto ] \
+       && v=HIVETUNE_RANK_SPEEDS=$(python3 bench/rank_speeds.py "$OUT/timelines/defaults-1")
      echo "variant $label: $v" | tee -a "$S"
      export "$v"; done
    HIVETUNE_MULTI_TIMELINE="$OUT/timelines/$label" run "ddp, timeline, $label" "${DDP[@]}")

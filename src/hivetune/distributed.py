@@ -58,7 +58,8 @@ class Dist:
         return self.shares(ids, lengths)[self.rank]
 
     def shares(self, ids: list, lengths=None) -> list[list]:
-        """Every rank's share of a step's examples (shard's split, indexed by rank)."""
+        """Every rank's share of a step's examples (shard's split, indexed by rank; with
+        HIVETUNE_RANK_SPEEDS, an experiment, tokens in proportion to each rank's speed)."""
         if lengths is None:
             return [ids[r::self.world] for r in range(self.world)]
         speeds = rank_speeds(self.world)
