@@ -231,20 +231,23 @@ def planned_micro_batches(run, start: int | None = None, paced: bool = False) ->
     def micro_tokens(share: list[int]) -> list[int]:  # the tokens of each micro-batch the loop cuts
         return [sum(lengths[j] for j in part) for part in _micro_parts(run, share)]
 
+    def entries(counts: list[int], share: list[int]) -> list[tuple[int, int]]:  # (tokens, cu_seqlens entries)
+        return [(tokens, len(part) + 2) for tokens, part in zip(counts, _micro_parts(run, share))]
+
     out = []
     speeds = rank_speeds(run.parallel.world) if paced and run.parallel.enabled else None
     for shares, mine in _step_shares(run, start):
-        counts = micro_tokens(mine)
         if speeds:  # experiments: shares in proportion to speed; the sizes planned on every rank's counts
             for share in shares:
-                out += [(tokens, len(part) + 2) for tokens, part in zip(micro_tokens(share), _micro_parts(run, share))]
+                out += entries(micro_tokens(share), share)
             continue
+        counts = micro_tokens(mine)
         if paced:
             for other, share in enumerate(shares):
                 if other != run.parallel.rank:
                     theirs = micro_tokens(share)
                     counts = [max(c, t) for c, t in itertools.zip_longest(counts, theirs[:len(counts)], fillvalue=0)]
-        out += [(tokens, len(part) + 2) for tokens, part in zip(counts, _micro_parts(run, mine))]
+        out += entries(counts, mine)
     return out
 
 
