@@ -18,7 +18,7 @@
 # Usage (device tool): HIVETUNE_COMMIT=<commit> [EXTRA="VAR=value ...[;...]"] [PROFILE_ENV="VAR=value ..."]
 #   [PASSES=2] [SINGLES="VAR=value[;...]"] [TESTS="tests/gpu/..."] [ALLREDUCE=0] [CAPTURE_PROFILE_ENV=...]
 #   [SINGLE_FIRST=1: the one-GPU runs before the DDP ones, so that a call cut short keeps them]
-#   [SIZE_COST="--grain 32" or SIZE_COST=- (the defaults)]
+#   [SIZE_COST="--grain 32" or SIZE_COST=- (the defaults)] [FSDP14B=1: the 14B-shape FSDP2 run last]
 #   bash bench/ddp_timeline_run.sh
 # Files: summary.txt (the runs and each rank's timeline summary), runs.jsonl, allreduce.jsonl,
 # timelines.tar.gz (every rank's per-step marks, gpu-clocks.csv, gpu-apps.txt, topo.txt, captures/),
@@ -85,6 +85,9 @@ if [ -n "${PROFILE_ENV:-}" ]; then  # one DDP fit with each rank's kernels and h
   (export ${PROFILE_ENV}; HIVETUNE_MULTI_PROFILE=$OUT run "ddp, profiled, ${PROFILE_ENV}" "${DDP[@]}")
 fi
 [ "${SINGLE_FIRST:-0}" != 0 ] || one_gpu
+if [ "${FSDP14B:-0}" != 0 ]; then  # the 14B-shape model under FSDP2 (bench/multi_gpu.py fsdp 14B)
+  RUN_TIMEOUT=240 run "fsdp 14B" python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/multi_gpu.py fsdp 14B
+fi
 kill $clocks $apps 2>/dev/null
 tar -czf "$OUT/timelines.tar.gz" -C "$OUT" timelines && rm -rf "$OUT/timelines"
 echo "== done ($(date +%T))" | tee -a "$S"

@@ -135,7 +135,9 @@ def step_timeline(rank: int):
     Per step: the micro-batches' GPU time (start -> before the all-reduce), the all-reduce's
     (its wait for the other rank included: NCCL's kernel spins until both have arrived), and the
     rest up to the next step's start (clipping, the optimizer, and any wait for the host); the
-    host's lead is how far the GPU's start of a step trails the host's queueing of it."""
+    host's lead is how far the GPU's start of a step trails the host's queueing of it. The step's
+    tail is marked too, apart ("tail" in the file): at clipping's start and end and at the lr
+    schedule's step (after the optimizer's), so the first step's host work can be told apart."""
     folder = os.environ.get("HIVETUNE_MULTI_TIMELINE")
     if not folder:
         yield
@@ -143,14 +145,28 @@ def step_timeline(rank: int):
     import hivetune.train as train_module
 
     marks: list[tuple[str, int, object, float]] = []  # (what, step index, event, host seconds)
+    tail: list[tuple[str, int, object, float]] = []  # clipping and the optimizer, marked alike
     started = 0  # steps begun so far
 
-    def mark(what: str) -> None:
+    def mark(what: str, into: list = marks) -> None:
         nonlocal started
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         started += what == "start"
-        marks.append((what, started - 1, event, time.perf_counter()))
+        into.append((what, started - 1, event, time.perf_counter()))
+
+    clip_fn, schedule_fn = train_module.clip_grad_norm, torch.optim.lr_scheduler.LambdaLR.step
+
+    def timed_clip(*args, **kwargs):
+        mark("clip", tail)
+        out = clip_fn(*args, **kwargs)
+        mark("clipped", tail)
+        return out
+
+    def timed_schedule(self, *args, **kwargs):
+        if started:  # not LambdaLR's own first step, at its construction
+            mark("optimized", tail)
+        return schedule_fn(self, *args, **kwargs)
 
     step_fn, reduce_fn = train_module.accumulate_step, distributed.allreduce_gradients
 
@@ -164,14 +180,20 @@ def step_timeline(rank: int):
         mark("reduced")
 
     train_module.accumulate_step, distributed.allreduce_gradients = timed_step, timed_reduce
+    train_module.clip_grad_norm, torch.optim.lr_scheduler.LambdaLR.step = timed_clip, timed_schedule
     try:
         yield
     finally:
         train_module.accumulate_step, distributed.allreduce_gradients = step_fn, reduce_fn
+        train_module.clip_grad_norm, torch.optim.lr_scheduler.LambdaLR.step = clip_fn, schedule_fn
     torch.cuda.synchronize()
     first_event, first_host = marks[0][2], marks[0][3]
-    rows = [{"what": what, "step": step, "gpu_s": round(first_event.elapsed_time(event) / 1e3, 5),
-             "host_s": round(host - first_host, 5)} for what, step, event, host in marks]
+
+    def as_rows(of: list) -> list[dict]:
+        return [{"what": what, "step": step, "gpu_s": round(first_event.elapsed_time(event) / 1e3, 5),
+                 "host_s": round(host - first_host, 5)} for what, step, event, host in of]
+
+    rows = as_rows(marks)
     at = {(r["what"], r["step"]): r["gpu_s"] for r in rows}
     steps = sorted({r["step"] for r in rows})
     compute = [at[("reduce", k)] - at[("start", k)] for k in steps if ("reduce", k) in at]
@@ -188,7 +210,8 @@ def step_timeline(rank: int):
                f"after it to the next step {stats(rest)}; GPU start minus host queueing of a step "
                f"{stats(lead)}")
     Path(folder).mkdir(parents=True, exist_ok=True)
-    (Path(folder) / f"timeline-rank{rank}.json").write_text(json.dumps({"summary": summary, "marks": rows}))
+    (Path(folder) / f"timeline-rank{rank}.json").write_text(json.dumps({"summary": summary, "marks": rows,
+                                                                        "tail": as_rows(tail)}))
     print(summary, file=sys.stderr, flush=True)
 
 

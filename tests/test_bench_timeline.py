@@ -40,6 +40,13 @@ def test_ddp_step_timeline_marks_each_step_and_sums_its_parts(tmp_path):
         marks = timeline["marks"]
         expected = [(what, k) for k in range(3) for what in ("start", "reduce", "reduced")]
         assert [(m["what"], m["step"]) for m in marks] == expected
+        tail = [(m["what"], m["step"]) for m in timeline["tail"]]
+        assert tail == [(what, k) for k in range(3) for what in ("clip", "clipped", "optimized")]
+        # each step's tail lies between its all-reduce and the next step's start
+        at = {(m["what"], m["step"]): m["host_s"] for m in marks + timeline["tail"]}
+        assert all(at[("reduced", k)] <= at[("clip", k)] <= at[("clipped", k)] <= at[("optimized", k)]
+                   for k in range(3))
+        assert all(at[("optimized", k)] <= at[("start", k + 1)] for k in range(2))
         gpu = [m["gpu_s"] for m in marks]
         assert gpu[0] == 0.0 and gpu == sorted(gpu)
         assert timeline["summary"].startswith(f"rank {rank}: 3 steps; micro-batches sum ")
