@@ -216,6 +216,49 @@ def step_timeline(rank: int):
 
 
 @contextmanager
+def first_steps_profile(rank: int):
+    """HIVETUNE_MULTI_FIRST_PROFILE=DIR: the loop under cProfile from its start to the third
+    step's start (the warm-up, the first captures, the first clipping and optimizer step), as
+    DIR/first-steps-rank<r>.txt: its wall time and the functions by own and by cumulative time.
+    A first call that loads kernels or waits for the GPU shows as one builtin with a long own time."""
+    folder = os.environ.get("HIVETUNE_MULTI_FIRST_PROFILE")
+    if not folder:
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    import hivetune.train as train_module
+
+    step_fn = train_module.accumulate_step
+    profiler, calls, t0, wall = cProfile.Profile(), 0, time.perf_counter(), [0.0]
+
+    def counted(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            profiler.disable()
+            wall[0] = time.perf_counter() - t0
+        return step_fn(*args, **kwargs)
+
+    train_module.accumulate_step = counted
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+        train_module.accumulate_step = step_fn
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"first-steps-rank{rank}.txt").write_text(
+        f"== the loop's first two steps: {wall[0]:.3f} s (under cProfile)\n{text.getvalue()}")
+
+
+@contextmanager
 def capture_profile(rank: int):
     """HIVETUNE_MULTI_CAPTURE_PROFILE=DIR: each deferred graph capture (ops.graphs'
     GraphedForwardBackward._capture_deferred) under cProfile, as DIR/captures-rank<r>.txt: per
@@ -322,7 +365,8 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
             torch.cuda.reset_peak_memory_stats(device)
         distributed.barrier(parallel)
         t0 = time.perf_counter()
-        with kernel_profile(parallel.rank), step_timeline(parallel.rank), capture_profile(parallel.rank):
+        with (kernel_profile(parallel.rank), step_timeline(parallel.rank), capture_profile(parallel.rank),
+              first_steps_profile(parallel.rank)):
             result = fit(run, progress=False)
             if cuda:
                 torch.cuda.synchronize()
