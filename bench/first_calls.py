@@ -11,8 +11,8 @@ them out (parameters and gradients each views of one buffer) and times, on the h
 - FusedAdamW's step, three times, the first split into torch's state set-up (_init_group), its
   fused kernels, and FusedAdamW's flat re-layout (_flat).
 Run it once as it is and once with CUDA_MODULE_LOADING=EAGER (every kernel loaded at start-up).
-Usage: python bench/first_calls.py [--warm] (--warm: the small kernels first, as a prewarm would).
-One JSON line on stdout."""
+Usage: python bench/first_calls.py [--warm] (--warm: fastpath.tail_kernels first, timed, as
+fastpath.prewarm's thread runs it before the loop). One JSON line on stdout."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hivetune.fastpath import FusedAdamW, clip_grad_norm  # noqa: E402
+from hivetune.fastpath import FusedAdamW, clip_grad_norm, tail_kernels  # noqa: E402
 
 HIDDEN, INTER, KV, LAYERS, R = 3584, 18944, 512, 28, 32  # Qwen2.5-7B, W2's LoRA rank
 
@@ -70,7 +70,7 @@ def main() -> None:
               "context_ms": round((time.perf_counter() - t0) * 1e3, 1), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__}
     if warm:
-        result["small"] = small_kernels()
+        result["tail_kernels_ms"] = [timed(lambda: tail_kernels(torch.device("cuda")))[0] for _ in range(2)]
     shapes = lora_shapes()
     total = sum(a * b for a, b in shapes)
     flat_p = torch.zeros(total, device="cuda")

@@ -30,7 +30,7 @@ from hivetune.bench import (WORKLOADS, allocator_counts, environment, git_commit
                             random_model, workload_examples)
 from hivetune.config import load_config, parse_overrides
 from hivetune.data.dataset import TokenizedExamples
-from hivetune.fastpath import prewarm_triton
+from hivetune.fastpath import prewarm
 from hivetune.model.decoder import CausalLM
 from hivetune.ops import graphs
 from hivetune.train import assemble, fit
@@ -336,7 +336,7 @@ def allreduce_probe(numel: int = 80_740_352, repeats: int = 20) -> dict:
 def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
     parallel = distributed.init(device_name)
     device = distributed.device_for(parallel, torch.device(device_name))
-    prewarm_triton(device)  # as train's setup does: overlaps building the data and the model
+    prewarm(device)  # as train's setup does: overlaps building the data and the model
     if workload == "tiny":  # a CPU smoke test of this script (gloo)
         args, n_examples, cap, per_step, lora, max_steps = qwen25_shape(2048, 64, 128, 2, 4, 2, False), 64, 64, 8, {"r": 4, "alpha": 8, "dropout": 0.0}, 3
     elif workload == "14B":

@@ -83,7 +83,7 @@ def main() -> None:
     if opts.first:  # as train's setup and the benchmark do: Triton's first-launch work overlaps the build
         from hivetune import fastpath
 
-        fastpath.prewarm_triton(device)
+        fastpath.prewarm(device)
     examples = TokenizedExamples(workload_examples(w.n_examples, args.vocab_size, w.cap))
     model = random_model(args, device, torch.bfloat16)
     if opts.cap:  # after the build, as bench does (W2's random init runs in fp32)

@@ -2,6 +2,8 @@
 the same bits, with persistent gradient tensors (what CUDA graphs give it), a skipped step
 (found_inf), an lr schedule, and a state loaded from a checkpoint."""
 
+import copy
+
 import torch
 
 from hivetune.fastpath import FusedAdamW, adamw
@@ -61,9 +63,10 @@ def test_new_gradient_tensors_and_a_loaded_state_go_through_torch():
 
 
 def test_flat_step_over_a_gradient_arena_equals_torch_fused_bit_for_bit():
-    """Gradients that are views of one GradArena buffer (CUDA graphs'): after torch's first step
-    the parameters and both moments move into buffers laid out alike, one step count shared,
-    and each step is one fused call over the flat tensors: torch's fused AdamW to fp32 rounding
+    """Gradients that are views of one GradArena buffer (CUDA graphs'): from the first step the
+    parameters and both moments are buffers laid out alike, one step count shared, and each
+    step (the first too: no per-tensor state first) is one fused call over the flat tensors:
+    torch's fused AdamW to fp32 rounding
     (the CPU kernel rounds a vectorised body and a scalar tail apart, so a small tensor's
     elements can move from one to the other; tests/gpu checks the CUDA kernel bit for bit). A
     step through torch's path afterwards (a new gradient tensor) counts each parameter's step
@@ -79,7 +82,7 @@ def test_flat_step_over_a_gradient_arena_equals_torch_fused_bit_for_bit():
     fast._known_step = lambda *a: (calls.append(len(a[0])), real(*a))
     a = run_steps(fast, fast_params, arena.grads)
     b = run_steps(ref, ref_params, [torch.zeros_like(p) for p in ref_params])
-    assert calls == [1] * 5  # one flat tensor a step after torch's first
+    assert calls == [1] * 6  # one flat tensor a step, the first step's too
     storages = {p.untyped_storage().data_ptr() for p in fast_params}
     assert len(storages) == 1 and fast_params[0].untyped_storage().nbytes() == arena.flat.numel() * 4
     assert len({id(fast.state[p]["step"]) for p in fast_params}) == 1
@@ -102,3 +105,37 @@ def test_flat_step_over_a_gradient_arena_equals_torch_fused_bit_for_bit():
     loaded.load_state_dict(fast.state_dict())
     assert all(torch.equal(loaded.state[p]["exp_avg"], fast.state[q]["exp_avg"])
                for p, q in zip(loaded.param_groups[0]["params"], fast_params))
+
+
+def test_first_step_over_an_arena_with_a_loaded_state_goes_through_torch():
+    """A state loaded from a checkpoint (a resumed run): the first step is torch's, which reads
+    the loaded moments, and the flat lists are built after it as before; its parameters equal
+    an unbroken run's to fp32 rounding."""
+    from hivetune.ops.lora_group import GradArena
+
+    ref_params = make_params()
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.01, fused=True)
+    run_steps(ref, ref_params, [torch.zeros_like(p) for p in ref_params], steps=2, skip=())
+    params = make_params()
+    with torch.no_grad():
+        for p, q in zip(params, ref_params):
+            p.copy_(q)
+    arena = GradArena(params, None, move_params=True)
+    opt = adamw(params, 1e-2, 0.01, fused=True)
+    opt.load_state_dict(copy.deepcopy(ref.state_dict()))  # (as from a checkpoint: not ref's own tensors)
+    calls = []
+    real = opt._known_step
+    opt._known_step = lambda *a: (calls.append(len(a[0])), real(*a))
+    for p, g in zip(params, arena.grads):
+        g.fill_(0.25)
+        p.grad = g
+    opt.found_inf = torch.tensor(0.0)
+    opt.step()
+    assert calls == [] and opt._lists is not None and len(opt._lists[0]) == 1
+    for p in ref_params:
+        p.grad = torch.full_like(p, 0.25)
+    ref.found_inf = torch.tensor(0.0)
+    ref.step()
+    for p, q in zip(params, ref_params):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-9)
+        assert float(opt.state[p]["step"]) == 3.0

@@ -183,7 +183,7 @@ def test_the_varlen_probe_runs_clean_inside_a_checkpointed_forward(monkeypatch):
 
 
 def test_join_prewarm_waits_for_the_thread_still_running(monkeypatch):
-    """fastpath.join_prewarm (train.fit, before the first step) returns once prewarm_triton's
+    """fastpath.join_prewarm (train.fit, before the first step) returns once prewarm's
     thread has finished, and at once where none runs."""
     import threading
     import time
@@ -206,19 +206,19 @@ def test_join_prewarm_waits_for_the_thread_still_running(monkeypatch):
     fastpath.join_prewarm()  # nothing to wait for
 
 
-def test_prewarm_triton_computes_the_cache_key_in_the_background(monkeypatch):
-    """The first Triton launch hashes Triton's own files; prewarm_triton does it before the model
+def test_prewarm_computes_the_cache_key_in_the_background(monkeypatch):
+    """The first Triton launch hashes Triton's own files; prewarm does it before the model
     loads. Nothing on the CPU; on CUDA a thread fills triton_key's cache, once per process."""
     monkeypatch.setattr(fastpath, "_PREWARM", None)
-    fastpath.prewarm_triton(torch.device("cpu"))
+    fastpath.prewarm(torch.device("cpu"))
     assert fastpath._PREWARM is None
     cache = pytest.importorskip("triton.runtime.cache")
     cache.triton_key.cache_clear()
-    fastpath.prewarm_triton(torch.device("cuda"))
+    fastpath.prewarm(torch.device("cuda"))
     thread = fastpath._PREWARM
     thread.join(60)
     assert cache.triton_key.cache_info().currsize == 1 and fastpath.PREWARM_DONE_AT is not None
-    fastpath.prewarm_triton(torch.device("cuda"))
+    fastpath.prewarm(torch.device("cuda"))
     assert fastpath._PREWARM is thread
 
 

@@ -220,7 +220,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
     from hivetune import fastpath
     from hivetune.train import assemble, fit
 
-    fastpath.prewarm_triton(device)  # overlaps building the data and the model, as in train's setup
+    fastpath.prewarm(device)  # overlaps building the data and the model, as in train's setup
     examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))
     values = {"model": "random", "data": "generator", "precision": "bf16" if device.type == "cuda" else "fp32",
               "device": device.type, "epochs": w.epochs, "max_steps": max_steps,

@@ -6,6 +6,8 @@ fallback and one log line when it falls back.
       (ops.attention)              tiny packed input on this device and dtype    (ops.attention)
                                    and matches the float32 result
     fused AdamW (train)          torch builds a fused AdamW for the params     foreach AdamW
+    the step's tail kernels      CUDA (fastpath.prewarm's thread, while the    loaded by the first
+      loaded before the loop       data and the model are built)                 step (tail_prewarm)
     bf16 autocast on the CPU     the CPU has AMX or AVX512-BF16                fp32
       (device.resolve_precision)
     bf16 on a GPU                torch.cuda.is_bf16_supported()                fp16 with loss scaling
@@ -69,7 +71,8 @@ asked for auto precision) prints ``hivetune: note: <what> unavailable (<why>); u
 once per process. ``HIVETUNE_REFERENCE=varlen,fused_adamw,cpu_bf16,gpu_bf16`` (also fused_lora,
 fused_layers, dropout_matmul, gc, autocast, grad_arena, residual_epilogue, flat_adamw, norm_dropout,
 rope_qkv, swiglu_dropout, wide_lora, graph_instantiate, paced_sizes, deferred_captures, graph_preload,
-capture_lead, instantiation_wait, plan_on_replay, target_capacity, cublaslt, lt_buckets, scaled_offload;
+capture_lead, instantiation_wait, plan_on_replay, target_capacity, cublaslt, lt_buckets, scaled_offload,
+tail_prewarm;
 or ``all``) forces the reference paths, for tests and A/B runs; the
 fast and reference paths are compared in tests/test_robust_fallbacks.py (CPU) and
 tests/gpu/test_fallbacks.py (CUDA).
@@ -235,32 +238,74 @@ _PREWARM: threading.Thread | None = None
 PREWARM_DONE_AT: float | None = None  # time.perf_counter() when the prewarm thread finished (bench records it)
 
 
-def prewarm_triton(device: torch.device) -> None:
-    """Start, in a background thread, the work Triton does at its first kernel launch in a
-    process: hashing its own installation for the cache key (~0.4 s on the device's hosts) and
-    importing its gluon modules (~0.2 s). Called before the model loads, it overlaps that load
-    instead of delaying the first training step. Once per process; nothing without CUDA or Triton."""
+def prewarm(device: torch.device) -> None:
+    """Start, in a background thread, work a process otherwise does at its first training step:
+    - Triton's, at its first kernel launch: hashing its own installation for the cache key
+      (~0.4 s on the device's hosts) and importing its gluon modules (~0.2 s);
+    - the kernels the first step meets only after its forward and backward, each run once on a
+      few values (tail_kernels): clipping's norm and scale, the finite check and the fused
+      AdamW step. Their first call loads their kernels: 160 ms for the clipping and ~15 ms for
+      the optimizer's in a fresh process on an H200 (bench/first_calls.py), with the GPU idle
+      between the first step and the second (W2's DDP timeline, 2 x H200: 57-79 ms), against
+      under 1 ms once loaded. HIVETUNE_REFERENCE=tail_prewarm: not.
+    Called before the model loads, it overlaps that load instead of delaying the first training
+    step. Once per process; nothing without CUDA."""
     global _PREWARM
-    if _PREWARM is not None or device.type != "cuda" or forced("fused_layers"):
+    if _PREWARM is not None or device.type != "cuda":
         return
+    triton, tail = not forced("fused_layers"), not forced("tail_prewarm")
+    if not (triton or tail):
+        return
+    # the thread's current device is its own (0): the index is this thread's choice of device
+    index = device.index if device.index is not None else (
+        torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
 
     def warm():
         global PREWARM_DONE_AT
-        try:
-            from triton.runtime.cache import triton_key
+        if triton:
+            try:
+                from triton.runtime.cache import triton_key
 
-            triton_key()  # lru_cached: the first kernel's cache lookup then finds it done
-            import triton.experimental.gluon  # noqa: F401
-        except Exception:  # noqa: BLE001 - a Triton without these private parts: its first launch pays
-            pass
+                triton_key()  # lru_cached: the first kernel's cache lookup then finds it done
+                import triton.experimental.gluon  # noqa: F401
+            except Exception:  # noqa: BLE001 - a Triton without these private parts: its first launch pays
+                pass
+        if tail:
+            try:
+                tail_kernels(torch.device("cuda", index))
+            except Exception:  # noqa: BLE001 - the first step loads them itself, as before
+                pass
         PREWARM_DONE_AT = time.perf_counter()
 
-    _PREWARM = threading.Thread(target=warm, name="hivetune-triton-prewarm", daemon=True)
+    _PREWARM = threading.Thread(target=warm, name="hivetune-prewarm", daemon=True)
     _PREWARM.start()
 
 
+def tail_kernels(device: torch.device) -> None:
+    """What the loop runs after a step's backward (train.fit), on a few fp32 values of `device`:
+    clip_grad_norm over gradients in one buffer (CUDA graphs' GradArena) and over separate ones,
+    the finite check, and FusedAdamW's step over both layouts with a found_inf."""
+    with torch.cuda.device(device):
+        values = torch.zeros(64, device=device)
+        grads = torch.full((64,), 0.5, device=device)
+        flat = [torch.nn.Parameter(values[:32].view(4, 8)), torch.nn.Parameter(values[32:])]
+        for p, g in zip(flat, (grads[:32].view(4, 8), grads[32:])):
+            p.grad = g
+        apart = [torch.nn.Parameter(torch.zeros(4, 8, device=device)) for _ in range(2)]
+        for p in apart:
+            p.grad = torch.full_like(p, 0.5)
+        for params in (flat, apart):
+            norm = clip_grad_norm(params, 1.0)
+            finite = torch.isfinite(norm.sum())
+            finite &= torch.isfinite(norm)
+            optimizer = FusedAdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
+            optimizer.found_inf = (~finite).float()
+            optimizer.step()
+        torch.cuda.current_stream(device).synchronize()
+
+
 def join_prewarm(timeout: float = 30.0) -> None:
-    """Wait for prewarm_triton's thread, if one still runs (train.fit, before the first step).
+    """Wait for prewarm's thread, if one still runs (train.fit, before the first step).
     A kernel launched while it hashes would hash Triton's files a second time beside it
     (triton_key's lru_cache does not hold a lock while it computes), both threads sharing the
     GIL; waiting costs only what is left of the one pass."""
@@ -300,9 +345,10 @@ class FusedAdamW(torch.optim.AdamW):
     tensors (cProfile, H100), in a loop that CUDA graphs leave host-bound. Here the lists are
     kept while every gradient is the tensor it was (the graphs' persistent .grad tensors), and
     the step launches what torch's fused step launches, in the same order: the same bits
-    (tests/test_fast_optimizer.py, tests/gpu/test_cuda_fast_optimizer.py). Anything else (the first step, new gradient tensors, a
-    loaded state, several groups, devices or dtypes, amsgrad, a tensor lr, a grad scaler, a
-    closure) goes through torch's step, which then re-reads the lists."""
+    (tests/test_fast_optimizer.py, tests/gpu/test_cuda_fast_optimizer.py). Anything else (the
+    first step, unless its gradients are one buffer: _fresh_flat; new gradient tensors, a loaded
+    state, several groups, devices or dtypes, amsgrad, a tensor lr, a grad scaler, a closure)
+    goes through torch's step, which then re-reads the lists."""
 
     def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
@@ -315,6 +361,8 @@ class FusedAdamW(torch.optim.AdamW):
 
     def step(self, closure=None):
         lists = self._lists
+        if lists is None and closure is None and not self.state:
+            lists = self._lists = self._fresh_flat()
         if (closure is None and lists is not None and getattr(self, "grad_scale", None) is None
                 and isinstance(self.param_groups[0]["lr"], float)
                 and all(p.grad is g for p, g in zip(*self._grads))):
@@ -331,13 +379,47 @@ class FusedAdamW(torch.optim.AdamW):
             self._lists = self._flat(*self._lists) or self._lists
         return loss
 
-    def _flat(self, params, grads, exp_avgs, exp_avg_sqs, steps):
-        """Where the gradients are one buffer and the parameters another laid out alike (CUDA
-        graphs' GradArena with move_params), both moments become views of buffers laid out
-        alike too, sharing one step count: each step is then one fused kernel over flat tensors
-        instead of a launch per ~36 of them (W1: 336 tensors, ~2 ms of host and ~0.25 ms of GPU
-        a step). The parameters are not moved here: captured graphs read them where they are.
-        Returns the flat lists, or None (as they are; and with HIVETUNE_REFERENCE=flat_adamw)."""
+    def _fresh_flat(self):
+        """The first step, nothing loaded, over gradients in one buffer with the parameters laid
+        out alike (CUDA graphs' GradArena): both moments made flat and zero at once and one step
+        count shared, as _flat leaves them after torch's first step, so that the first step is
+        the later steps' one fused call too. Torch's first step would set up a state per tensor
+        and _flat then copy them into buffers and read every step count: 17 + 23 ms of host
+        time for W2's 392 tensors on an H200 (bench/first_calls.py), with the GPU idle. The flat
+        lists (self._grads set), or None where _flat would keep torch's."""
+        if len(self.param_groups) != 1:
+            return None
+        group = self.param_groups[0]
+        params = list(group["params"])
+        if not self._plain(group, params) or group.get("capturable") or group.get("differentiable"):
+            return None
+        grads = [p.grad for p in params]
+        layout = self._flat_layout(params, grads)
+        if layout is None:
+            return None
+        flat_params, flat = layout
+        step = torch.zeros((), dtype=torch.float32, device=flat.device)  # torch's fused step count
+        moments = [torch.zeros_like(flat), torch.zeros_like(flat)]
+        for p, g in zip(params, grads):
+            at = g.storage_offset()
+            self.state[p] = {"step": step, "exp_avg": moments[0][at:at + p.numel()].view(p.shape),
+                             "exp_avg_sq": moments[1][at:at + p.numel()].view(p.shape)}
+        self._grads = (params, grads)
+        return ([flat_params], [flat], [moments[0]], [moments[1]], [step])
+
+    @staticmethod
+    def _plain(group, params) -> bool:
+        """Whether one fused call over these parameters is torch's step: fused, no amsgrad or
+        maximize, every gradient present, one device and dtype."""
+        return bool(params and group.get("fused") and not group["amsgrad"] and not group["maximize"]
+                    and all(p.grad is not None for p in params)
+                    and len({(p.device, p.dtype, p.grad.dtype) for p in params}) == 1)
+
+    @staticmethod
+    def _flat_layout(params, grads):
+        """(the parameters' buffer as one flat tensor, the gradients' buffer) where the gradients
+        are one buffer and the parameters another laid out alike, else None (and with
+        HIVETUNE_REFERENCE=flat_adamw)."""
         if forced("flat_adamw"):
             return None
         flat = one_buffer(grads)
@@ -348,9 +430,19 @@ class FusedAdamW(torch.optim.AdamW):
                 or any(p.untyped_storage().data_ptr() != storage.data_ptr() or not p.is_contiguous()
                        or p.storage_offset() != g.storage_offset() for p, g in zip(params, grads))):
             return None
-        if len({float(s) for s in steps}) != 1:  # (once, after torch's step: one host read)
+        return params[0].new_empty(0).set_(storage, 0, (flat.numel(),)), flat
+
+    def _flat(self, params, grads, exp_avgs, exp_avg_sqs, steps):
+        """Where the gradients are one buffer and the parameters another laid out alike (CUDA
+        graphs' GradArena with move_params), both moments become views of buffers laid out
+        alike too, sharing one step count: each step is then one fused kernel over flat tensors
+        instead of a launch per ~36 of them (W1: 336 tensors, ~2 ms of host and ~0.25 ms of GPU
+        a step). The parameters are not moved here: captured graphs read them where they are.
+        Returns the flat lists, or None (as they are; and with HIVETUNE_REFERENCE=flat_adamw)."""
+        layout = self._flat_layout(params, grads)
+        if layout is None or len({float(s) for s in steps}) != 1:  # (once, after torch's step: one host read)
             return None
-        flat_params = params[0].new_empty(0).set_(storage, 0, (flat.numel(),))
+        flat_params, flat = layout
         step = steps[0]
         moments = []
         for tensors in (exp_avgs, exp_avg_sqs):
@@ -370,9 +462,7 @@ class FusedAdamW(torch.optim.AdamW):
             return None
         group = self.param_groups[0]
         params = group["params"]
-        if (not params or not group.get("fused") or group["amsgrad"] or group["maximize"]
-                or any(p.grad is None or p not in self.state for p in params)
-                or len({(p.device, p.dtype, p.grad.dtype) for p in params}) != 1):
+        if not self._plain(group, params) or any(p not in self.state for p in params):
             return None
         states = [self.state[p] for p in params]
         return (list(params), [p.grad for p in params], [s["exp_avg"] for s in states],

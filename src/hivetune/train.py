@@ -31,7 +31,7 @@ from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset
 from hivetune import distributed
 from hivetune.device import DTYPES, cuda_index, peak_memory_bytes, resolve_device, resolve_precision, set_threads
 from hivetune.doctor.preflight import check_stack
-from hivetune.fastpath import (adamw, clip_grad_norm, forced, fused_lora_usable, join_prewarm, prewarm_triton,
+from hivetune.fastpath import (adamw, clip_grad_norm, forced, fused_lora_usable, join_prewarm, prewarm,
                                quiet_gc)
 from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.errors import UserError
@@ -160,7 +160,7 @@ def setup(cfg: TrainConfig) -> Run:
     check_offload_layers(cfg, args.num_hidden_layers)
     device = distributed.device_for(parallel, resolve_device(cfg.device))
     precision = resolve_precision(cfg.precision, device)
-    prewarm_triton(device)  # overlaps the tokenizer and the weights' load
+    prewarm(device)  # overlaps the tokenizer and the weights' load
     tokenizer = load_tokenizer(str(model_path))
     if len(tokenizer) > args.vocab_size:
         raise UserError(f"{model_path}: tokenizer has {len(tokenizer)} tokens, more than the model's "

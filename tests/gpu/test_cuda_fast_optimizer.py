@@ -88,7 +88,30 @@ def test_flat_adamw_and_clip_over_a_gradient_arena_on_cuda():
         for opt in (fast, ref):
             opt.param_groups[0]["lr"] = 2e-4 * (0.8 ** k)
             opt.step()
-    assert calls == [1] * 5
+    assert calls == [1] * 6  # the first step flat too (FusedAdamW._fresh_flat)
     for p, q in zip(fast_params, ref_params):
         assert torch.equal(p, q)
         assert torch.equal(fast.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+
+
+def test_tail_kernels_leave_the_process_unchanged():
+    """fastpath.tail_kernels (the prewarm thread's run of the step's tail) on another thread:
+    it returns, and a FusedAdamW built after it over a GradArena still steps flat from the first
+    step with torch's bits (nothing of the prewarm's optimizers is shared)."""
+    import threading
+
+    from hivetune.fastpath import tail_kernels
+
+    errors = []
+
+    def run():
+        try:
+            tail_kernels(torch.device("cuda", torch.cuda.current_device()))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    assert errors == [] and not thread.is_alive()
+    test_flat_adamw_and_clip_over_a_gradient_arena_on_cuda()
