@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from hivetune import distributed
+from hivetune import distributed, fastpath
 from hivetune.bench import (WORKLOADS, allocator_counts, environment, git_commit, init_like_hf, qwen25_shape,
                             random_model, workload_examples)
 from hivetune.config import load_config, parse_overrides
@@ -389,6 +389,7 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
            "params_billion": round(n_params / 1e9, 3), "cuda_graphs": dict(graphs.last_stats),
            "cuda_graphs_per_rank": graphs_per_rank, "overrides": extra,
            "allocator": allocator_counts(device),  # rank 0's: a cudaFree or a retry syncs the device
+           "prewarm_tail": fastpath.PREWARM_TAIL,  # the step's tail kernels in the prewarm thread
            "environment": environment(device)}  # device, versions, commit: each line a record
     distributed.shutdown(parallel)
     return out

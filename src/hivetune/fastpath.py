@@ -236,6 +236,7 @@ def _per_example_attention(q, k, v, lengths) -> torch.Tensor:
 
 _PREWARM: threading.Thread | None = None
 PREWARM_DONE_AT: float | None = None  # time.perf_counter() when the prewarm thread finished (bench records it)
+PREWARM_TAIL: str | None = None  # how tail_kernels went in the prewarm thread: "<ms> ms" or the error (bench records it)
 
 
 def prewarm(device: torch.device) -> None:
@@ -261,7 +262,7 @@ def prewarm(device: torch.device) -> None:
         torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
 
     def warm():
-        global PREWARM_DONE_AT
+        global PREWARM_DONE_AT, PREWARM_TAIL
         if triton:
             try:
                 from triton.runtime.cache import triton_key
@@ -271,10 +272,12 @@ def prewarm(device: torch.device) -> None:
             except Exception:  # noqa: BLE001 - a Triton without these private parts: its first launch pays
                 pass
         if tail:
+            t0 = time.perf_counter()
             try:
                 tail_kernels(torch.device("cuda", index))
-            except Exception:  # noqa: BLE001 - the first step loads them itself, as before
-                pass
+                PREWARM_TAIL = f"{(time.perf_counter() - t0) * 1e3:.1f} ms"
+            except Exception as e:  # noqa: BLE001 - the first step loads them itself, as before
+                PREWARM_TAIL = f"{type(e).__name__}: {str(e).strip()[:200]}"
         PREWARM_DONE_AT = time.perf_counter()
 
     _PREWARM = threading.Thread(target=warm, name="hivetune-prewarm", daemon=True)
