@@ -222,6 +222,32 @@ def test_prewarm_computes_the_cache_key_in_the_background(monkeypatch):
     assert fastpath._PREWARM is thread
 
 
+def test_prewarm_thread_runs_the_tail_kernels_and_reports_how_they_went(monkeypatch):
+    """The prewarm thread runs fastpath.tail_kernels on the device it was given and records how it
+    went (PREWARM_TAIL) before it marks itself done; HIVETUNE_REFERENCE=tail_prewarm skips it.
+    (Here the kernels' run is a stand-in: this machine has no CUDA.)"""
+    seen = []
+    monkeypatch.setattr(fastpath, "tail_kernels", lambda device: seen.append(device))
+    for reference, expected in (("fused_layers", [torch.device("cuda", 1)]), ("fused_layers,tail_prewarm", [])):
+        seen.clear()
+        monkeypatch.setenv("HIVETUNE_REFERENCE", reference)
+        for name, value in (("_PREWARM", None), ("PREWARM_TAIL", None), ("PREWARM_DONE_AT", None)):
+            monkeypatch.setattr(fastpath, name, value)
+        fastpath.prewarm(torch.device("cuda", 1))
+        fastpath.join_prewarm()
+        assert seen == expected
+        if expected:
+            assert fastpath.PREWARM_TAIL.endswith(" ms") and fastpath.PREWARM_DONE_AT is not None
+        else:
+            assert fastpath._PREWARM is None and fastpath.PREWARM_TAIL is None
+    monkeypatch.setattr(fastpath, "tail_kernels", lambda device: 1 / 0)  # a failure: its line, no raise
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "fused_layers")
+    monkeypatch.setattr(fastpath, "_PREWARM", None)
+    fastpath.prewarm(torch.device("cuda", 0))
+    fastpath.join_prewarm()
+    assert fastpath.PREWARM_TAIL == "ZeroDivisionError: division by zero"
+
+
 def test_quiet_gc_freezes_the_loops_start_and_restores_the_collector(monkeypatch):
     import gc
 

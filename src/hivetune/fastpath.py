@@ -254,16 +254,16 @@ def prewarm(device: torch.device) -> None:
     global _PREWARM
     if _PREWARM is not None or device.type != "cuda":
         return
-    triton, tail = not forced("fused_layers"), not forced("tail_prewarm")
-    if not (triton or tail):
+    with_triton, with_tail = not forced("fused_layers"), not forced("tail_prewarm")
+    if not (with_triton or with_tail):
         return
-    # the thread's current device is its own (0): the index is this thread's choice of device
+    # a new thread starts on CUDA device 0: it is handed this process's device
     index = device.index if device.index is not None else (
         torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
 
     def warm():
         global PREWARM_DONE_AT, PREWARM_TAIL
-        if triton:
+        if with_triton:
             try:
                 from triton.runtime.cache import triton_key
 
@@ -271,7 +271,7 @@ def prewarm(device: torch.device) -> None:
                 import triton.experimental.gluon  # noqa: F401
             except Exception:  # noqa: BLE001 - a Triton without these private parts: its first launch pays
                 pass
-        if tail:
+        if with_tail:
             t0 = time.perf_counter()
             try:
                 tail_kernels(torch.device("cuda", index))
@@ -287,7 +287,10 @@ def prewarm(device: torch.device) -> None:
 def tail_kernels(device: torch.device) -> None:
     """What the loop runs after a step's backward (train.fit), on a few fp32 values of `device`:
     clip_grad_norm over gradients in one buffer (CUDA graphs' GradArena) and over separate ones,
-    the finite check, and FusedAdamW's step over both layouts with a found_inf."""
+    the finite check, and FusedAdamW's step with a found_inf: its flat one (_fresh_flat), the
+    fused kernels torch's step launches too. Not torch's step itself: its first call in a process
+    imports torch._dynamo and more (6.5 s in a fresh process on the device's hosts), which the
+    loop's own first step may not need."""
     with torch.cuda.device(device):
         values = torch.zeros(64, device=device)
         grads = torch.full((64,), 0.5, device=device)
@@ -297,13 +300,13 @@ def tail_kernels(device: torch.device) -> None:
         apart = [torch.nn.Parameter(torch.zeros(4, 8, device=device)) for _ in range(2)]
         for p in apart:
             p.grad = torch.full_like(p, 0.5)
-        for params in (flat, apart):
-            norm = clip_grad_norm(params, 1.0)
-            finite = torch.isfinite(norm.sum())
-            finite &= torch.isfinite(norm)
-            optimizer = FusedAdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
-            optimizer.found_inf = (~finite).float()
-            optimizer.step()
+        clip_grad_norm(apart, 1.0)
+        norm = clip_grad_norm(flat, 1.0)
+        finite = torch.isfinite(norm.sum())
+        finite &= torch.isfinite(norm)
+        optimizer = FusedAdamW(flat, lr=1e-3, weight_decay=0.01, fused=True)
+        optimizer.found_inf = (~finite).float()
+        optimizer.step()
         torch.cuda.current_stream(device).synchronize()
 
 
