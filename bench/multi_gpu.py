@@ -390,6 +390,8 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
            "cuda_graphs_per_rank": graphs_per_rank, "overrides": extra,
            "allocator": allocator_counts(device),  # rank 0's: a cudaFree or a retry syncs the device
            "prewarm_tail": fastpath.PREWARM_TAIL,  # the step's tail kernels in the prewarm thread
+           # how long before the loop's start the prewarm thread finished (negative: the loop waited)
+           "prewarm_done_before_loop_s": round(t0 - fastpath.PREWARM_DONE_AT, 3) if fastpath.PREWARM_DONE_AT else None,
            "environment": environment(device)}  # device, versions, commit: each line a record
     distributed.shutdown(parallel)
     return out
