@@ -236,7 +236,7 @@ def _per_example_attention(q, k, v, lengths) -> torch.Tensor:
 
 _PREWARM: threading.Thread | None = None
 PREWARM_DONE_AT: float | None = None  # time.perf_counter() when the prewarm thread finished (bench records it)
-PREWARM_TAIL: str | None = None  # how tail_kernels went in the prewarm thread: "<ms> ms" or the error (bench records it)
+PREWARM_TAIL: str | None = None  # tail_kernels in the prewarm thread: "<ms> ms" or the error (bench records it)
 
 
 def prewarm(device: torch.device) -> None:

@@ -112,7 +112,10 @@ MAX_GRAPHS = 48  # keys beyond this many run eagerly
 # host's dispatch anyway: W2 (7B) with 16 examples (~2,900 tokens: ~82 TFLOP) measured 23.8 s with
 # graphs against 21.4 s eager (capture time, padding) and 65 against 40 GiB reserved. With 8
 # examples (~46 TFLOP; W2 on 2 GPUs, or 2 x 8 on one) the eager step is dispatch-bound: 6,463
-# against ~13,700 tokens/s with 16 (H100, faae9e6).
+# against ~13,700 tokens/s with 16 (H100, faae9e6). Re-measured with today's graphs (2 x H200,
+# cc35b65, GPU 0, after an untimed pass of each): W2's 16-example micro-batches graphed 16.80 s
+# (4 sizes, 5% padding; the first graphed pass 19.26 s) against 16.96 s eager: no gain to pay
+# their capture and pool memory for.
 MAX_TFLOP_PER_MICRO_BATCH = float(os.environ.get("HIVETUNE_GRAPH_MAX_TFLOP", 60.0))  # env: experiments
 # Deferred captures (defers_captures) wait until this many replays are queued ahead of the GPU
 # (GraphedForwardBackward._lead_enough); HIVETUNE_REFERENCE=capture_lead: 0, one capture after
