@@ -279,9 +279,10 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
         "allocator": allocator or None,
         "lora_inputs": f"{cfg.lora_inputs}: " + ("kept" if getattr(run.model.lora_casts, "keep_inputs", False)
                                                  else "recomputed"),
-        # when Triton's prewarm thread finished, in seconds from the loop's start (negative: before
-        # it; positive: the first steps' Triton launches competed with it)
+        # when the prewarm thread finished, in seconds from the loop's start (negative: before it;
+        # positive: the loop waited for it), and how its run of the step's tail kernels went
         "prewarm_done_s": round(fastpath.PREWARM_DONE_AT - t0, 3) if fastpath.PREWARM_DONE_AT else None,
+        "prewarm_tail": fastpath.PREWARM_TAIL,
     }
 
 
