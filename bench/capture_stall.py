@@ -18,8 +18,14 @@ capture is recorded, and whether the queue had drained by the capture's end. Cas
 - busy, a token count captured before, while a W2-sized graph instantiates on a worker thread.
 
 Prints one JSON line per case, the first with the device, versions and commit (HIVETUNE_COMMIT
-wins). Usage: python3 bench/capture_stall.py [--queued 4]. Results: bench/results/ddp-27/
-capture-stall-*.jsonl (those two runs' first lines name torch and the GPU only).
+wins). Usage: python3 bench/capture_stall.py [--queued 4] [--loop-stream]. Results:
+bench/results/ddp-27/capture-stall-*.jsonl (those two runs' first lines name torch and the GPU only).
+
+--loop-stream: every case runs with a non-blocking side stream as the current stream (torch's
+pool streams are made with cudaStreamNonBlocking), where the training loop, like this probe by
+default, queues its replays on the legacy default stream, which every blocking stream and some
+driver calls synchronise with. Does a capture or an instantiation still wait for the queue to
+drain when that queue is not on the default stream? (Not yet run: a lead for session 31.)
 """
 
 from __future__ import annotations
@@ -154,8 +160,15 @@ def timed_instantiation(graph, busy, queued: int, label: str) -> None:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--queued", type=int, default=4)
+    p.add_argument("--loop-stream", action="store_true", help="queue everything on a non-blocking side stream")
     args = p.parse_args()
     torch.cuda.init()
+    loop = torch.cuda.Stream() if args.loop_stream else torch.cuda.current_stream()
+    with torch.cuda.stream(loop):
+        run_cases(args)
+
+
+def run_cases(args):
     pool = torch.cuda.graph_pool_handle()
     busy, keep_alive, busy_ms = busy_graph(torch.cuda.graph_pool_handle())
     layer = Layer()
@@ -168,7 +181,8 @@ def main():
         timed_ops(layer, torch.randn(1000, D, **BF), reps=1)
     torch.cuda.synchronize()
     env = {**environment(torch.device("cuda")), "module_loading": os.environ.get("CUDA_MODULE_LOADING", "(default)"),
-           "busy_replay_ms": round(busy_ms, 1)}
+           "busy_replay_ms": round(busy_ms, 1),
+           "loop_stream": "side, non-blocking" if args.loop_stream else "legacy default"}
     print(json.dumps({"case": "env", **env}), flush=True)
     q = args.queued
     cases = []
