@@ -216,6 +216,25 @@ def step_timeline(rank: int):
 
 
 @contextmanager
+def loop_stream(cuda: bool):
+    """HIVETUNE_MULTI_LOOP_STREAM=1 (an experiment, not yet run; session 30's lead): the loop runs
+    with a non-blocking side stream as its current stream (torch's pool streams are made with
+    cudaStreamNonBlocking) instead of the legacy default stream, which blocking streams and some
+    driver calls synchronise with. Does a deferred capture or a background instantiation then
+    stop waiting for the queued replays (bench/capture_stall.py --loop-stream asks it alone)?
+    The stream waits for what was queued before the loop, and the default stream for the loop."""
+    if not (cuda and os.environ.get("HIVETUNE_MULTI_LOOP_STREAM") == "1"):
+        yield
+        return
+    before = torch.cuda.current_stream()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(before)
+    with torch.cuda.stream(stream):
+        yield
+    before.wait_stream(stream)
+
+
+@contextmanager
 def first_steps_profile(rank: int):
     """HIVETUNE_MULTI_FIRST_PROFILE=DIR: the loop under cProfile from its start to the third
     step's start (the warm-up, the first captures, the first clipping and optimizer step), as
@@ -366,7 +385,7 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
         distributed.barrier(parallel)
         t0 = time.perf_counter()
         with (kernel_profile(parallel.rank), step_timeline(parallel.rank), capture_profile(parallel.rank),
-              first_steps_profile(parallel.rank)):
+              first_steps_profile(parallel.rank), loop_stream(cuda)):
             result = fit(run, progress=False)
             if cuda:
                 torch.cuda.synchronize()
@@ -389,6 +408,7 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
            "params_billion": round(n_params / 1e9, 3), "cuda_graphs": dict(graphs.last_stats),
            "cuda_graphs_per_rank": graphs_per_rank, "overrides": extra,
            "allocator": allocator_counts(device),  # rank 0's: a cudaFree or a retry syncs the device
+           "loop_stream": os.environ.get("HIVETUNE_MULTI_LOOP_STREAM") == "1" and cuda,
            "prewarm_tail": fastpath.PREWARM_TAIL,  # the step's tail kernels in the prewarm thread
            # how long before the loop's start the prewarm thread finished (negative: the loop waited)
            "prewarm_done_before_loop_s": round(t0 - fastpath.PREWARM_DONE_AT, 3) if fastpath.PREWARM_DONE_AT else None,
