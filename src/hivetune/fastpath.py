@@ -407,12 +407,17 @@ class FusedAdamW(torch.optim.AdamW):
             return None
         flat_params, flat = layout
         step = torch.zeros((), dtype=torch.float32, device=flat.device)  # torch's fused step count
-        moments = [torch.zeros_like(flat), torch.zeros_like(flat)]
+        self._grads = (params, grads)
+        return self._point_states(params, grads, flat_params, flat, [torch.zeros_like(flat), torch.zeros_like(flat)],
+                                  step)
+
+    def _point_states(self, params, grads, flat_params, flat, moments, step):
+        """Each parameter's moments made views of the flat `moments` where its gradient sits in
+        `flat`, its step count the shared `step`; returns the flat lists _known_step takes."""
         for p, g in zip(params, grads):
             at = g.storage_offset()
-            self.state[p] = {"step": step, "exp_avg": moments[0][at:at + p.numel()].view(p.shape),
-                             "exp_avg_sq": moments[1][at:at + p.numel()].view(p.shape)}
-        self._grads = (params, grads)
+            self.state[p].update(step=step, exp_avg=moments[0][at:at + p.numel()].view(p.shape),
+                                 exp_avg_sq=moments[1][at:at + p.numel()].view(p.shape))
         return ([flat_params], [flat], [moments[0]], [moments[1]], [step])
 
     @staticmethod
@@ -451,19 +456,13 @@ class FusedAdamW(torch.optim.AdamW):
         if layout is None or len({float(s) for s in steps}) != 1:  # (once, after torch's step: one host read)
             return None
         flat_params, flat = layout
-        step = steps[0]
         moments = []
         for tensors in (exp_avgs, exp_avg_sqs):
             buf = torch.empty_like(flat)
             for t, g in zip(tensors, grads):
                 buf[g.storage_offset():][:t.numel()].copy_(t.reshape(-1))
             moments.append(buf)
-        for p, g in zip(params, grads):
-            state = self.state[p]
-            state["exp_avg"] = moments[0][g.storage_offset():][:p.numel()].view(p.shape)
-            state["exp_avg_sq"] = moments[1][g.storage_offset():][:p.numel()].view(p.shape)
-            state["step"] = step
-        return ([flat_params], [flat], [moments[0]], [moments[1]], [step])
+        return self._point_states(params, grads, flat_params, flat, moments, steps[0])
 
     def _read_lists(self):
         if len(self.param_groups) != 1:

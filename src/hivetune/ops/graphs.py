@@ -886,7 +886,7 @@ class GraphedForwardBackward:
         model.model.layers = torch.nn.ModuleList(layers[:1])
         try:
             for key in keys:
-                bucket = _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device, self.n_seeds, self.capacity.get(key))
+                bucket = self._new_bucket(key)
                 # never instantiated (where torch can keep a graph uninstantiated): nothing of it runs
                 self._record(torch.cuda.CUDAGraph(keep_graph=True) if keeps_graphs() else torch.cuda.CUDAGraph(),
                              bucket)
@@ -925,8 +925,7 @@ class GraphedForwardBackward:
 
     def _capture_key(self, key, bucket: _Bucket | None) -> bool:
         t0 = time.perf_counter()
-        bucket = bucket or _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device, self.n_seeds,
-                                   self.capacity.get(key))
+        bucket = bucket or self._new_bucket(key)
         # Background: capture_end leaves the graph uninstantiated, and the worker thread
         # instantiates it (the driver's part, GIL released) while this thread captures the next
         # one or replays others. "thread_local": the capture forbids unsafe CUDA calls in this
@@ -945,6 +944,10 @@ class GraphedForwardBackward:
         self.stats["capture_each_s"].append(round(time.perf_counter() - t0, 3))
         return True
 
+    def _new_bucket(self, key: tuple[int, int]) -> _Bucket:
+        """The static inputs of the graph of `key` (tokens, cu_seqlens entries): one example a
+        segment but the pad one, the run's dropout seeds, the key's target capacity."""
+        return _Bucket(key[0], key[1] - 1, key[1] - 2, self.run.device, self.n_seeds, self.capacity.get(key))
 
     def _record(self, graph: torch.cuda.CUDAGraph, bucket: _Bucket, timed: bool = False) -> torch.Tensor:
         """The bucket's forward, loss and backward captured into `graph` on the capture stream;
