@@ -410,8 +410,8 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
            "allocator": allocator_counts(device),  # rank 0's: a cudaFree or a retry syncs the device
            "loop_stream": os.environ.get("HIVETUNE_MULTI_LOOP_STREAM") == "1" and cuda,
            "prewarm_tail": fastpath.PREWARM_TAIL,  # the step's tail kernels in the prewarm thread
-           # how long before the loop's start the prewarm thread finished (negative: the loop waited)
-           "prewarm_done_before_loop_s": round(t0 - fastpath.PREWARM_DONE_AT, 3) if fastpath.PREWARM_DONE_AT else None,
+           # as hivetune bench's: when the prewarm thread finished, from the loop's start (positive: it waited)
+           "prewarm_done_s": round(fastpath.PREWARM_DONE_AT - t0, 3) if fastpath.PREWARM_DONE_AT else None,
            "environment": environment(device)}  # device, versions, commit: each line a record
     distributed.shutdown(parallel)
     return out
