@@ -12,7 +12,9 @@ them out (parameters and gradients each views of one buffer) and times, on the h
   fused kernels, and FusedAdamW's flat re-layout (_flat).
 Run it once as it is and once with CUDA_MODULE_LOADING=EAGER (every kernel loaded at start-up).
 Usage: python bench/first_calls.py [--warm] (--warm: fastpath.tail_kernels first, timed, as
-fastpath.prewarm's thread runs it before the loop). One JSON line on stdout."""
+fastpath.prewarm's thread runs it before the loop). One JSON line on stdout, with the
+environment (versions, commit); session 30's files in bench/results/ddp-30/ predate it and name
+their commit in the file name only."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from hivetune.bench import environment  # noqa: E402
 from hivetune.fastpath import FusedAdamW, clip_grad_norm, tail_kernels  # noqa: E402
 
 HIDDEN, INTER, KV, LAYERS, R = 3584, 18944, 512, 28, 32  # Qwen2.5-7B, W2's LoRA rank
@@ -114,6 +117,7 @@ def main() -> None:
     result["first_step_parts_ms"] = parts
     if not warm:
         result["small_after"] = small_kernels()
+    result["environment"] = environment(torch.device("cuda"))  # after the timings; HIVETUNE_COMMIT wins
     print(json.dumps(result))
 
 
