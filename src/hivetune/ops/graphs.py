@@ -162,6 +162,20 @@ CAPTURE_LEAD = 3  # by default since session 28 (with the four below: see them)
 #   holds up the loop's CUDA calls meanwhile; the W2 timeline at ff7b4d4 showed the 1,408-token
 #   capture beginning while the previous one instantiated, and taking 0.41 s.
 
+# graph_preload captures the model cut to this many layers. Two, not one: the first layer's input
+# (the frozen embedding's output) needs no gradient, so its backward has no input-gradient
+# products; the second layer's has them, at every size as every later layer does. With one layer
+# (d679db4 and before) W2 DDP's deferred captures (2 x H200) took 0.32-0.38 s for a 1,600-token
+# size and 0.34 s for a 1,344-token one, against 0.09-0.18 s for the others: as a capture that
+# meets a kernel first behind queued replays (bench/capture_stall.py). HIVETUNE_PRELOAD_LAYERS=n
+# sets the count (experiments).
+PRELOAD_LAYERS = 2
+
+
+def preload_layers() -> int:
+    return int(os.environ.get("HIVETUNE_PRELOAD_LAYERS") or PRELOAD_LAYERS)
+
+
 last_stats: dict = {}  # the most recent GraphedForwardBackward's counters (read by the benchmark)
 last_graphed = None  # the most recent one, kept only with HIVETUNE_GRAPH_TIMING=1 (profiling)
 
@@ -872,18 +886,17 @@ class GraphedForwardBackward:
 
     def _preload(self, keys: list[tuple[int, int]]) -> None:
         """Each deferred size met once now, while the GPU idles (the replay the plan timed was
-        waited for): a capture of the model cut to its first layer (embedding, final norm, head
-        and loss kept), dropped unrun, into the bucket the size's real capture takes later. A
-        capture that meets a new shape behind queued replays waits for them (graph_preload), which
-        leaves the GPU idle for the rest of the host pass; every layer has the first one's
-        shapes. Skipped with activation offload (it plans per layer index). stats: preloaded
-        (sizes), preload_s."""
+        waited for): a capture of the model cut to its first PRELOAD_LAYERS layers (embedding,
+        final norm, head and loss kept), dropped unrun, into the bucket the size's real capture
+        takes later. A capture that meets a new shape behind queued replays waits for them
+        (graph_preload), which leaves the GPU idle for the rest of the host pass. Skipped with
+        activation offload (it plans per layer index). stats: preloaded (sizes), preload_s."""
         model = self.run.model
         layers = model.model.layers
         if len(layers) < 2 or getattr(model, "activation_offload", None) is not None:
             return
         t0, key = time.perf_counter(), keys[0]
-        model.model.layers = torch.nn.ModuleList(layers[:1])
+        model.model.layers = torch.nn.ModuleList(layers[:preload_layers()])
         try:
             for key in keys:
                 bucket = self._new_bucket(key)
