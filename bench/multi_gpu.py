@@ -278,6 +278,73 @@ def first_steps_profile(rank: int):
 
 
 @contextmanager
+def pass_profile(rank: int, passes: int = 4):
+    """HIVETUNE_MULTI_PASS_PROFILE=DIR: each of the first `passes` forward-backward passes
+    (train.forward_backward: an eager micro-batch, or a graph capture's host pass) under its own
+    cProfile, as DIR/passes-rank<r>.txt: per pass its host time, the GPU still busy at its end or
+    not, the caching allocator's cudaMalloc / cudaFree calls during it, and its functions by own
+    time; then the functions whose own time in the first pass exceeds the second's most (what a
+    fresh process pays once: kernel loads, plans, allocations). Issue 10: W2's first DDP step
+    spends 0.39-0.49 s of host time in its eager warm-up pass against 0.09-0.16 s for a later
+    capture's host pass of the same size."""
+    folder = os.environ.get("HIVETUNE_MULTI_PASS_PROFILE")
+    if not folder:
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    import hivetune.train as train_module
+
+    original = train_module.forward_backward
+    reports: list[str] = []
+    own: list[dict] = []
+
+    def profiled(run, batch, n_targets, loss_fn):
+        if len(own) >= passes:
+            return original(run, batch, n_targets, loss_fn)
+        counts = allocator_counts(run.device)
+        profiler = cProfile.Profile()
+        t0 = time.perf_counter()
+        profiler.enable()
+        try:
+            return original(run, batch, n_targets, loss_fn)
+        finally:
+            profiler.disable()
+            wall = time.perf_counter() - t0
+            after = allocator_counts(run.device)
+            capturing = run.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            busy = None
+            if run.device.type == "cuda" and not capturing:
+                done = torch.cuda.Event()
+                done.record()
+                busy = not done.query()
+            stats = pstats.Stats(profiler)
+            own.append({f"{path.rsplit('/', 1)[-1]}:{line}({name})": row[2]
+                        for (path, line, name), row in stats.stats.items()})
+            text = io.StringIO()
+            stats.stream = text
+            stats.sort_stats("tottime").print_stats(25)
+            grown = {k: after[k] - counts[k] for k in after if after[k] != counts[k]}
+            reports.append(f"== pass {len(own)}: {wall * 1e3:.1f} ms host (under cProfile), tokens "
+                           f"{batch.input_ids.shape[1]}, capturing {capturing}, GPU busy at its end {busy}, "
+                           f"allocator {grown}\n{text.getvalue()}")
+
+    train_module.forward_backward = profiled
+    try:
+        yield
+    finally:
+        train_module.forward_backward = original
+    if len(own) >= 2:
+        first, second = own[0], own[1]
+        diff = sorted(((t - second.get(k, 0.0), k) for k, t in first.items()), reverse=True)[:40]
+        reports.append("== own time, pass 1 minus pass 2 (ms)\n" + "\n".join(f"{d * 1e3:9.2f}  {k}" for d, k in diff))
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"passes-rank{rank}.txt").write_text("\n".join(reports))
+
+
+@contextmanager
 def capture_profile(rank: int):
     """HIVETUNE_MULTI_CAPTURE_PROFILE=DIR: each deferred graph capture (ops.graphs'
     GraphedForwardBackward._capture_deferred) under cProfile, as DIR/captures-rank<r>.txt: per
@@ -385,7 +452,7 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
         distributed.barrier(parallel)
         t0 = time.perf_counter()
         with (kernel_profile(parallel.rank), step_timeline(parallel.rank), capture_profile(parallel.rank),
-              first_steps_profile(parallel.rank), loop_stream(cuda)):
+              first_steps_profile(parallel.rank), loop_stream(cuda), pass_profile(parallel.rank)):
             result = fit(run, progress=False)
             if cuda:
                 torch.cuda.synchronize()
