@@ -217,12 +217,15 @@ def step_timeline(rank: int):
 
 @contextmanager
 def loop_stream(cuda: bool):
-    """HIVETUNE_MULTI_LOOP_STREAM=1 (an experiment, not yet run; session 30's lead): the loop runs
-    with a non-blocking side stream as its current stream (torch's pool streams are made with
-    cudaStreamNonBlocking) instead of the legacy default stream, which blocking streams and some
-    driver calls synchronise with. Does a deferred capture or a background instantiation then
-    stop waiting for the queued replays (bench/capture_stall.py --loop-stream asks it alone)?
-    The stream waits for what was queued before the loop, and the default stream for the loop."""
+    """HIVETUNE_MULTI_LOOP_STREAM=1 (an experiment): the loop runs with a non-blocking side stream
+    as its current stream (torch's pool streams are made with cudaStreamNonBlocking) instead of
+    the legacy default stream, which blocking streams and some driver calls synchronise with.
+    The stream waits for what was queued before the loop, and the default stream for the loop.
+    Measured (session 31, bench/results/ddp-31/, d679db4): no gain. bench/capture_stall.py
+    --loop-stream: a capture meeting a new kernel and a 3,000-node instantiation still waited for
+    the queue (412-425 and 416 ms, against 409-423 and 407 ms on the default stream); W2 DDP on
+    two 2 x H200 machines: 9.02 / 8.88 and 9.10 / 9.12 s against the defaults' 9.13 / 9.14 and
+    9.07 / 9.19 s."""
     if not (cuda and os.environ.get("HIVETUNE_MULTI_LOOP_STREAM") == "1"):
         yield
         return
@@ -286,7 +289,13 @@ def pass_profile(rank: int, passes: int = 4):
     time; then the functions whose own time in the first pass exceeds the second's most (what a
     fresh process pays once: kernel loads, plans, allocations). Issue 10: W2's first DDP step
     spends 0.39-0.49 s of host time in its eager warm-up pass against 0.09-0.16 s for a later
-    capture's host pass of the same size."""
+    capture's host pass of the same size. Measured (one H200, a39a699, W2 with 8-example
+    micro-batches, warm Triton cache; bench/results/ddp-31/passes-*.txt): eager passes 1-3 took
+    424-456, 168-240 and 141-187 ms under cProfile, with 151, 40 and 8 cudaMallocs. Pass 1's
+    extra: 56 cuBLASLt plans (ops.blas, 33-38 ms), first cuBLASLt calls (36-46 ms), the autograd
+    engine's first backward (41-43 ms), Triton's first call of each kernel (source hashing, cache
+    reads, launchers: ~45 ms), allocations (~22 ms). With graphs the warm-up pass took 402 ms and
+    the largest capture's 200 ms. The one-GPU eager run pays the same first-pass costs."""
     folder = os.environ.get("HIVETUNE_MULTI_PASS_PROFILE")
     if not folder:
         yield

@@ -96,3 +96,44 @@ def test_capture_profile_reports_each_deferred_capture(tmp_path, monkeypatch):
     first = text.split("== capture 2")[0]
     rows = [line for line in first.splitlines() if re.match(r"\s+\d+\s+[\d.]+", line)]
     assert "time.sleep" in rows[0] and float(rows[0].split()[1]) >= 0.05  # the top row by own time
+
+
+def test_pass_profile_reports_each_pass_and_what_the_first_paid(tmp_path, monkeypatch):
+    """HIVETUNE_MULTI_PASS_PROFILE: each of the first passes (train.forward_backward) under its own
+    cProfile, then the functions by how much more own time the first pass spent than the second
+    (here a first pass that sleeps 60 ms more: time.sleep tops that list, ~60 ms); passes beyond
+    the count run unprofiled, and train.forward_backward is restored after."""
+    import importlib.util
+    import re
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    import hivetune.train as train_module
+
+    spec = importlib.util.spec_from_file_location("multi_gpu_bench_passes", ROOT / "bench" / "multi_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    calls = []
+
+    def forward_backward(run, batch, n_targets, loss_fn):
+        calls.append(n_targets)
+        time.sleep(0.07 if len(calls) == 1 else 0.01)
+        return torch.tensor(float(len(calls)))
+
+    monkeypatch.setattr(train_module, "forward_backward", forward_backward)
+    monkeypatch.setenv("HIVETUNE_MULTI_PASS_PROFILE", str(tmp_path))
+    run = SimpleNamespace(device=torch.device("cpu"))
+    batch = SimpleNamespace(input_ids=torch.zeros(1, 96, dtype=torch.long))
+    with module.pass_profile(0, passes=2):
+        losses = [train_module.forward_backward(run, batch, k, None).item() for k in range(3)]
+    assert losses == [1.0, 2.0, 3.0] and calls == [0, 1, 2]
+    assert train_module.forward_backward is forward_backward
+    text = (tmp_path / "passes-rank0.txt").read_text()
+    walls = [float(w) for w in re.findall(r"== pass \d: ([\d.]+) ms host \(under cProfile\), tokens 96, "
+                                          r"capturing False, GPU busy at its end None, allocator \{\}", text)]
+    assert len(walls) == 2 and walls[0] >= 70 and 10 <= walls[1] < walls[0]
+    diff = text.split("== own time, pass 1 minus pass 2 (ms)\n")[1].splitlines()
+    extra, name = diff[0].split(maxsplit=1)
+    assert "sleep" in name and 55 <= float(extra) < 200

@@ -22,7 +22,7 @@ fallback and one log line when it falls back.
       largest captured one after   capture's host time                           micro-batch
       each replay                  (ops.graphs.defers_captures)                  (deferred_captures)
     deferred sizes' shapes met   deferred captures, no activation offload      none (graph_preload)
-      by a first-layer capture
+      by a two-layer capture
       after the plan (_preload)
     a deferred capture waits     deferred captures                             one after each replay
       for 3 queued replays and                                                   (capture_lead,
@@ -490,10 +490,10 @@ class FusedAdamW(torch.optim.AdamW):
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ (2-norm), without its per-call grouping, for gradients on
     one CUDA device in one dtype: the same foreach kernels in the same order, so the same bits
-    (tests/test_fast_optimizer.py, tests/gpu/test_cuda_fast_optimizer.py); about 4 ms of host time less per W1 step. Anything else
-    (CPU, where torch takes another path; DTensors; mixed dtypes) goes to torch's. Gradients that
-    are one buffer (CUDA graphs' GradArena) take one norm and one scale of it: the same result
-    but for the norm's summation order."""
+    (tests/test_fast_optimizer.py, tests/gpu/test_cuda_fast_optimizer.py); about 4 ms of host
+    time less per W1 step. Anything else (CPU, where torch takes another path; DTensors; mixed
+    dtypes) goes to torch's. Gradients that are one buffer (CUDA graphs' GradArena) take one norm
+    and one scale of it: the same result but for the norm's summation order."""
     grads = [p.grad for p in params if p.grad is not None]
     first = grads[0] if grads else None
     if (first is None or first.device.type != "cuda" or type(first) is not torch.Tensor

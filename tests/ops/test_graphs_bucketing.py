@@ -360,3 +360,40 @@ def test_planned_micro_targets_are_what_the_loop_meets(tmp_path):
     run = tiny_run(tmp_path, batch_size=3, grad_accum=2, max_steps=4)
     met = [b.target_ids.numel() for step in run.steps for b in micro_batches(run, step)]
     assert planned_micro_targets(run) == met and len(met) == len(planned_micro_batches(run)) > 4
+
+
+@pytest.mark.parametrize("env, expected", [(None, 2), ("1", 1), ("3", 3)])
+def test_preload_captures_the_model_cut_to_its_first_layers(env, expected, monkeypatch):
+    """graph_preload's captures see the model cut to PRELOAD_LAYERS layers (2: the second layer's
+    backward has the input-gradient products the first layer's lacks), one capture per deferred
+    key into that key's bucket; the model gets all its layers back after, and a failed capture
+    still restores them."""
+    from types import SimpleNamespace
+
+    from hivetune.ops import graphs
+
+    if env is None:
+        monkeypatch.delenv("HIVETUNE_PRELOAD_LAYERS", raising=False)
+    else:
+        monkeypatch.setenv("HIVETUNE_PRELOAD_LAYERS", env)
+    layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(4))
+    model = SimpleNamespace(model=SimpleNamespace(layers=layers))
+    seen = []
+    graphed = object.__new__(graphs.GraphedForwardBackward)
+    graphed.run, graphed.preloaded, graphed.stats = SimpleNamespace(model=model), {}, {}
+    graphed._new_bucket = lambda key: ("bucket", key)
+    graphed._record = lambda graph, bucket: seen.append((bucket, list(model.model.layers)))
+    monkeypatch.setattr(graphs, "keeps_graphs", lambda: False)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda *a, **k: object())
+    graphed._preload([(1600, 10), (1408, 10)])
+    assert [bucket for bucket, _ in seen] == [("bucket", (1600, 10)), ("bucket", (1408, 10))]
+    assert all(cut == list(layers)[:expected] for _, cut in seen)
+    assert model.model.layers is layers and graphed.stats["preloaded"] == 2
+
+    failures = []
+    graphed._record = lambda graph, bucket: 1 / 0
+    graphed._capture_failed = failures.append
+    graphed._preload([(1344, 10)])
+    assert model.model.layers is layers
+    assert failures == [f"a preload capture (the first {expected} layers) of a 1344-token bucket failed: "
+                        "ZeroDivisionError: division by zero"]

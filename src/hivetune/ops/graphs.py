@@ -22,7 +22,7 @@ everywhere); then every planned size is captured, largest first, without synchro
 device (capture runs nothing): at once, or, where a replay's GPU time covers a quarter of a
 capture's host time (defers_captures: W2 under DDP), each segment count's largest at once and
 the others one after each replay once 3 replays are queued and no instantiation is in flight,
-their shapes met first by a first-layer capture (deferrable, CAPTURE_LEAD and the notes below
+their shapes met first by a two-layer capture (deferrable, CAPTURE_LEAD and the notes below
 it). Each size holds as many target rows as its micro-batches bring (target_capacities). A
 micro-batch no size holds takes the 256-token grid (bucket_tokens), captured when met.
 The sizes go into checkpoints (train.save_all_ranks, one entry per rank): a resumed run on the
@@ -146,8 +146,8 @@ CAPTURE_LEAD = 3  # by default since session 28 (with the four below: see them)
 # variables then); 9.53 / 9.39 s against 9.82 / 9.89 s with the five reference names (12d0b73).
 # W1 on one H200: 8.8 / 8.9 s against 9.1 / 9.1 s.
 # - graph_preload (GraphedForwardBackward._preload): each deferred size's shapes met once by a
-#   capture of the first layer while the GPU idles (after the plan); its real capture later
-#   meets no new kernel behind queued replays. With the lead of 3 (2 x H100, ff7b4d4 and
+#   capture of the first layers (PRELOAD_LAYERS) while the GPU idles (after the plan); its real
+#   capture later meets no new kernel behind queued replays. With the lead of 3 (2 x H100, ff7b4d4 and
 #   9c7a5bf): 9.83 / 9.85 s against 9.96 / 10.12 without.
 # - plan_on_replay (GraphedForwardBackward._finish_plan): no timing replay (its ~0.09 s of W2 GPU
 #   work thrown away); the sizes are planned on the GPU time of the next micro-batch's replay of
@@ -165,10 +165,14 @@ CAPTURE_LEAD = 3  # by default since session 28 (with the four below: see them)
 # graph_preload captures the model cut to this many layers. Two, not one: the first layer's input
 # (the frozen embedding's output) needs no gradient, so its backward has no input-gradient
 # products; the second layer's has them, at every size as every later layer does. With one layer
-# (d679db4 and before) W2 DDP's deferred captures (2 x H200) took 0.32-0.38 s for a 1,600-token
-# size and 0.34 s for a 1,344-token one, against 0.09-0.18 s for the others: as a capture that
-# meets a kernel first behind queued replays (bench/capture_stall.py). HIVETUNE_PRELOAD_LAYERS=n
-# sets the count (experiments).
+# (d679db4 and before), W2 DDP's deferred 1,600-token capture (2 x H200) took 0.33-0.38 s on the
+# host, and a 1,344-token one 0.34 s, against 0.09-0.18 s for the others: the pattern of a capture
+# meeting a kernel first behind queued replays (bench/capture_stall.py). With two (86db57f, two
+# machines, bench/results/ddp-31/): 0.085-0.16 s for every deferred capture, 6 sizes included,
+# and one step after the second above 1.3x the median in 8 runs (111 ms); the whole run
+# 9.17-9.21 s against 9.14-9.32 s with one layer (within run-to-run noise), the preload (GPU
+# idle) 5-15 ms longer a size.
+# HIVETUNE_PRELOAD_LAYERS=n sets the count (experiments).
 PRELOAD_LAYERS = 2
 
 
@@ -532,7 +536,7 @@ class GraphedForwardBackward:
         # Whether the planned sizes after the largest are captured one after each replay (see
         # defers_captures); None: as the plan's timing decides. The keys still to capture:
         self.defer, self.pending = defer, []
-        # the deferred sizes' buckets, whose shapes a capture of the first layer met (_preload)
+        # the deferred sizes' buckets, whose shapes a capture of the first layers met (_preload)
         self.preloaded: dict[tuple[int, int], _Bucket] = {}
         # plan_on_replay: the plan left for the next call (_finish_plan), and the calls so far
         self.plan_due: dict | None = None
@@ -905,7 +909,8 @@ class GraphedForwardBackward:
                              bucket)
                 self.preloaded[key] = bucket
         except Exception as e:  # noqa: BLE001 - as a failed capture: eager from here
-            self._capture_failed(f"a first-layer capture of a {key[0]}-token bucket failed: {_first_line(e)}")
+            self._capture_failed(f"a preload capture (the first {len(model.model.layers)} layers) of a {key[0]}-token "
+                                f"bucket failed: {_first_line(e)}")
         finally:
             model.model.layers = layers
         self.stats["preloaded"] = len(self.preloaded)
