@@ -127,6 +127,22 @@ def kernel_profile(rank: int):
     (Path(folder) / f"kernels-rank{rank}.txt").write_text("\n".join(lines))
 
 
+def median_by_size(step_seconds: dict[int, float], sizes: list[tuple[int, int, int]],
+                   skip: int = 2) -> dict[int, tuple[float, int]]:
+    """The median GPU milliseconds of the steps (from step `skip`: the first ones warm up,
+    capture and plan) whose micro-batches all took one graph size, by that size, with the
+    number of such steps. `sizes`: (step, graph size, real tokens) of each graphed micro-batch."""
+    per_step: dict[int, set[int]] = {}
+    for step, size, _ in sizes:
+        per_step.setdefault(step, set()).add(size)
+    by_size: dict[int, list[float]] = {}
+    for step, seconds in step_seconds.items():
+        taken = per_step.get(step, set())
+        if step >= skip and len(taken) == 1:
+            by_size.setdefault(next(iter(taken)), []).append(seconds * 1e3)
+    return {size: (sorted(v)[len(v) // 2], len(v)) for size, v in by_size.items()}
+
+
 @contextmanager
 def step_timeline(rank: int):
     """HIVETUNE_MULTI_TIMELINE=DIR: each rank's steps on the GPU clock, as DIR/timeline-rank<r>.json
@@ -137,7 +153,9 @@ def step_timeline(rank: int):
     rest up to the next step's start (clipping, the optimizer, and any wait for the host); the
     host's lead is how far the GPU's start of a step trails the host's queueing of it. The step's
     tail is marked too, apart ("tail" in the file): at clipping's start and end and at the lr
-    schedule's step (after the optimizer's), so the first step's host work can be told apart."""
+    schedule's step (after the optimizer's), so the first step's host work can be told apart.
+    With CUDA graphs, each micro-batch's graph size and real tokens ("sizes": step, size, tokens)
+    and the micro-batches' GPU time by size (by_size_ms; median_by_size)."""
     folder = os.environ.get("HIVETUNE_MULTI_TIMELINE")
     if not folder:
         yield
@@ -179,13 +197,23 @@ def step_timeline(rank: int):
         reduce_fn(*args, **kwargs)
         mark("reduced")
 
+    sizes: list[tuple[int, int, int]] = []  # (step, graph size, real tokens) of each graphed micro-batch
+    call_fn = graphs.GraphedForwardBackward._call
+
+    def sized_call(self, batch, n_targets):
+        if not self.off and isinstance(batch.layout, graphs.Packed):
+            sizes.append((started - 1, self.key_of(batch)[0], batch.input_ids.shape[1]))
+        return call_fn(self, batch, n_targets)
+
     train_module.accumulate_step, distributed.allreduce_gradients = timed_step, timed_reduce
     train_module.clip_grad_norm, torch.optim.lr_scheduler.LambdaLR.step = timed_clip, timed_schedule
+    graphs.GraphedForwardBackward._call = sized_call
     try:
         yield
     finally:
         train_module.accumulate_step, distributed.allreduce_gradients = step_fn, reduce_fn
         train_module.clip_grad_norm, torch.optim.lr_scheduler.LambdaLR.step = clip_fn, schedule_fn
+        graphs.GraphedForwardBackward._call = call_fn
     torch.cuda.synchronize()
     first_event, first_host = marks[0][2], marks[0][3]
 
@@ -206,12 +234,18 @@ def step_timeline(rank: int):
         return (f"sum {sum(v):.3f} s, median {v[len(v) // 2] * 1e3:.1f} ms, max {v[-1] * 1e3:.1f} ms"
                 if v else "none")
 
+    by_size = median_by_size({k: at[("reduce", k)] - at[("start", k)] for k in steps if ("reduce", k) in at},
+                             sizes)
     summary = (f"rank {rank}: {len(steps)} steps; micro-batches {stats(compute)}; all-reduce {stats(reduce)}; "
                f"after it to the next step {stats(rest)}; GPU start minus host queueing of a step "
                f"{stats(lead)}")
+    if by_size:
+        summary += "; micro-batches by graph size (median ms, steps) " + ", ".join(
+            f"{size}: {ms:.1f} ({n})" for size, (ms, n) in sorted(by_size.items()))
     Path(folder).mkdir(parents=True, exist_ok=True)
-    (Path(folder) / f"timeline-rank{rank}.json").write_text(json.dumps({"summary": summary, "marks": rows,
-                                                                        "tail": as_rows(tail)}))
+    (Path(folder) / f"timeline-rank{rank}.json").write_text(json.dumps({
+        "summary": summary, "marks": rows, "tail": as_rows(tail), "sizes": sizes,
+        "by_size_ms": {str(size): ms for size, (ms, _) in sorted(by_size.items())}}))
     print(summary, file=sys.stderr, flush=True)
 
 

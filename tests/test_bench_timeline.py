@@ -137,3 +137,18 @@ def test_pass_profile_reports_each_pass_and_what_the_first_paid(tmp_path, monkey
     diff = text.split("== own time, pass 1 minus pass 2 (ms)\n")[1].splitlines()
     extra, name = diff[0].split(maxsplit=1)
     assert "sleep" in name and 55 <= float(extra) < 200
+
+
+def test_median_by_size_takes_steps_of_one_graph_size_after_the_first_two():
+    """The timeline's micro-batch GPU time by graph size: only steps from the third whose
+    micro-batches all took one size count (step 3 mixed two sizes; steps 0-1 warm up and plan)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("multi_gpu_bench_sizes", ROOT / "bench" / "multi_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    seconds = {0: 0.7, 1: 0.2, 2: 0.094, 3: 0.18, 4: 0.093, 5: 0.081, 6: 0.095, 7: 0.5}
+    sizes = [(0, 1728, 1650), (1, 1728, 1700), (2, 1728, 1690), (3, 1536, 1500), (3, 1728, 1600),
+             (4, 1600, 1580), (5, 1408, 1400), (6, 1728, 1620)]  # step 7: eager, no graph
+    assert module.median_by_size(seconds, sizes) == {1728: (95.0, 2), 1600: (93.0, 1), 1408: (81.0, 1)}
+    assert module.median_by_size(seconds, []) == {}
