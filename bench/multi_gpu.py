@@ -101,7 +101,8 @@ def kernel_profile(rank: int):
              f"{len(gaps)} gaps over 0.2 ms: {sum(g[0] for g in gaps) / 1e6:.3f} s"]
     by_pair = totals_by(((a, b), us) for us, _, a, b in gaps)
     lines.append("idle over 0.2 ms by the kernels around it (ms, count, before -> after):")
-    lines += [f"  {t / 1e3:9.1f} {c:5d}  {a} -> {b}" for (a, b), (t, c) in sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:25]]
+    pairs = sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:25]
+    lines += [f"  {t / 1e3:9.1f} {c:5d}  {a} -> {b}" for (a, b), (t, c) in pairs]
     lines.append("the longest gaps (ms, at s, before -> after):")
     lines += [f"  {us / 1e3:9.1f} {at:8.3f}  {a} -> {b}" for us, at, a, b in sorted(gaps, reverse=True)[:25]]
     # Every kernel (not the top rows: single-vs-DDP differences hide in the small ones), by total time
@@ -467,9 +468,11 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
     device = distributed.device_for(parallel, torch.device(device_name))
     prewarm(device)  # as train's setup does: overlaps building the data and the model
     if workload == "tiny":  # a CPU smoke test of this script (gloo)
-        args, n_examples, cap, per_step, lora, max_steps = qwen25_shape(2048, 64, 128, 2, 4, 2, False), 64, 64, 8, {"r": 4, "alpha": 8, "dropout": 0.0}, 3
+        args, n_examples, cap, per_step = qwen25_shape(2048, 64, 128, 2, 4, 2, False), 64, 64, 8
+        lora, max_steps = {"r": 4, "alpha": 8, "dropout": 0.0}, 3
     elif workload == "14B":
-        args, n_examples, cap, per_step, lora, max_steps = QWEN25_14B, 400, 256, 8, {"r": 16, "alpha": 32, "dropout": 0.05}, 20
+        args, n_examples, cap, per_step = QWEN25_14B, 400, 256, 8
+        lora, max_steps = {"r": 16, "alpha": 32, "dropout": 0.05}, 20
     else:
         w = WORKLOADS[workload]
         args, n_examples, cap, per_step, lora, max_steps = w.args, w.n_examples, w.cap, w.examples_per_step, w.lora, 0
