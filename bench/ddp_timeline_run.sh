@@ -14,7 +14,8 @@
 # one DDP fit with each deferred capture under cProfile (bench/multi_gpu.py capture_profile).
 # HIVETUNE_RANK_SPEEDS=auto in a variant: the ranks' speeds from the first defaults timeline (bench/rank_speeds.py).
 # SIZE_COST="args" ("-": its defaults): bench/size_cost.py on GPU 0 after the tests (size-cost.jsonl:
-# a W2 graph's replay time by token count).
+# a W2 graph's replay time by token count); a variant HIVETUNE_SIZE_COSTS=$OUT/size-cost.jsonl then
+# plans the graph sizes on those replay times (ops.graphs.measured_size_cost) instead of tokens.
 # Usage (device tool): HIVETUNE_COMMIT=<commit> [EXTRA="VAR=value ...[;...]"] [PROFILE_ENV="VAR=value ..."]
 #   [PASSES=2] [SINGLES="VAR=value[;...]"] [TESTS="tests/gpu/..."] [ALLREDUCE=0] [CAPTURE_PROFILE_ENV=...]
 #   [SINGLE_FIRST=1: the one-GPU runs before the DDP ones, so that a call cut short keeps them]

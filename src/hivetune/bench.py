@@ -140,7 +140,7 @@ TRITON_CACHE_WARM_AT_START = triton_cache_has_kernels()
 # switches under trial, recorded with each result where set (the graphs' ones: ops.graphs)
 EXPERIMENTS = ("HIVETUNE_LORA_SIDE_STREAM", "HIVETUNE_CAPTURE_LEAD", "HIVETUNE_GRAPH_DEFER", "HIVETUNE_CAPTURE_TOKENS",
                "HIVETUNE_GRAPH_MAX_TFLOP", "HIVETUNE_GRAPH_GRAIN", "HIVETUNE_RANK_SPEEDS", "CUDA_MODULE_LOADING",
-               "HIVETUNE_PRELOAD_LAYERS")
+               "HIVETUNE_PRELOAD_LAYERS", "HIVETUNE_SIZE_COSTS")
 
 
 def environment(device) -> dict:

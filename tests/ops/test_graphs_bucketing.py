@@ -397,3 +397,40 @@ def test_preload_captures_the_model_cut_to_its_first_layers(env, expected, monke
     assert model.model.layers is layers
     assert failures == [f"a preload capture (the first {expected} layers) of a 1344-token bucket failed: "
                         "ZeroDivisionError: division by zero"]
+
+
+def test_plan_sizes_weighs_measured_replay_costs(tmp_path):
+    """HIVETUNE_SIZE_COSTS: with each size's replay cost in place of its tokens, a size that costs
+    what the next larger one does buys nothing and is not planned (W2 DDP, 2 x H200: 1,600 tokens
+    took what 1,728 did); without costs the token-linear plan takes it."""
+    from hivetune.ops.graphs import measured_size_cost, plan_sizes
+
+    tokens = [1500] * 20 + [1590] * 20 + [1700] * 20
+    assert plan_sizes(tokens, 1000, 64) == [1536, 1600, 1728]
+    costs = tmp_path / "size-cost.jsonl"
+    costs.write_text('{"probe": "size_cost"}\n\n' + "".join(
+        f'{{"size": {s}, "ms_median": {ms}}}\n' for s, ms in ((1536, 83.0), (1600, 93.0), (1728, 93.0))))
+    cost = measured_size_cost(str(costs))
+    per_token = 83.0 / 1536  # the median of 83/1536, 93/1600, 93/1728
+    assert cost(1600) == pytest.approx(93.0 / per_token) and cost(1728) == pytest.approx(93.0 / per_token)
+    assert cost(1568) == pytest.approx(88.0 / per_token)  # linear between measured sizes
+    assert cost(1472) == pytest.approx(73.0 / per_token)  # beyond them, along the nearest pair's slope
+    assert plan_sizes(tokens, 1000, 64, cost) == [1536, 1728]
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, "{path}: cannot read it (HIVETUNE_SIZE_COSTS): No such file or directory"),
+    ('{"size": 1536, "ms_median": 83.0}\nnot json\n', "{path}:2: not a JSON line (HIVETUNE_SIZE_COSTS)"),
+    ('{"size": 1536, "ms_median": 83.0}\n', "{path}: HIVETUNE_SIZE_COSTS needs replay times at two sizes or more "
+                                            "(bench/size_cost.py's size / ms_median lines), found 1"),
+])
+def test_measured_size_cost_names_the_file_and_line(text, message, tmp_path):
+    from hivetune.errors import UserError
+    from hivetune.ops.graphs import measured_size_cost
+
+    path = tmp_path / "costs.jsonl"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(UserError) as e:
+        measured_size_cost(str(path))
+    assert str(e.value) == message.format(path=path)

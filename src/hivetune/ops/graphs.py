@@ -55,18 +55,23 @@ Under DDP each rank replays its own graphs; the gradient all-reduce runs after t
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
+import json
 import math
 import os
 import sys
 import time
+from pathlib import Path
+from typing import Callable
 
 import torch
 
 from hivetune.data.batch import MicroBatch
 from hivetune.device import cuda_index
 from hivetune.distributed import all_gather_objects, rank_speeds
+from hivetune.errors import UserError
 from hivetune.fastpath import forced
 from hivetune.ops.attention import Packed, varlen_supported
 from hivetune.ops.fused_ce import fused_target_loss_sum
@@ -314,16 +319,23 @@ def planned_keys(run, bucket: int = BUCKET_TOKENS) -> list[tuple[int, int]]:
     return sorted({(bucket_tokens(t, bucket), segments) for t, segments in planned_micro_batches(run)})
 
 
-def plan_sizes(tokens: list[int], capture_tokens: float, grain: int = GRAIN) -> list[int]:
+def plan_sizes(tokens: list[int], capture_tokens: float, grain: int = GRAIN,
+               size_cost: Callable[[int], float] | None = None) -> list[int]:
     """The graph sizes (multiples of `grain`) that minimise capture cost + padding for these
     micro-batch token counts, a graph's capture counted as `capture_tokens` tokens of GPU work
     (its host pass over the GPU's time per token): each micro-batch takes the smallest size that
     holds it and a pad token. Exact, by dynamic programming over the grain-rounded sizes sorted:
     cost(j) = min over i < j of cost(i) + capture_tokens + the padding of the counts in (i, j]
     padded to size j. W1 (562 micro-batches) at 15,000 tokens a capture (~0.2 s at ~13 us a
-    token): 5 graphs and 68,887 pad tokens, against the 256-token grid's 7 graphs and 71,895."""
+    token): 5 graphs and 68,887 pad tokens, against the 256-token grid's 7 graphs and 71,895.
+
+    size_cost (experiments: HIVETUNE_SIZE_COSTS, measured_size_cost): a graph's replay cost by
+    size, in tokens of GPU work, in place of the size itself: a micro-batch then costs what its
+    size's replay measured, not its token count. The replay time does not grow evenly with the
+    size (W2 DDP, 2 x H200: 1,600 tokens took what 1,728 did)."""
     if not tokens:
         return []
+    weight = size_cost or (lambda size: size)
     need = sorted({bucket_tokens(t, grain) for t in tokens})
     by_size: dict[int, list[int]] = {}
     for t in tokens:
@@ -333,7 +345,7 @@ def plan_sizes(tokens: list[int], capture_tokens: float, grain: int = GRAIN) -> 
     for j in range(1, n + 1):
         size, pad = need[j - 1], 0
         for i in range(j - 1, -1, -1):  # sizes i+1..j all padded to size j
-            pad += sum(size - t for t in by_size[need[i]])
+            pad += sum(weight(size) - t for t in by_size[need[i]])
             cost = best[i] + capture_tokens + pad
             if cost < best[j]:
                 best[j], cut[j] = cost, i
@@ -342,6 +354,41 @@ def plan_sizes(tokens: list[int], capture_tokens: float, grain: int = GRAIN) -> 
         sizes.append(need[j - 1])
         j = cut[j]
     return sorted(sizes)
+
+
+def measured_size_cost(path: str) -> Callable[[int], float]:
+    """HIVETUNE_SIZE_COSTS=path (experiments): bench/size_cost.py's JSON lines ({"size": tokens,
+    "ms_median": a replay's milliseconds}) as plan_sizes' size_cost: the milliseconds at a size,
+    linear between the measured sizes and along the nearest pair's slope beyond them, over the
+    median milliseconds a token of the measured sizes (so a capture's cost, in tokens, weighs the
+    same). A file without two measured sizes is a UserError naming it."""
+    points: dict[int, float] = {}
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise UserError(f"{path}: cannot read it (HIVETUNE_SIZE_COSTS): {e.strerror}") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise UserError(f"{path}:{n}: not a JSON line (HIVETUNE_SIZE_COSTS)") from None
+        if isinstance(row, dict) and "size" in row and "ms_median" in row:
+            points[int(row["size"])] = float(row["ms_median"])
+    if len(points) < 2:
+        raise UserError(f"{path}: HIVETUNE_SIZE_COSTS needs replay times at two sizes or more "
+                        f"(bench/size_cost.py's size / ms_median lines), found {len(points)}")
+    sizes = sorted(points)
+    per_token = sorted(points[s] / s for s in sizes)[len(sizes) // 2]
+
+    def cost(size: int) -> float:
+        k = min(max(bisect.bisect_left(sizes, size), 1), len(sizes) - 1)
+        lo, hi = sizes[k - 1], sizes[k]
+        ms = points[lo] + (points[hi] - points[lo]) * (size - lo) / (hi - lo)
+        return ms / per_token
+
+    return cost
 
 
 def target_capacities(sizes: dict[int, list[int]], micro: list[tuple[int, int]],
@@ -871,7 +918,9 @@ class GraphedForwardBackward:
         groups: dict[int, list[int]] = {}
         for t, segments in micro:
             groups.setdefault(segments, []).append(t)
-        self.sizes = self.run.graph_sizes = {seg: plan_sizes(ts, capture_tokens, self.grain)
+        costs = os.environ.get("HIVETUNE_SIZE_COSTS")  # experiments: measured replay costs by size
+        size_cost = measured_size_cost(costs) if costs else None
+        self.sizes = self.run.graph_sizes = {seg: plan_sizes(ts, capture_tokens, self.grain, size_cost)
                                              for seg, ts in groups.items()}
         self.stats["sizes"] = {seg: sizes for seg, sizes in self.sizes.items()}
         self._set_capacities()
