@@ -182,6 +182,7 @@ PRELOAD_LAYERS = 2
 
 
 def preload_layers() -> int:
+    """How many first layers graph_preload's captures keep (PRELOAD_LAYERS unless the experiment sets it)."""
     return int(os.environ.get("HIVETUNE_PRELOAD_LAYERS") or PRELOAD_LAYERS)
 
 
