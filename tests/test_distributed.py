@@ -47,6 +47,26 @@ def test_shard_and_torchrun_argv():
                     "-m", "hivetune", "train", "--data", "x.jsonl"]
 
 
+def test_balanced_shares_are_remembered_but_fresh_each_call():
+    """balanced_shares remembers a split by its arguments (the graphs' plan and the loop split the
+    same steps again) and hands out new lists each time: a caller that edits its copy changes no
+    later answer; other speeds are another split."""
+    from hivetune import distributed
+
+    lens = [300, 120, 95, 410, 60, 220, 180, 75]
+    distributed._balanced_shares.cache_clear()
+    first = balanced_shares(lens, 2)
+    assert sorted(first[0] + first[1]) == list(range(8))
+    first[0].append(99)
+    first[1].clear()
+    again = balanced_shares(lens, 2)
+    assert again != first and sorted(again[0] + again[1]) == list(range(8))
+    assert distributed._balanced_shares.cache_info().hits == 1
+    distributed._balanced_shares.cache_clear()
+    assert balanced_shares(lens, 2) == again  # computed anew: the same split
+    assert balanced_shares(lens, 2, [1.0, 0.5]) != again
+
+
 def test_two_gloo_processes_match_one_process(tiny_model_dir, alpaca_file, tmp_path):
     # One process: 4 examples per micro-batch x 2 micro-batches = 8 per step.
     one = tmp_path / "one"
