@@ -225,7 +225,8 @@ def step_timeline(rank: int):
     rows = as_rows(marks)
     at = {(r["what"], r["step"]): r["gpu_s"] for r in rows}
     steps = sorted({r["step"] for r in rows})
-    compute = [at[("reduce", k)] - at[("start", k)] for k in steps if ("reduce", k) in at]
+    per_step = {k: at[("reduce", k)] - at[("start", k)] for k in steps if ("reduce", k) in at}
+    compute = list(per_step.values())
     reduce = [at[("reduced", k)] - at[("reduce", k)] for k in steps if ("reduced", k) in at]
     rest = [at[("start", k + 1)] - at[("reduced", k)] for k in steps if ("start", k + 1) in at and ("reduced", k) in at]
     lead = [r["gpu_s"] - r["host_s"] for r in rows if r["what"] == "start"]
@@ -235,8 +236,7 @@ def step_timeline(rank: int):
         return (f"sum {sum(v):.3f} s, median {v[len(v) // 2] * 1e3:.1f} ms, max {v[-1] * 1e3:.1f} ms"
                 if v else "none")
 
-    by_size = median_by_size({k: at[("reduce", k)] - at[("start", k)] for k in steps if ("reduce", k) in at},
-                             sizes)
+    by_size = median_by_size(per_step, sizes)
     summary = (f"rank {rank}: {len(steps)} steps; micro-batches {stats(compute)}; all-reduce {stats(reduce)}; "
                f"after it to the next step {stats(rest)}; GPU start minus host queueing of a step "
                f"{stats(lead)}")
@@ -272,6 +272,17 @@ def loop_stream(cuda: bool):
     before.wait_stream(stream)
 
 
+def profile_text(stats, rows: int, *orders: str) -> str:
+    """A cProfile's pstats.Stats as text: its top `rows` functions in each of `orders` in turn."""
+    import io
+
+    text = io.StringIO()
+    stats.stream = text
+    for order in orders:
+        stats.sort_stats(order).print_stats(rows)
+    return text.getvalue()
+
+
 @contextmanager
 def first_steps_profile(rank: int):
     """HIVETUNE_MULTI_FIRST_PROFILE=DIR: the loop under cProfile from its start to the third
@@ -283,7 +294,6 @@ def first_steps_profile(rank: int):
         yield
         return
     import cProfile
-    import io
     import pstats
 
     import hivetune.train as train_module
@@ -306,13 +316,10 @@ def first_steps_profile(rank: int):
     finally:
         profiler.disable()
         train_module.accumulate_step = step_fn
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("tottime").print_stats(40)
-    stats.sort_stats("cumulative").print_stats(40)
+    text = profile_text(pstats.Stats(profiler), 40, "tottime", "cumulative")
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / f"first-steps-rank{rank}.txt").write_text(
-        f"== the loop's first two steps: {wall[0]:.3f} s (under cProfile)\n{text.getvalue()}")
+        f"== the loop's first two steps: {wall[0]:.3f} s (under cProfile)\n{text}")
 
 
 @contextmanager
@@ -336,7 +343,6 @@ def pass_profile(rank: int, passes: int = 4):
         yield
         return
     import cProfile
-    import io
     import pstats
 
     import hivetune.train as train_module
@@ -367,13 +373,10 @@ def pass_profile(rank: int, passes: int = 4):
             stats = pstats.Stats(profiler)
             own.append({f"{path.rsplit('/', 1)[-1]}:{line}({name})": row[2]
                         for (path, line, name), row in stats.stats.items()})
-            text = io.StringIO()
-            stats.stream = text
-            stats.sort_stats("tottime").print_stats(25)
             grown = {k: after[k] - counts[k] for k in after if after[k] != counts[k]}
             reports.append(f"== pass {len(own)}: {wall * 1e3:.1f} ms host (under cProfile), tokens "
                            f"{batch.input_ids.shape[1]}, capturing {capturing}, GPU busy at its end {busy}, "
-                           f"allocator {grown}\n{text.getvalue()}")
+                           f"allocator {grown}\n{profile_text(stats, 25, 'tottime')}")
 
     train_module.forward_backward = profiled
     try:
@@ -400,7 +403,6 @@ def capture_profile(rank: int):
         yield
         return
     import cProfile
-    import io
     import pstats
 
     cls = graphs.GraphedForwardBackward
@@ -419,10 +421,8 @@ def capture_profile(rank: int):
             profiler.disable()
             wall = time.perf_counter() - t0
             busy_at_end = not before.query()
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
             reports.append(f"== capture {len(reports) + 1}: {wall:.3f} s, the work queued before it still running "
-                           f"at its end: {busy_at_end}\n{text.getvalue()}")
+                           f"at its end: {busy_at_end}\n{profile_text(pstats.Stats(profiler), 25, 'tottime')}")
 
     cls._capture_deferred = profiled
     try:
