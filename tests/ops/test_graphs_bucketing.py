@@ -420,7 +420,8 @@ def test_plan_sizes_weighs_measured_replay_costs(tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     (None, "{path}: cannot read it (HIVETUNE_SIZE_COSTS): No such file or directory"),
-    ('{"size": 1536, "ms_median": 83.0}\nnot json\n', "{path}:2: not a JSON line (HIVETUNE_SIZE_COSTS)"),
+    ('{"size": 1536, "ms_median": 83.0}\nnot json\n',
+     "{path}:2: malformed JSON (Expecting value at column 1) (HIVETUNE_SIZE_COSTS)"),
     ('{"size": 1536, "ms_median": 83.0}\n', "{path}: HIVETUNE_SIZE_COSTS needs replay times at two sizes or more "
                                             "(bench/size_cost.py's size / ms_median lines), found 1"),
 ])

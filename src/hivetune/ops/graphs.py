@@ -58,7 +58,6 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
-import json
 import math
 import os
 import sys
@@ -69,6 +68,7 @@ from typing import Callable
 import torch
 
 from hivetune.data.batch import MicroBatch
+from hivetune.data.formats import parse_json_line
 from hivetune.device import cuda_index
 from hivetune.distributed import all_gather_objects, rank_speeds
 from hivetune.errors import UserError
@@ -365,16 +365,15 @@ def measured_size_cost(path: str) -> Callable[[int], float]:
     same). A file without two measured sizes is a UserError naming it."""
     points: dict[int, float] = {}
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_bytes().splitlines()
     except OSError as e:
         raise UserError(f"{path}: cannot read it (HIVETUNE_SIZE_COSTS): {e.strerror}") from None
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            raise UserError(f"{path}:{n}: not a JSON line (HIVETUNE_SIZE_COSTS)") from None
+        row, error = parse_json_line(line)
+        if error is not None:
+            raise UserError(f"{path}:{n}: {error} (HIVETUNE_SIZE_COSTS)")
         if isinstance(row, dict) and "size" in row and "ms_median" in row:
             points[int(row["size"])] = float(row["ms_median"])
     if len(points) < 2:
