@@ -12,10 +12,10 @@ from conftest import ops_records, write_jsonl
 from hivetune.cli import main
 from hivetune.config import load_config
 from hivetune.data.batch import collate_packed, collate_padded
-from hivetune.data.dataset import load_example
+from hivetune.data.dataset import load_example, plan_steps
 from hivetune.model.lora import lora_parameters, lora_state_dict
 from hivetune.ops.loss import target_loss_sum
-from hivetune.train import fit, setup, train
+from hivetune.train import fit, setup, split_validation, train
 
 
 def tiny_config(model_dir: Path, data: Path, out: Path, **kw):
@@ -239,3 +239,21 @@ def test_fit_times_the_final_adapter_write_apart(tiny_model_dir, alpaca_file, tm
     assert 0.3 <= result.save_seconds < 0.3 + wall - result.seconds
     assert result.seconds + result.save_seconds <= wall
     assert (result.adapter / "adapter_model.safetensors").is_file()
+
+
+def test_batch_order_balanced_plans_the_training_examples(tiny_model_dir, alpaca_file, tmp_path, capsys):
+    cfg = tiny_config(tiny_model_dir, alpaca_file, tmp_path / "run", max_steps=0, epochs=1.0, batch_size=4,
+                      val_split=0.25, batch_order="balanced")
+    run = setup(cfg)
+    train_ids, _ = split_validation(len(run.data), 0.25, 0)
+    lengths = [run.data.lengths[i] for i in train_ids]
+    plan = plan_steps(len(train_ids), 4, 1.0, 0, 0, lengths, "balanced")
+    assert run.steps == [[train_ids[i] for i in step] for step in plan]
+    drawn = [[train_ids[i] for i in step] for step in plan_steps(len(train_ids), 4, 1.0, 0, 0)]
+    assert sorted(map(sorted, run.steps)) != sorted(map(sorted, drawn))  # other steps, same examples
+    assert sorted(i for s in run.steps for i in s) == sorted(i for s in drawn for i in s)
+    # the CLI flag sets it; a bad value is the config's one-line error
+    assert main(["train", "--model", str(tiny_model_dir), "--data", str(alpaca_file), "--output",
+                 str(tmp_path / "bad"), "--batch-order", "sorted"]) == 2
+    assert capsys.readouterr().err.strip() == "hivetune: error: batch_order: 'sorted' is not one of random, balanced"
+    assert not (tmp_path / "bad").exists()

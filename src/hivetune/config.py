@@ -21,6 +21,7 @@ from hivetune.model.lora import DEFAULT_TARGETS
 FORMATS = ("auto", "alpaca", "chat", "text")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "linear", "constant")
+BATCH_ORDERS = ("random", "balanced")
 LORA_INPUTS = ("auto", "keep", "recompute")
 WIDE_LORA = ("auto", "true", "false")
 DEVICES = ("auto", "cpu", "cuda")
@@ -74,6 +75,11 @@ class TrainConfig:
     """Put loss on prompt tokens too (default: response tokens only)."""
     packing: bool = True
     """Pack the examples of a micro-batch into one row with per-example attention (no padding)."""
+    batch_order: str = "random"
+    """random: each step draws its examples from the epoch's shuffled order. balanced: the same
+    epochs, each step's examples dealt by length so that every step holds about the same number of
+    tokens (one from each length stratum, still at random): CUDA graphs then need fewer sizes and
+    pad less, and the largest micro-batch (the memory peak) is near the mean."""
     output_dir: str = ""
     """Run folder; empty: runs/<date>-<time>. An existing run folder of the same config is
     resumed from its newest valid checkpoint; any other non-empty folder is refused."""
@@ -373,6 +379,7 @@ def validate(cfg: TrainConfig) -> list[str]:
     choice("format", cfg.format, FORMATS)
     choice("precision", cfg.precision, PRECISIONS)
     choice("schedule", cfg.schedule, SCHEDULES)
+    choice("batch_order", cfg.batch_order, BATCH_ORDERS)
     choice("lora_inputs", cfg.lora_inputs, LORA_INPUTS)
     choice("wide_lora", cfg.wide_lora, WIDE_LORA)
     choice("device", cfg.device, DEVICES)

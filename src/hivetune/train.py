@@ -241,8 +241,9 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
 
     per_step = cfg.batch_size * cfg.grad_accum * parallel.world  # the global batch
     train_ids, val_ids = split_validation(len(data), cfg.val_split, cfg.seed)
-    steps = [[train_ids[i] for i in step]
-             for step in plan_steps(len(train_ids), per_step, cfg.epochs, cfg.max_steps, cfg.seed)]
+    lengths = [data.lengths[i] for i in train_ids]
+    steps = [[train_ids[i] for i in step] for step in plan_steps(
+        len(train_ids), per_step, cfg.epochs, cfg.max_steps, cfg.seed, lengths, cfg.batch_order)]
     params = lora_parameters(model)
     # Fused on the CPU too: one pass over all LoRA tensors instead of ~10 foreach kernels each
     # (SmolLM2's 420, 2-core CPU: ~35 -> ~10 ms a step single-threaded, and far less exposed to

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import random
+import statistics
 from collections import Counter
 
 import pytest
@@ -346,3 +348,42 @@ def test_packed_and_padded_collation_agree_on_targets(tok):
     assert packed8.input_ids.shape[1] > packed.input_ids.shape[1] or packed.input_ids.shape[1] % 8 == 0
     assert torch.equal(packed8.target_index, packed.target_index)
     assert int(packed8.target_index.max()) + 1 < packed.n_tokens
+
+
+def test_balanced_plan_deals_each_epochs_steps_to_even_token_counts():
+    rng = random.Random(5)
+    lengths = [rng.randint(10, 300) for _ in range(200)]
+    drawn = plan_steps(200, 16, 2.0, 0, seed=4)
+    steps = plan_steps(200, 16, 2.0, 0, seed=4, lengths=lengths, order="balanced")
+    assert len(steps) == len(drawn) == 25 and all(len(s) == 16 and len(set(s)) == 16 for s in steps)
+    # epoch 0 holds steps 0-11 whole, step 12 crosses into epoch 1, which holds steps 13-24 whole
+    assert steps[12] == drawn[12]
+    for window in (slice(0, 12), slice(13, 25)):
+        assert sorted(i for s in steps[window] for i in s) == sorted(i for s in drawn[window] for i in s)
+        assert steps[window] != drawn[window]
+        totals = [sum(lengths[i] for i in s) for s in steps[window]]
+        drawn_totals = [sum(lengths[i] for i in s) for s in drawn[window]]
+        # one example from each of 16 strata of the sorted lengths: two steps differ by at most
+        # the sum of the strata's spans, at most the longest minus the shortest example
+        assert max(totals) - min(totals) <= max(lengths) - min(lengths)
+        assert statistics.pstdev(totals) < statistics.pstdev(drawn_totals) / 4
+    assert steps == plan_steps(200, 16, 2.0, 0, seed=4, lengths=lengths, order="balanced")
+    assert steps != plan_steps(200, 16, 2.0, 0, seed=5, lengths=lengths, order="balanced")
+
+
+def test_balanced_plan_alternates_long_and_short_within_a_step():
+    lengths = list(range(1, 33))  # example i has i + 1 tokens
+    step = plan_steps(32, 8, 1.0, 0, seed=0, lengths=lengths, order="balanced")[0]
+    ranks = sorted(range(32), key=lambda i: -lengths[i])
+    strata = [ranks.index(i) // 4 for i in step]  # 8 strata of 4 examples, 0 the longest
+    assert strata == [0, 7, 1, 6, 2, 5, 3, 4]
+
+
+def test_balanced_plan_with_max_steps_is_a_prefix():
+    lengths = [(7 * i) % 97 + 3 for i in range(40)]
+    full = plan_steps(40, 4, 1.0, 0, seed=2, lengths=lengths, order="balanced")
+    assert plan_steps(40, 4, 1.0, max_steps=3, seed=2, lengths=lengths, order="balanced") == full[:3]
+    longer = plan_steps(40, 4, 1.0, max_steps=15, seed=2, lengths=lengths, order="balanced")
+    assert longer[:10] == full and len(longer) == 15
+    with pytest.raises(ValueError, match="needs one length per example"):
+        plan_steps(40, 4, 1.0, 0, seed=2, order="balanced")

@@ -270,21 +270,20 @@ def test_with_rank_speeds_the_sizes_are_planned_on_every_rank_s_counts(tmp_path,
     assert sum(t for t, _ in own[1]) < sum(t for t, _ in own[0])  # the slower rank takes fewer tokens
 
 
-def test_w2_ranks_planning_on_paced_counts_choose_the_same_sizes():
-    """W2 on 2 ranks (93 steps of 8 + 8 examples), a capture costed at 2,048 tokens: planned on
-    their own counts the ranks choose different sizes and the slower rank's graphs sum to
-    145,280 tokens; on the paced counts both choose the same four, summing to 141,248."""
+def w2_rank_counts(batch_order: str = "random") -> tuple[list[list[int]], list[list[int]]]:
+    """W2 on 2 ranks (93 steps of 8 + 8 examples): each rank's micro-batch token counts, its own
+    and paced (the most any rank has at that place)."""
     import dataclasses
     import tempfile
 
     from hivetune.bench import WORKLOADS
     from hivetune.distributed import Dist
-    from hivetune.ops.graphs import plan_sizes, planned_micro_batches
+    from hivetune.ops.graphs import planned_micro_batches
 
     w = WORKLOADS["W2"]
     examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))
     values = {"model": "random", "data": "generator", "precision": "fp32", "device": "cpu", "epochs": 1.0,
-              "batch_size": 16, "lora": w.lora, "eval_prompts": 0, "max_length": 4096}
+              "batch_size": 16, "lora": w.lora, "eval_prompts": 0, "max_length": 4096, "batch_order": batch_order}
     model = random_model(qwen25_shape(w.args.vocab_size, 64, 128, 1, 4, 2, True), "cpu", torch.float32)
     with tempfile.TemporaryDirectory() as tmp:
         run = assemble(load_config(None, values), model, examples, None, torch.device("cpu"), "fp32",
@@ -295,16 +294,40 @@ def test_w2_ranks_planning_on_paced_counts_choose_the_same_sizes():
         run.parallel = Dist(rank, 2, rank)
         own.append([t for t, _ in planned_micro_batches(run)])
         paced.append([t for t, _ in planned_micro_batches(run, paced=True)])
+    return own, paced
 
-    def size_of(sizes, tokens):
-        return min(s for s in sizes if s > tokens)
 
+def size_of(sizes, tokens):
+    return min(s for s in sizes if s > tokens)
+
+
+def test_w2_ranks_planning_on_paced_counts_choose_the_same_sizes():
+    """W2 on 2 ranks, a capture costed at 2,048 tokens: planned on their own counts the ranks
+    choose different sizes and the slower rank's graphs sum to 145,280 tokens; on the paced
+    counts both choose the same four, summing to 141,248."""
+    from hivetune.ops.graphs import plan_sizes
+
+    own, paced = w2_rank_counts()
     sizes_own = [plan_sizes(counts, 2048) for counts in own]
     assert sizes_own == [[1408, 1536, 1728], [1344, 1472, 1600, 1728]]
     assert sum(max(size_of(sizes_own[0], a), size_of(sizes_own[1], b)) for a, b in zip(*own)) == 145_280
     sizes_paced = [plan_sizes(counts, 2048) for counts in paced]
     assert sizes_paced == [[1408, 1536, 1600, 1728]] * 2
     assert sum(size_of(sizes_paced[0], t) for t in paced[0]) == 141_248
+
+
+def test_w2_balanced_batch_order_takes_two_sizes_and_pads_less():
+    """batch_order=balanced on W2 (the same 1,500 examples, each step's 16 dealt by length): every
+    rank's micro-batch holds 1,430-1,474 tokens, so two graph sizes hold them all, and the slower
+    rank's graphs sum to 137,088 tokens against random order's 141,248 with four."""
+    from hivetune.ops.graphs import plan_sizes
+
+    own, paced = w2_rank_counts("balanced")
+    assert sum(own[0]) + sum(own[1]) == sum(sum(c) for c in w2_rank_counts()[0])  # the same tokens
+    assert (min(paced[0]), max(paced[0])) == (1430, 1474)
+    sizes = plan_sizes(paced[0], 2048)
+    assert sizes == plan_sizes(paced[1], 2048) == [1472, 1536]
+    assert sum(size_of(sizes, t) for t in paced[0]) == 137_088
 
 
 def test_captures_are_deferred_where_a_replay_covers_a_quarter_of_a_capture(monkeypatch):

