@@ -157,8 +157,8 @@ def balanced_window(steps: list[list[int]], lengths: list[int], seed: int, epoch
     their drawn order, itself random), cut into n strata of W consecutive examples, each stratum
     shuffled, step j taking the j-th example of each. A step's examples alternate long and short
     (strata 0, n-1, 1, n-2, ...), so that the micro-batches and ranks it is cut into are near even
-    too. W2's data (1,500 examples, 16 a step): each rank's tokens a step 1,449 +- 116 at random,
-    1,444 +- 10 balanced."""
+    too. W2's data (1,500 examples, 16 a step, 2 ranks): the larger rank share holds 1,449 +- 116
+    tokens a step at random, 1,450 +- 10 balanced (1,430-1,474)."""
     per_step, w = len(steps[0]), len(steps)
     drawn = [i for step in steps for i in step]
     by_length = sorted(range(len(drawn)), key=lambda k: (-lengths[drawn[k]], k))
