@@ -14,7 +14,7 @@ import torch
 
 from conftest import ops_records, write_jsonl
 from hivetune.data.batch import collate_packed, collate_padded
-from hivetune.data.dataset import example_order, index_dataset, load_example, plan_steps
+from hivetune.data.dataset import even_totals, example_order, index_dataset, load_example, plan_steps
 from hivetune.data.formats import chat_spans, check_record, detect_format, encode_record, iter_records
 from hivetune.errors import UserError
 from hivetune.model.tokenizer import load_tokenizer
@@ -367,8 +367,21 @@ def test_balanced_plan_deals_each_epochs_steps_to_even_token_counts():
         # the sum of the strata's spans, at most the longest minus the shortest example
         assert max(totals) - min(totals) <= max(lengths) - min(lengths)
         assert statistics.pstdev(totals) < statistics.pstdev(drawn_totals) / 4
+        assert len(set(totals)) == 1  # here even_totals' swaps leave every step at the same total
     assert steps == plan_steps(200, 16, 2.0, 0, seed=4, lengths=lengths, order="balanced")
     assert steps != plan_steps(200, 16, 2.0, 0, seed=5, lengths=lengths, order="balanced")
+
+
+def test_even_totals_swaps_within_a_place_until_no_swap_narrows_a_gap():
+    lengths = [100, 90, 80, 70, 30, 20, 10, 0]
+    steps = [[0, 4], [1, 5], [2, 6], [3, 7]]  # totals 130, 110, 90, 70
+    even = even_totals(steps, lengths)
+    assert steps == [[0, 4], [1, 5], [2, 6], [3, 7]]  # not changed in place
+    assert [sorted(place) for place in zip(*even)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [sum(lengths[i] for i in step) for step in even] == [100, 100, 100, 100]
+    assert even == [[3, 4], [2, 5], [1, 6], [0, 7]]  # place 0 swapped in both pairs (ties: the first place)
+    # a gap no swap narrows (each place's difference is the gap or more) stays
+    assert even_totals([[0, 3], [1, 2]], [10, 5, 4, 3]) == [[0, 3], [1, 2]]
 
 
 def test_balanced_plan_alternates_long_and_short_within_a_step():
