@@ -303,24 +303,27 @@ def size_of(sizes, tokens):
 
 def test_w2_ranks_planning_on_paced_counts_choose_the_same_sizes():
     """W2 on 2 ranks, a capture costed at 2,048 tokens: planned on their own counts the ranks
-    choose different sizes and the slower rank's graphs sum to 145,280 tokens; on the paced
-    counts both choose the same four, summing to 141,248."""
+    choose different sizes and the slower rank's graphs sum to 142,768 tokens; on the paced
+    counts both choose the same three, summing to 142,144 (at the 64-token grain before 16:
+    four, 141,248, one capture more)."""
     from hivetune.ops.graphs import plan_sizes
 
     own, paced = w2_rank_counts()
     sizes_own = [plan_sizes(counts, 2048) for counts in own]
-    assert sizes_own == [[1408, 1536, 1728], [1344, 1472, 1600, 1728]]
-    assert sum(max(size_of(sizes_own[0], a), size_of(sizes_own[1], b)) for a, b in zip(*own)) == 145_280
+    assert sizes_own == [[1424, 1568, 1728], [1360, 1472, 1568, 1728]]
+    assert sum(max(size_of(sizes_own[0], a), size_of(sizes_own[1], b)) for a, b in zip(*own)) == 142_768
     sizes_paced = [plan_sizes(counts, 2048) for counts in paced]
-    assert sizes_paced == [[1408, 1536, 1600, 1728]] * 2
-    assert sum(size_of(sizes_paced[0], t) for t in paced[0]) == 141_248
+    assert sizes_paced == [[1424, 1568, 1728]] * 2
+    assert sum(size_of(sizes_paced[0], t) for t in paced[0]) == 142_144
+    assert plan_sizes(paced[0], 2048, grain=64) == [1408, 1536, 1600, 1728]
+    assert sum(size_of([1408, 1536, 1600, 1728], t) for t in paced[0]) == 141_248
 
 
 def test_w2_balanced_batch_order_takes_one_size_and_pads_less():
     """batch_order=balanced on W2 (the same 1,500 examples, each step's 16 dealt by length, step
     totals evened): every rank's micro-batch holds 1,443-1,453 tokens, so one graph size holds
-    them all, and the slower rank's graphs sum to 136,896 tokens against random order's 141,248
-    with four; at a 16-token grain, 135,408 (the real tokens: 134,799)."""
+    them all, and the slower rank's graphs sum to 135,408 tokens (the real tokens: 134,799)
+    against random order's 142,144 with three; at the 64-token grain, 136,896."""
     from hivetune.ops.graphs import plan_sizes
 
     own, paced = w2_rank_counts("balanced")
@@ -328,9 +331,10 @@ def test_w2_balanced_batch_order_takes_one_size_and_pads_less():
     assert (min(own[0] + own[1]), max(own[0] + own[1])) == (1443, 1453)
     assert (min(paced[0]), max(paced[0]), sum(paced[0])) == (1448, 1453, 134_799)
     sizes = plan_sizes(paced[0], 2048)
-    assert sizes == plan_sizes(paced[1], 2048) == [1472]
-    assert sum(size_of(sizes, t) for t in paced[0]) == 136_896
-    assert plan_sizes(paced[0], 2048, grain=16) == [1456]
+    assert sizes == plan_sizes(paced[1], 2048) == [1456]
+    assert sum(size_of(sizes, t) for t in paced[0]) == 135_408
+    assert plan_sizes(paced[0], 2048, grain=64) == [1472]
+    assert sum(size_of([1472], t) for t in paced[0]) == 136_896
 
 
 def test_captures_are_deferred_where_a_replay_covers_a_quarter_of_a_capture(monkeypatch):

@@ -81,9 +81,14 @@ IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index; fused_target_loss
 # W1: 7 token buckets, 8% pad tokens (128: 13 buckets, 4%; 512: 4, 16%). HIVETUNE_GRAPH_BUCKET
 # overrides it for experiments (bench/profile_step.py --bucket).
 BUCKET_TOKENS = 256
-# Graph sizes chosen by plan_sizes are multiples of this; HIVETUNE_GRAPH_GRAIN=n for experiments
-# (is a multiple of the matmuls' 128-row tiles cheaper a token? bench/size_cost.py measures it).
-GRAIN = 64
+# Graph sizes chosen by plan_sizes are multiples of this; HIVETUNE_GRAPH_GRAIN=n for experiments.
+# 16 since session 33 (64 before). bench/size_cost.py (W2's graph, 8 examples, one H200) found no
+# saving at multiples of the matmuls' 128-row tiles: a replay's milliseconds grow ~54 us a token
+# with +-3 ms steps that follow no tile (1,456 tokens 77.5 ms, 1,472 80.8, 1,480 77.8, 1,488 80.3;
+# bench/results/ddp-33/), so a finer grain only pads less. W2 DDP with batch_order=balanced
+# (e8d315c, 2 x H200): one 1,456-token graph, 846 pad tokens a rank, 8.77 / 8.74 s, against one
+# of 1,472, 2,318 pad tokens, 8.89 / 8.99 s at 64.
+GRAIN = 16
 MAX_GRAPHS = 48  # keys beyond this many run eagerly
 # Capturing the sizes after the largest in turn, one every N micro-batches before that micro-batch's
 # replay, was tried and removed (session 15): W1 (H200, 91912cc) 11.43-11.85 s against 11.55-11.58;
