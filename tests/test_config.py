@@ -38,7 +38,7 @@ def test_all_errors_reported_together():
 
 def test_one_error_is_one_line():
     assert error_of(None, {**DATA, "grad_accum": -2}) == "grad_accum: must be > 0, got -2"
-    assert error_of(None, {**DATA, "batch_order": "sorted"}) == "batch_order: 'sorted' is not one of random, balanced"
+    assert error_of(None, {**DATA, "batch_order": "sorted"}) == "batch_order: 'sorted' is not one of auto, random, balanced"
     assert error_of(None, {**DATA, "device": "cpu", "precision": "fp16"}) == \
         "precision: fp16 needs a GPU; use bf16 or fp32 with device cpu"
 

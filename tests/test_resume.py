@@ -184,7 +184,7 @@ def test_changed_data_is_refused_on_resume(tiny_model_dir, tmp_path):
         fit(run, progress=False, stop_after=3)
     write_jsonl(data, ops_records(32))
     with pytest.raises(UserError, match=r"step-000002: written for a plan of 6 steps over 24 examples; the config "
-                                        r"now plans 8 steps over 32 examples \(did the data file change\?\)"):
+                                        r"now plans 8 steps over 32 examples \(did the data file change, or the step order: batch_order\?\)"):
         setup(run_cfg(tiny_model_dir, data, out, max_steps=0, epochs=1.0))
 
 

@@ -13,6 +13,7 @@ from hivetune.cli import main
 from hivetune.config import load_config
 from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.data.dataset import load_example, plan_steps
+from hivetune.errors import UserError
 from hivetune.model.lora import lora_parameters, lora_state_dict
 from hivetune.ops.loss import target_loss_sum
 from hivetune.train import fit, setup, split_validation, train
@@ -62,13 +63,14 @@ def test_grad_accumulation_equals_one_big_batch(tiny_model_dir, alpaca_file, tmp
             assert torch.allclose(value, other[key], atol=2e-6, rtol=1e-5), key
 
 
-# Losses of the first 4 steps of a fixed tiny run (seed 0, fp32, CPU, torch 2.13).
+# Losses of the first 4 steps of a fixed tiny run (seed 0, fp32, CPU, torch 2.13), in random order
+# (measured before batch_order's auto default dealt steps by length).
 GOLDEN_LOSSES = [5.957276, 5.896777, 5.810771, 5.812476]
 
 
 def test_golden_losses(tiny_model_dir, alpaca_file, tmp_path):
     run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "run", max_steps=4, lr=5e-3,
-                            lora={"r": 4, "alpha": 8, "dropout": 0.1}))
+                            lora={"r": 4, "alpha": 8, "dropout": 0.1}, batch_order="random"))
     fit(run, progress=False)
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert losses == pytest.approx(GOLDEN_LOSSES, abs=1e-5)
@@ -241,6 +243,63 @@ def test_fit_times_the_final_adapter_write_apart(tiny_model_dir, alpaca_file, tm
     assert (result.adapter / "adapter_model.safetensors").is_file()
 
 
+def test_batch_order_auto_is_balanced_with_packing_and_random_without(tiny_model_dir, alpaca_file, tmp_path):
+    plans = {}
+    for packing in (True, False):
+        cfg = tiny_config(tiny_model_dir, alpaca_file, tmp_path / f"run-{packing}", max_steps=0, epochs=1.0,
+                          batch_size=4, val_split=0.25, packing=packing)
+        assert cfg.batch_order == "auto"
+        plans[packing] = setup(cfg).steps
+    run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "balanced", max_steps=0, epochs=1.0,
+                            batch_size=4, val_split=0.25, batch_order="balanced"))
+    assert plans[True] == run.steps
+    run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "random", max_steps=0, epochs=1.0,
+                            batch_size=4, val_split=0.25, batch_order="random"))
+    assert plans[False] == run.steps != plans[True]
+
+
+def test_a_run_config_without_batch_order_resumes_in_random_order(tmp_path):
+    from hivetune.checkpoint import resume_config, resume_point
+    from hivetune.config import load_run_config, save_config
+
+    folder = tmp_path / "old-run"
+    folder.mkdir()
+    values = {"model": "m", "data": "d.jsonl", "output_dir": str(folder)}
+    save_config(load_config(None, values), folder / "config.yaml")
+    text = (folder / "config.yaml").read_text()
+    (folder / "config.yaml").write_text("".join(line for line in text.splitlines(keepends=True)
+                                                if not line.startswith("batch_order:")))
+    assert load_run_config(folder / "config.yaml").batch_order == "random"
+    assert resume_config(folder, None, {}).batch_order == "random"
+    assert resume_config(folder, None, {"batch_order": "random"}).batch_order == "random"
+    with pytest.raises(UserError, match=r"these flags change it: batch_order"):
+        resume_config(folder, None, {"batch_order": "balanced"})
+    # the same folder given as --output with today's default (auto): another config, refused
+    with pytest.raises(UserError, match=r"holds a run with another config \(batch_order"):
+        resume_point(folder, load_config(None, values))
+    assert resume_point(folder, load_config(None, {**values, "batch_order": "random"})) is None
+
+
+def test_accumulated_micro_batches_are_token_balanced_shares(tiny_model_dir, alpaca_file, tmp_path):
+    from hivetune.distributed import balanced_shares
+    from hivetune.ops.graphs import planned_micro_batches
+    from hivetune.train import micro_batches, micro_parts
+
+    run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "run", max_steps=3, batch_size=3, grad_accum=2))
+    lengths = run.data.lengths
+    for step in run.steps:
+        parts = micro_parts(run, step)
+        shares = balanced_shares([lengths[i] for i in step], 2)
+        assert parts == [[step[k] for k in sorted(share)] for share in shares]
+        assert sorted(i for part in parts for i in part) == sorted(step) and [len(p) for p in parts] == [3, 3]
+        assert [b.input_ids.shape[1] for b in micro_batches(run, step)] == [sum(lengths[i] for i in p) for p in parts]
+    assert [t for t, _ in planned_micro_batches(run, start=0)] == [
+        sum(lengths[i] for i in part) for step in run.steps for part in micro_parts(run, step)]
+    padded = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "padded", max_steps=3, batch_size=3,
+                               grad_accum=2, packing=False))
+    assert [micro_parts(padded, step) for step in padded.steps] == [[step[:3], step[3:]] for step in padded.steps]
+
+
 def test_batch_order_balanced_plans_the_training_examples(tiny_model_dir, alpaca_file, tmp_path, capsys):
     cfg = tiny_config(tiny_model_dir, alpaca_file, tmp_path / "run", max_steps=0, epochs=1.0, batch_size=4,
                       val_split=0.25, batch_order="balanced")
@@ -255,5 +314,5 @@ def test_batch_order_balanced_plans_the_training_examples(tiny_model_dir, alpaca
     # the CLI flag sets it; a bad value is the config's one-line error
     assert main(["train", "--model", str(tiny_model_dir), "--data", str(alpaca_file), "--output",
                  str(tmp_path / "bad"), "--batch-order", "sorted"]) == 2
-    assert capsys.readouterr().err.strip() == "hivetune: error: batch_order: 'sorted' is not one of random, balanced"
+    assert capsys.readouterr().err.strip() == "hivetune: error: batch_order: 'sorted' is not one of auto, random, balanced"
     assert not (tmp_path / "bad").exists()

@@ -259,7 +259,7 @@ def load_checkpoint(run, folder: Path) -> dict:
     if state["plan_length"] != len(run.steps) or state["plan_sha256"] != plan_hash(run.steps):
         raise UserError(f"{where}: written for a plan of {state['plan_length']} steps over {state['examples']} "
                         f"examples; the config now plans {len(run.steps)} steps over {len(run.data)} examples "
-                        f"(did the data file change?)")
+                        f"(did the data file change, or the step order: batch_order?)")
     load_lora_weights(run.model, folder)
     if getattr(run, "strategy", "none") == "fsdp":  # saved as a full (unsharded) state dict
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -316,9 +316,9 @@ def truncate_metrics(path: Path, step: int) -> None:
 def resume_point(folder: Path, cfg) -> Path | None:
     """For an output folder that already holds a run (config.yaml): refuse when its config
     differs from `cfg`, else return its newest valid checkpoint (None: start again at step 0)."""
-    from hivetune.config import load_config
+    from hivetune.config import load_run_config
 
-    diff = config_diff(load_config(folder / "config.yaml"), cfg)
+    diff = config_diff(load_run_config(folder / "config.yaml"), cfg)
     if diff:
         raise UserError(f"output_dir: {folder} holds a run with another config ({'; '.join(diff)}); "
                         f"choose another output, or resume it as it was with --resume {folder}")
@@ -355,18 +355,18 @@ def resume_config(run_folder: str | Path, config_path: str | None, overrides: di
     """`hivetune train --resume RUN`: RUN's saved config. Flags or a --config that would change
     it are refused with the keys they change: a resumed run continues the run it was. Only
     RUNTIME_KEYS (threads, device, skip_doctor) may be given anew; config.yaml stays as written."""
-    from hivetune.config import load_config
+    from hivetune.config import load_config, load_run_config
 
     folder = Path(run_folder)
     path = folder / "config.yaml"
     if not path.is_file():
         raise UserError(f"--resume: {folder} is not a run folder (no config.yaml)")
-    saved = load_config(path)
+    saved = load_run_config(path)
     output = overrides.get("output_dir")
     if output and Path(output).resolve() != folder.resolve():
         raise UserError(f"--output: {output} is not the resumed run {folder}; leave --output out")
     if config_path or overrides:
-        wanted = load_config(config_path or path, overrides)
+        wanted = load_config(config_path, overrides) if config_path else load_run_config(path, overrides)
         diff = config_diff(saved, wanted)
         if diff:
             raise UserError(f"--resume: a resumed run keeps its config; these flags change it: {'; '.join(diff)}")

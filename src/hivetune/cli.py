@@ -31,7 +31,7 @@ TRAIN_FLAGS = {
     "--grad-accum": ("grad_accum", {"type": int, "help": "micro-batches per optimizer step"}),
     "--lr": ("lr", {"type": float}),
     "--schedule": ("schedule", {"help": "cosine | linear | constant"}),
-    "--batch-order": ("batch_order", {"help": "random | balanced (steps of even token counts)"}),
+    "--batch-order": ("batch_order", {"help": "auto (balanced with packing, else random) | random | balanced (steps of even token counts)"}),
     "--warmup-steps": ("warmup_steps", {"type": int}),
     "--precision": ("precision", {"help": "bf16 | fp16 | fp32 | auto"}),
     "--device": ("device", {"help": "cuda | cpu | auto"}),

@@ -21,7 +21,7 @@ from hivetune.model.lora import DEFAULT_TARGETS
 FORMATS = ("auto", "alpaca", "chat", "text")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "linear", "constant")
-BATCH_ORDERS = ("random", "balanced")
+BATCH_ORDERS = ("auto", "random", "balanced")
 LORA_INPUTS = ("auto", "keep", "recompute")
 WIDE_LORA = ("auto", "true", "false")
 DEVICES = ("auto", "cpu", "cuda")
@@ -75,11 +75,13 @@ class TrainConfig:
     """Put loss on prompt tokens too (default: response tokens only)."""
     packing: bool = True
     """Pack the examples of a micro-batch into one row with per-example attention (no padding)."""
-    batch_order: str = "random"
+    batch_order: str = "auto"
     """random: each step draws its examples from the epoch's shuffled order. balanced: the same
     epochs, each step's examples dealt by length so that every step holds about the same number of
     tokens (one from each length stratum, still at random): CUDA graphs then need fewer sizes and
-    pad less, and the largest micro-batch (the memory peak) is near the mean."""
+    pad less, and the largest micro-batch (the memory peak) is near the mean. auto: balanced with
+    packing, random without (a padded micro-batch would hold a long example every step). A run
+    folder whose config.yaml predates this key resumes as random (step_order)."""
     output_dir: str = ""
     """Run folder; empty: runs/<date>-<time>. An existing run folder of the same config is
     resumed from its newest valid checkpoint; any other non-empty folder is refused."""
@@ -367,6 +369,23 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     if errors:
         raise UserError("invalid config:\n  " + "\n  ".join(errors) if len(errors) > 1 else errors[0])
     return cfg
+
+
+def step_order(cfg: TrainConfig) -> str:
+    """The step plan's order (data.dataset.plan_steps) for batch_order: auto is balanced with
+    packing, random without."""
+    if cfg.batch_order != "auto":
+        return cfg.batch_order
+    return "balanced" if cfg.packing else "random"
+
+
+def load_run_config(path: str | Path, overrides: dict | None = None) -> TrainConfig:
+    """A run folder's config.yaml (load_config), keys it lacks given the value its run had: a
+    config written before batch_order existed ran in random order."""
+    values = read_yaml(path)
+    if isinstance(values, dict) and "batch_order" not in values:
+        overrides = {"batch_order": "random", **(overrides or {})}
+    return load_config(path, overrides)
 
 
 def validate(cfg: TrainConfig) -> list[str]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from hivetune.checkpoint import load_lora_weights, resume_point, resume_run, save_checkpoint
-from hivetune.config import TrainConfig, save_config
+from hivetune.config import TrainConfig, save_config, step_order
 from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset, plan_steps
 from hivetune import distributed
@@ -243,7 +243,7 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     train_ids, val_ids = split_validation(len(data), cfg.val_split, cfg.seed)
     lengths = [data.lengths[i] for i in train_ids]
     steps = [[train_ids[i] for i in step] for step in plan_steps(
-        len(train_ids), per_step, cfg.epochs, cfg.max_steps, cfg.seed, lengths, cfg.batch_order)]
+        len(train_ids), per_step, cfg.epochs, cfg.max_steps, cfg.seed, lengths, step_order(cfg))]
     params = lora_parameters(model)
     # Fused on the CPU too: one pass over all LoRA tensors instead of ~10 foreach kernels each
     # (SmolLM2's 420, 2-core CPU: ~35 -> ~10 ms a step single-threaded, and far less exposed to
@@ -369,14 +369,27 @@ def micro_batches(run: Run, example_ids: list[int], size: int = 0, step: int | N
     (default batch_size: grad_accum micro-batches); given the step's index, each carries its
     dropout seeds (dropout_seeds)."""
     cfg = run.cfg
-    size = size or cfg.batch_size
-    examples = [run.data.example(i) for i in example_ids]
     pad = run.pad_id
-    for k, start in enumerate(range(0, len(examples), size)):
-        chunk = examples[start:start + size]
+    for k, part in enumerate(micro_parts(run, example_ids, size)):
+        chunk = [run.data.example(i) for i in part]
         batch = collate_packed(chunk, pad_id=pad) if cfg.packing else collate_padded(chunk, pad)
         batch.dropout_seeds = dropout_seeds(run, step, k) if step is not None else None
         yield batch
+
+
+def micro_parts(run: Run, example_ids: list[int], size: int = 0) -> list[list[int]]:
+    """These examples cut into micro-batches of at most `size` (default batch_size): with packing
+    and the examples' lengths, as many micro-batches as `size` gives, of near-equal counts and
+    token sums (distributed.balanced_shares, each keeping the examples' order), so that one
+    process's grad_accum micro-batches are the shares that as many ranks would take (the same
+    sums, in the same groups); else consecutive runs of `size`."""
+    size = size or run.cfg.batch_size
+    lengths = getattr(run.data, "lengths", None)
+    n = -(-len(example_ids) // size)
+    if n <= 1 or not run.cfg.packing or lengths is None:
+        return [example_ids[i:i + size] for i in range(0, len(example_ids), size)]
+    return [[example_ids[k] for k in sorted(share)]
+            for share in distributed.balanced_shares([lengths[i] for i in example_ids], n)]
 
 
 def dropout_seeds(run: Run, step: int, micro: int) -> torch.Tensor | None:

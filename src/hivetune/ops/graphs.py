@@ -292,9 +292,10 @@ def _step_shares(run, start: int | None):
 
 
 def _micro_parts(run, share: list[int]) -> list[list[int]]:
-    """A rank's share of a step cut into micro-batches of batch_size examples, as the loop cuts it."""
-    size = run.cfg.batch_size
-    return [share[i:i + size] for i in range(0, len(share), size)]
+    """A rank's share of a step cut into micro-batches, as the loop cuts it (train.micro_parts)."""
+    from hivetune.train import micro_parts
+
+    return micro_parts(run, share)
 
 
 def planned_micro_targets(run, start: int | None = None) -> list[int]:
