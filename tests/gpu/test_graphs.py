@@ -519,16 +519,16 @@ def test_default_graph_plan_matches_all_its_references(tmp_path, monkeypatch):
 
 def test_the_grain_variable_sets_the_planned_sizes_multiple(tmp_path, monkeypatch):
     """HIVETUNE_GRAPH_GRAIN=128 (an experiment): every planned size is a multiple of 128 (the
-    default grain, 64, plans at least one that is not, on this data), and the losses and
+    default grain, 16, plans at least one that is not, on this data), and the losses and
     gradients match the default grain's within the padding's rounding."""
     monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
     monkeypatch.setattr(graphs, "capture_cost_tokens", lambda capture_s, s_per_token: 1.0)
-    ref_losses, ref_grads, ref = deferred_run(tmp_path / "grain-64")
+    ref_losses, ref_grads, ref = deferred_run(tmp_path / "grain-default")
     monkeypatch.setenv("HIVETUNE_GRAPH_GRAIN", "128")
     losses, grads, graphed = deferred_run(tmp_path / "grain-128")
     sizes = [s for seg_sizes in graphed.sizes.values() for s in seg_sizes]
     ref_sizes = [s for seg_sizes in ref.sizes.values() for s in seg_sizes]
     assert graphed.grain == 128 and sizes and all(s % 128 == 0 for s in sizes) and graphed.stats["eager"] == 0
-    assert ref.grain == 64 and any(s % 128 for s in ref_sizes)
+    assert ref.grain == graphs.GRAIN == 16 and any(s % 128 for s in ref_sizes)
     assert losses == pytest.approx(ref_losses, rel=1e-2)
     assert (grads - ref_grads).norm() / ref_grads.norm() < 2e-2
