@@ -365,9 +365,9 @@ def split_validation(n: int, fraction: float, seed: int) -> tuple[list[int], lis
 
 
 def micro_batches(run: Run, example_ids: list[int], size: int = 0, step: int | None = None):
-    """Tokenise the step's examples and cut them into micro-batches of `size` examples
-    (default batch_size: grad_accum micro-batches); given the step's index, each carries its
-    dropout seeds (dropout_seeds)."""
+    """Tokenise the step's examples and cut them into micro-batches of at most `size` examples
+    (default batch_size: grad_accum micro-batches; micro_parts); given the step's index, each
+    carries its dropout seeds (dropout_seeds)."""
     cfg = run.cfg
     pad = run.pad_id
     for k, part in enumerate(micro_parts(run, example_ids, size)):

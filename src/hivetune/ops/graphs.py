@@ -252,10 +252,10 @@ def planned_micro_batches(run, start: int | None = None, paced: bool = False) ->
     paced: each micro-batch's tokens are the most any rank has at that place of the step (this
     rank's segment count kept). Under DDP the step's all-reduce waits for the slowest rank, so
     a step costs the largest graph any rank replays there: the sizes to plan are for those
-    counts. Planned on their own counts, W2's two ranks (93 steps of 8 + 8 examples, a capture
-    costed at 2,048 tokens) chose [1408, 1536, 1728] and [1344, 1472, 1600, 1728], and the
-    slower rank's graphs summed to 145,280 tokens a rank; planned on the paced counts, both
-    choose [1408, 1536, 1600, 1728]: 141,248 (tests/ops/test_graphs_bucketing.py)."""
+    counts. Planned on their own counts, W2's two ranks (93 steps of 8 + 8 examples in random
+    order, a capture costed at 2,048 tokens, the 16-token grain) choose [1424, 1568, 1728] and
+    [1360, 1472, 1568, 1728], and the slower rank's graphs sum to 142,768 tokens a rank; planned
+    on the paced counts, both choose [1424, 1568, 1728]: 142,144 (tests/ops/test_graphs_bucketing.py)."""
     lengths = getattr(run.data, "lengths", None)
     if lengths is None:
         return []
