@@ -63,9 +63,13 @@ class Dist:
         HIVETUNE_RANK_SPEEDS, an experiment, tokens in proportion to each rank's speed)."""
         if lengths is None:
             return [ids[r::self.world] for r in range(self.world)]
-        speeds = rank_speeds(self.world)
-        return [[ids[k] for k in sorted(share)]
-                for share in balanced_shares([lengths[i] for i in ids], self.world, speeds)]
+        return balanced_split(ids, lengths, self.world, rank_speeds(self.world))
+
+
+def balanced_split(ids: list, lengths, n: int, speeds: list[float] | None = None) -> list[list]:
+    """These examples in `n` shares of near-equal count and token sum (balanced_shares over their
+    `lengths`, indexed by example), each share keeping the examples' order."""
+    return [[ids[k] for k in sorted(share)] for share in balanced_shares([lengths[i] for i in ids], n, speeds)]
 
 
 def rank_speeds(world: int) -> list[float] | None:

@@ -380,7 +380,7 @@ def micro_batches(run: Run, example_ids: list[int], size: int = 0, step: int | N
 def micro_parts(run: Run, example_ids: list[int], size: int = 0) -> list[list[int]]:
     """These examples cut into micro-batches of at most `size` (default batch_size): with packing
     and the examples' lengths, as many micro-batches as `size` gives, of near-equal counts and
-    token sums (distributed.balanced_shares, each keeping the examples' order), so that one
+    token sums (distributed.balanced_split, as Dist.shares splits a step among ranks), so that one
     process's grad_accum micro-batches are the shares that as many ranks would take (the same
     sums, in the same groups); else consecutive runs of `size`."""
     size = size or run.cfg.batch_size
@@ -388,8 +388,7 @@ def micro_parts(run: Run, example_ids: list[int], size: int = 0) -> list[list[in
     n = -(-len(example_ids) // size)
     if n <= 1 or not run.cfg.packing or lengths is None:
         return [example_ids[i:i + size] for i in range(0, len(example_ids), size)]
-    return [[example_ids[k] for k in sorted(share)]
-            for share in distributed.balanced_shares([lengths[i] for i in example_ids], n)]
+    return distributed.balanced_split(example_ids, lengths, n)
 
 
 def dropout_seeds(run: Run, step: int, micro: int) -> torch.Tensor | None:
