@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from hivetune.bench import environment  # noqa: E402
+from hivetune.workflows.bench import environment  # noqa: E402
 from hivetune.ops import blas  # noqa: E402
 
 D, FF = 3584, 18944  # W2's hidden and intermediate widths

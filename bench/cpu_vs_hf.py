@@ -27,10 +27,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from hivetune.config import load_config  # noqa: E402
+from hivetune.core.config import load_config  # noqa: E402
 from hivetune.data.dataset import load_example  # noqa: E402
-from hivetune.embedded import default_train_data, embedded_model_path  # noqa: E402
-from hivetune.train import fit, setup  # noqa: E402
+from hivetune.core.embedded import default_train_data, embedded_model_path  # noqa: E402
+from hivetune.train.loop import fit, setup  # noqa: E402
 
 
 def hivetune_run(steps: int, batch: int, out: Path) -> tuple[object, dict]:

@@ -41,8 +41,8 @@ def main() -> None:
     parser.add_argument("--note", default="", help="free text for machine_note (what else was running)")
     args = parser.parse_args()
 
-    from hivetune.embedded import default_train_data
-    from hivetune.report import environment
+    from hivetune.core.embedded import default_train_data
+    from hivetune.workflows.report import environment
 
     commit = os.environ.get("HIVETUNE_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hivetune.bench import environment  # noqa: E402  (versions, driver, commit)
+from hivetune.workflows.bench import environment  # noqa: E402  (versions, driver, commit)
 from hivetune.ops import elementwise as ew  # noqa: E402
 from hivetune.ops.lora_group import mm_fp32  # noqa: E402
 

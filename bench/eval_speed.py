@@ -34,8 +34,8 @@ def main() -> None:
     import torch
 
     from hivetune.data.synth import synthesize
-    from hivetune.evaluate import evaluate
-    from hivetune.report import environment
+    from hivetune.workflows.evaluate import evaluate
+    from hivetune.workflows.report import environment
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:

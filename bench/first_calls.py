@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hivetune.bench import environment  # noqa: E402
-from hivetune.fastpath import FusedAdamW, clip_grad_norm, tail_kernels  # noqa: E402
+from hivetune.workflows.bench import environment  # noqa: E402
+from hivetune.core.fastpath import FusedAdamW, clip_grad_norm, tail_kernels  # noqa: E402
 
 HIDDEN, INTER, KV, LAYERS, R = 3584, 18944, 512, 28, 32  # Qwen2.5-7B, W2's LoRA rank
 

@@ -58,7 +58,7 @@ def main() -> None:
     import json
     from datetime import datetime
 
-    from hivetune.bench import environment, git_commit
+    from hivetune.workflows.bench import environment, git_commit
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="")

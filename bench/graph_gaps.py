@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 os.environ.setdefault("HIVETUNE_GRAPH_MAX_TFLOP", "1000")
 os.environ["HIVETUNE_GRAPH_TIMING"] = "1"
 
-from hivetune.bench import WORKLOADS, random_model, workload_examples  # noqa: E402
-from hivetune.config import load_config  # noqa: E402
+from hivetune.workflows.bench import WORKLOADS, random_model, workload_examples  # noqa: E402
+from hivetune.core.config import load_config  # noqa: E402
 from hivetune.data.dataset import TokenizedExamples  # noqa: E402
 from hivetune.ops import graphs  # noqa: E402
-from hivetune.train import assemble, fit  # noqa: E402
+from hivetune.train.loop import assemble, fit  # noqa: E402
 
 
 def main() -> None:
@@ -81,7 +81,7 @@ def main() -> None:
     if opts.out:
         import json
 
-        from hivetune.bench import environment
+        from hivetune.workflows.bench import environment
 
         env = environment(torch.device("cuda"))
         record = {"environment": env, "workload": opts.workload, "steps_before": opts.steps, "graph_tokens": key[0],

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from hivetune.bench import environment
+from hivetune.workflows.bench import environment
 
 
 def captured(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.cuda.CUDAGraph:

@@ -20,7 +20,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hivetune.bench import environment  # noqa: E402
+from hivetune.workflows.bench import environment  # noqa: E402
 from hivetune.ops import elementwise  # noqa: E402
 from hivetune.ops.lora_group import lora_group, mm_fp32  # noqa: E402
 

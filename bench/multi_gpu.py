@@ -25,15 +25,16 @@ from pathlib import Path
 
 import torch
 
-from hivetune import distributed, fastpath
-from hivetune.bench import (WORKLOADS, allocator_counts, environment, git_commit, init_like_hf, qwen25_shape,
+from hivetune.parallel import distributed
+from hivetune.core import fastpath
+from hivetune.workflows.bench import (WORKLOADS, allocator_counts, environment, git_commit, init_like_hf, qwen25_shape,
                             random_model, workload_examples)
-from hivetune.config import load_config, parse_overrides
+from hivetune.core.config import load_config, parse_overrides
 from hivetune.data.dataset import TokenizedExamples
-from hivetune.fastpath import prewarm
+from hivetune.core.fastpath import prewarm
 from hivetune.model.decoder import CausalLM
-from hivetune.ops import graphs
-from hivetune.train import assemble, fit
+from hivetune.train import graphs
+from hivetune.train.loop import assemble, fit
 
 QWEN25_14B = qwen25_shape(152064, 5120, 13824, 48, 40, 8, False)
 
@@ -161,7 +162,7 @@ def step_timeline(rank: int):
     if not folder:
         yield
         return
-    import hivetune.train as train_module
+    import hivetune.train.loop as train_module
 
     marks: list[tuple[str, int, object, float]] = []  # (what, step index, event, host seconds)
     tail: list[tuple[str, int, object, float]] = []  # clipping and the optimizer, marked alike
@@ -296,7 +297,7 @@ def first_steps_profile(rank: int):
     import cProfile
     import pstats
 
-    import hivetune.train as train_module
+    import hivetune.train.loop as train_module
 
     step_fn = train_module.accumulate_step
     profiler, calls, t0, wall = cProfile.Profile(), 0, time.perf_counter(), [0.0]
@@ -345,7 +346,7 @@ def pass_profile(rank: int, passes: int = 4):
     import cProfile
     import pstats
 
-    import hivetune.train as train_module
+    import hivetune.train.loop as train_module
 
     original = train_module.forward_backward
     reports: list[str] = []

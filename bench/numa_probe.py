@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hivetune.bench import environment, launch_us  # noqa: E402
+from hivetune.workflows.bench import environment, launch_us  # noqa: E402
 
 
 def cpulist(text: str) -> set[int]:

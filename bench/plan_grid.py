@@ -70,7 +70,7 @@ def point_dict(row, graphs: bool = False) -> dict:
 
 def predict(p: dict) -> dict:
     """hivetune.plan's prediction for the point, on this machine's torch (varlen GQA or not)."""
-    from hivetune.bench import qwen25_shape
+    from hivetune.workflows.bench import qwen25_shape
     from hivetune.ops.attention import _varlen_fn
     from hivetune.plan.memory import MemoryConfig, breakdown
     from hivetune.plan.planner import bucketed, training_path
@@ -94,7 +94,7 @@ def predict(p: dict) -> dict:
 
 def predict_seconds(p: dict, tokens: int, gpu) -> float | None:
     """plan/timing.py's seconds for one micro-batch of the point (None: no rates for this GPU)."""
-    from hivetune.bench import qwen25_shape
+    from hivetune.workflows.bench import qwen25_shape
     from hivetune.plan.timing import micro_batch_seconds
 
     if gpu is None:
@@ -108,15 +108,15 @@ def run_point(p: dict) -> dict:
     """In this (fresh) process: build, train a few steps, measure."""
     import torch
 
-    from hivetune.bench import init_like_hf, qwen25_shape
-    from hivetune.config import load_config
+    from hivetune.workflows.bench import init_like_hf, qwen25_shape
+    from hivetune.core.config import load_config
     from hivetune.data.dataset import TokenizedExamples
     from hivetune.data.formats import Encoded
-    from hivetune.device import DTYPES
+    from hivetune.core.device import DTYPES
     from hivetune.model.decoder import CausalLM
     from hivetune.ops.attention import _varlen_fn
     from hivetune.ops.fused_ce import fused_target_loss_sum
-    from hivetune.train import assemble, autocast, fit, micro_batches
+    from hivetune.train.loop import assemble, autocast, fit, micro_batches
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a smoke test only
     mem = torch.cuda if device.type == "cuda" else _NoCuda()
@@ -140,7 +140,7 @@ def run_point(p: dict) -> dict:
     if p["targets"]:
         lora["targets"] = p["targets"]
     extra = {}
-    from hivetune.config import TrainConfig
+    from hivetune.core.config import TrainConfig
     if "cuda_graphs" in TrainConfig.__dataclass_fields__:
         extra["cuda_graphs"] = p["cuda_graphs"]
     cfg = load_config(None, {**extra, "model": "random", "data": "generator", "precision": p["precision"], "device": device.type,
@@ -186,7 +186,7 @@ def run_point(p: dict) -> dict:
 
 def _graph_stats():
     try:
-        from hivetune.ops import graphs
+        from hivetune.train import graphs
         return {k: v for k, v in graphs.last_stats.items() if isinstance(v, (int, float, str, bool))}
     except Exception:
         return None
@@ -230,7 +230,6 @@ def markdown(record: dict) -> str:
 def timing_calibration(record: dict, gpu) -> dict | None:
     """plan/timing.calibrate on the grid just written, beside the constants in use."""
     from hivetune.plan import timing
-
     if gpu is None:
         return None
     try:
@@ -272,7 +271,7 @@ def main() -> int:
         return 0
     import torch
 
-    from hivetune.bench import environment
+    from hivetune.workflows.bench import environment
     from hivetune.plan.gpus import gpu_for_device_name
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

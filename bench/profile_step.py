@@ -28,16 +28,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hivetune.bench import WORKLOADS, random_model, workload_examples  # noqa: E402
-from hivetune.config import load_config, parse_overrides  # noqa: E402
-from hivetune.device import cap_memory  # noqa: E402
+from hivetune.workflows.bench import WORKLOADS, random_model, workload_examples  # noqa: E402
+from hivetune.core.config import load_config, parse_overrides  # noqa: E402
+from hivetune.core.device import cap_memory  # noqa: E402
 from hivetune.data.dataset import TokenizedExamples  # noqa: E402
-from hivetune.train import assemble, fit  # noqa: E402
+from hivetune.train.loop import assemble, fit  # noqa: E402
 
 
 def capture_seconds() -> float:
-    from hivetune.ops import graphs
-
+    from hivetune.train import graphs
     return graphs.last_stats.get("capture_s", 0.0) if graphs.last_stats else 0.0
 
 
@@ -81,8 +80,7 @@ def main() -> None:
         heads = args.num_attention_heads
         args = dataclasses.replace(args, hidden_size=16 * heads, head_dim=16, intermediate_size=512, vocab_size=8192)
     if opts.first:  # as train's setup and the benchmark do: Triton's first-launch work overlaps the build
-        from hivetune import fastpath
-
+        from hivetune.core import fastpath
         fastpath.prewarm(device)
     examples = TokenizedExamples(workload_examples(w.n_examples, args.vocab_size, w.cap))
     model = random_model(args, device, torch.bfloat16)
@@ -94,8 +92,7 @@ def main() -> None:
         for layer in model.model.layers:
             layer.compile(dynamic=True)
     if opts.first:
-        from hivetune import fastpath
-
+        from hivetune.core import fastpath
         if fastpath._PREWARM is not None:
             fastpath._PREWARM.join()
         run.steps = run.steps[:opts.steps]
@@ -125,8 +122,7 @@ def main() -> None:
         fit(run, progress=False)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        from hivetune.ops import graphs
-
+        from hivetune.train import graphs
         cap = capture_seconds()
         print(f"{len(rest)} steps in {seconds:.3f} s ({1000 * seconds / len(rest):.1f} ms/step; "
               f"{1000 * (seconds - cap) / len(rest):.1f} ms/step without {cap:.2f} s of graph capture), "

@@ -27,12 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hivetune.bench import WORKLOADS, environment, workload_examples  # noqa: E402
-from hivetune.config import load_config  # noqa: E402
+from hivetune.workflows.bench import WORKLOADS, environment, workload_examples  # noqa: E402
+from hivetune.core.config import load_config  # noqa: E402
 from hivetune.data.dataset import TokenizedExamples  # noqa: E402
 from hivetune.ops import graphs  # noqa: E402
 from hivetune.ops.fused_ce import fused_target_loss_sum  # noqa: E402
-from hivetune.train import assemble, micro_batches  # noqa: E402
+from hivetune.train.loop import assemble, micro_batches  # noqa: E402
 from multi_gpu import random_model_bf16  # noqa: E402  (bench/, this script's folder)
 
 

@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import hivetune.train as train  # noqa: E402
-from hivetune.bench import WORKLOADS, allocator_counts, run_hivetune  # noqa: E402
-from hivetune.config import parse_overrides  # noqa: E402
+import hivetune.train.loop as train  # noqa: E402
+from hivetune.workflows.bench import WORKLOADS, allocator_counts, run_hivetune  # noqa: E402
+from hivetune.core.config import parse_overrides  # noqa: E402
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from hivetune.bench import WORKLOADS, environment
+from hivetune.workflows.bench import WORKLOADS, environment
 from hivetune.model.lora import to_host
 
 

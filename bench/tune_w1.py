@@ -3,7 +3,7 @@
 Usage (one device call):
     HIVETUNE_COMMIT=<short hash> python bench/tune_w1.py --out "$OUT/results"
 
-W1 (hivetune.bench.WORKLOADS, ../shared/WORKLOADS.md): Qwen2.5-0.5B's shape, 8 examples an
+W1 (hivetune.workflows.bench.WORKLOADS, ../shared/WORKLOADS.md): Qwen2.5-0.5B's shape, 8 examples an
 optimizer step, LoRA r 8 / alpha 16 / dropout 0.05 on all seven projections, bf16 on a GPU. Its
 config.json goes to a temporary folder (tune reads the architecture only and trains a random-init
 model). tune runs every example at one length (--length); W1's examples (bench.workload_examples)
@@ -52,9 +52,9 @@ def main() -> int:
 
     import torch
 
-    from hivetune.bench import WORKLOADS, environment, qwen25_shape, workload_examples
-    from hivetune.config import load_config
-    from hivetune.tune import format_tune, tune
+    from hivetune.workflows.bench import WORKLOADS, environment, qwen25_shape, workload_examples
+    from hivetune.core.config import load_config
+    from hivetune.workflows.tune import format_tune, tune
 
     w = WORKLOADS["W1"]
     args = qwen25_shape(512, 64, 128, 2, 4, 2, True) if ns.tiny else w.args

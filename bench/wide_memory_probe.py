@@ -24,12 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hivetune.bench import WORKLOADS, allocator_counts, environment, random_model, workload_examples  # noqa: E402
-from hivetune.config import load_config  # noqa: E402
+from hivetune.workflows.bench import WORKLOADS, allocator_counts, environment, random_model, workload_examples  # noqa: E402
+from hivetune.core.config import load_config  # noqa: E402
 from hivetune.data.dataset import TokenizedExamples  # noqa: E402
-from hivetune.device import cap_memory  # noqa: E402
+from hivetune.core.device import cap_memory  # noqa: E402
 from hivetune.ops import graphs  # noqa: E402
-from hivetune.train import assemble, fit  # noqa: E402
+from hivetune.train.loop import assemble, fit  # noqa: E402
 
 GIB = 2 ** 30
 

@@ -7,9 +7,7 @@ import json
 
 import torch
 
-from hivetune import bench
-
-
+from hivetune.workflows import bench
 def test_an_experiment_switch_is_recorded_and_shown_in_the_table(tmp_path, monkeypatch):
     for name in bench.EXPERIMENTS:
         monkeypatch.delenv(name, raising=False)

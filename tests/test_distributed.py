@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hivetune.distributed import Dist, balanced_shares, torchrun_argv
-from hivetune.errors import UserError
-from hivetune.train import setup, train
+from hivetune.parallel.distributed import Dist, balanced_shares, torchrun_argv
+from hivetune.core.errors import UserError
+from hivetune.train.loop import setup, train
 
 from test_train import tiny_config
 
@@ -51,8 +51,7 @@ def test_balanced_shares_are_remembered_but_fresh_each_call():
     """balanced_shares remembers a split by its arguments (the graphs' plan and the loop split the
     same steps again) and hands out new lists each time: a caller that edits its copy changes no
     later answer; other speeds are another split."""
-    from hivetune import distributed
-
+    from hivetune.parallel import distributed
     lens = [300, 120, 95, 410, 60, 220, 180, 75]
     distributed._balanced_shares.cache_clear()
     first = balanced_shares(lens, 2)
@@ -155,9 +154,9 @@ def test_fsdp2_two_processes_checkpoint_and_resume(tiny_model_dir, alpaca_file, 
 
 
 def test_auto_strategy_follows_the_planner():
-    from hivetune.bench import qwen25_shape
-    from hivetune.config import load_config
-    from hivetune.distributed import choose_strategy
+    from hivetune.workflows.bench import qwen25_shape
+    from hivetune.core.config import load_config
+    from hivetune.parallel.distributed import choose_strategy
 
     cuda, gib = torch.device("cuda"), 2**30
     cfg = load_config(None, {"model": "x", "data": "y.jsonl", "precision": "bf16", "batch_size": 4, "max_length": 512})
@@ -193,7 +192,7 @@ def test_torchrun_worker_exit_keeps_output_and_exit_code(tmp_path):
 def _allreduce_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from hivetune.distributed import Dist, allreduce_gradients
+    from hivetune.parallel.distributed import Dist, allreduce_gradients
     from hivetune.ops.lora_group import GradArena
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -204,7 +203,7 @@ def _allreduce_worker(rank: int, port: int, out: str) -> None:
         for i, (p, g) in enumerate(zip(params, arena.grads)):
             g.copy_(torch.arange(g.numel(), dtype=torch.float32).view(g.shape) * (rank + 1) + i)
             p.grad = g
-        from hivetune.fastpath import one_buffer
+        from hivetune.core.fastpath import one_buffer
 
         assert one_buffer([p.grad for p in params]) is arena.flat  # so the in-place path is the one taken
         allreduce_gradients(params, Dist(rank=rank, world=2))

@@ -13,7 +13,7 @@ import hivetune.doctor.preflight as preflight_module
 from hivetune.cli import main
 from hivetune.doctor import GPUInfo
 from hivetune.doctor.preflight import check_stack, preflight, probe_stack
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 from test_doctor import GIB, NO_VARS, RX9070, cuda_env, rocm_env, with_vars
 
 RTX5090 = GPUInfo(0, "NVIDIA GeForce RTX 5090", "sm_120", 32 * GIB, True)

@@ -10,8 +10,8 @@ import torch
 
 from conftest import ops_records, write_jsonl
 from hivetune.cli import main
-from hivetune.errors import UserError
-from hivetune.evaluate import (command_hit, exact_match, generate_sorted, lcs_length, normalize_answer,
+from hivetune.core.errors import UserError
+from hivetune.workflows.evaluate import (command_hit, exact_match, generate_sorted, lcs_length, normalize_answer,
                                read_examples, reference_commands, rouge_l, score_model, token_f1)
 
 EVAL_ARGS = ["--max-new-tokens", "8", "--batch-size", "4", "--precision", "fp32", "--device", "cpu"]
@@ -53,7 +53,7 @@ def trained(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def report(trained, tiny_model_dir):
-    from hivetune.evaluate import evaluate
+    from hivetune.workflows.evaluate import evaluate
 
     run, data = trained
     return evaluate(model=str(tiny_model_dir), adapter=str(run), data=str(data), max_new_tokens=8,
@@ -131,7 +131,7 @@ def test_loss_equals_training_loss(report, trained, tuned_model):
 
 
 def test_batched_generation_equals_one_by_one(trained, tuned_model):
-    from hivetune.generate import encode_prompt, greedy_ids
+    from hivetune.workflows.generate import encode_prompt, greedy_ids
 
     model, tokenizer = tuned_model
     examples = read_examples(trained[1], tokenizer, 1024)
@@ -152,8 +152,8 @@ def test_batched_generation_equals_one_by_one(trained, tuned_model):
 def test_one_pass_losses_and_answers_equal_the_two_passes(trained, tuned_model):
     """The loss pass's prompt keys and values seed the decoding (KVCache.prefix): same losses as
     response_losses, same answers as greedy decoding of each prompt alone, stop tokens included."""
-    from hivetune.evaluate import losses_and_answers, response_losses
-    from hivetune.generate import greedy_ids
+    from hivetune.workflows.evaluate import losses_and_answers, response_losses
+    from hivetune.workflows.generate import greedy_ids
 
     model, tokenizer = tuned_model
     examples = read_examples(trained[1], tokenizer, 1024)
@@ -174,7 +174,7 @@ def test_one_pass_losses_and_answers_equal_the_two_passes(trained, tuned_model):
 def test_merged_lora_is_the_tuned_model(trained, tuned_model):
     """The tuned side runs merged (W + s B A): same answers and losses as the LoRA path in fp32,
     and the base weights are exactly back afterwards."""
-    from hivetune.evaluate import merged_lora
+    from hivetune.workflows.evaluate import merged_lora
     from hivetune.model.lora import lora_modules
 
     model, tokenizer = tuned_model
@@ -340,7 +340,7 @@ def test_default_job_tuned_beats_base(tmp_path):
     import subprocess
     import sys
 
-    from hivetune.embedded import embedded_model_path
+    from hivetune.core.embedded import embedded_model_path
 
     try:
         embedded_model_path()

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import build_tiny_model, build_tokenizer
 from hivetune.cli import main
-from hivetune.errors import UserError
-from hivetune.export import export, modelfile
+from hivetune.core.errors import UserError
+from hivetune.workflows.export import export, modelfile
 from hivetune.model.gguf_write import gguf_arch
 from hivetune.model.load import load_model, permute_rope_rows
 from hivetune.model.lora import LoRASpec, apply_lora, lora_modules, save_adapter
@@ -335,7 +335,7 @@ def test_not_enough_disk_writes_nothing(llama_run, tmp_path, monkeypatch):
 
 
 def test_failure_midway_leaves_nothing(llama_run, tmp_path, monkeypatch):
-    import hivetune.export as ex
+    import hivetune.workflows.export as ex
 
     _, run = llama_run
 

@@ -8,11 +8,11 @@ import io
 import pytest
 import torch
 
-from hivetune.chat import chat, load_for_generation
+from hivetune.workflows.chat import chat, load_for_generation
 from hivetune.cli import main
 from hivetune.data.formats import render_chat
-from hivetune.export import export
-from hivetune.generate import generate, greedy_ids
+from hivetune.workflows.export import export
+from hivetune.workflows.generate import generate, greedy_ids
 from test_export import make_run
 
 PROMPTS = ["How do I restart nginx?", "Show the logs of sshd", "rpm-ostree status"]
@@ -94,7 +94,7 @@ def test_chat_drops_old_turns_to_fit_the_context(exported):
     _, _, merged, _ = exported
     net, tok = load_for_generation(str(merged), "", "cpu", "fp32")
     net.args.max_position_embeddings = 40  # a tiny context: only the newest turn fits
-    from hivetune.chat import reply
+    from hivetune.workflows.chat import reply
 
     long = [{"role": "user", "content": "restart nginx " * 3}, {"role": "assistant", "content": "ok " * 5},
             {"role": "user", "content": "and sshd?"}]

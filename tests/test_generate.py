@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import build_tiny_model
-from hivetune.generate import greedy_ids
+from hivetune.workflows.generate import greedy_ids
 from hivetune.model.load import load_model
 
 NEW_TOKENS = 12

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import hivetune.model.decoder as decoder
-from hivetune.config import load_config
+from hivetune.core.config import load_config
 from hivetune.model.lora import lora_parameters, lora_state_dict
 from hivetune.ops.loss import target_loss_sum
-from hivetune.train import fit, micro_batches, setup
+from hivetune.train.loop import fit, micro_batches, setup
 
 
 def tiny_config(model_dir: Path, data: Path, out: Path, **kw):

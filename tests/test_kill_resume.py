@@ -30,7 +30,7 @@ from hivetune.checkpoint import checkpoint_folders, verify_checkpoint
 #   {"wait": pid}                           -> {"returncode": rc}  (negative: killed by that signal)
 FORK_SERVER = r"""
 import json, os, signal, sys
-import hivetune.cli, hivetune.train, hivetune.checkpoint
+import hivetune.cli, hivetune.train.loop, hivetune.checkpoint
 from hivetune.model.tokenizer import load_tokenizer
 load_tokenizer.__wrapped__(sys.argv[1])  # imports the lazy transformers modules; not cached
 print(json.dumps({"ready": True}), flush=True)

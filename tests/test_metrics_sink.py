@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from hivetune.errors import UserError
-from hivetune.metrics_sink import MetricsSink, scalar_tags
+from hivetune.core.errors import UserError
+from hivetune.core.metrics import MetricsSink, scalar_tags
 
 RECORDS = [
     {"step": 1, "epoch": 0.5, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.75, "tokens_per_s": 150.0, "skipped_steps": 0},

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from hivetune.cli import main
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 
 pytest.importorskip("matplotlib", reason="hivetune report draws with matplotlib: pip install 'hivetune[plots]'")
 from PIL import Image  # noqa: E402  (matplotlib depends on Pillow)
 
-from hivetune.report import plan_breakdown, read_metrics, report  # noqa: E402
+from hivetune.workflows.report import plan_breakdown, read_metrics, report  # noqa: E402
 
 CURVES = ["grad_norm.png", "loss.png", "lr.png", "memory.png", "tokens_per_s.png"]
 

@@ -16,7 +16,7 @@ pytest.importorskip("matplotlib", reason="hivetune report draws with matplotlib:
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from hivetune.report import report  # noqa: E402
+from hivetune.workflows.report import report  # noqa: E402
 from test_report import make_run  # noqa: E402
 
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)

@@ -14,9 +14,9 @@ from conftest import ops_records, write_jsonl
 from hivetune import checkpoint as ckpt
 from hivetune.checkpoint import checkpoint_folders, verify_checkpoint
 from hivetune.cli import main
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 from hivetune.model.lora import lora_state_dict
-from hivetune.train import TrainingStopped, fit, setup
+from hivetune.train.loop import TrainingStopped, fit, setup
 from test_train import tiny_config
 
 DROPOUT = {"r": 4, "alpha": 8, "dropout": 0.1}  # dropout draws random numbers: the RNG state matters
@@ -219,7 +219,7 @@ class _NaNGrad(torch.autograd.Function):
 
 def poison(monkeypatch, bad_steps: set[int], kind: str) -> None:
     """Make the loss (or only the gradients) of the given 1-based steps non-finite."""
-    import hivetune.train as train_module
+    import hivetune.train.loop as train_module
 
     real = train_module.fused_target_loss_sum
     calls = {"n": 0}
@@ -279,8 +279,8 @@ def test_checkpoints_keep_the_cuda_graph_sizes_for_the_resumed_run(tiny_model_di
     another number of processes. (On the CPU nothing graphs: the sizes are set by hand.)"""
     from types import SimpleNamespace
 
-    from hivetune.distributed import Dist
-    from hivetune.ops.graphs import saved_sizes
+    from hivetune.parallel.distributed import Dist
+    from hivetune.train.graphs import saved_sizes
 
     out = tmp_path / "run"
     run = setup(run_cfg(tiny_model_dir, data, out))

@@ -1,4 +1,4 @@
-"""Fast paths chosen by capability with a logged fallback (hivetune.fastpath), forced and compared on
+"""Fast paths chosen by capability with a logged fallback (hivetune.core.fastpath), forced and compared on
 the CPU: the varlen-attention probe (working, raising, wrong), fused vs foreach AdamW, and fp32 in
 place of CPU bf16 autocast. The CUDA side is tests/gpu/test_fallbacks.py. About 5 s."""
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import hivetune.ops.attention as attention
-from hivetune import device as device_module
-from hivetune import fastpath
-from hivetune.device import resolve_precision
-from hivetune.fastpath import FORCE_ENV, adamw, probe_varlen, varlen_usable
-from hivetune.train import fit, setup
+from hivetune.core import device as device_module
+from hivetune.core import fastpath
+from hivetune.core.device import resolve_precision
+from hivetune.core.fastpath import FORCE_ENV, adamw, probe_varlen, varlen_usable
+from hivetune.train.loop import fit, setup
 from test_train import tiny_config
 
 CPU = torch.device("cpu")
@@ -251,7 +251,7 @@ def test_prewarm_thread_runs_the_tail_kernels_and_reports_how_they_went(monkeypa
 def test_quiet_gc_freezes_the_loops_start_and_restores_the_collector(monkeypatch):
     import gc
 
-    from hivetune.fastpath import quiet_gc
+    from hivetune.core.fastpath import quiet_gc
 
     before = gc.get_threshold()
     with quiet_gc():
@@ -268,13 +268,13 @@ def test_bf16_weights_train_without_autocast_to_the_same_bits(monkeypatch, tmp_p
     """A model whose frozen weights are bf16 and whose LoRA layers all run through lora_group
     trains without autocast (train.autocast): the same loss and LoRA gradients, bit for bit, as
     with it (HIVETUNE_REFERENCE=autocast); an fp32 model keeps autocast."""
-    from hivetune.bench import qwen25_shape, random_model, workload_examples
-    from hivetune.config import load_config
+    from hivetune.workflows.bench import qwen25_shape, random_model, workload_examples
+    from hivetune.core.config import load_config
     from hivetune.data.batch import collate_packed
     from hivetune.data.dataset import TokenizedExamples
     from hivetune.model.lora import lora_parameters
     from hivetune.ops.loss import target_loss_sum
-    from hivetune.train import assemble, autocast, forward_backward
+    from hivetune.train.loop import assemble, autocast, forward_backward
     from pathlib import Path
 
     args = qwen25_shape(vocab=2100, hidden=64, intermediate=128, layers=2, heads=4, kv=2, tied=True)

@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 
 from conftest import ops_records, write_jsonl
 from hivetune.cli import main
-from hivetune.config import TrainConfig, load_config, parse_overrides
+from hivetune.core.config import TrainConfig, load_config, parse_overrides
 from hivetune.data.dataset import index_dataset
 from hivetune.data.formats import encode_record, iter_records, parse_jsonl_line, render_chat
 from hivetune.data.scan import parse_line
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 from hivetune.model.tokenizer import load_tokenizer
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

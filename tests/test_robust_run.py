@@ -18,12 +18,12 @@ import yaml
 from safetensors.torch import load_file
 
 from hivetune import checkpoint as ckpt
-from hivetune import fileio
+from hivetune.core import fileio
 from hivetune.checkpoint import checkpoint_folders, verify_checkpoint
 from hivetune.cli import main
-from hivetune.errors import UserError
-from hivetune.fileio import LOCK_NAME, check_writable, hold_run_lock, release_run_lock
-from hivetune.train import TrainingStopped, fit, setup
+from hivetune.core.errors import UserError
+from hivetune.core.fileio import LOCK_NAME, check_writable, hold_run_lock, release_run_lock
+from hivetune.train.loop import TrainingStopped, fit, setup
 from test_resume import assert_bitwise_equal, data, metric_rows, reference, run_cfg  # noqa: F401 (fixtures)
 
 
@@ -41,7 +41,7 @@ def holder(tmp_path):
     procs = []
 
     def start(folder: Path) -> subprocess.Popen:
-        code = (f"import sys, time; from hivetune.fileio import hold_run_lock; hold_run_lock({str(folder)!r}); "
+        code = (f"import sys, time; from hivetune.core.fileio import hold_run_lock; hold_run_lock({str(folder)!r}); "
                 f"print('locked', flush=True); time.sleep(120)")
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         procs.append(proc)
@@ -116,8 +116,7 @@ def test_lock_without_kernel_locks_falls_back_to_the_pid(tmp_path, monkeypatch):
 KILLED_WRITER = r"""
 import os, sys
 from pathlib import Path
-from hivetune import fileio
-
+from hivetune.core import fileio
 folder, moment = Path(sys.argv[1]), sys.argv[2]
 real_replace, renames = os.replace, []
 
@@ -175,7 +174,7 @@ def test_an_adapter_write_that_fails_leaves_the_previous_adapter_whole(tiny_mode
     (Written file by file into adapter/, it held the new weights beside the old config.)"""
     import torch
 
-    from hivetune.train import save_adapter_all_ranks
+    from hivetune.train.loop import save_adapter_all_ranks
 
     out = tmp_path / "run"
     run = setup(run_cfg(tiny_model_dir, data, out, max_steps=2))
@@ -290,7 +289,7 @@ def test_full_disk_through_the_cli_is_one_line(tiny_model_dir, data, tmp_path, m
     assert err[0].endswith("No space left on device (ENOSPC); no earlier checkpoint exists")
     assert list((out / "checkpoints").iterdir()) == []
     # any other write that hits a full disk (here the final summary) is one line too, not a traceback
-    import hivetune.train as train_module
+    import hivetune.train.loop as train_module
 
     def full(path, payload):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))

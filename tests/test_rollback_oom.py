@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-import hivetune.train as train_module
+import hivetune.train.loop as train_module
 from hivetune.checkpoint import checkpoint_folders
-from hivetune.errors import UserError
-from hivetune.train import fit, setup
+from hivetune.core.errors import UserError
+from hivetune.train.loop import fit, setup
 
 from test_resume import poison
 from test_train import tiny_config

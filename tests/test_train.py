@@ -10,13 +10,13 @@ import torch
 
 from conftest import ops_records, write_jsonl
 from hivetune.cli import main
-from hivetune.config import load_config
+from hivetune.core.config import load_config
 from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.data.dataset import load_example, plan_steps
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 from hivetune.model.lora import lora_parameters, lora_state_dict
 from hivetune.ops.loss import target_loss_sum
-from hivetune.train import fit, setup, split_validation, train
+from hivetune.train.loop import fit, setup, split_validation, train
 
 
 def tiny_config(model_dir: Path, data: Path, out: Path, **kw):
@@ -113,7 +113,7 @@ def test_cli_train_then_generate_with_adapter(tiny_model_dir, alpaca_file, tmp_p
                  "--precision", "fp32", "--no-chat", prompt]) == 0
     cli_text = capsys.readouterr().out
 
-    from hivetune.generate import encode_prompt, generate_text, greedy_ids
+    from hivetune.workflows.generate import encode_prompt, generate_text, greedy_ids
     from hivetune.model.load import load_model
     from hivetune.model.lora import load_adapter, lora_enabled
     from hivetune.model.tokenizer import load_tokenizer
@@ -198,7 +198,7 @@ def test_dropout_seeds_follow_the_step_plan():
     them; None where nothing is seeded (CPU, no dropout, no joined groups)."""
     from types import SimpleNamespace
 
-    from hivetune.train import dropout_seeds
+    from hivetune.train.loop import dropout_seeds
 
     def run(seed=0, rank=0, dropout=0.05, device="cuda", slots=8):
         cfg = SimpleNamespace(seed=seed, lora=SimpleNamespace(dropout=dropout))
@@ -225,7 +225,7 @@ def test_fit_times_the_final_adapter_write_apart(tiny_model_dir, alpaca_file, tm
     benchmarks leave out of their clocks (bench.run_hivetune, bench/multi_gpu.py)."""
     import time
 
-    import hivetune.train as train_module
+    import hivetune.train.loop as train_module
 
     real = train_module.save_adapter_all_ranks
 
@@ -260,7 +260,7 @@ def test_batch_order_auto_is_balanced_with_packing_and_random_without(tiny_model
 
 def test_a_run_config_without_batch_order_resumes_in_random_order(tmp_path):
     from hivetune.checkpoint import resume_config, resume_point
-    from hivetune.config import load_run_config, save_config
+    from hivetune.core.config import load_run_config, save_config
 
     folder = tmp_path / "old-run"
     folder.mkdir()
@@ -281,9 +281,9 @@ def test_a_run_config_without_batch_order_resumes_in_random_order(tmp_path):
 
 
 def test_accumulated_micro_batches_are_token_balanced_shares(tiny_model_dir, alpaca_file, tmp_path):
-    from hivetune.distributed import balanced_shares
-    from hivetune.ops.graphs import planned_micro_batches
-    from hivetune.train import micro_batches, micro_parts
+    from hivetune.parallel.distributed import balanced_shares
+    from hivetune.train.graphs import planned_micro_batches
+    from hivetune.train.loop import micro_batches, micro_parts
 
     run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "run", max_steps=3, batch_size=3, grad_accum=2))
     lengths = run.data.lengths

@@ -9,8 +9,8 @@ import torch
 import yaml
 
 from hivetune.cli import main
-from hivetune.config import load_config
-from hivetune.tune import format_tune, tune
+from hivetune.core.config import load_config
+from hivetune.workflows.tune import format_tune, tune
 
 
 def test_tune_picks_the_fastest_fitting_candidate(tiny_model_dir, tmp_path):
@@ -51,9 +51,9 @@ def test_tune_predicts_lora_inputs_auto_as_train_resolves_it_and_pins_it():
     on a GPU keeps the dropped inputs within 80 GiB, and the predicted peak counts them; within
     24 GiB it recomputes. The resolved value is what the candidate trains with (and tune.yaml
     writes); keep / recompute asked for stay; nothing is resolved without seeded dropout."""
-    from hivetune.bench import WORKLOADS
+    from hivetune.workflows.bench import WORKLOADS
     from hivetune.plan.memory import GIB, breakdown, keep_inputs_extra_bytes
-    from hivetune.tune import _candidate_memory
+    from hivetune.workflows.tune import _candidate_memory
 
     args, tokens = WORKLOADS["W2"].args, 16 * 256
     cfg = load_config(None, {"model": "m", "precision": "bf16", "lora": {"r": 32, "dropout": 0.05}})
@@ -77,7 +77,7 @@ def test_tune_times_steps_read_as_they_end(tiny_model_dir, monkeypatch):
     would date graphed steps a few ms apart (398,000 tokens/s for W1's shape on an H200)."""
     from types import SimpleNamespace
 
-    import hivetune.train as train_module
+    import hivetune.train.loop as train_module
 
     cuda_run = SimpleNamespace(device=torch.device("cuda"), scaler=None,
                                optimizer=SimpleNamespace(defaults={"fused": True}), read_every_step=False)

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from hivetune.config import to_dict
-from hivetune.errors import UserError
-from hivetune.fileio import (atomic_write_bytes, confined, disk_error_message, fsync_dir, is_disk_error,
+from hivetune.core.config import to_dict
+from hivetune.core.errors import UserError
+from hivetune.core.fileio import (atomic_write_bytes, confined, disk_error_message, fsync_dir, is_disk_error,
                              recover_folder)
 from hivetune.model.lora import ADAPTER_WEIGHTS, lora_modules, save_adapter
 
@@ -316,7 +316,7 @@ def truncate_metrics(path: Path, step: int) -> None:
 def resume_point(folder: Path, cfg) -> Path | None:
     """For an output folder that already holds a run (config.yaml): refuse when its config
     differs from `cfg`, else return its newest valid checkpoint (None: start again at step 0)."""
-    from hivetune.config import load_run_config
+    from hivetune.core.config import load_run_config
 
     diff = config_diff(load_run_config(folder / "config.yaml"), cfg)
     if diff:
@@ -355,7 +355,7 @@ def resume_config(run_folder: str | Path, config_path: str | None, overrides: di
     """`hivetune train --resume RUN`: RUN's saved config. Flags or a --config that would change
     it are refused with the keys they change: a resumed run continues the run it was. Only
     RUNTIME_KEYS (threads, device, skip_doctor) may be given anew; config.yaml stays as written."""
-    from hivetune.config import load_config, load_run_config
+    from hivetune.core.config import load_config, load_run_config
 
     folder = Path(run_folder)
     path = folder / "config.yaml"

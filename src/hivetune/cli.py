@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 
 # Flags of `train` that are shortcuts for config keys: flag -> (config key, argparse kwargs).
 TRAIN_FLAGS = {
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def train_overrides(ns: argparse.Namespace) -> dict:
-    from hivetune.config import merge, parse_overrides
+    from hivetune.core.config import merge, parse_overrides
 
     pairs = {}
     for flag, (key, _) in TRAIN_FLAGS.items():
@@ -141,13 +141,13 @@ def train_overrides(ns: argparse.Namespace) -> dict:
 
 def run_train(ns) -> int:
     from hivetune.checkpoint import resume_config
-    from hivetune.config import TrainConfig, load_config
-    from hivetune.train import TrainingStopped, train
+    from hivetune.core.config import TrainConfig, load_config
+    from hivetune.train.loop import TrainingStopped, train
 
     if ns.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
         import subprocess
 
-        from hivetune.distributed import torchrun_argv
+        from hivetune.parallel.distributed import torchrun_argv
 
         return subprocess.call(torchrun_argv(ns.nproc_per_node, ns.argv))
     overrides = train_overrides(ns)
@@ -155,9 +155,8 @@ def run_train(ns) -> int:
         overrides["auto"] = True  # fit then also retries a CUDA out-of-memory with a smaller micro-batch
     cfg = resume_config(ns.resume, ns.config, overrides) if ns.resume else load_config(ns.config, overrides)
     if (ns.auto or getattr(cfg, "auto", False)) and not ns.resume:
-        from hivetune.device import resolve_device
+        from hivetune.core.device import resolve_device
         from hivetune.plan import auto_config
-
         cfg, explanation = auto_config(cfg, resolve_device(cfg.device))
         print(explanation, file=sys.stderr)
     try:
@@ -183,7 +182,7 @@ def print_train_summary(result) -> None:
 
 
 def run_generate(ns) -> int:
-    from hivetune.generate import generate
+    from hivetune.workflows.generate import generate
 
     if ns.max_new_tokens <= 0:
         raise UserError(f"--max-new-tokens: must be > 0, got {ns.max_new_tokens}")
@@ -193,13 +192,13 @@ def run_generate(ns) -> int:
 
 
 def run_bench(ns) -> int:
-    from hivetune.bench import bench
-    from hivetune.config import parse_overrides
+    from hivetune.workflows.bench import bench
+    from hivetune.core.config import parse_overrides
 
     if ns.table_only:
         from pathlib import Path
 
-        from hivetune.bench import write_table
+        from hivetune.workflows.bench import write_table
 
         write_table(Path("BENCHMARKS.md"), Path(ns.out))
         return 0
@@ -225,7 +224,6 @@ def run_bench(ns) -> int:
 
 def run_doctor(ns) -> int:
     from hivetune.doctor import doctor
-
     return 0 if doctor(json_output=ns.json)["ok"] else 1
 
 
@@ -319,7 +317,7 @@ def add_eval_parser(sub) -> None:
 
 
 def run_eval(ns) -> int:
-    from hivetune.evaluate import evaluate, means_table
+    from hivetune.workflows.evaluate import evaluate, means_table
 
     report = evaluate(model=ns.model, adapter=ns.adapter, data=ns.data, max_new_tokens=ns.max_new_tokens,
                       limit=ns.limit, out=ns.out, force=ns.force, batch_size=ns.batch_size,
@@ -340,7 +338,7 @@ def add_report_parser(sub) -> None:
 
 
 def run_report(ns) -> int:
-    from hivetune.report import report
+    from hivetune.workflows.report import report
 
     result = report(ns.run, ns.out)
     print(f"wrote {result['html']} and {len(result['pngs'])} PNGs ({', '.join(result['pngs'])})")
@@ -373,9 +371,8 @@ def add_plan_parser(sub) -> None:
 def run_plan(ns) -> int:
     import json
 
-    from hivetune.config import load_config
+    from hivetune.core.config import load_config
     from hivetune.plan import format_plan, plan, plan_dict, plot_plan
-
     overrides = train_overrides(ns)  # none at all: the embedded default job
     result = plan(load_config(ns.config, overrides), gpu=ns.gpu, memory_gib=ns.memory)
     if ns.png:
@@ -401,8 +398,8 @@ def add_tune_parser(sub) -> None:
 
 
 def run_tune(ns) -> int:
-    from hivetune.config import load_config
-    from hivetune.tune import format_tune, tune
+    from hivetune.core.config import load_config
+    from hivetune.workflows.tune import format_tune, tune
 
     sizes = None
     if ns.batch_sizes:
@@ -430,7 +427,7 @@ def add_export_parser(sub) -> None:
 
 
 def run_export(ns) -> int:
-    from hivetune.export import export
+    from hivetune.workflows.export import export
 
     result = export(ns.run, ns.format, ns.out, dtype=ns.dtype, force=ns.force, model=ns.model)
     dtype = f" ({result.dtype})" if result.dtype else ""
@@ -453,7 +450,7 @@ def add_chat_parser(sub) -> None:
 
 
 def run_chat(ns) -> int:
-    from hivetune.chat import chat
+    from hivetune.workflows.chat import chat
 
     chat(model=ns.model, adapter=ns.adapter, system=ns.system, max_new_tokens=ns.max_new_tokens,
          device=ns.device, precision=ns.precision)
@@ -480,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hivetune: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full or read-only disk under any command: one line too
-        from hivetune.fileio import disk_error_message, is_disk_error
+        from hivetune.core.fileio import disk_error_message, is_disk_error
 
         if ns.debug or not is_disk_error(e):
             raise

@@ -171,7 +171,7 @@ def test_validate_too_long_matches_encode_record(tmp_path, tiny_model_dir, tok, 
 
 
 def test_default_max_length_is_the_training_default():
-    from hivetune.config import TrainConfig
+    from hivetune.core.config import TrainConfig
 
     assert DEFAULT_MAX_LENGTH == TrainConfig.max_length
 

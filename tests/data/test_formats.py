@@ -16,7 +16,7 @@ from conftest import ops_records, write_jsonl
 from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.data.dataset import even_totals, example_order, index_dataset, load_example, plan_steps
 from hivetune.data.formats import chat_spans, check_record, detect_format, encode_record, iter_records
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 from hivetune.model.tokenizer import load_tokenizer
 
 EOT = "<|im_end|>\n"  # the ChatML template's end of turn

@@ -11,7 +11,6 @@ import torch
 
 from hivetune.model.lora import fuse_projections
 from hivetune.ops import blas
-
 from conftest import bf16_loss_and_grads
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

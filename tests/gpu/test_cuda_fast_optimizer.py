@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hivetune.fastpath import FusedAdamW, clip_grad_norm
+from hivetune.core.fastpath import FusedAdamW, clip_grad_norm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -100,7 +100,7 @@ def test_tail_kernels_leave_the_process_unchanged():
     step with torch's bits (nothing of the prewarm's optimizers is shared)."""
     import threading
 
-    from hivetune.fastpath import tail_kernels
+    from hivetune.core.fastpath import tail_kernels
 
     errors = []
 

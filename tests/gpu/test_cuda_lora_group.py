@@ -345,7 +345,6 @@ def test_wide_groups_match_the_addmm_of_the_update(lora_model_and_batch, monkeyp
     d xa. The loss and LoRA gradients of the addmm path (HIVETUNE_REFERENCE=wide_lora), to
     rounding (one bf16 rounding of y fewer), the same tensors saved; all 4 groups ran wide."""
     from hivetune.ops import lora_group as lg
-
     model, batch = dropout_model(lora_model_and_batch)
     assert model.model.layers[0].mlp.gate_up.lora_cols == 2 * model.model.layers[0].mlp.gate_proj.lora_A.out_features
     used = []

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from hivetune.bench import qwen25_shape, random_model, workload_examples
-from hivetune.config import load_config
+from hivetune.workflows.bench import qwen25_shape, random_model, workload_examples
+from hivetune.core.config import load_config
 from hivetune.data.batch import collate_packed
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_parameters
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.ops.offload import ActivationOffload
-from hivetune.train import assemble, fit
+from hivetune.train.loop import assemble, fit
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -193,8 +193,7 @@ def test_fit_with_activation_offload_matches(tmp_path, deterministic):
 def test_graphed_micro_batches_skip_the_offload(tmp_path, capsys):
     """With cuda_graphs the first micro-batch runs eagerly (offloaded) before the captures; the
     captured graphs hold no offload (one stderr line says so) and replay as without it."""
-    from hivetune.ops import graphs
-
+    from hivetune.train import graphs
     plain = fit_losses(small_run(tmp_path / "plain"))
     run = small_run(tmp_path / "offload", activation_offload=2)
     moved = fit_losses(run)

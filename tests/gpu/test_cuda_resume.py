@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hivetune.config import load_config
+from hivetune.core.config import load_config
 from hivetune.model.lora import lora_state_dict
-from hivetune.train import TrainingStopped, fit, setup
+from hivetune.train.loop import TrainingStopped, fit, setup
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

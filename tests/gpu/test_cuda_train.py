@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from hivetune.config import load_config
-from hivetune.generate import greedy_ids
+from hivetune.core.config import load_config
+from hivetune.workflows.generate import greedy_ids
 from hivetune.model.load import load_model
-from hivetune.train import fit, setup
+from hivetune.train.loop import fit, setup
 
 from conftest import bf16_loss_and_grads
 
@@ -67,7 +67,6 @@ def test_varlen_attention_matches_sdpa_reference(tiny_model_dir, monkeypatch):
     from hivetune.data.formats import Encoded
     from hivetune.model.lora import LoRASpec, apply_lora, lora_parameters
     from hivetune.ops import attention
-
     model = load_model(tiny_model_dir, dtype=torch.bfloat16, device="cuda")
     torch.manual_seed(0)
     apply_lora(model, LoRASpec(r=4, alpha=8, dropout=0.0))
@@ -94,7 +93,7 @@ def test_cuda_bf16_gradient_checkpointing_tracks_plain(tiny_model_dir, alpaca_fi
     import sys
 
     # A fresh process: the probe of flash varlen attention has not run yet there.
-    code = ("import json, sys; from hivetune.config import load_config; from hivetune.train import fit, setup; "
+    code = ("import json, sys; from hivetune.core.config import load_config; from hivetune.train.loop import fit, setup; "
             "run = setup(load_config(None, json.loads(sys.argv[1]))); fit(run, progress=False)")
     values = {"model": str(tiny_model_dir), "data": str(alpaca_file), "output_dir": str(tmp_path / "ckpt"),
               "eval_prompts": 0, "batch_size": 4, "max_steps": 6, "lr": 5e-3, "warmup_steps": 0,
@@ -109,8 +108,8 @@ def test_cuda_bf16_gradient_checkpointing_tracks_plain(tiny_model_dir, alpaca_fi
 def test_ddp_step_reduction_does_not_wait_for_the_gpu(monkeypatch):
     """reduce_step under torchrun queues its work: no host sync (a host scalar copied to the GPU
     synced every DDP step, leaving the GPU idle while the host queued the rest of the step)."""
-    from hivetune import distributed
-    from hivetune.train import reduce_step
+    from hivetune.parallel import distributed
+    from hivetune.train.loop import reduce_step
 
     monkeypatch.setattr(distributed, "sum_across", lambda d, t: t.mul_(2))  # two alike ranks, no group
     loss = torch.full((), 1.5, device="cuda")

@@ -1,4 +1,4 @@
-"""Each fast path against its forced reference fallback on a CUDA GPU (hivetune.fastpath):
+"""Each fast path against its forced reference fallback on a CUDA GPU (hivetune.core.fastpath):
 flash varlen attention vs SDPA, fused vs foreach AdamW, fused vs reference LM-head CE, bf16 vs
 the fp16 fallback. CUDA graphs vs eager are in test_graphs.py. Skips without CUDA."""
 
@@ -9,13 +9,13 @@ import json
 import pytest
 import torch
 
-from hivetune import fastpath
-from hivetune.config import load_config
-from hivetune.device import resolve_precision
-from hivetune.fastpath import FORCE_ENV, adamw, probe_varlen, varlen_usable
+from hivetune.core import fastpath
+from hivetune.core.config import load_config
+from hivetune.core.device import resolve_precision
+from hivetune.core.fastpath import FORCE_ENV, adamw, probe_varlen, varlen_usable
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.ops.loss import target_loss_sum
-from hivetune.train import fit, setup
+from hivetune.train.loop import fit, setup
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GPU = torch.device("cuda", 0)

@@ -1,4 +1,4 @@
-"""CUDA graphs (hivetune.ops.graphs) against eager on the GPU: same losses and LoRA gradients."""
+"""CUDA graphs (hivetune.train.graphs) against eager on the GPU: same losses and LoRA gradients."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from hivetune.bench import qwen25_shape, random_model, workload_examples
-from hivetune.config import load_config
+from hivetune.workflows.bench import qwen25_shape, random_model, workload_examples
+from hivetune.core.config import load_config
 from hivetune.data.batch import collate_packed
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.model.lora import lora_parameters
-from hivetune.ops import graphs
+from hivetune.train import graphs
 from hivetune.ops.fused_ce import fused_target_loss_sum
-from hivetune.train import assemble, fit, forward_backward
+from hivetune.train.loop import assemble, fit, forward_backward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -151,7 +151,7 @@ def test_planned_sizes_hold_every_micro_batch_and_the_timing_replay_adds_nothing
 
 
 def graphs_micro_batches(run, step):
-    from hivetune.train import micro_batches
+    from hivetune.train.loop import micro_batches
 
     return micro_batches(run, step)
 
@@ -277,7 +277,7 @@ def test_deferred_captures_take_one_size_after_each_replay(tmp_path, monkeypatch
 def test_host_probe_measures_this_gpu():
     """bench's host probe: an 8192^3 bf16 matmul's rate within what the GPU can do (H100 / H200:
     989 TFLOP/s dense; above 100 unless the GPU is badly throttled), a launch's host cost in us."""
-    from hivetune.bench import host_probe, peak_tflops
+    from hivetune.workflows.bench import host_probe, peak_tflops
 
     probe = host_probe(torch.device("cuda", 0))
     peak = peak_tflops(torch.device("cuda", 0))
@@ -289,7 +289,7 @@ def test_host_probe_measures_this_gpu():
 
 def test_bench_allocator_counts_see_a_cudamalloc():
     """bench.allocator_counts: a fresh block beyond the cache is one more cudaMalloc."""
-    from hivetune.bench import ALLOCATOR_COUNTS, allocator_counts
+    from hivetune.workflows.bench import ALLOCATOR_COUNTS, allocator_counts
 
     device = torch.device("cuda")
     torch.cuda.empty_cache()
@@ -314,7 +314,6 @@ def test_lora_weight_gradients_on_a_side_stream_match_the_one_stream_graphs(tmp_
     is off by its whole size); the side stream is used (every group, every capture) unless
     switched off."""
     from hivetune.ops import lora_group
-
     def run_graphs(name):
         torch.manual_seed(0)
         run, _ = small_run(tmp_path / name, dropout=0.1, wide_lora=wide)
@@ -362,7 +361,7 @@ def test_graphs_take_each_micro_batchs_dropout_seeds(tmp_path):
     from its static inputs: replays of one micro-batch with its seeds give the same loss, bit for
     bit (not fresh masks from torch's generator); the next step's seeds give other masks; and
     each replay is closer to eager's loss with its own seeds than with the other ones."""
-    from hivetune.train import micro_batches
+    from hivetune.train.loop import micro_batches
 
     run, _ = small_run(tmp_path, dropout=0.3)
     run.model.train()

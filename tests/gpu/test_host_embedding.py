@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hivetune.bench import qwen25_shape, random_model, workload_examples
-from hivetune.config import load_config
+from hivetune.workflows.bench import qwen25_shape, random_model, workload_examples
+from hivetune.core.config import load_config
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.ops import elementwise
-from hivetune.train import assemble, fit
+from hivetune.train.loop import assemble, fit
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")]
@@ -38,7 +38,6 @@ def process_caches() -> int:
     """Bytes of the process-wide GPU caches made at their first use and kept (ops.blas's cuBLASLt
     workspace per stream, 32 MiB each; the split kernels' counters)."""
     from hivetune.ops import blas, elementwise
-
     return sum(t.numel() * t.element_size() for t in (*blas._WORKSPACES.values(), *elementwise._COUNTERS.values()))
 
 
@@ -74,8 +73,7 @@ def test_training_with_the_table_in_host_memory(tmp_path, capsys):
     assert kind == "Embedding" and moved_kind == "HostEmbedding"
     assert got == pytest.approx(want, rel=1e-3)
     assert on_gpu - on_host >= VOCAB * 256 * 2
-    from hivetune import fastpath
-
+    from hivetune.core import fastpath
     fastpath.NOTED.pop("host_embeddings", None)  # (its line is printed once a process)
     _, _, tied_kind = losses_and_peak(tmp_path / "c", tie=True, host_embeddings=True)
     assert tied_kind == "Embedding"

@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import hivetune.train as train_module
+import hivetune.train.loop as train_module
 from hivetune.checkpoint import checkpoint_folders, load_checkpoint, verify_checkpoint
-from hivetune.config import load_config
-from hivetune.device import cap_memory
-from hivetune.errors import UserError
+from hivetune.core.config import load_config
+from hivetune.core.device import cap_memory
+from hivetune.core.errors import UserError
 from hivetune.model.lora import lora_state_dict
-from hivetune.train import fit, setup
+from hivetune.train.loop import fit, setup
 
 from conftest import CORPUS, build_tiny_model, build_tokenizer, write_jsonl
 

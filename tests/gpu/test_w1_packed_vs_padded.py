@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hivetune.bench import WORKLOADS, random_model, workload_examples
-from hivetune.config import load_config
+from hivetune.workflows.bench import WORKLOADS, random_model, workload_examples
+from hivetune.core.config import load_config
 from hivetune.data.dataset import TokenizedExamples
-from hivetune.train import assemble, fit
+from hivetune.train.loop import assemble, fit
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

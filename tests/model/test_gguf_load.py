@@ -275,7 +275,7 @@ def test_decoded_gguf_cache_gives_the_same_model(tmp_path, monkeypatch):
     """The second load of a GGUF reads its decoded weights from the cache: the same parameters
     bit for bit and the same ModelArgs, owning their memory; a rewritten file gets a new key;
     a GGUF with rope_freqs (llama3) is not cached (its factors are not in a config.json)."""
-    from hivetune.fileio import file_cache_folder
+    from hivetune.core.fileio import file_cache_folder
 
     monkeypatch.setenv("HIVETUNE_CACHE", str(tmp_path / "cache"))
     hf = tiny_llama("tied", seed=13)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 from hivetune.model.load import load_model
 from hivetune.model.lora import (DEFAULT_TARGETS, LoRALinear, LoRASpec, apply_lora, load_adapter,
                                  lora_modules, lora_parameters, lora_state_dict, save_adapter)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import torch
 
 from hivetune.ops import blas
-
-
 def test_reference_path_gives_torchs_bits():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(7, 5, generator=g), torch.randn(3, 5, generator=g)

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from hivetune.ops import elementwise as ew
-
 RUNS_TRITON = ew.triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 needs_triton = pytest.mark.skipif(not RUNS_TRITON, reason="needs Triton on a GPU (or TRITON_INTERPRET=1)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

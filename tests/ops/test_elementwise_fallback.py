@@ -2,10 +2,8 @@
 
 import torch
 
-from hivetune import fastpath
+from hivetune.core import fastpath
 from hivetune.ops import elementwise
-
-
 def test_fused_layers_fall_back_with_one_note(monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets a CPU tensor ask for the Triton path
     x = torch.zeros(2, 4, dtype=torch.bfloat16)

@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from hivetune.bench import qwen25_shape, random_model, workload_examples
-from hivetune.config import load_config
+from hivetune.workflows.bench import qwen25_shape, random_model, workload_examples
+from hivetune.core.config import load_config
 from hivetune.data.batch import collate_packed
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.model.lora import lora_parameters
 from hivetune.ops.fused_ce import fused_target_loss_sum
-from hivetune.ops.graphs import (IGNORE_INDEX, batch_key, bucket_tokens, capture_cost_tokens, deferrable,
+from hivetune.train.graphs import (IGNORE_INDEX, batch_key, bucket_tokens, capture_cost_tokens, deferrable,
                                  defers_captures, graphs_unsupported, micro_step_fn, pad_packed_batch, planned_keys)
 from hivetune.ops.loss import target_loss_sum
-from hivetune.train import assemble, forward_backward, micro_batches
+from hivetune.train.loop import assemble, forward_backward, micro_batches
 
 
 def tiny_run(tmp_path, dropout: float = 0.0, cap: int = 40, **cfg):
@@ -149,7 +149,7 @@ def test_planned_keys_are_the_keys_the_loop_meets(tmp_path):
 def test_planned_keys_under_ddp_are_the_rank_shares(tmp_path, rank):
     """Under torchrun each rank meets the micro-batches of its token-balanced share of a step:
     those are the keys to capture up front (not the step cut in order)."""
-    from hivetune.distributed import Dist
+    from hivetune.parallel.distributed import Dist
 
     run = tiny_run(tmp_path, cap=0, batch_size=3, grad_accum=2, max_steps=5)
     run.parallel = Dist(rank, 2, rank)
@@ -164,8 +164,8 @@ def test_ranks_agree_at_start_only_where_every_rank_has_a_first_micro_batch(tmp_
     """The graphs' first-call collectives need every rank to make its first call in the same
     step: not so when a rank's share of the run's first step is empty (a resumed run starting at
     an epoch's 1-example last step), nor past the plan; one process always."""
-    from hivetune.distributed import Dist
-    from hivetune.ops.graphs import ranks_agree_at_start
+    from hivetune.parallel.distributed import Dist
+    from hivetune.train.graphs import ranks_agree_at_start
 
     run = tiny_run(tmp_path, cap=0, batch_size=3, grad_accum=2, max_steps=5)
     assert ranks_agree_at_start(run)
@@ -192,7 +192,7 @@ def test_plan_sizes_is_the_cheapest_set_of_graph_sizes(seed):
     import itertools
     import random
 
-    from hivetune.ops.graphs import plan_sizes
+    from hivetune.train.graphs import plan_sizes
 
     rng = random.Random(seed)
     tokens = [rng.randint(100, 900) for _ in range(rng.randint(5, 40))]
@@ -220,7 +220,7 @@ def test_capture_cost_rounds_down_to_a_power_of_two():
 
 
 def test_planned_micro_batches_are_what_the_loop_meets(tmp_path):
-    from hivetune.ops.graphs import planned_micro_batches
+    from hivetune.train.graphs import planned_micro_batches
 
     run = tiny_run(tmp_path, batch_size=3, grad_accum=2, max_steps=4)
     met = [(b.input_ids.shape[1], len(b.layout.cu_seqlens) + 1) for step in run.steps for b in micro_batches(run, step)]
@@ -232,8 +232,8 @@ def test_paced_micro_batches_are_the_slowest_rank_s_counts(tmp_path):
     segment count kept); one process: its own counts."""
     import dataclasses
 
-    from hivetune.distributed import Dist
-    from hivetune.ops.graphs import planned_micro_batches
+    from hivetune.parallel.distributed import Dist
+    from hivetune.train.graphs import planned_micro_batches
 
     run = tiny_run(tmp_path, cap=0, batch_size=3, grad_accum=2, max_steps=5)
     assert planned_micro_batches(run, paced=True) == planned_micro_batches(run)
@@ -255,8 +255,8 @@ def test_with_rank_speeds_the_sizes_are_planned_on_every_rank_s_counts(tmp_path,
     planning lists every rank's own micro-batches, each step's rank by rank (the same on every rank)."""
     import dataclasses
 
-    from hivetune.distributed import Dist
-    from hivetune.ops.graphs import planned_micro_batches
+    from hivetune.parallel.distributed import Dist
+    from hivetune.train.graphs import planned_micro_batches
 
     monkeypatch.setenv("HIVETUNE_RANK_SPEEDS", "1,0.7")
     run = tiny_run(tmp_path, cap=0, batch_size=3, grad_accum=2, max_steps=5)
@@ -276,9 +276,9 @@ def w2_rank_counts(batch_order: str = "random") -> tuple[list[list[int]], list[l
     import dataclasses
     import tempfile
 
-    from hivetune.bench import WORKLOADS
-    from hivetune.distributed import Dist
-    from hivetune.ops.graphs import planned_micro_batches
+    from hivetune.workflows.bench import WORKLOADS
+    from hivetune.parallel.distributed import Dist
+    from hivetune.train.graphs import planned_micro_batches
 
     w = WORKLOADS["W2"]
     examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))
@@ -306,7 +306,7 @@ def test_w2_ranks_planning_on_paced_counts_choose_the_same_sizes():
     choose different sizes and the slower rank's graphs sum to 142,768 tokens; on the paced
     counts both choose the same three, summing to 142,144 (at the 64-token grain before 16:
     four, 141,248, one capture more)."""
-    from hivetune.ops.graphs import plan_sizes
+    from hivetune.train.graphs import plan_sizes
 
     own, paced = w2_rank_counts()
     sizes_own = [plan_sizes(counts, 2048) for counts in own]
@@ -324,7 +324,7 @@ def test_w2_balanced_batch_order_takes_one_size_and_pads_less():
     totals evened): every rank's micro-batch holds 1,443-1,453 tokens, so one graph size holds
     them all, and the slower rank's graphs sum to 135,408 tokens (the real tokens: 134,799)
     against random order's 142,144 with three; at the 64-token grain, 136,896."""
-    from hivetune.ops.graphs import plan_sizes
+    from hivetune.train.graphs import plan_sizes
 
     own, paced = w2_rank_counts("balanced")
     assert sum(own[0]) + sum(own[1]) == sum(sum(c) for c in w2_rank_counts()[0])  # the same tokens
@@ -373,7 +373,7 @@ def test_target_capacities_hold_each_micro_batch_in_the_size_it_takes():
     """Each size holds the most targets of the micro-batches whose tokens it is the smallest size
     above; each segment count's largest size holds the most of all its micro-batches; never more
     than a target a token."""
-    from hivetune.ops.graphs import target_capacities
+    from hivetune.train.graphs import target_capacities
 
     sizes = {10: [1408, 1536, 1728], 6: [512]}
     micro = [(1400, 10), (1300, 10), (1500, 10), (1450, 10), (1700, 10), (400, 6)]
@@ -385,7 +385,7 @@ def test_target_capacities_hold_each_micro_batch_in_the_size_it_takes():
 
 
 def test_planned_micro_targets_are_what_the_loop_meets(tmp_path):
-    from hivetune.ops.graphs import planned_micro_batches, planned_micro_targets
+    from hivetune.train.graphs import planned_micro_batches, planned_micro_targets
 
     run = tiny_run(tmp_path, batch_size=3, grad_accum=2, max_steps=4)
     met = [b.target_ids.numel() for step in run.steps for b in micro_batches(run, step)]
@@ -400,8 +400,7 @@ def test_preload_captures_the_model_cut_to_its_first_layers(env, expected, monke
     still restores them."""
     from types import SimpleNamespace
 
-    from hivetune.ops import graphs
-
+    from hivetune.train import graphs
     if env is None:
         monkeypatch.delenv("HIVETUNE_PRELOAD_LAYERS", raising=False)
     else:
@@ -433,7 +432,7 @@ def test_plan_sizes_weighs_measured_replay_costs(tmp_path):
     """HIVETUNE_SIZE_COSTS: with each size's replay cost in place of its tokens, a size that costs
     what the next larger one does buys nothing and is not planned (W2 DDP, 2 x H200: 1,600 tokens
     took what 1,728 did); without costs the token-linear plan takes it."""
-    from hivetune.ops.graphs import measured_size_cost, plan_sizes
+    from hivetune.train.graphs import measured_size_cost, plan_sizes
 
     tokens = [1500] * 20 + [1590] * 20 + [1700] * 20
     assert plan_sizes(tokens, 1000, 64) == [1536, 1600, 1728]
@@ -456,8 +455,8 @@ def test_plan_sizes_weighs_measured_replay_costs(tmp_path):
                                             "(bench/size_cost.py's size / ms_median lines), found 1"),
 ])
 def test_measured_size_cost_names_the_file_and_line(text, message, tmp_path):
-    from hivetune.errors import UserError
-    from hivetune.ops.graphs import measured_size_cost
+    from hivetune.core.errors import UserError
+    from hivetune.train.graphs import measured_size_cost
 
     path = tmp_path / "costs.jsonl"
     if text is not None:

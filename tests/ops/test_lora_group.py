@@ -8,14 +8,12 @@ import copy
 import pytest
 import torch
 
-from hivetune.config import load_config
-from hivetune.errors import UserError
+from hivetune.core.config import load_config
+from hivetune.core.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM
 from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_enabled, lora_parameters, stack_frozen
 from hivetune.ops import lora_group as lg
-
-
 def tiny(model_type="llama", bias=False):
     args = ModelArgs(model_type=model_type, vocab_size=97, hidden_size=64, intermediate_size=96,
                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -345,10 +343,10 @@ def test_wide_layout_only_where_micro_batches_are_small(monkeypatch):
     (Only shapes are read.)"""
     from types import SimpleNamespace
 
-    from hivetune.bench import WORKLOADS
+    from hivetune.workflows.bench import WORKLOADS
     from hivetune.data.dataset import TokenizedExamples
     from hivetune.data.formats import Encoded
-    from hivetune.train import wide_groups
+    from hivetune.train.loop import wide_groups
 
     def run(name, batch, mean, device="cuda", asked="true", strategy="none"):
         data = TokenizedExamples([Encoded([1] * mean, [True] * mean, truncated=False)] * 4)

@@ -224,7 +224,7 @@ def test_planner_breakdown_with_offload():
     """W2 (Qwen2.5-7B shape, r 32 on all 7, bf16, the GPU path) at 3,426 tokens: offloading 8
     layers takes their large saved tensors (~104 KiB a token a layer; the first layer saves
     less) out of the activations into a host row, and the predicted peak under 24 GiB."""
-    from hivetune.bench import WORKLOADS
+    from hivetune.workflows.bench import WORKLOADS
     from hivetune.plan.memory import (GIB, MemoryConfig, breakdown, first_layer_saving, layer_saved_bytes_per_token,
                                       offloaded_layer_bytes)
 
@@ -248,9 +248,9 @@ def test_planner_breakdown_with_offload():
 
 
 def test_config_key_checks(tiny_model_dir, alpaca_file, tmp_path, capsys):
-    from hivetune.config import load_config
-    from hivetune.errors import UserError
-    from hivetune.train import setup
+    from hivetune.core.config import load_config
+    from hivetune.core.errors import UserError
+    from hivetune.train.loop import setup
 
     with pytest.raises(UserError, match=r"activation_offload: must be >= 0, got -1"):
         load_config(None, {"model": "m", "activation_offload": -1})
@@ -290,9 +290,9 @@ def test_train_sizes_the_scaled_offload_for_one_process_only(tiny_model_dir, alp
     out-of-memory step cannot be redone on one rank alone."""
     import dataclasses
 
-    from hivetune.distributed import Dist
-    from hivetune.ops.graphs import planned_micro_batches
-    from hivetune.train import planned_memory, setup
+    from hivetune.parallel.distributed import Dist
+    from hivetune.train.graphs import planned_micro_batches
+    from hivetune.train.loop import planned_memory, setup
     from test_train import tiny_config
 
     run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "run", batch_size=2, max_steps=3))

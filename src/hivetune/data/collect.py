@@ -38,8 +38,8 @@ from pathlib import Path
 from hivetune.data.dedupe import FirstSeen
 from hivetune.data.formats import check_record, detect_format, parse_json_line
 from hivetune.data.scan import empty_fields, exact_key, open_data_file, parse_line, stream_lines
-from hivetune.errors import UserError
-from hivetune.fileio import atomic_write_with
+from hivetune.core.errors import UserError
+from hivetune.core.fileio import atomic_write_with
 
 OUTPUT_FORMATS = ("chat", "alpaca")
 ROLE_NAMES = {"user": "user", "human": "user", "system": "system", "assistant": "assistant", "gpt": "assistant",

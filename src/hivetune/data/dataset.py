@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hivetune.data.formats import Encoded, checked_records, encode_record, read_line_at
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 
 
 @dataclass

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 
 ROLES = ("system", "user", "assistant")
 FORMAT_NAMES = ("alpaca", "chat", "text")

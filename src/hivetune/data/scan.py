@@ -18,7 +18,7 @@ from pathlib import Path
 from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, FORMAT_NAMES, chat_spans, decode_json_file,
                                    encode_record, is_json_array, open_data_file,
                                    parse_jsonl_line)
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 
 # Records tokenised per call of the Rust tokenizer (it spreads a batch over the cores).
 TOKENIZE_BATCH = 256
@@ -132,7 +132,7 @@ def resolve_model(model: str | None) -> str:
     """The --model value, or the embedded SmolLM2 GGUF when none is given."""
     if model:
         return str(model)
-    from hivetune.embedded import embedded_model_path
+    from hivetune.core.embedded import embedded_model_path
 
     return str(embedded_model_path())
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hivetune.data.scan import check_output_path, stream_lines
-from hivetune.errors import UserError
-from hivetune.fileio import atomic_write_with
+from hivetune.core.errors import UserError
+from hivetune.core.fileio import atomic_write_with
 
 UNCATEGORISED = "(none)"
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from hivetune.data.formats import check_record, detect_format
 from hivetune.data.scan import (DEFAULT_MAX_LENGTH, TOKENIZE_BATCH, check_format_name, resolve_model, stream_lines,
                                 token_lengths)
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 
 PERCENTILES = (50, 90, 95, 99)
 PAD_BATCH = 8
@@ -182,7 +182,7 @@ def write_png(stats: LengthStats, out: Path) -> tuple[Path | None, str]:
         from matplotlib.figure import Figure
     except ImportError:
         return None, "histogram PNG skipped: matplotlib is not installed (pip install 'hivetune[plots]')"
-    from hivetune.fileio import atomic_write_with
+    from hivetune.core.fileio import atomic_write_with
 
     fig = Figure(figsize=(12, 3.6), layout="constrained")
     FigureCanvasAgg(fig)

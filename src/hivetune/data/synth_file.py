@@ -9,8 +9,8 @@ from pathlib import Path
 from hivetune.data.scan import check_output_path
 from hivetune.data.synth import (DATASET_KEYS, NEAR_DUPLICATE_THRESHOLD, category_counts, near_duplicate_rate,
                                  synthesize)
-from hivetune.errors import UserError
-from hivetune.fileio import atomic_write_bytes
+from hivetune.core.errors import UserError
+from hivetune.core.fileio import atomic_write_bytes
 
 
 @dataclass

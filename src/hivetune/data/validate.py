@@ -25,7 +25,7 @@ from hivetune.data.formats import FORMAT_NAMES, check_record, detect_format
 from hivetune.data.scan import (DEFAULT_MAX_LENGTH, TOKENIZE_BATCH, check_format_name, empty_fields, exact_key,
                                 prompt_text, resolve_model, stream_lines, token_lengths)
 from hivetune.data.synth import NEAR_DUPLICATE_THRESHOLD
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 
 KINDS = ("schema", "empty", "duplicate", "near_duplicate", "too_long")
 KIND_TITLES = {

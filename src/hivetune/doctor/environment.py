@@ -36,7 +36,7 @@ class CPUInfo:
     model: str = ""
     cores: int = 0  # usable by this process (its affinity mask)
     capability: str = ""  # the vector ISA torch's CPU kernels use: AVX2, AVX512, ...
-    fast_bf16: bool = False  # AMX / AVX512-BF16 (hivetune.device.cpu_has_fast_bf16)
+    fast_bf16: bool = False  # AMX / AVX512-BF16 (hivetune.core.device.cpu_has_fast_bf16)
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from hivetune.doctor.diagnose import diagnose
 from hivetune.doctor.environment import Environment, Finding
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 
 # Findings that matter whatever the device: importing transformers / peft fails.
 ANY_DEVICE = ("torchao-needs-newer-torch",)
@@ -28,7 +28,7 @@ def probe_stack() -> Environment:
 
 
 def training_device(env: Environment, device: str) -> str:
-    """'cpu' or 'cuda', as hivetune.device.resolve_device will choose it on this machine."""
+    """'cpu' or 'cuda', as hivetune.core.device.resolve_device will choose it on this machine."""
     if device == "auto":
         return "cuda" if env.gpus else "cpu"
     return device

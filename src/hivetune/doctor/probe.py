@@ -22,7 +22,7 @@ def gather_environment(selftest: bool = True, triton: bool = True) -> Environmen
     """Probe this machine. With ``selftest``, also run the attention probes and the self-test
     (a few seconds on a GPU, about two on a small CPU); without it, about 30 ms on a CPU.
     ``triton=False`` skips importing Triton (up to a second; only the liger-kernel warning needs it)."""
-    from hivetune.device import cpu_has_fast_bf16
+    from hivetune.core.device import cpu_has_fast_bf16
     from hivetune.doctor.attention_probes import probe_attention
     from hivetune.doctor.selftest import correctness_checks, measure_speed
 

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM, rope_inv_freq
 from hivetune.model.load import GGUF_LAYER_NAMES, GGUF_TOP_NAMES, permute_rope_rows

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hivetune.errors import UserError
-from hivetune.fileio import fill_cache_folder, file_cache_folder
+from hivetune.core.errors import UserError
+from hivetune.core.fileio import fill_cache_folder, file_cache_folder
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM, rope_inv_freq
 

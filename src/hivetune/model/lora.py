@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from hivetune.errors import UserError
-from hivetune.fastpath import forced
+from hivetune.core.errors import UserError
+from hivetune.core.fastpath import forced
 from hivetune.ops import elementwise
 from hivetune.ops.lora_group import CastCache, casts_active, dropout_seed, lora_group
 
@@ -442,7 +442,7 @@ def save_adapter(model: nn.Module, spec: LoRASpec, folder: Path, base_model_path
     """
     from safetensors.torch import save_file
 
-    from hivetune.fileio import atomic_write_bytes, atomic_write_with
+    from hivetune.core.fileio import atomic_write_bytes, atomic_write_with
 
     folder.mkdir(parents=True, exist_ok=True)
     tensors = lora_state_dict(model) if tensors is None else tensors

@@ -11,8 +11,8 @@ import warnings
 from functools import lru_cache
 from pathlib import Path
 
-from hivetune.errors import UserError
-from hivetune.fileio import fill_cache_folder, file_cache_folder
+from hivetune.core.errors import UserError
+from hivetune.core.fileio import fill_cache_folder, file_cache_folder
 from hivetune.model.load import is_gguf
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hivetune.fastpath import env, varlen_usable
+from hivetune.core.fastpath import env, varlen_usable
 
 # cuDNN's SDPA builds an execution plan per new shape: 2-2.5 ms of host time per call measured
 # on an H200 for W1's [8, 14, L, 64] (L changes every step), 35% of the step's host time.
@@ -280,7 +280,7 @@ def _varlen_fn():
 def varlen_supported(q: torch.Tensor) -> bool:
     if env("HIVETUNE_ATTENTION") == "sdpa":  # force the reference path (tests, A/B)
         return False
-    # Tried once per device and dtype (hivetune.fastpath): a GPU or build without the kernel
+    # Tried once per device and dtype (hivetune.core.fastpath): a GPU or build without the kernel
     # takes the SDPA reference path, with one log line.
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[0] == 1
             and varlen_usable(q.device, q.dtype))

@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-from hivetune.fastpath import forced
+from hivetune.core.fastpath import forced
 
 _CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF = 0, 2, 14
 _COMPUTE_32F = 68

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from hivetune.fastpath import env, forced, note_fallback
+from hivetune.core.fastpath import env, forced, note_fallback
 
 try:  # Triton is optional: CPUs, ROCm builds without it, old GPUs take the references
     import triton

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 
 from hivetune.ops import blas
-
 try:  # Triton is optional: CPUs and GPUs without it take the PyTorch chunk
     import triton
     import triton.language as tl

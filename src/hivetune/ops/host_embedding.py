@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from hivetune.fastpath import note_fallback
+from hivetune.core.fastpath import note_fallback
 from hivetune.ops import elementwise
-
 triton = elementwise.triton
 if triton is not None:
     import triton.language as tl

@@ -51,9 +51,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from hivetune.fastpath import forced
+from hivetune.core.fastpath import forced
 from hivetune.ops import blas, elementwise
-
 _ACTIVE: "CastCache | None" = None  # the cache refreshed by the model forward now running
 # The seeds the next refreshed forward's seeded dropouts take (int64 on the device, one a group
 # call), set by given_seeds: train draws them on the host per micro-batch, and a CUDA graph reads

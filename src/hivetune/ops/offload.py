@@ -69,7 +69,7 @@ import weakref
 
 import torch
 
-from hivetune.fastpath import forced
+from hivetune.core.fastpath import forced
 
 THRESHOLD_BYTES = 1 << 20  # storages under 1 MiB stay on the GPU (W2: lse, 1/rms, the rank-r xa)
 CHUNK_BYTES = 256 << 20  # pinned host memory is allocated in chunks of up to this size

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import yaml
 
-from hivetune.config import TrainConfig
-from hivetune.errors import UserError
+from hivetune.core.config import TrainConfig
+from hivetune.core.errors import UserError
 
 TUNE_FILE = "tune.yaml"  # written by `hivetune tune`, read by --auto when present
 
@@ -114,12 +114,12 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
     device = torch.device(device) if not isinstance(device, torch.device) else device
     if device.type != "cuda" and memory_gib is None:
         return cfg, "auto: CPU run, config unchanged (the planner sizes GPU memory)"
-    from hivetune.embedded import embedded_model_path
+    from hivetune.core.embedded import embedded_model_path
     from hivetune.model.load import load_args
 
     args = load_args(Path(cfg.model) if cfg.model else embedded_model_path())
     if memory_gib is None:  # what this process may hold: a per-process cap, other processes' share
-        from hivetune.train import device_memory_bytes
+        from hivetune.train.loop import device_memory_bytes
 
         memory_gib = device_memory_bytes(device) / GIB
     budget = memory_gib * GIB

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,6 @@ def fused_layers_standin():
     one (no mask saved; o_proj / down_proj recompute their dropped input, q/k/v and gate/up
     theirs from the norm's input, RMSNorm.source)."""
     from hivetune.ops import elementwise
-
     before = elementwise.rms_norm, elementwise.swiglu, elementwise.swiglu_joined
     half = (torch.bfloat16, torch.float16)
 
@@ -183,7 +182,7 @@ def fused_layers_standin():
 
 def saved_activation_bytes(model, batch, precision: str, fused_loss: bool = True) -> int:
     """Bytes of distinct non-parameter storages saved for backward by one forward + loss."""
-    from hivetune.device import DTYPES
+    from hivetune.core.device import DTYPES
     from hivetune.ops.fused_ce import fused_target_loss_sum
     from hivetune.ops.loss import target_loss_sum
 

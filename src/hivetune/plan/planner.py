@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hivetune.config import TrainConfig
-from hivetune.errors import UserError
+from hivetune.core.config import TrainConfig
+from hivetune.core.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.plan.gpus import GPU, find_gpu, gpu_for_device_name
 from hivetune.plan.memory import (GIB, MemoryConfig, breakdown, keep_inputs_extra_bytes, largest_micro_batch,
@@ -93,9 +93,8 @@ def training_path(precision: str, cuda: bool = True, distributed: str = "auto") 
     (lora.fuse_projections) unless FSDP or HIVETUNE_REFERENCE=fused_lora; the Triton RMSNorm /
     SwiGLU on a GPU in bf16 / fp16 (ops.elementwise.fused_ok) where Triton is importable, or
     assumed when planning on a machine without a GPU (the CUDA and ROCm wheels ship it)."""
-    from hivetune.fastpath import forced, fused_lora_usable
+    from hivetune.core.fastpath import forced, fused_lora_usable
     from hivetune.ops import elementwise
-
     fused_layers = (cuda and precision != "fp32" and os.environ.get("HIVETUNE_FUSED_OPS", "1") != "0"
                     and not forced("fused_layers"))
     if fused_layers and elementwise.triton is None:
@@ -111,13 +110,13 @@ def uses_graphs(cfg: TrainConfig, precision: str, checkpointing: bool) -> bool:
 
 
 def bucketed(tokens: int, graphs: bool, args: ModelArgs | None = None) -> int:
-    """CUDA graphs pad each micro-batch to a token bucket (hivetune.ops.graphs); they switch
+    """CUDA graphs pad each micro-batch to a token bucket (hivetune.train.graphs); they switch
     themselves off for compute-bound micro-batches (MAX_TFLOP_PER_MICRO_BATCH, where the tree
     has it), which then run eagerly at their own size."""
     if not graphs:
         return tokens
     try:
-        from hivetune.ops import graphs as ops_graphs
+        from hivetune.train import graphs as ops_graphs
     except ImportError:
         return tokens
     cap = getattr(ops_graphs, "MAX_TFLOP_PER_MICRO_BATCH", None)
@@ -167,7 +166,7 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     `cfg` is a training config (model, data, batch_size, grad_accum, max_length, precision,
     gradient_checkpointing, lora.*, packing, fused_loss); `model_args` skips reading cfg.model.
     """
-    from hivetune.embedded import embedded_model_path
+    from hivetune.core.embedded import embedded_model_path
     from hivetune.model.load import load_args
 
     model_path = Path(cfg.model) if cfg.model else embedded_model_path()
@@ -186,7 +185,7 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
 
     data = cfg.data
     if not data and not cfg.model:  # the embedded default job trains on the shipped dataset
-        from hivetune.embedded import default_train_data
+        from hivetune.core.embedded import default_train_data
 
         data = str(default_train_data())
         cfg = dataclasses.replace(cfg, data=data)
@@ -344,7 +343,7 @@ def plot_plan(p: Plan, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--png needs matplotlib: pip install 'hivetune[plots]'") from None
-    from hivetune.fileio import atomic_write_with
+    from hivetune.core.fileio import atomic_write_with
 
     fig, ax = plt.subplots(figsize=(9, 3.2))
     left = 0.0

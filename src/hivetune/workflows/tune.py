@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from hivetune.config import TrainConfig
-from hivetune.errors import UserError
+from hivetune.core.config import TrainConfig
+from hivetune.core.errors import UserError
 
 
 @dataclass
@@ -93,11 +93,11 @@ def _time_candidate(cfg: TrainConfig, args, device: torch.device, precision: str
     """(median seconds per optimizer step after the first, tokens per step, peak reserved GiB)."""
     import json
 
-    from hivetune.bench import random_model
+    from hivetune.workflows.bench import random_model
     from hivetune.data.dataset import TokenizedExamples
     from hivetune.data.formats import Encoded
-    from hivetune.device import DTYPES
-    from hivetune.train import assemble, fit
+    from hivetune.core.device import DTYPES
+    from hivetune.train.loop import assemble, fit
 
     per_step = cfg.batch_size * cfg.grad_accum
     gen = torch.Generator().manual_seed(0)
@@ -128,13 +128,13 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
          cap_gib: float | None = None, out: str | None = "tune.yaml", attention: list[str] | None = None,
          force: bool = False) -> TuneResult:
     """Measure the candidates and write the fastest that fits the cap to `out` (None: no file)."""
-    from hivetune.config import load_config, to_dict
-    from hivetune.device import resolve_device, resolve_precision, set_threads
-    from hivetune.embedded import embedded_model_path
-    from hivetune.fileio import atomic_write_bytes
+    from hivetune.core.config import load_config, to_dict
+    from hivetune.core.device import resolve_device, resolve_precision, set_threads
+    from hivetune.core.embedded import embedded_model_path
+    from hivetune.core.fileio import atomic_write_bytes
     from hivetune.model.load import load_args
     from hivetune.plan.memory import GIB, breakdown
-    from hivetune.train import device_memory_bytes
+    from hivetune.train.loop import device_memory_bytes
 
     if steps < 2:
         raise UserError(f"--steps: at least 2 (the first step warms up), got {steps}")

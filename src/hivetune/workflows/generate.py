@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from hivetune.data.formats import render_chat
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 from hivetune.model.decoder import CausalLM, KVCache
 from hivetune.model.tokenizer import eos_ids
 from hivetune.ops.attention import Masked, Packed
@@ -59,7 +59,7 @@ def greedy_decode(model: CausalLM, cache: KVCache, lengths: tuple[int, ...], fir
                   max_new_tokens: int, stop_ids: set[int]) -> list[list[int]]:
     """The decode loop of ``greedy_ids`` after a packed prefill: `cache` holds prompt e's
     `lengths[e]` keys and values in row e, right-aligned at column max(lengths) = cache.length,
-    and `first` [rows] the tokens its last positions chose. ``hivetune.evaluate`` prefills with
+    and `first` [rows] the tokens its last positions chose. ``hivetune.workflows.evaluate`` prefills with
     its loss pass over prompt + reference (``KVCache.prefix``) and decodes from there."""
     device, dtype = first.device, cache.k[0].dtype
     batch, width = len(lengths), max(lengths)
@@ -122,8 +122,8 @@ def resolve_adapter_folder(path: str | Path) -> Path:
 def load_for_generation(model: str = "", adapter: str = "", device: str = "auto", precision: str = "auto"):
     """(model, tokenizer) in eval mode: an HF folder or .gguf (default: embedded), adapter optional
     (a run folder or an adapter folder). `hivetune generate` and `hivetune chat` load with it."""
-    from hivetune.device import DTYPES, resolve_device, resolve_precision
-    from hivetune.embedded import embedded_model_path
+    from hivetune.core.device import DTYPES, resolve_device, resolve_precision
+    from hivetune.core.embedded import embedded_model_path
     from hivetune.model.load import load_model
     from hivetune.model.lora import load_adapter
     from hivetune.model.tokenizer import load_tokenizer

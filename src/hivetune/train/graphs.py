@@ -69,10 +69,10 @@ import torch
 
 from hivetune.data.batch import MicroBatch
 from hivetune.data.formats import parse_json_line
-from hivetune.device import cuda_index
-from hivetune.distributed import all_gather_objects, rank_speeds
-from hivetune.errors import UserError
-from hivetune.fastpath import forced
+from hivetune.core.device import cuda_index
+from hivetune.parallel.distributed import all_gather_objects, rank_speeds
+from hivetune.core.errors import UserError
+from hivetune.core.fastpath import forced
 from hivetune.ops.attention import Packed, varlen_supported
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.ops.loss import target_loss_sum
@@ -293,7 +293,7 @@ def _step_shares(run, start: int | None):
 
 def _micro_parts(run, share: list[int]) -> list[list[int]]:
     """A rank's share of a step cut into micro-batches, as the loop cuts it (train.micro_parts)."""
-    from hivetune.train import micro_parts
+    from hivetune.train.loop import micro_parts
 
     return micro_parts(run, share)
 
@@ -486,7 +486,7 @@ def ignoring_loss_fn(loss_fn):
 def micro_step_fn(run, loss_fn):
     """fit's per-micro-batch call ``(batch on the host, step target count) -> detached loss``:
     graphed when run.cfg.cuda_graphs and the run allows it, else train.forward_backward."""
-    from hivetune.train import forward_backward
+    from hivetune.train.loop import forward_backward
 
     def eager(batch, n_targets):
         return forward_backward(run, batch.to(run.device), n_targets, loss_fn)
@@ -774,7 +774,7 @@ class GraphedForwardBackward:
             torch._foreach_zero_(fresh)
 
     def _body(self, bucket: _Bucket) -> torch.Tensor:
-        from hivetune.train import forward_backward
+        from hivetune.train.loop import forward_backward
 
         bucket.cu.copy_(bucket.cu_src)
         return forward_backward(self.run, bucket.batch, bucket.n_targets, self.loss_fn)

@@ -28,8 +28,8 @@ import torch
 
 from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, Encoded, alpaca_messages, checked_records,
                                    encode_record, render_chat)
-from hivetune.errors import UserError
-from hivetune.generate import greedy_ids, resolve_adapter_folder
+from hivetune.core.errors import UserError
+from hivetune.workflows.generate import greedy_ids, resolve_adapter_folder
 from hivetune.model.decoder import CausalLM
 from hivetune.ops.loss import target_loss_sum
 
@@ -218,7 +218,7 @@ def losses_and_answers(model: CausalLM, examples: list[EvalExample], max_new_tok
     `seconds` gets loss (the packed forward and the losses) and generate (the decode steps).
     """
     from hivetune.data.batch import collate_packed
-    from hivetune.generate import greedy_decode
+    from hivetune.workflows.generate import greedy_decode
     from hivetune.model.decoder import KVCache
 
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
@@ -258,7 +258,7 @@ def losses_and_answers(model: CausalLM, examples: list[EvalExample], max_new_tok
 def generate_sorted(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
                     batch_size: int) -> list[list[int]]:
     """Greedy continuations in batches of prompts of similar length (sorted by length, so left
-    padding stays short), returned in input order (see ``hivetune.generate.greedy_ids``).
+    padding stays short), returned in input order (see ``hivetune.workflows.generate.greedy_ids``).
 
     Batches are as even as `batch_size` allows (200 prompts at 96: 3 x 67, not 2 x 96 + 8).
     Big batches pay on the CPU because a decode step's cost grows much less than its rows: the
@@ -332,7 +332,7 @@ def run_max_new_tokens(adapter_folder: Path) -> int:
     """The max_new_tokens of the run the adapter belongs to (RUN/config.yaml beside RUN/adapter),
     so that `hivetune eval --adapter RUN` answers as long as the run's own A/B did (64 in the
     default job); DEFAULT_MAX_NEW_TOKENS for any other adapter folder."""
-    from hivetune.config import read_yaml
+    from hivetune.core.config import read_yaml
 
     config = adapter_folder.parent / "config.yaml"
     if adapter_folder.name != "adapter" or not config.is_file():
@@ -343,7 +343,7 @@ def run_max_new_tokens(adapter_folder: Path) -> int:
 
 def base_model_path(model: str, adapter_folder: Path) -> Path:
     """--model, else the base the adapter names (base_model_name_or_path), else the embedded model."""
-    from hivetune.embedded import embedded_model_path
+    from hivetune.core.embedded import embedded_model_path
 
     if model:
         return Path(model)
@@ -365,8 +365,8 @@ def evaluate(model: str = "", adapter: str = "", data: str = "", max_new_tokens:
     """`hivetune eval`: score base and tuned on `data`; write eval.json and eval.md; return the
     eval.json content. max_new_tokens 0: the run's (``run_max_new_tokens``). Everything is
     checked before a weight is loaded."""
-    from hivetune.device import DTYPES, resolve_device, resolve_precision
-    from hivetune.embedded import default_heldout_data
+    from hivetune.core.device import DTYPES, resolve_device, resolve_precision
+    from hivetune.core.embedded import default_heldout_data
     from hivetune.model.load import load_model
     from hivetune.model.lora import fuse_projections, load_adapter
     from hivetune.model.tokenizer import load_tokenizer
@@ -464,7 +464,7 @@ def score_base_and_tuned(net: CausalLM, tokenizer, examples: list[EvalExample], 
 
 def write_eval(report: dict, out_dir: Path, report_examples: int = 3) -> None:
     """eval.json (the report) and eval.md (means and a few examples), each written atomically."""
-    from hivetune.fileio import atomic_write_bytes
+    from hivetune.core.fileio import atomic_write_bytes
 
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "eval.json", (json.dumps(report, indent=2) + "\n").encode())

@@ -21,15 +21,14 @@ from pathlib import Path
 
 import torch
 
-from hivetune.config import load_config
+from hivetune.core.config import load_config
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.data.formats import Encoded
-from hivetune.device import DTYPES, cap_memory
-from hivetune.errors import UserError
+from hivetune.core.device import DTYPES, cap_memory
+from hivetune.core.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM
-from hivetune.ops import graphs
-
+from hivetune.train import graphs
 # Dense bf16 tensor-core peak, TFLOP/s, for MFU (vendor datasheets, no sparsity).
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "RTX 4090": 165.0,
                     "RTX 5090": 209.0, "MI300X": 1307.0, "MI250": 362.0, "MI50": 26.5}
@@ -145,7 +144,6 @@ EXPERIMENTS = ("HIVETUNE_LORA_SIDE_STREAM", "HIVETUNE_CAPTURE_LEAD", "HIVETUNE_G
 
 def environment(device) -> dict:
     from hivetune.ops import elementwise
-
     env = {"python": platform.python_version(), "torch": torch.__version__, "commit": git_commit(),
            "fused_ops": elementwise.triton is not None and os.environ.get("HIVETUNE_FUSED_OPS", "1") != "0",
            "reference_paths": os.environ.get("HIVETUNE_REFERENCE", ""),
@@ -218,8 +216,8 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
     """Train the workload with hivetune's loop; return the measured figures. memory_cap_gib: the
     caching allocator may hold at most this much from assembly on (as on a card of that size;
     set after the model is built: W2's random init runs in fp32)."""
-    from hivetune import fastpath
-    from hivetune.train import assemble, fit
+    from hivetune.core import fastpath
+    from hivetune.train.loop import assemble, fit
 
     fastpath.prewarm(device)  # overlaps building the data and the model, as in train's setup
     examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))
@@ -291,7 +289,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
 def first_step_clock(device: torch.device):
     """Yields a dict that gets "seconds": the wall time of fit's first optimizer step from the
     block's start, the GPU's work included (one synchronisation, after that step only)."""
-    import hivetune.train as train
+    import hivetune.train.loop as train
 
     out, real, start = {}, train.accumulate_step, time.perf_counter()
 

@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 
 TENSORBOARD_DIR = "tensorboard"
 

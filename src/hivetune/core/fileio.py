@@ -16,7 +16,7 @@ try:
 except ImportError:  # not on Linux / macOS: run folders are not locked
     fcntl = None
 
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 
 
 def fsync_dir(folder: Path) -> None:

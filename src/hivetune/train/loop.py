@@ -25,24 +25,24 @@ from pathlib import Path
 import torch
 
 from hivetune.checkpoint import load_lora_weights, resume_point, resume_run, save_checkpoint
-from hivetune.config import TrainConfig, save_config, step_order
+from hivetune.core.config import TrainConfig, save_config, step_order
 from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset, plan_steps
-from hivetune import distributed
-from hivetune.device import DTYPES, cuda_index, peak_memory_bytes, resolve_device, resolve_precision, set_threads
+from hivetune.parallel import distributed
+from hivetune.core.device import DTYPES, cuda_index, peak_memory_bytes, resolve_device, resolve_precision, set_threads
 from hivetune.doctor.preflight import check_stack
-from hivetune.fastpath import (adamw, clip_grad_norm, forced, fused_lora_usable, join_prewarm, prewarm,
+from hivetune.core.fastpath import (adamw, clip_grad_norm, forced, fused_lora_usable, join_prewarm, prewarm,
                                quiet_gc)
-from hivetune.embedded import default_heldout_data, default_train_data, embedded_model_path
-from hivetune.errors import UserError
-from hivetune.fileio import atomic_write_bytes, check_writable, hold_run_lock, write_folder_atomically
-from hivetune.metrics_sink import MetricsSink, require_tensorboard
+from hivetune.core.embedded import default_heldout_data, default_train_data, embedded_model_path
+from hivetune.core.errors import UserError
+from hivetune.core.fileio import atomic_write_bytes, check_writable, hold_run_lock, write_folder_atomically
+from hivetune.core.metrics import MetricsSink, require_tensorboard
 from hivetune.model.decoder import CausalLM
 from hivetune.model.load import load_args, load_model
 from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_parameters, save_adapter
 from hivetune.model.tokenizer import load_tokenizer
 from hivetune.ops.fused_ce import fused_target_loss_sum
-from hivetune.ops.graphs import micro_step_fn
+from hivetune.train.graphs import micro_step_fn
 from hivetune.ops.lora_group import given_seeds, join_aside
 from hivetune.ops.loss import target_loss_sum
 
@@ -196,7 +196,7 @@ def wide_groups(model: CausalLM, cfg: TrainConfig, data, device: torch.device, s
     and ran out of memory under the cap, so it was not the default on one process), and W2's DDP
     ranks (8 examples each, graphed) 2-7% (2 x H100, 058b554). W2 on one GPU (7B, 16 x 1, ~80
     TFLOP a micro-batch: not graphed, so not wide) ran 8% slower with it."""
-    from hivetune.ops.graphs import MAX_TFLOP_PER_MICRO_BATCH
+    from hivetune.train.graphs import MAX_TFLOP_PER_MICRO_BATCH
 
     asked = cfg.wide_lora == "true" or (cfg.wide_lora == "auto" and strategy != "fsdp")
     if not asked or device.type != "cuda" or forced("wide_lora") or not len(data):
@@ -233,7 +233,6 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     model.activation_offload = activation_offload(cfg, model, device, strategy)  # after the fusing: it reads the storages
     if device.type == "cuda":
         from hivetune.ops import blas
-
         blas.available(device)  # loads cuBLAS / cuBLASLt here, not in the first step (~85 ms on an H100 host)
     model.runs_in_dtype = runs_in_dtype(model, precision, strategy)
     if parallel.enabled:
@@ -275,7 +274,7 @@ def planned_memory(run: Run) -> None:
     plan.memory.resolve_keep_inputs), the micro-batch activation_offload's layer count is for, and
     the host memory it will use, pinned before the loop (W2 with 8 layers: ~2.9 GB; pinned in its
     first steps instead, the run took 20.8 s against 19.8 with this, in two H200 calls)."""
-    from hivetune.ops.graphs import planned_micro_batches
+    from hivetune.train.graphs import planned_micro_batches
     from hivetune.plan.memory import keep_inputs_extra_bytes, offloaded_bytes, offloaded_layer_bytes
     from hivetune.plan.planner import _memory_config
 
@@ -658,7 +657,6 @@ def planner_hint(run: Run) -> str:
         return "`hivetune plan` predicts what fits; "
     try:
         from hivetune.plan import plan
-
         total = torch.cuda.get_device_properties(run.device).total_memory / 2**30
         p = plan(run.cfg, memory_gib=total, model_args=run.model.args)
         return (f"The planner: micro-batches up to {p.largest_micro_batch_tokens:,} tokens fit this GPU "
@@ -969,7 +967,7 @@ def _fmt_s(seconds: float) -> str:
 def answer_heldout(run: Run, n: int, max_new_tokens: int) -> list[dict]:
     """The first n held-out questions answered by the base (LoRA off) and the tuned model."""
     from hivetune.data.formats import alpaca_messages, check_record, detect_format, iter_records
-    from hivetune.generate import generate_text
+    from hivetune.workflows.generate import generate_text
     from hivetune.model.lora import lora_enabled
 
     if run.val_path is None or n == 0:
@@ -1003,7 +1001,7 @@ def heldout_eval(run: Run) -> dict | None:
     eval_examples held-out examples, into RUN/eval/ (eval.json, eval.md); prints the means
     table. None when there is no held-out file, eval_examples or eval_prompts is 0, or the
     file has no prompt/response records (a note says so: the trained adapter is already saved)."""
-    from hivetune.evaluate import heldout_ab, means_table
+    from hivetune.workflows.evaluate import heldout_ab, means_table
 
     cfg = run.cfg
     if run.val_path is None or cfg.eval_examples == 0 or cfg.eval_prompts == 0:
@@ -1038,7 +1036,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                            "tuned": r["tuned"]["generation"]} for r in ab["rows"][:cfg.eval_prompts]]
     else:
         result.samples = answer_heldout(run, cfg.eval_prompts, cfg.max_new_tokens)
-    from hivetune.report import environment
+    from hivetune.workflows.report import environment
 
     summary = {
         "adapter": str(result.adapter), "steps": result.steps, "final_loss": result.final_loss,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from hivetune.errors import UserError
+from hivetune.core.errors import UserError
 from hivetune.model.lora import DEFAULT_TARGETS
 
 FORMATS = ("auto", "alpaca", "chat", "text")
@@ -349,7 +349,7 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-DEFAULT_RECIPE = Path(__file__).parent / "recipes" / "default.yaml"
+DEFAULT_RECIPE = Path(__file__).parents[1] / "recipes" / "default.yaml"
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> TrainConfig:
@@ -453,6 +453,6 @@ def to_dict(cfg: TrainConfig) -> dict:
 
 
 def save_config(cfg: TrainConfig, path: Path) -> None:
-    from hivetune.fileio import atomic_write_bytes
+    from hivetune.core.fileio import atomic_write_bytes
 
     atomic_write_bytes(path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())

@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from hivetune.errors import UserError
-from hivetune.generate import greedy_ids, load_for_generation
+from hivetune.core.errors import UserError
+from hivetune.workflows.generate import greedy_ids, load_for_generation
 
 
 def reply(net, tokenizer, messages: list[dict], max_new_tokens: int) -> str:
