@@ -1,7 +1,8 @@
 """W1 on the GPU: the packed path (one row per micro-batch, flash varlen attention, CUDA graphs)
 and the padded path (one right-padded row per example, eager) give the same loss curve.
 
-Same model (W1's Qwen2.5-0.5B shape, random init), same examples in the same order, W1's LoRA
+Same model (W1's Qwen2.5-0.5B shape, random init), same examples in the same order (the random
+step order for both: `auto` would balance the packed run's steps only), W1's LoRA
 (r 8, alpha 16, dropout 0.05), 30 optimizer steps of 8 examples, bf16.
 
 Tolerance, per step: |packed - padded| <= 2e-3 * padded. Why that much: the two paths run the
@@ -36,7 +37,7 @@ def w1_losses(tmp_path: Path, packing: bool) -> list[float]:
     examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))
     values = {"model": "random", "data": "generator", "precision": "bf16", "device": "cuda", "max_steps": STEPS,
               "batch_size": w.examples_per_step, "lr": 2e-4, "lora": w.lora, "eval_prompts": 0, "max_length": 4096,
-              "warmup_steps": 2, "packing": packing}
+              "warmup_steps": 2, "packing": packing, "batch_order": "random"}
     cfg = load_config(None, values)
     model = random_model(w.args, "cuda", torch.bfloat16)
     run = assemble(cfg, model, examples, None, torch.device("cuda"), "bf16", tmp_path / f"packed-{packing}",

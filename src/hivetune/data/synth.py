@@ -8,7 +8,7 @@ evaluation can check "does the reference command appear in the model's answer".
 How an example is made: pick a category (balanced round robin), a task of that category (a
 shuffled deck, so every task gets used), slot values, and either a generic question form around
 one of the task's goals or one of its specific questions; then fill the answer template with the
-same slot values. The per-category templates live in the ``synth_topics_*`` modules; the answer
+same slot values. The per-category templates live in ``topics/*.yaml``; the answer
 convention (``$ `` shell lines, ``>>> `` Python lines) is described in :mod:`synth_topics`.
 
 Everything random goes through one ``random.Random(seed)``; sets are only used for membership
@@ -35,9 +35,7 @@ import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from hivetune.data import (synth_topics_ml, synth_topics_ops, synth_topics_platform,
-                           synth_topics_system)
-from hivetune.data.synth_topics import GOAL_FORMS, Task
+from hivetune.data.synth_topics import GOAL_FORMS, Task, load_tasks
 
 CATEGORIES = (
     "selinux", "cgroups", "gpu_containers", "rocm", "cuda", "ostree", "bootc", "systemd",
@@ -64,7 +62,6 @@ DEFAULT_HELDOUT = 40
 DEFAULT_TASKS_PER_CATEGORY = 2
 DATASET_KEYS = ("instruction", "input", "output", "category", "command")
 
-_TOPIC_MODULES = (synth_topics_system, synth_topics_ops, synth_topics_platform, synth_topics_ml)
 _PLACEHOLDER = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
 _WORD = re.compile(r"[a-z0-9]+")
 _SENTENCE_BREAK = re.compile(r"(?<!e\.g\.)(?<!i\.e\.)(?<=[.!?])\s+")
@@ -74,17 +71,16 @@ BRIEF_NOTE_MIN_WORDS = 5
 
 
 def _collect_tasks() -> dict[str, tuple[Task, ...]]:
-    """Group the tasks of all topic modules by category, checking keys and categories."""
+    """Group the tasks of all topic files by category, checking keys and categories."""
     by_category: dict[str, list[Task]] = {category: [] for category in CATEGORIES}
     seen_keys: set[str] = set()
-    for module in _TOPIC_MODULES:
-        for topic_task in module.TASKS:
-            if topic_task.category not in by_category:
-                raise ValueError(f"task {topic_task.key!r} has unknown category")
-            if topic_task.key in seen_keys:
-                raise ValueError(f"duplicate task key {topic_task.key!r}")
-            seen_keys.add(topic_task.key)
-            by_category[topic_task.category].append(topic_task)
+    for topic_task in load_tasks():
+        if topic_task.category not in by_category:
+            raise ValueError(f"task {topic_task.key!r} has unknown category")
+        if topic_task.key in seen_keys:
+            raise ValueError(f"duplicate task key {topic_task.key!r}")
+        seen_keys.add(topic_task.key)
+        by_category[topic_task.category].append(topic_task)
     empty = [category for category, tasks in by_category.items() if not tasks]
     if empty:
         raise ValueError(f"categories without tasks: {empty}")
@@ -382,7 +378,7 @@ run fine-tunes a 135M model on a 2-core CPU within a few minutes, so the data te
 well rather than many once.
 
 - {n_tasks} tasks, the first {DEFAULT_TASKS_PER_CATEGORY} of each of the {len(CATEGORIES)} categories of
-  `src/hivetune/data/synth_topics_*.py` (`hivetune data synth` draws from all of them).
+  `src/hivetune/data/topics/*.yaml` (`hivetune data synth` draws from all of them).
 - `train.jsonl`: {len(train)} examples, each task asked several times in different words and
   with different arguments (service, path, port...).
 - `heldout.jsonl`: {len(heldout)} examples, stratified by category. What is held out is the
@@ -406,7 +402,7 @@ python -c "from hivetune.data.synth import write_default_dataset; write_default_
 
 This calls `default_records()` (`{DEFAULT_TOTAL}` examples of the tasks above, seed {DEFAULT_SEED}) from
 `src/hivetune/data/synth.py` and splits the result deterministically. Rerunning it reproduces these
-files byte for byte (a test checks this); edit the templates in `synth_topics_*.py` and
+files byte for byte (a test checks this); edit the templates in `topics/*.yaml` and
 regenerate instead of editing here.
 
 ## Format

@@ -21,12 +21,19 @@ statement on its own line starting with ``>>> ``. File contents (unit files, Con
 plain lines. The ``command`` of a task is written without ``sudo`` so that it is a verbatim
 substring of the ``$ sudo ...`` line.
 
-The per-category tasks live in the ``synth_topics_*`` modules; this module holds what they share.
+The tasks are data: ``topics/*.yaml`` beside this module, one file per group of categories, each a
+list of ``tasks`` written as :func:`task` takes them. A slot value ``=NAME`` names a pool of values
+listed under ``pools`` in the same file or in ``topics/pools.yaml`` (the pools the groups share).
+This module holds the format and :func:`load_tasks`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+TOPICS_DIR = Path(__file__).parent / "topics"
+TOPIC_FILES = ("system", "ops", "platform", "ml")  # the order fixes each category's task order
 
 @dataclass(frozen=True)
 class Task:
@@ -87,49 +94,39 @@ GOAL_FORMS = (
     "I want to {goal}; which commands do I need?",
 )
 
-# ---------------------------------------------------------------------------------------------
-# Shared slot pools. Values are realistic but made up (users, hosts, paths).
-# ---------------------------------------------------------------------------------------------
+def _frozen(value):
+    """YAML's lists and dicts as the tuples and dicts that task templates hold."""
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _frozen(v) for k, v in value.items()}
+    return value
 
-SYSTEM_SERVICES = ("nginx", "httpd", "sshd", "redis", "postgresql", "chronyd", "NetworkManager",
-                   "firewalld", "crond", "tuned")
-APP_SERVICES = ("llama-server", "vllm", "inference-api", "jupyter", "webhook-receiver",
-                "metrics-agent", "model-sync", "backup-agent")
-ANY_SERVICES = SYSTEM_SERVICES + APP_SERVICES
 
-USERS = ("alice", "bob", "carol", "deploy", "mlops", "dana", "ravi", "priya", "ci-runner", "svc-llm")
-GROUPS = ("developers", "mlteam", "ops", "data", "render", "video", "analysts")
-HOSTS = ("gpu01", "gpu02.lab.example.com", "build-server", "10.0.0.15", "node3.example.net",
-         "train-box", "192.168.1.40", "inference01.example.com")
-PIDS = ("1234", "4821", "23817", "9906", "31337", "7702")
+def _read_yaml(path: Path) -> dict:
+    import yaml  # loaded with the topics: only the synthetic-data commands need it
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return yaml.load(path.read_text(encoding="utf-8"), Loader=loader) or {}
 
-# Directories that hold data or web content; none are special system paths.
-DATA_DIRS = ("/srv/data", "/srv/models", "/data/datasets", "/opt/llm", "/var/lib/app",
-             "/srv/shared", "/home/alice/projects")
-WEB_DIRS = ("/srv/www", "/srv/site", "/var/www/blog", "/data/web", "/opt/portal/public",
-            "/srv/static")
 
-MEMORY_SIZES = ("512M", "1G", "2G", "4G", "8G", "16G")
-
-# Fedora packages that exist in the main repositories.
-CLI_PACKAGES = ("htop", "tmux", "nvtop", "zsh", "fish", "vim-enhanced", "wireguard-tools",
-                "strace", "smartmontools", "btop", "ripgrep", "jq", "git-lfs", "sysstat")
-
-HF_MODELS = ("Qwen/Qwen2.5-7B-Instruct", "meta-llama/Llama-3.1-8B-Instruct",
-             "mistralai/Mistral-7B-Instruct-v0.3", "microsoft/Phi-3.5-mini-instruct",
-             "google/gemma-2-9b-it", "Qwen/Qwen2.5-1.5B-Instruct",
-             "HuggingFaceTB/SmolLM2-1.7B-Instruct")
-SMALL_HF_MODELS = ("HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-0.5B-Instruct",
-                   "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "meta-llama/Llama-3.2-1B-Instruct",
-                   "HuggingFaceTB/SmolLM2-360M-Instruct")
-GGUF_FILES = ("qwen2.5-7b-instruct-q4_k_m.gguf", "Llama-3.2-3B-Instruct-Q4_K_M.gguf",
-              "mistral-7b-instruct-v0.3.Q5_K_M.gguf", "gemma-2-2b-it-Q8_0.gguf",
-              "Phi-3.5-mini-instruct-Q4_K_M.gguf", "SmolLM2-1.7B-Instruct-Q4_K_M.gguf")
-
-GPU_IDS = ("0", "1", "2", "3")
-CUDA_IMAGES = ("docker.io/nvidia/cuda:12.4.1-base-ubuntu22.04",
-               "docker.io/nvidia/cuda:12.2.0-base-ubuntu22.04")
-ROCM_IMAGES = ("docker.io/rocm/dev-ubuntu-22.04", "docker.io/rocm/pytorch:latest")
-
-PROMPTS = ("Hello!", "Summarize what SELinux does in one sentence.", "Write a haiku about GPUs.",
-           "What is the capital of France?", "Explain LoRA in two sentences.")
+def load_tasks() -> list[Task]:
+    """Every task of ``topics/*.yaml``, in file order, with ``=NAME`` slot values resolved."""
+    shared = {name: _frozen(v) for name, v in _read_yaml(TOPICS_DIR / "pools.yaml")["pools"].items()}
+    tasks = []
+    for name in TOPIC_FILES:
+        path = TOPICS_DIR / f"{name}.yaml"
+        doc = _read_yaml(path)
+        pools = {**shared, **{k: _frozen(v) for k, v in (doc.get("pools") or {}).items()}}
+        for entry in doc["tasks"]:
+            slots = {}
+            for slot, values in (entry.get("slots") or {}).items():
+                if isinstance(values, str) and values.startswith("="):
+                    if values[1:] not in pools:
+                        raise ValueError(f"{path}: task {entry['key']!r}: slot {slot!r} names no pool {values[1:]!r}")
+                    values = pools[values[1:]]
+                slots[slot] = _frozen(values)
+            questions = [q if isinstance(q, str) else tuple(q) for q in entry.get("questions", ())]
+            tasks.append(task(entry["key"], goals=entry.get("goals", ()), questions=questions,
+                              answers=entry["answers"] if isinstance(entry["answers"], str) else tuple(entry["answers"]),
+                              command=entry["command"], slots=slots, brief=entry.get("brief", "")))
+    return tasks
