@@ -30,9 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from hivetune.workflows.bench import WORKLOADS, environment, workload_examples  # noqa: E402
 from hivetune.core.config import load_config  # noqa: E402
 from hivetune.data.dataset import TokenizedExamples  # noqa: E402
-from hivetune.ops import graphs  # noqa: E402
+from hivetune.train import replay as graphs  # noqa: E402
 from hivetune.ops.fused_ce import fused_target_loss_sum  # noqa: E402
-from hivetune.train.loop import assemble, micro_batches  # noqa: E402
+from hivetune.train.setup import assemble  # noqa: E402
+from hivetune.train.step import micro_batches  # noqa: E402
 from multi_gpu import random_model_bf16  # noqa: E402  (bench/, this script's folder)
 
 

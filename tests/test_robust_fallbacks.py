@@ -14,7 +14,8 @@ from hivetune.core import device as device_module
 from hivetune.core import fastpath
 from hivetune.core.device import resolve_precision
 from hivetune.core.fastpath import FORCE_ENV, adamw, probe_varlen, varlen_usable
-from hivetune.train.loop import fit, setup
+from hivetune.train.loop import fit
+from hivetune.train.setup import setup
 from test_train import tiny_config
 
 CPU = torch.device("cpu")
@@ -274,7 +275,8 @@ def test_bf16_weights_train_without_autocast_to_the_same_bits(monkeypatch, tmp_p
     from hivetune.data.dataset import TokenizedExamples
     from hivetune.model.lora import lora_parameters
     from hivetune.ops.loss import target_loss_sum
-    from hivetune.train.loop import assemble, autocast, forward_backward
+    from hivetune.train.setup import assemble
+    from hivetune.train.step import autocast, forward_backward
     from pathlib import Path
 
     args = qwen25_shape(vocab=2100, hidden=64, intermediate=128, layers=2, heads=4, kv=2, tied=True)

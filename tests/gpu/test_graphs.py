@@ -15,7 +15,9 @@ from hivetune.data.dataset import TokenizedExamples
 from hivetune.model.lora import lora_parameters
 from hivetune.train import graphs
 from hivetune.ops.fused_ce import fused_target_loss_sum
-from hivetune.train.loop import assemble, fit, forward_backward
+from hivetune.train.loop import fit
+from hivetune.train.setup import assemble
+from hivetune.train.step import forward_backward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -151,7 +153,7 @@ def test_planned_sizes_hold_every_micro_batch_and_the_timing_replay_adds_nothing
 
 
 def graphs_micro_batches(run, step):
-    from hivetune.train.loop import micro_batches
+    from hivetune.train.step import micro_batches
 
     return micro_batches(run, step)
 
@@ -361,7 +363,7 @@ def test_graphs_take_each_micro_batchs_dropout_seeds(tmp_path):
     from its static inputs: replays of one micro-batch with its seeds give the same loss, bit for
     bit (not fresh masks from torch's generator); the next step's seeds give other masks; and
     each replay is closer to eager's loss with its own seeds than with the other ones."""
-    from hivetune.train.loop import micro_batches
+    from hivetune.train.step import micro_batches
 
     run, _ = small_run(tmp_path, dropout=0.3)
     run.model.train()

@@ -346,7 +346,7 @@ def test_wide_layout_only_where_micro_batches_are_small(monkeypatch):
     from hivetune.workflows.bench import WORKLOADS
     from hivetune.data.dataset import TokenizedExamples
     from hivetune.data.formats import Encoded
-    from hivetune.train.loop import wide_groups
+    from hivetune.train.setup import wide_groups
 
     def run(name, batch, mean, device="cuda", asked="true", strategy="none"):
         data = TokenizedExamples([Encoded([1] * mean, [True] * mean, truncated=False)] * 4)

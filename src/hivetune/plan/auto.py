@@ -54,7 +54,7 @@ def offload_fit(cfg: TrainConfig, args, precision: str, tokens: int, budget: flo
     layers, with which an eager micro-batch of `tokens` fits `budget` bytes; None where nothing
     does, or where train would not move them (FSDP). Preferred to a smaller micro-batch or
     checkpointing: W2 (7B, 16 examples) under a 24 GiB cap with host_embeddings and 5 layers
-    offloaded ran 14,337 tokens/s on an H100 (b70c247), where 2 x 8 examples graphed ran 13,261
+    offloaded ran 14,337 tokens/s on an H100, where 2 x 8 examples graphed ran 13,261
     (BENCHMARKS.md); auto_config still takes a smaller micro-batch first where one fits without
     (~8% apart there, in runs of different calls), and this before checkpointing, which
     recomputes every layer's forward (offload: 2.9-5.5% slower than none, W2 on H200s)."""
@@ -87,13 +87,14 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
     memory without checkpointing; where none does, the largest that fits with its input embedding
     in host memory and the fewest layers of activation offload (offload_fit); else with
     checkpointing. Micro-batches are sized at max_length tokens an example (the worst case), in
-    `memory_gib`, by default what this process may hold on the device (train.device_memory_bytes:
+    `memory_gib`, by default what this process may hold on the device (plan.gpus.device_memory_bytes:
     its memory times a per-process fraction where one is set, no more than is free plus what the
-    process holds; it was the device's whole memory, which a GPU shared with another process or
-    capped does not give). On a CPU nothing changes.
+    process holds, which a GPU shared with another process or capped allows). On a CPU nothing
+    changes.
     """
     import torch
 
+    from hivetune.plan.gpus import device_memory_bytes
     from hivetune.plan.memory import GIB, breakdown
     from hivetune.plan.planner import _memory_config, bucketed, uses_graphs
 
@@ -119,8 +120,6 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
 
     args = load_args(Path(cfg.model) if cfg.model else embedded_model_path())
     if memory_gib is None:  # what this process may hold: a per-process cap, other processes' share
-        from hivetune.train.loop import device_memory_bytes
-
         memory_gib = device_memory_bytes(device) / GIB
     budget = memory_gib * GIB
     precision = cfg.precision

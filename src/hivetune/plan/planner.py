@@ -16,6 +16,7 @@ from hivetune.core.config import TrainConfig
 from hivetune.core.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.plan.gpus import GPU, find_gpu, gpu_for_device_name
+from hivetune.plan.graph_sizes import bucket_tokens, launch_bound
 from hivetune.plan.memory import (GIB, MemoryConfig, breakdown, keep_inputs_extra_bytes, largest_micro_batch,
                                   lora_parameter_count, base_parameter_count, resolve_keep_inputs)
 from hivetune.plan.timing import micro_batch_seconds
@@ -110,19 +111,14 @@ def uses_graphs(cfg: TrainConfig, precision: str, checkpointing: bool) -> bool:
 
 
 def bucketed(tokens: int, graphs: bool, args: ModelArgs | None = None) -> int:
-    """CUDA graphs pad each micro-batch to a token bucket (hivetune.train.graphs); they switch
-    themselves off for compute-bound micro-batches (MAX_TFLOP_PER_MICRO_BATCH, where the tree
-    has it), which then run eagerly at their own size."""
+    """CUDA graphs pad each micro-batch to a graph size (plan.graph_sizes, on the fixed grid
+    here); they switch themselves off for compute-bound micro-batches (launch_bound), which then
+    run eagerly at their own size."""
     if not graphs:
         return tokens
-    try:
-        from hivetune.train import graphs as ops_graphs
-    except ImportError:
+    if args is not None and not launch_bound(args.linear_weight_count, tokens):
         return tokens
-    cap = getattr(ops_graphs, "MAX_TFLOP_PER_MICRO_BATCH", None)
-    if cap is not None and args is not None and 4 * args.linear_weight_count * tokens / 1e12 > cap:
-        return tokens
-    return ops_graphs.bucket_tokens(tokens)
+    return bucket_tokens(tokens)
 
 
 def data_lengths(cfg: TrainConfig, model_path: Path) -> tuple[list[int], list[int]]:

@@ -18,7 +18,7 @@ import json
 import statistics
 from pathlib import Path
 
-from hivetune.model.config import ModelArgs
+from hivetune.model.config import ModelArgs, qwen25_shape
 
 EFFICIENCY = {"bf16": 0.42, "fp16": 0.42, "fp32": 0.63}  # of the datasheet dense rate
 DISPATCH_S_PER_LAYER = 0.0058  # eager, per micro-batch (fwd + bwd + the optimizer step's share)
@@ -41,8 +41,6 @@ def micro_batch_seconds(args: ModelArgs, tokens: float, example_tokens: float, c
 def calibrate(grid: str | Path | dict, peak_tflops: dict) -> dict:
     """Efficiency per precision (median over compute-bound points) and the dispatch time per
     layer (median over points far from compute-bound) from a plan-grid JSON (or its record)."""
-    from hivetune.workflows.bench import qwen25_shape
-
     record = grid if isinstance(grid, dict) else json.loads(Path(grid).read_text())
     shapes = {"0.5B": (151936, 896, 4864, 24, 14, 2, True), "1.5B": (151936, 1536, 8960, 28, 12, 2, True),
               "7B": (152064, 3584, 18944, 28, 28, 4, False)}

@@ -97,7 +97,8 @@ def _time_candidate(cfg: TrainConfig, args, device: torch.device, precision: str
     from hivetune.data.dataset import TokenizedExamples
     from hivetune.data.formats import Encoded
     from hivetune.core.device import DTYPES
-    from hivetune.train.loop import assemble, fit
+    from hivetune.train.loop import fit
+    from hivetune.train.setup import assemble
 
     per_step = cfg.batch_size * cfg.grad_accum
     gen = torch.Generator().manual_seed(0)
@@ -134,7 +135,7 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
     from hivetune.core.fileio import atomic_write_bytes
     from hivetune.model.load import load_args
     from hivetune.plan.memory import GIB, breakdown
-    from hivetune.train.loop import device_memory_bytes
+    from hivetune.plan.gpus import device_memory_bytes
 
     if steps < 2:
         raise UserError(f"--steps: at least 2 (the first step warms up), got {steps}")
