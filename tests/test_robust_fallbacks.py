@@ -268,7 +268,7 @@ def test_quiet_gc_freezes_the_loops_start_and_restores_the_collector(monkeypatch
 def test_bf16_weights_train_without_autocast_to_the_same_bits(monkeypatch, tmp_path, dropout):
     """A model whose frozen weights are bf16 and whose LoRA layers all run through lora_group
     trains without autocast (train.autocast): the same loss and LoRA gradients, bit for bit, as
-    with it (HIVETUNE_REFERENCE=autocast); an fp32 model keeps autocast."""
+    with it (runs_in_dtype off); an fp32 model keeps autocast."""
     from hivetune.workflows.bench import qwen25_shape, random_model, workload_examples
     from hivetune.core.config import load_config
     from hivetune.data.batch import collate_packed
@@ -303,7 +303,7 @@ def test_bf16_weights_train_without_autocast_to_the_same_bits(monkeypatch, tmp_p
     with autocast(run):
         assert not torch.is_autocast_enabled("cpu")
     loss, grads = loss_and_grads()
-    monkeypatch.setenv("HIVETUNE_REFERENCE", "autocast")
+    run.model.runs_in_dtype = False  # what autocast does to the same model
     with autocast(run):
         assert torch.is_autocast_enabled("cpu")
     loss_ref, grads_ref = loss_and_grads()
