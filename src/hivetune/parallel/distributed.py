@@ -22,15 +22,19 @@ Rank 0 alone writes files (config, metrics, checkpoints, adapter); the others wa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from hivetune.core.errors import UserError
+from hivetune.core.fastpath import one_buffer
+from hivetune.plan import plan
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 
@@ -191,9 +195,6 @@ def choose_strategy(strategy: str, base_bytes: int, device: torch.device, cfg=No
         return "ddp"
     total = total_bytes or torch.cuda.get_device_properties(device).total_memory
     if cfg is not None and model_args is not None:
-        import dataclasses
-
-        from hivetune.plan import plan
         try:  # the planner sizes a micro-batch at max_length tokens an example without data: an upper bound
             verdict = plan(dataclasses.replace(cfg, data=""), memory_gib=total / 2**30, model_args=model_args)
             return "ddp" if verdict.fits else "fsdp"
@@ -211,7 +212,7 @@ def wrap(model: torch.nn.Module, strategy: str, d: Dist, device: torch.device) -
         # The frozen base is the same on every rank (loaded from the same files) and the LoRA
         # init is seeded alike on every rank: nothing to broadcast.
         return model
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard  # loaded here: FSDP's import is slow, and only FSDP runs need it
 
     for layer in model.model.layers:
         fully_shard(layer)
@@ -222,8 +223,6 @@ def wrap(model: torch.nn.Module, strategy: str, d: Dist, device: torch.device) -
 def gradient_sync(module: torch.nn.Module, strategy: str, enabled: bool):
     """Context for one micro-batch: FSDP reduce-scatters only on the last one (ddp syncs after
     the step, in allreduce_gradients)."""
-    from contextlib import nullcontext
-
     if strategy == "fsdp":
         module.set_requires_gradient_sync(enabled)
     return nullcontext()
@@ -238,8 +237,6 @@ def allreduce_gradients(params: list[torch.nn.Parameter], d: Dist) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
-    from hivetune.core.fastpath import one_buffer
-
     arena = one_buffer(grads)  # CUDA graphs' GradArena: reduced where it is, no copies
     if arena is not None:
         dist.all_reduce(arena, op=dist.ReduceOp.SUM)

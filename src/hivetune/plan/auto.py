@@ -5,10 +5,16 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
 import yaml
 
 from hivetune.core.config import TrainConfig
+from hivetune.core.embedded import embedded_model_path
 from hivetune.core.errors import UserError
+from hivetune.model.load import load_args
+from hivetune.plan.gpus import device_memory_bytes
+from hivetune.plan.memory import GIB, breakdown
+from hivetune.plan.planner import _memory_config, bucketed, offload_to_fit, uses_graphs
 
 TUNE_FILE = "tune.yaml"  # written by `hivetune tune`, read by --auto when present
 
@@ -58,9 +64,6 @@ def offload_fit(cfg: TrainConfig, args, precision: str, tokens: int, budget: flo
     (BENCHMARKS.md); auto_config still takes a smaller micro-batch first where one fits without
     (~8% apart there, in runs of different calls), and this before checkpointing, which
     recomputes every layer's forward (offload: 2.9-5.5% slower than none, W2 on H200s)."""
-    from hivetune.plan.memory import breakdown
-    from hivetune.plan.planner import _memory_config, offload_to_fit
-
     if cfg.distributed == "fsdp":
         return None
     if not args.tie_word_embeddings and not cfg.host_embeddings:
@@ -92,12 +95,6 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
     process holds, which a GPU shared with another process or capped allows). On a CPU nothing
     changes.
     """
-    import torch
-
-    from hivetune.plan.gpus import device_memory_bytes
-    from hivetune.plan.memory import GIB, breakdown
-    from hivetune.plan.planner import _memory_config, bucketed, uses_graphs
-
     effective = cfg.batch_size * cfg.grad_accum
     tune_path = Path(tune_file) if tune_file else Path(TUNE_FILE)
     if tune_path.is_file():
@@ -115,9 +112,6 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
     device = torch.device(device) if not isinstance(device, torch.device) else device
     if device.type != "cuda" and memory_gib is None:
         return cfg, "auto: CPU run, config unchanged (the planner sizes GPU memory)"
-    from hivetune.core.embedded import embedded_model_path
-    from hivetune.model.load import load_args
-
     args = load_args(Path(cfg.model) if cfg.model else embedded_model_path())
     if memory_gib is None:  # what this process may hold: a per-process cap, other processes' share
         memory_gib = device_memory_bytes(device) / GIB

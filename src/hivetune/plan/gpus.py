@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from hivetune.core.device import cuda_index
 from hivetune.core.errors import UserError
 
 
@@ -91,10 +94,6 @@ def device_memory_bytes(device) -> int:
     already holds (another process on the same GPU keeps its share); 0 elsewhere."""
     if device.type != "cuda":
         return 0
-    import torch  # loaded here: the GPU table itself is read without torch (`hivetune plan`)
-
-    from hivetune.core.device import cuda_index  # imports torch, as above
-
     index = cuda_index(device)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(index)
     free, total = torch.cuda.mem_get_info(index)
