@@ -22,7 +22,7 @@ from hivetune.core.device import cap_memory
 from hivetune.model.load import load_args
 from hivetune.plan import auto_config
 from hivetune.plan.memory import GIB, breakdown
-from hivetune.plan.planner import _memory_config
+from hivetune.plan.planner import memory_config
 from hivetune.train.loop import fit
 from hivetune.train.setup import setup
 
@@ -60,7 +60,7 @@ def test_auto_offloads_where_nothing_fits_and_the_run_fits_the_cap(model_and_dat
 
     def peak(**changes) -> float:
         c = dataclasses.replace(cfg, **changes)
-        return breakdown(args, _memory_config(c, "bf16", False), LENGTH).total
+        return breakdown(args, memory_config(c, "bf16", False), LENGTH).total
 
     plain = peak(batch_size=1, grad_accum=EXAMPLES)
     moved = peak(batch_size=1, grad_accum=EXAMPLES, host_embeddings=True, activation_offload=LAYERS // 2)

@@ -14,7 +14,7 @@ from hivetune.core.errors import UserError
 from hivetune.model.load import load_args
 from hivetune.plan.gpus import device_memory_bytes
 from hivetune.plan.memory import GIB, breakdown
-from hivetune.plan.planner import _memory_config, bucketed, offload_to_fit, uses_graphs
+from hivetune.plan.planner import memory_config, bucketed, offload_to_fit, uses_graphs
 
 TUNE_FILE = "tune.yaml"  # written by `hivetune tune`, read by --auto when present
 
@@ -68,7 +68,7 @@ def offload_fit(cfg: TrainConfig, args, precision: str, tokens: int, budget: flo
         return None
     if not args.tie_word_embeddings and not cfg.host_embeddings:
         cfg = _with(cfg, host_embeddings=True)
-        peak = breakdown(args, _memory_config(cfg, precision, False), tokens).total
+        peak = breakdown(args, memory_config(cfg, precision, False), tokens).total
         if peak <= budget:
             return cfg, peak, ", host_embeddings"
     moved = ", host_embeddings" if cfg.host_embeddings else ""
@@ -78,7 +78,7 @@ def offload_fit(cfg: TrainConfig, args, precision: str, tokens: int, budget: flo
     if not n or n > args.num_hidden_layers // 2:
         return None
     cfg = _with(cfg, activation_offload=n)
-    return cfg, breakdown(args, _memory_config(cfg, precision, False), tokens).total, f"{moved}, activation_offload={n}"
+    return cfg, breakdown(args, memory_config(cfg, precision, False), tokens).total, f"{moved}, activation_offload={n}"
 
 
 def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
@@ -120,7 +120,7 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
     if precision == "auto":
         precision = "bf16" if device.type != "cuda" or torch.cuda.is_bf16_supported() else "fp16"
     for ckpt, offload in ((False, False), (False, True), (True, False)):
-        mcs = {graphed: _memory_config(cfg, precision, ckpt, graphs=graphed) for graphed in (False, True)}
+        mcs = {graphed: memory_config(cfg, precision, ckpt, graphs=graphed) for graphed in (False, True)}
         for b in _divisors_desc(effective):
             tokens = bucketed(b * cfg.max_length, uses_graphs(cfg, precision, ckpt), args)
             graphed = tokens != b * cfg.max_length

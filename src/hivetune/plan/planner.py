@@ -67,7 +67,7 @@ class Plan:
     host_gib: dict = field(default_factory=dict)  # host memory the run holds (not GPU memory)
 
 
-def _memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: bool = True,
+def memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: bool = True,
                    graphs: bool = False, args: ModelArgs | None = None, tokens: int = 0,
                    memory_bytes: int = 0) -> MemoryConfig:
     """`args` and `tokens` (the largest micro-batch), `memory_bytes` (the device's): resolve
@@ -75,12 +75,12 @@ def _memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: 
     fn, _, has_gqa = attention._varlen_fn()
     varlen = (cuda and precision != "fp32" and cfg.packing and fn is not None
               and getattr(cfg, "attention", "auto") != "sdpa")
+    path = training_path(precision, cuda, cfg.distributed, getattr(cfg, "fused_ops", True))
     mc = MemoryConfig(precision=precision, r=cfg.lora.r, targets=tuple(cfg.lora.targets), dropout=cfg.lora.dropout,
-                        gradient_checkpointing=checkpointing, fused_loss=cfg.fused_loss, packing=cfg.packing,
-                        attention="varlen" if varlen else "sdpa", gqa_native=has_gqa,
-                        mask_bytes=1 if cuda else (4 if precision == "fp32" else 2),
-                        offload_layers=offload_in_force(cfg, cuda, graphs), **training_path(precision, cuda, cfg.distributed,
-                                                                     getattr(cfg, "fused_ops", True)))
+                      gradient_checkpointing=checkpointing, fused_loss=cfg.fused_loss, packing=cfg.packing,
+                      attention="varlen" if varlen else "sdpa", gqa_native=has_gqa,
+                      mask_bytes=1 if cuda else (4 if precision == "fp32" else 2),
+                      offload_layers=offload_in_force(cfg, cuda, graphs), **path)
     setting = getattr(cfg, "lora_inputs", "recompute")
     if setting == "auto" and (args is None or not tokens):
         setting = "recompute"
@@ -99,8 +99,9 @@ def offload_in_force(cfg: TrainConfig, cuda: bool, graphs: bool) -> int:
 def training_path(precision: str, cuda: bool = True, distributed: str = "auto", fused_ops: bool = True) -> dict:
     """MemoryConfig's joined / fused_layers for the path train takes: LoRA groups joined
     (lora.fuse_projections) unless FSDP or HIVETUNE_REFERENCE=fused_lora; the Triton RMSNorm /
-    SwiGLU on a GPU in bf16 / fp16 (ops.elementwise.fused_ok) where Triton is importable, or
-    assumed when planning on a machine without a GPU (the CUDA and ROCm wheels ship it)."""
+    SwiGLU on a GPU in bf16 / fp16 (ops.elementwise.fused_ok) unless fused_ops is off, where
+    Triton is importable, or assumed when planning on a machine without a GPU (the CUDA and
+    ROCm wheels ship it)."""
     fused_layers = cuda and precision != "fp32" and fused_ops and not forced("fused_layers")
     if fused_layers and elementwise.triton is None:
         fused_layers = not torch.cuda.is_available()
@@ -197,12 +198,12 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     graphs = uses_graphs(cfg, precision, ckpt)
     tokens = bucketed(worst, graphs, args)
     graphs = graphs and tokens != worst
-    mc = _memory_config(cfg, precision, ckpt, graphs=graphs, args=args, tokens=tokens, memory_bytes=int(mem_gib * GIB))
+    mc = memory_config(cfg, precision, ckpt, graphs=graphs, args=args, tokens=tokens, memory_bytes=int(mem_gib * GIB))
     if mc.keep_inputs and not ckpt:
         notes.append(f"lora_inputs {cfg.lora_inputs}: the LoRA groups keep their dropped inputs "
                      f"(+{keep_inputs_extra_bytes(args, mc, tokens) / GIB:.2f} GiB of activations)")
     b = breakdown(args, mc, tokens, max(1, int(tokens * target_fraction)))
-    other = breakdown(args, _memory_config(cfg, precision, not ckpt), tokens, max(1, int(tokens * target_fraction)))
+    other = breakdown(args, memory_config(cfg, precision, not ckpt), tokens, max(1, int(tokens * target_fraction)))
     act = {("checkpointing on" if ckpt else "checkpointing off"): b.parts["activations"] / GIB,
            ("checkpointing off" if ckpt else "checkpointing on"): other.parts["activations"] / GIB}
     budget = int(mem_gib * GIB)
@@ -210,7 +211,7 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     # auto recomputes the LoRA inputs where keeping them would not fit: size the largest that way
     sizing = dataclasses.replace(mc, keep_inputs=False) if getattr(cfg, "lora_inputs", "") == "auto" else mc
     largest = largest_micro_batch(args, sizing, budget, target_fraction)
-    largest_ckpt = largest if ckpt else largest_micro_batch(args, _memory_config(cfg, precision, True), budget,
+    largest_ckpt = largest if ckpt else largest_micro_batch(args, memory_config(cfg, precision, True), budget,
                                                             target_fraction)
     suggestion = _suggest(cfg, fits, ckpt, worst, largest, largest_ckpt, avg_len)
     if not fits and not graphs and not ckpt:
@@ -255,7 +256,7 @@ def offload_to_fit(args: ModelArgs, cfg: TrainConfig, precision: str, tokens: in
                    budget: int) -> int:
     """The fewest layers of activation_offload with which a micro-batch of `tokens` fits
     `budget` bytes (eager, on CUDA), or 0 when none does."""
-    eager = _memory_config(dataclasses.replace(cfg, activation_offload=args.num_hidden_layers), precision, False)
+    eager = memory_config(dataclasses.replace(cfg, activation_offload=args.num_hidden_layers), precision, False)
     if not eager.offload_layers:  # where train would not offload (FSDP)
         return 0
     targets = max(1, int(tokens * target_fraction))

@@ -3,7 +3,7 @@
 A graph fixes every shape and address. pad_packed_batch pads T real tokens to a graph size: the
 pad tokens form their own segment of ``cu_seqlens`` (attention never crosses a segment), so
 real tokens see exactly what they saw unpadded, and the pad targets carry IGNORE_INDEX, which
-the loss ignores (no loss, no gradient). _Bucket holds one graph's static inputs.
+the loss ignores (no loss, no gradient). Bucket holds one graph's static inputs.
 """
 
 from __future__ import annotations
@@ -86,12 +86,12 @@ def release_generator(device) -> None:
     generator.graphsafe_set_state(generator.clone_state())
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
     """An exception as one line for the graphs-off note: its type and its message's first line."""
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-class _Bucket:
+class Bucket:
     """Static device inputs of one graph: one int64 buffer holding input ids, positions, target
     index, target ids, cu_seqlens and the dropout seeds (one host-to-device copy per micro-batch)."""
 

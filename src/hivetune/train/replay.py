@@ -50,7 +50,7 @@ from hivetune.ops.lora_group import GradArena
 from hivetune.plan.graph_sizes import (BUCKET_TOKENS, GRAIN, MAX_TFLOP_PER_MICRO_BATCH, bucket_tokens,
                                        capture_cost_tokens, deferrable, defers_captures, grid_keys, plan_sizes,
                                        target_capacities)
-from hivetune.train.graph_batch import _Bucket, _first_line, batch_key, keeps_graphs, pad_packed_batch, release_generator
+from hivetune.train.graph_batch import Bucket, first_line, batch_key, keeps_graphs, pad_packed_batch, release_generator
 
 MAX_GRAPHS = 48  # keys beyond this many run eagerly
 # A deferred capture waits until this many replays are queued ahead of the GPU, so that its host
@@ -115,7 +115,7 @@ class GraphedForwardBackward:
         self.arena = (GradArena(self.params, getattr(model, "lora_casts", None), move_params=True)
                       if GradArena.usable(self.params) else None)
         self.grads = self.arena.grads if self.arena is not None else [torch.zeros_like(p) for p in self.params]
-        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.buckets: dict[tuple[int, int], Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=device)
         self.background = keeps_graphs()
@@ -123,7 +123,7 @@ class GraphedForwardBackward:
         self.warmed = False
         self.n_seeds = 0  # dropout seeds a micro-batch (set at the warm-up: fit's micro-batches carry them)
         self.defer, self.pending = defer, []  # the deferred keys still to capture
-        self.preloaded: dict[tuple[int, int], _Bucket] = {}  # deferred keys whose shapes _preload met
+        self.preloaded: dict[tuple[int, int], Bucket] = {}  # deferred keys whose shapes _preload met
         self.plan_due: dict | None = None  # the plan left for the next call (_finish_plan)
         self.calls = 0
         self.lead = CAPTURE_LEAD
@@ -275,7 +275,7 @@ class GraphedForwardBackward:
         if fresh:
             torch._foreach_zero_(fresh)
 
-    def _body(self, bucket: _Bucket) -> torch.Tensor:
+    def _body(self, bucket: Bucket) -> torch.Tensor:
         bucket.cu.copy_(bucket.cu_src)
         return self.body(bucket.batch, bucket.n_targets)
 
@@ -292,7 +292,7 @@ class GraphedForwardBackward:
         if not self.warmed:
             # the graphs' dropout seeds come from their static inputs where fit gives them
             self.n_seeds = batch.dropout_seeds.numel() if batch.dropout_seeds is not None else 0
-            bucket = _Bucket(key[0], key[1] - 1, padded.n_examples, self.device, self.n_seeds)
+            bucket = Bucket(key[0], key[1] - 1, padded.n_examples, self.device, self.n_seeds)
             bucket.load(padded, n_targets)
             main = torch.cuda.current_stream()
             self.stream.wait_stream(main)
@@ -430,7 +430,7 @@ class GraphedForwardBackward:
                 self.preloaded[key] = bucket
         except Exception as e:  # noqa: BLE001 - as a failed capture: eager from here
             self._capture_failed(f"a preload capture (the first {len(model.model.layers)} layers) of a {key[0]}-token "
-                                 f"bucket failed: {_first_line(e)}")
+                                 f"bucket failed: {first_line(e)}")
         finally:
             model.model.layers = layers
         self.stats["preloaded"] = len(self.preloaded)
@@ -443,7 +443,7 @@ class GraphedForwardBackward:
                                                    initargs=(cuda_index(self.device),))
         return self.instantiator
 
-    def _ready(self, bucket: _Bucket) -> bool:
+    def _ready(self, bucket: Bucket) -> bool:
         """Whether the bucket's graph can replay: waits for its background instantiation; a
         failed one turns graphs off, as a failed capture does."""
         if bucket.ready is None:
@@ -453,13 +453,13 @@ class GraphedForwardBackward:
         try:
             ready.result()
         except Exception as e:  # noqa: BLE001 - as in _capture_key: run eagerly from now on
-            self._turn_off(f"instantiating a {bucket.tokens}-token graph failed: {_first_line(e)}")
+            self._turn_off(f"instantiating a {bucket.tokens}-token graph failed: {first_line(e)}")
             return False
         finally:
             self.stats["instantiate_wait_s"] = round(self.stats["instantiate_wait_s"] + time.perf_counter() - t0, 3)
         return True
 
-    def _capture_key(self, key, bucket: _Bucket | None) -> bool:
+    def _capture_key(self, key, bucket: Bucket | None) -> bool:
         t0 = time.perf_counter()
         bucket = bucket or self._new_bucket(key)
         # Background: capture_end leaves the graph uninstantiated, and the worker thread
@@ -470,7 +470,7 @@ class GraphedForwardBackward:
         try:
             bucket.loss = self._record(graph, bucket, timed=True)
         except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly from now on
-            self._capture_failed(f"capture of a {key[0]}-token bucket failed: {_first_line(e)}")
+            self._capture_failed(f"capture of a {key[0]}-token bucket failed: {first_line(e)}")
             return False
         bucket.graph = graph
         if self.background:
@@ -480,12 +480,12 @@ class GraphedForwardBackward:
         self.stats["capture_each_s"].append(round(time.perf_counter() - t0, 3))
         return True
 
-    def _new_bucket(self, key: tuple[int, int]) -> _Bucket:
+    def _new_bucket(self, key: tuple[int, int]) -> Bucket:
         """The static inputs of the graph of `key` (tokens, cu_seqlens entries): one example a
         segment but the pad one, the micro-batches' dropout seeds, the key's target capacity."""
-        return _Bucket(key[0], key[1] - 1, key[1] - 2, self.device, self.n_seeds, self.capacity.get(key))
+        return Bucket(key[0], key[1] - 1, key[1] - 2, self.device, self.n_seeds, self.capacity.get(key))
 
-    def _record(self, graph: torch.cuda.CUDAGraph, bucket: _Bucket, timed: bool = False) -> torch.Tensor:
+    def _record(self, graph: torch.cuda.CUDAGraph, bucket: Bucket, timed: bool = False) -> torch.Tensor:
         """The bucket's forward, loss and backward captured into `graph` on the capture stream;
         returns the captured loss. timed: stats idle_before_begin and begin_each_s.
 

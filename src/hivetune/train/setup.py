@@ -33,7 +33,7 @@ from hivetune.parallel import distributed
 from hivetune.plan.gpus import device_memory_bytes
 from hivetune.plan.graph_sizes import launch_bound
 from hivetune.plan.memory import keep_inputs_extra_bytes, offloaded_bytes, offloaded_layer_bytes
-from hivetune.plan.planner import _memory_config
+from hivetune.plan.planner import memory_config
 from hivetune.train.graph_plan import planned_micro_batches
 from hivetune.train.run import Run, new_run_folder
 from hivetune.train.step import runs_in_dtype
@@ -187,7 +187,7 @@ def planned_memory(run: Run) -> None:
     if casts is None and offload is None:
         return
     tokens = max((t for t, _ in planned_micro_batches(run, start=0)), default=0)
-    mc = _memory_config(run.cfg, run.precision, run.cfg.gradient_checkpointing, cuda=run.device.type == "cuda",
+    mc = memory_config(run.cfg, run.precision, run.cfg.gradient_checkpointing, cuda=run.device.type == "cuda",
                         args=run.model.args, tokens=tokens, memory_bytes=device_memory_bytes(run.device))
     if casts is not None:
         casts.keep_inputs = mc.keep_inputs

@@ -79,9 +79,9 @@ def _candidate_memory(cfg: TrainConfig, args, precision: str, checkpointing: boo
     always counted the inputs recomputed while the timed run kept them on a roomy GPU: up to
     ~5 GiB low for a 7B model."""
     from hivetune.plan.memory import seeded_dropout
-    from hivetune.plan.planner import _memory_config
+    from hivetune.plan.planner import memory_config
 
-    mc = _memory_config(cfg, precision, checkpointing, cuda=cuda, args=args, tokens=tokens, memory_bytes=memory_bytes)
+    mc = memory_config(cfg, precision, checkpointing, cuda=cuda, args=args, tokens=tokens, memory_bytes=memory_bytes)
     inputs = cfg.lora_inputs
     if inputs == "auto" and seeded_dropout(mc):
         inputs = "keep" if mc.keep_inputs else "recompute"
