@@ -129,7 +129,7 @@ def main() -> None:
               f"{1000 * (seconds - cap) / len(rest):.1f} ms/step without {cap:.2f} s of graph capture), "
               f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated, "
               f"{torch.cuda.max_memory_reserved() / 2**30:.2f} GiB reserved; graphs: {graphs.last_stats or 'off'}")
-        if graphs.last_graphed is not None:
+        if getattr(graphs, "last_graphed", None) is not None:  # gone with HIVETUNE_GRAPH_TIMING
             print(f"GPU ms per graph replay (forward + loss + backward of one micro-batch), by bucket: "
                   f"{graphs.last_graphed.replay_ms()}")
         return

@@ -86,36 +86,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
             step_loss, step_tokens, signal_flag = reduce_step(parallel, step_loss, step_tokens, stop.signum,
                                                          sum(run.data.lengths[i] for i in example_ids))
 
-            if run.scaler:
-                run.scaler.unscale_(run.optimizer)
-            if cfg.max_grad_norm > 0:
-                grad_norm = clip_grad_norm(params, cfg.max_grad_norm)
-            else:
-                grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
-            if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
-                grad_norm = grad_norm.full_tensor()
-            lr = run.optimizer.param_groups[0]["lr"]
-            # A non-finite loss or gradient would poison the weights and Adam's moments for good:
-            # skip the update; the data position and the lr schedule move on. (fp16: overflowing
-            # gradients are the grad scaler's to skip and back off from; only the loss counts.)
-            finite = torch.isfinite(step_loss)
-            if not run.scaler:
-                finite &= torch.isfinite(grad_norm)
-            if ledger.deferred:
-                run.optimizer.found_inf = (~finite).float()  # the fused kernel leaves everything as it was
-                run.optimizer.step()
-            else:
-                finite = bool(finite)  # one host sync per step (the ledger takes the bool as it is)
-                if finite and run.scaler:
-                    run.scaler.step(run.optimizer)
-                elif finite:
-                    run.optimizer.step()
-            if run.scaler:
-                run.scaler.update()
-            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()" after a skip
-                warnings.simplefilter("ignore", UserWarning)
-                run.scheduler.step()
-            run.optimizer.zero_grad(set_to_none=True)
+            finite, grad_norm, lr = optimizer_step(run, params, step_loss, ledger.deferred)
             done = step + 1
 
             tokens_done += step_tokens
@@ -182,6 +153,43 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     return TrainResult(run.folder, adapter, done, counters["last_loss"], tokens_done / max(seconds, 1e-9),
                        seconds, peak_memory_bytes(device), best_val_loss=counters["best_val_loss"],
                        stopped_early=done < len(run.steps), save_seconds=time.perf_counter() - saving)
+
+
+def optimizer_step(run: Run, params: list, step_loss: torch.Tensor, deferred: bool):
+    """Clip, step the optimizer (skipping a non-finite step) and the schedule, drop the gradients;
+    returns (finite: a device bool where deferred, else a bool; the gradient norm; the step's lr)."""
+    cfg = run.cfg
+    if run.scaler:
+        run.scaler.unscale_(run.optimizer)
+    if cfg.max_grad_norm > 0:
+        grad_norm = clip_grad_norm(params, cfg.max_grad_norm)
+    else:
+        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+        grad_norm = grad_norm.full_tensor()
+    lr = run.optimizer.param_groups[0]["lr"]
+    # A non-finite loss or gradient would poison the weights and Adam's moments for good:
+    # skip the update; the data position and the lr schedule move on. (fp16: overflowing
+    # gradients are the grad scaler's to skip and back off from; only the loss counts.)
+    finite = torch.isfinite(step_loss)
+    if not run.scaler:
+        finite &= torch.isfinite(grad_norm)
+    if deferred:
+        run.optimizer.found_inf = (~finite).float()  # the fused kernel leaves everything as it was
+        run.optimizer.step()
+    else:
+        finite = bool(finite)  # one host sync per step (the ledger takes the bool as it is)
+        if finite and run.scaler:
+            run.scaler.step(run.optimizer)
+        elif finite:
+            run.optimizer.step()
+    if run.scaler:
+        run.scaler.update()
+    with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()" after a skip
+        warnings.simplefilter("ignore", UserWarning)
+        run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return finite, grad_norm, lr
 
 
 def reduce_step(parallel: distributed.Dist, step_loss: torch.Tensor, step_tokens: int, signum, all_tokens: int):
