@@ -68,8 +68,8 @@ class Plan:
 
 
 def memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: bool = True,
-                   graphs: bool = False, args: ModelArgs | None = None, tokens: int = 0,
-                   memory_bytes: int = 0) -> MemoryConfig:
+                  graphs: bool = False, args: ModelArgs | None = None, tokens: int = 0,
+                  memory_bytes: int = 0) -> MemoryConfig:
     """`args` and `tokens` (the largest micro-batch), `memory_bytes` (the device's): resolve
     lora_inputs auto as train does; without args and tokens auto counts as recompute."""
     fn, _, has_gqa = attention._varlen_fn()

@@ -188,7 +188,7 @@ def planned_memory(run: Run) -> None:
         return
     tokens = max((t for t, _ in planned_micro_batches(run, start=0)), default=0)
     mc = memory_config(run.cfg, run.precision, run.cfg.gradient_checkpointing, cuda=run.device.type == "cuda",
-                        args=run.model.args, tokens=tokens, memory_bytes=device_memory_bytes(run.device))
+                       args=run.model.args, tokens=tokens, memory_bytes=device_memory_bytes(run.device))
     if casts is not None:
         casts.keep_inputs = mc.keep_inputs
         # what recomputing would free, for the out-of-memory message (auto's choice only)
