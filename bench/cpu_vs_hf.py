@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from hivetune.core.config import load_config  # noqa: E402
 from hivetune.data.dataset import load_example  # noqa: E402
 from hivetune.core.embedded import default_train_data, embedded_model_path  # noqa: E402
-from hivetune.train.loop import fit, setup  # noqa: E402
+from hivetune.train.loop import fit  # noqa: E402
+from hivetune.train.setup import setup  # noqa: E402
 
 
 def hivetune_run(steps: int, batch: int, out: Path) -> tuple[object, dict]:

@@ -25,8 +25,9 @@ os.environ["HIVETUNE_GRAPH_TIMING"] = "1"
 from hivetune.workflows.bench import WORKLOADS, random_model, workload_examples  # noqa: E402
 from hivetune.core.config import load_config  # noqa: E402
 from hivetune.data.dataset import TokenizedExamples  # noqa: E402
-from hivetune.ops import graphs  # noqa: E402
-from hivetune.train.loop import assemble, fit  # noqa: E402
+from hivetune.train import replay as graphs  # noqa: E402
+from hivetune.train.loop import fit  # noqa: E402
+from hivetune.train.setup import assemble  # noqa: E402
 
 
 def main() -> None:

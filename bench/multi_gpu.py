@@ -33,8 +33,9 @@ from hivetune.core.config import load_config, parse_overrides
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.core.fastpath import prewarm
 from hivetune.model.decoder import CausalLM
-from hivetune.train import graphs
-from hivetune.train.loop import assemble, fit
+from hivetune.train import replay as graphs
+from hivetune.train.loop import fit
+from hivetune.train.setup import assemble
 
 QWEN25_14B = qwen25_shape(152064, 5120, 13824, 48, 40, 8, False)
 
@@ -346,7 +347,7 @@ def pass_profile(rank: int, passes: int = 4):
     import cProfile
     import pstats
 
-    import hivetune.train.loop as train_module
+    import hivetune.train.step as train_module
 
     original = train_module.forward_backward
     reports: list[str] = []

@@ -116,7 +116,9 @@ def run_point(p: dict) -> dict:
     from hivetune.model.decoder import CausalLM
     from hivetune.ops.attention import _varlen_fn
     from hivetune.ops.fused_ce import fused_target_loss_sum
-    from hivetune.train.loop import assemble, autocast, fit, micro_batches
+    from hivetune.train.loop import fit
+    from hivetune.train.setup import assemble
+    from hivetune.train.step import autocast, micro_batches
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a smoke test only
     mem = torch.cuda if device.type == "cuda" else _NoCuda()
@@ -186,7 +188,7 @@ def run_point(p: dict) -> dict:
 
 def _graph_stats():
     try:
-        from hivetune.train import graphs
+        from hivetune.train import replay as graphs
         return {k: v for k, v in graphs.last_stats.items() if isinstance(v, (int, float, str, bool))}
     except Exception:
         return None

@@ -32,11 +32,12 @@ from hivetune.workflows.bench import WORKLOADS, random_model, workload_examples 
 from hivetune.core.config import load_config, parse_overrides  # noqa: E402
 from hivetune.core.device import cap_memory  # noqa: E402
 from hivetune.data.dataset import TokenizedExamples  # noqa: E402
-from hivetune.train.loop import assemble, fit  # noqa: E402
+from hivetune.train.loop import fit  # noqa: E402
+from hivetune.train.setup import assemble  # noqa: E402
 
 
 def capture_seconds() -> float:
-    from hivetune.train import graphs
+    from hivetune.train import replay as graphs
     return graphs.last_stats.get("capture_s", 0.0) if graphs.last_stats else 0.0
 
 
@@ -122,13 +123,13 @@ def main() -> None:
         fit(run, progress=False)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        from hivetune.train import graphs
+        from hivetune.train import replay as graphs
         cap = capture_seconds()
         print(f"{len(rest)} steps in {seconds:.3f} s ({1000 * seconds / len(rest):.1f} ms/step; "
               f"{1000 * (seconds - cap) / len(rest):.1f} ms/step without {cap:.2f} s of graph capture), "
               f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated, "
               f"{torch.cuda.max_memory_reserved() / 2**30:.2f} GiB reserved; graphs: {graphs.last_stats or 'off'}")
-        if graphs.last_graphed is not None:
+        if getattr(graphs, "last_graphed", None) is not None:  # gone with HIVETUNE_GRAPH_TIMING
             print(f"GPU ms per graph replay (forward + loss + backward of one micro-batch), by bucket: "
                   f"{graphs.last_graphed.replay_ms()}")
         return

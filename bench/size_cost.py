@@ -30,9 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from hivetune.workflows.bench import WORKLOADS, environment, workload_examples  # noqa: E402
 from hivetune.core.config import load_config  # noqa: E402
 from hivetune.data.dataset import TokenizedExamples  # noqa: E402
-from hivetune.ops import graphs  # noqa: E402
+from hivetune.train import graph_plan, replay as graphs  # noqa: E402
 from hivetune.ops.fused_ce import fused_target_loss_sum  # noqa: E402
-from hivetune.train.loop import assemble, micro_batches  # noqa: E402
+from hivetune.train.setup import assemble  # noqa: E402
+from hivetune.train.step import micro_batches  # noqa: E402
 from multi_gpu import random_model_bf16  # noqa: E402  (bench/, this script's folder)
 
 
@@ -77,8 +78,7 @@ def main() -> None:
         tokens, segments = shortest.input_ids.shape[1], len(shortest.layout.cu_seqlens) + 1
         n_targets = shortest.target_ids.numel()
         sizes = [s for s in range(opts.lo, opts.hi + 1, opts.grain) if s > tokens]
-        graphed = graphs.GraphedForwardBackward(run, fused_target_loss_sum, eager=None, bucket=opts.grain,
-                                                max_graphs=len(sizes) + 64)
+        graphed = graph_plan.graphed(run, fused_target_loss_sum, None, bucket=opts.grain, max_graphs=len(sizes) + 64)
         graphed(shortest, n_targets)  # the warm-up (eager) and the grid's captures for the step plan
         for size in sorted(sizes, reverse=True):
             key = (size, segments)

@@ -28,8 +28,9 @@ from hivetune.workflows.bench import WORKLOADS, allocator_counts, environment, r
 from hivetune.core.config import load_config  # noqa: E402
 from hivetune.data.dataset import TokenizedExamples  # noqa: E402
 from hivetune.core.device import cap_memory  # noqa: E402
-from hivetune.ops import graphs  # noqa: E402
-from hivetune.train.loop import assemble, fit  # noqa: E402
+from hivetune.train import replay as graphs  # noqa: E402
+from hivetune.train.loop import fit  # noqa: E402
+from hivetune.train.setup import assemble  # noqa: E402
 
 GIB = 2 ** 30
 

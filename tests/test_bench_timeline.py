@@ -65,7 +65,7 @@ def test_capture_profile_reports_each_deferred_capture(tmp_path, monkeypatch):
 
     import torch
 
-    from hivetune.train import graphs
+    from hivetune.train import replay as graphs
     spec = importlib.util.spec_from_file_location("multi_gpu_bench", ROOT / "bench" / "multi_gpu.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -109,7 +109,7 @@ def test_pass_profile_reports_each_pass_and_what_the_first_paid(tmp_path, monkey
 
     import torch
 
-    import hivetune.train.loop as train_module
+    import hivetune.train.step as train_module
 
     spec = importlib.util.spec_from_file_location("multi_gpu_bench_passes", ROOT / "bench" / "multi_gpu.py")
     module = importlib.util.module_from_spec(spec)

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from hivetune.parallel.distributed import Dist, balanced_shares, torchrun_argv
 from hivetune.core.errors import UserError
-from hivetune.train.loop import setup, train
+from hivetune.train.setup import setup
+from hivetune.workflows.train_job import train
 
 from test_train import tiny_config
 
@@ -50,7 +51,7 @@ def test_shard_and_torchrun_argv():
 def test_balanced_shares_are_remembered_but_fresh_each_call():
     """balanced_shares remembers a split by its arguments (the graphs' plan and the loop split the
     same steps again) and hands out new lists each time: a caller that edits its copy changes no
-    later answer; other speeds are another split."""
+    later answer; another world size is another split."""
     from hivetune.parallel import distributed
     lens = [300, 120, 95, 410, 60, 220, 180, 75]
     distributed._balanced_shares.cache_clear()
@@ -63,7 +64,6 @@ def test_balanced_shares_are_remembered_but_fresh_each_call():
     assert distributed._balanced_shares.cache_info().hits == 1
     distributed._balanced_shares.cache_clear()
     assert balanced_shares(lens, 2) == again  # computed anew: the same split
-    assert balanced_shares(lens, 2, [1.0, 0.5]) != again
 
 
 def test_two_gloo_processes_match_one_process(tiny_model_dir, alpaca_file, tmp_path):
@@ -231,22 +231,3 @@ def test_allreduce_sums_a_gradient_arena_in_place(tmp_path):
             n *= d
         want = torch.arange(n, dtype=torch.float32).view(shape) * 3 + 2 * i  # (rank 0 + 1) + (rank 1 + 1) = 3
         assert torch.equal(got[0][i], want) and torch.equal(got[1][i], want)
-
-
-def test_rank_speeds_give_the_slower_rank_fewer_tokens(monkeypatch):
-    """HIVETUNE_RANK_SPEEDS (experiments): shares balanced on tokens over speed, counts still equal."""
-    rng = random.Random(1)
-    for _ in range(20):
-        lens = [rng.randint(16, 96) + int(min(400, max(8, rng.lognormvariate(4.8, 0.6)))) for _ in range(16)]
-        even = [sum(lens[k] for k in share) for share in balanced_shares(lens, 2)]
-        shares = balanced_shares(lens, 2, [1.0, 0.8])
-        sums = [sum(lens[k] for k in share) for share in shares]
-        assert sorted(sum(shares, [])) == list(range(16)) and [len(s) for s in shares] == [8, 8]
-        assert sums[1] < sums[0] and sums[1] < min(even)  # the slower rank takes less than an even split gives
-        assert max(sums[0], sums[1] / 0.8) <= max(even[0], even[1] / 0.8)  # and its time a step is no worse
-    ids, lengths = list(range(16)), dict(enumerate(lens))
-    monkeypatch.setenv("HIVETUNE_RANK_SPEEDS", "1,0.8")
-    assert [Dist(r, 2).shard(ids, lengths) for r in range(2)] == [[ids[k] for k in sorted(s)] for s in shares]
-    monkeypatch.setenv("HIVETUNE_RANK_SPEEDS", "1")
-    with pytest.raises(UserError, match=r"^HIVETUNE_RANK_SPEEDS: 2 positive numbers expected, got '1'$"):
-        Dist(0, 2).shard(ids, lengths)

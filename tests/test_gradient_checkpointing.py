@@ -11,7 +11,9 @@ import hivetune.model.decoder as decoder
 from hivetune.core.config import load_config
 from hivetune.model.lora import lora_parameters, lora_state_dict
 from hivetune.ops.loss import target_loss_sum
-from hivetune.train.loop import fit, micro_batches, setup
+from hivetune.train.loop import fit
+from hivetune.train.setup import setup
+from hivetune.train.step import micro_batches
 
 
 def tiny_config(model_dir: Path, data: Path, out: Path, **kw):

@@ -21,7 +21,7 @@ from hivetune.model.lora import LoRASpec, apply_lora
 from hivetune.plan import auto_config, plan, smaller_micro_batch
 from hivetune.model.load import load_args
 from hivetune.plan.measure import saved_activation_bytes, varlen_standin
-from hivetune.plan.planner import _memory_config
+from hivetune.plan.planner import memory_config
 from hivetune.plan.memory import (GIB, MemoryConfig, activation_bytes, base_parameter_count, breakdown,
                                   largest_micro_batch)
 
@@ -214,7 +214,7 @@ def test_auto_config_fits_and_keeps_the_effective_batch(tmp_path, monkeypatch):
     assert (tight.batch_size, tight.grad_accum, tight.gradient_checkpointing) == (2, 8, False), why
     assert tight.host_embeddings and tight.activation_offload == 13 and "activation_offload=13" in why, why
     for layers, fits in ((13, True), (12, False)):
-        mc = _memory_config(dataclasses.replace(tight, activation_offload=layers), "bf16", False)
+        mc = memory_config(dataclasses.replace(tight, activation_offload=layers), "bf16", False)
         assert (breakdown(load_args(model), mc, 2 * 1024).total <= 20 * GIB) == fits
     graphed, why = auto_config(dataclasses.replace(cfg, cuda_graphs=True), "cpu", memory_gib=20)
     assert graphed.activation_offload == 13 and not graphed.cuda_graphs and "CUDA graphs off" in why, why

@@ -16,7 +16,8 @@ from hivetune.checkpoint import checkpoint_folders, verify_checkpoint
 from hivetune.cli import main
 from hivetune.core.errors import UserError
 from hivetune.model.lora import lora_state_dict
-from hivetune.train.loop import TrainingStopped, fit, setup
+from hivetune.train.loop import TrainingStopped, fit
+from hivetune.train.setup import setup
 from test_train import tiny_config
 
 DROPOUT = {"r": 4, "alpha": 8, "dropout": 0.1}  # dropout draws random numbers: the RNG state matters
@@ -275,12 +276,12 @@ def test_too_many_bad_steps_in_a_row_stop_with_one_line(tiny_model_dir, data, tm
 
 def test_checkpoints_keep_the_cuda_graph_sizes_for_the_resumed_run(tiny_model_dir, data, tmp_path):
     """Each rank's planned graph sizes go into the checkpoint and come back to that rank on
-    resume (ops.graphs.saved_sizes), stay in later checkpoints, and are not given to a run on
+    resume (train.graph_plan.saved_sizes), stay in later checkpoints, and are not given to a run on
     another number of processes. (On the CPU nothing graphs: the sizes are set by hand.)"""
     from types import SimpleNamespace
 
     from hivetune.parallel.distributed import Dist
-    from hivetune.train.graphs import saved_sizes
+    from hivetune.train.graph_plan import saved_sizes
 
     out = tmp_path / "run"
     run = setup(run_cfg(tiny_model_dir, data, out))

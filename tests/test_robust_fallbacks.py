@@ -14,7 +14,8 @@ from hivetune.core import device as device_module
 from hivetune.core import fastpath
 from hivetune.core.device import resolve_precision
 from hivetune.core.fastpath import FORCE_ENV, adamw, probe_varlen, varlen_usable
-from hivetune.train.loop import fit, setup
+from hivetune.train.loop import fit
+from hivetune.train.setup import setup
 from test_train import tiny_config
 
 CPU = torch.device("cpu")
@@ -267,14 +268,15 @@ def test_quiet_gc_freezes_the_loops_start_and_restores_the_collector(monkeypatch
 def test_bf16_weights_train_without_autocast_to_the_same_bits(monkeypatch, tmp_path, dropout):
     """A model whose frozen weights are bf16 and whose LoRA layers all run through lora_group
     trains without autocast (train.autocast): the same loss and LoRA gradients, bit for bit, as
-    with it (HIVETUNE_REFERENCE=autocast); an fp32 model keeps autocast."""
+    with it (runs_in_dtype off); an fp32 model keeps autocast."""
     from hivetune.workflows.bench import qwen25_shape, random_model, workload_examples
     from hivetune.core.config import load_config
     from hivetune.data.batch import collate_packed
     from hivetune.data.dataset import TokenizedExamples
     from hivetune.model.lora import lora_parameters
     from hivetune.ops.loss import target_loss_sum
-    from hivetune.train.loop import assemble, autocast, forward_backward
+    from hivetune.train.setup import assemble
+    from hivetune.train.step import autocast, forward_backward
     from pathlib import Path
 
     args = qwen25_shape(vocab=2100, hidden=64, intermediate=128, layers=2, heads=4, kv=2, tied=True)
@@ -301,7 +303,7 @@ def test_bf16_weights_train_without_autocast_to_the_same_bits(monkeypatch, tmp_p
     with autocast(run):
         assert not torch.is_autocast_enabled("cpu")
     loss, grads = loss_and_grads()
-    monkeypatch.setenv("HIVETUNE_REFERENCE", "autocast")
+    run.model.runs_in_dtype = False  # what autocast does to the same model
     with autocast(run):
         assert torch.is_autocast_enabled("cpu")
     loss_ref, grads_ref = loss_and_grads()

@@ -23,7 +23,8 @@ from hivetune.checkpoint import checkpoint_folders, verify_checkpoint
 from hivetune.cli import main
 from hivetune.core.errors import UserError
 from hivetune.core.fileio import LOCK_NAME, check_writable, hold_run_lock, release_run_lock
-from hivetune.train.loop import TrainingStopped, fit, setup
+from hivetune.train.loop import TrainingStopped, fit
+from hivetune.train.setup import setup
 from test_resume import assert_bitwise_equal, data, metric_rows, reference, run_cfg  # noqa: F401 (fixtures)
 
 
@@ -174,7 +175,7 @@ def test_an_adapter_write_that_fails_leaves_the_previous_adapter_whole(tiny_mode
     (Written file by file into adapter/, it held the new weights beside the old config.)"""
     import torch
 
-    from hivetune.train.loop import save_adapter_all_ranks
+    from hivetune.train.run import save_adapter_all_ranks
 
     out = tmp_path / "run"
     run = setup(run_cfg(tiny_model_dir, data, out, max_steps=2))
@@ -289,7 +290,7 @@ def test_full_disk_through_the_cli_is_one_line(tiny_model_dir, data, tmp_path, m
     assert err[0].endswith("No space left on device (ENOSPC); no earlier checkpoint exists")
     assert list((out / "checkpoints").iterdir()) == []
     # any other write that hits a full disk (here the final summary) is one line too, not a traceback
-    import hivetune.train.loop as train_module
+    import hivetune.workflows.train_job as train_module
 
     def full(path, payload):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))

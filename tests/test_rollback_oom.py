@@ -9,7 +9,8 @@ import torch
 import hivetune.train.loop as train_module
 from hivetune.checkpoint import checkpoint_folders
 from hivetune.core.errors import UserError
-from hivetune.train.loop import fit, setup
+from hivetune.train.loop import fit
+from hivetune.train.setup import setup
 
 from test_resume import poison
 from test_train import tiny_config

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from hivetune.train.loop import StepLedger
+from hivetune.train.ledger import StepLedger
 
 FLAGS = [True, False, False, True, False, False, False, True, True]
 LOSSES = [1.0, float("nan"), float("inf"), 0.5, float("nan"), 2.0, float("nan"), 0.25, 0.125]
@@ -118,11 +118,12 @@ def test_fused_adamw_found_inf_leaves_weights_and_moments_as_they_were():
 def fused_adamw_loop(monkeypatch, deferred: bool):
     """fit with fused AdamW on the CPU, its steps read per step or deferred (the CUDA loop)."""
     import hivetune.train.loop as train_module
+    import hivetune.train.setup as setup_module
 
     def fused(params, lr, weight_decay, fused):
         return torch.optim.AdamW(list(params), lr=lr, weight_decay=weight_decay, fused=True)
 
-    monkeypatch.setattr(train_module, "adamw", fused)
+    monkeypatch.setattr(setup_module, "adamw", fused)
     monkeypatch.setattr(train_module, "defer_steps", lambda run: deferred)
 
 
@@ -132,7 +133,9 @@ def test_deferred_loop_equals_the_per_step_loop(kind, tiny_model_dir, tmp_path, 
     bit, the same Adam step count, and the bad step skipped."""
     from safetensors.torch import load_file
 
-    from hivetune.train.loop import fit, setup
+    from hivetune.train.loop import fit
+
+    from hivetune.train.setup import setup
     from conftest import ops_records, write_jsonl
     from test_resume import assert_bitwise_equal, metric_rows, poison, run_cfg
 

@@ -16,7 +16,9 @@ from hivetune.data.dataset import load_example, plan_steps
 from hivetune.core.errors import UserError
 from hivetune.model.lora import lora_parameters, lora_state_dict
 from hivetune.ops.loss import target_loss_sum
-from hivetune.train.loop import fit, setup, split_validation, train
+from hivetune.train.loop import fit
+from hivetune.train.setup import setup, split_validation
+from hivetune.workflows.train_job import train
 
 
 def tiny_config(model_dir: Path, data: Path, out: Path, **kw):
@@ -198,7 +200,7 @@ def test_dropout_seeds_follow_the_step_plan():
     them; None where nothing is seeded (CPU, no dropout, no joined groups)."""
     from types import SimpleNamespace
 
-    from hivetune.train.loop import dropout_seeds
+    from hivetune.train.step import dropout_seeds
 
     def run(seed=0, rank=0, dropout=0.05, device="cuda", slots=8):
         cfg = SimpleNamespace(seed=seed, lora=SimpleNamespace(dropout=dropout))
@@ -282,8 +284,8 @@ def test_a_run_config_without_batch_order_resumes_in_random_order(tmp_path):
 
 def test_accumulated_micro_batches_are_token_balanced_shares(tiny_model_dir, alpaca_file, tmp_path):
     from hivetune.parallel.distributed import balanced_shares
-    from hivetune.train.graphs import planned_micro_batches
-    from hivetune.train.loop import micro_batches, micro_parts
+    from hivetune.train.graph_plan import planned_micro_batches
+    from hivetune.train.step import micro_batches, micro_parts
 
     run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "run", max_steps=3, batch_size=3, grad_accum=2))
     lengths = run.data.lengths

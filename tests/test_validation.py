@@ -10,7 +10,8 @@ from hivetune.core.config import load_config
 from hivetune.data.batch import collate_padded
 from hivetune.core.errors import UserError
 from hivetune.ops.loss import target_loss_sum
-from hivetune.train.loop import fit, setup, split_validation, validation_loss
+from hivetune.train.loop import fit, validation_loss
+from hivetune.train.setup import setup, split_validation
 
 from test_train import tiny_config
 
@@ -93,7 +94,7 @@ def test_early_stopping_keeps_the_best_adapter(tiny_model_dir, alpaca_file, tmp_
     assert final.keys() == kept.keys() and all(torch.equal(final[k], kept[k]) for k in final)
     # and the final adapter really scores the best validation loss
     run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "check", val_split=0.25))
-    from hivetune.train.loop import load_lora_weights
+    from hivetune.checkpoint import load_lora_weights
     load_lora_weights(run.model, out / "adapter")
     assert validation_loss(run)[0] == pytest.approx(best["val_loss"], abs=1e-5)
 

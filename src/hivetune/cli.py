@@ -142,7 +142,8 @@ def train_overrides(ns: argparse.Namespace) -> dict:
 def run_train(ns) -> int:
     from hivetune.checkpoint import resume_config
     from hivetune.core.config import TrainConfig, load_config
-    from hivetune.train.loop import TrainingStopped, train
+    from hivetune.train.loop import TrainingStopped
+    from hivetune.workflows.train_job import train
 
     if ns.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
         import subprocess

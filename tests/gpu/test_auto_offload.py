@@ -22,8 +22,9 @@ from hivetune.core.device import cap_memory
 from hivetune.model.load import load_args
 from hivetune.plan import auto_config
 from hivetune.plan.memory import GIB, breakdown
-from hivetune.plan.planner import _memory_config
-from hivetune.train.loop import fit, setup
+from hivetune.plan.planner import memory_config
+from hivetune.train.loop import fit
+from hivetune.train.setup import setup
 
 from conftest import CORPUS, build_tiny_model, build_tokenizer, write_jsonl
 
@@ -59,7 +60,7 @@ def test_auto_offloads_where_nothing_fits_and_the_run_fits_the_cap(model_and_dat
 
     def peak(**changes) -> float:
         c = dataclasses.replace(cfg, **changes)
-        return breakdown(args, _memory_config(c, "bf16", False), LENGTH).total
+        return breakdown(args, memory_config(c, "bf16", False), LENGTH).total
 
     plain = peak(batch_size=1, grad_accum=EXAMPLES)
     moved = peak(batch_size=1, grad_accum=EXAMPLES, host_embeddings=True, activation_offload=LAYERS // 2)
@@ -92,7 +93,7 @@ def test_auto_offloads_where_nothing_fits_and_the_run_fits_the_cap(model_and_dat
 def test_auto_sizes_to_what_this_process_may_hold(model_and_data, tmp_path):
     """Without memory_gib, auto plans in train.device_memory_bytes: a per-process fraction of a
     quarter of the GPU makes the budget a quarter (it planned in the whole device before)."""
-    from hivetune.train.loop import device_memory_bytes
+    from hivetune.plan.gpus import device_memory_bytes
 
     cfg = config(model_and_data, tmp_path / "run")
     device = torch.device("cuda", torch.cuda.current_device())

@@ -26,7 +26,8 @@ from hivetune.data.dataset import TokenizedExamples
 from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_parameters
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.ops.offload import ActivationOffload
-from hivetune.train.loop import assemble, fit
+from hivetune.train.loop import fit
+from hivetune.train.setup import assemble
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -193,7 +194,7 @@ def test_fit_with_activation_offload_matches(tmp_path, deterministic):
 def test_graphed_micro_batches_skip_the_offload(tmp_path, capsys):
     """With cuda_graphs the first micro-batch runs eagerly (offloaded) before the captures; the
     captured graphs hold no offload (one stderr line says so) and replay as without it."""
-    from hivetune.train import graphs
+    from hivetune.train import replay as graphs
     plain = fit_losses(small_run(tmp_path / "plain"))
     run = small_run(tmp_path / "offload", activation_offload=2)
     moved = fit_losses(run)

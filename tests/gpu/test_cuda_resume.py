@@ -7,7 +7,8 @@ import torch
 
 from hivetune.core.config import load_config
 from hivetune.model.lora import lora_state_dict
-from hivetune.train.loop import TrainingStopped, fit, setup
+from hivetune.train.loop import TrainingStopped, fit
+from hivetune.train.setup import setup
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -10,7 +10,8 @@ import torch
 from hivetune.core.config import load_config
 from hivetune.workflows.generate import greedy_ids
 from hivetune.model.load import load_model
-from hivetune.train.loop import fit, setup
+from hivetune.train.loop import fit
+from hivetune.train.setup import setup
 
 from conftest import bf16_loss_and_grads
 
@@ -93,7 +94,7 @@ def test_cuda_bf16_gradient_checkpointing_tracks_plain(tiny_model_dir, alpaca_fi
     import sys
 
     # A fresh process: the probe of flash varlen attention has not run yet there.
-    code = ("import json, sys; from hivetune.core.config import load_config; from hivetune.train.loop import fit, setup; "
+    code = ("import json, sys; from hivetune.core.config import load_config; from hivetune.train.loop import fit; from hivetune.train.setup import setup; "
             "run = setup(load_config(None, json.loads(sys.argv[1]))); fit(run, progress=False)")
     values = {"model": str(tiny_model_dir), "data": str(alpaca_file), "output_dir": str(tmp_path / "ckpt"),
               "eval_prompts": 0, "batch_size": 4, "max_steps": 6, "lr": 5e-3, "warmup_steps": 0,

@@ -15,7 +15,8 @@ from hivetune.core.device import resolve_precision
 from hivetune.core.fastpath import FORCE_ENV, adamw, probe_varlen, varlen_usable
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.ops.loss import target_loss_sum
-from hivetune.train.loop import fit, setup
+from hivetune.train.loop import fit
+from hivetune.train.setup import setup
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GPU = torch.device("cuda", 0)

@@ -14,7 +14,8 @@ from hivetune.workflows.bench import qwen25_shape, random_model, workload_exampl
 from hivetune.core.config import load_config
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.ops import elementwise
-from hivetune.train.loop import assemble, fit
+from hivetune.train.loop import fit
+from hivetune.train.setup import assemble
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")]

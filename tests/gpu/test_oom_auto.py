@@ -27,7 +27,9 @@ from hivetune.core.config import load_config
 from hivetune.core.device import cap_memory
 from hivetune.core.errors import UserError
 from hivetune.model.lora import lora_state_dict
-from hivetune.train.loop import fit, setup
+from hivetune.plan.gpus import device_memory_bytes
+from hivetune.train.loop import fit
+from hivetune.train.setup import setup
 
 from conftest import CORPUS, build_tiny_model, build_tokenizer, write_jsonl
 
@@ -188,20 +190,20 @@ def test_oom_with_auto_halves_the_micro_batch_and_keeps_the_curve(oom_model, cal
 
 
 def test_device_memory_bytes_reads_the_cap_and_what_is_free():
-    """train.device_memory_bytes (lora_inputs auto's room): the device's memory times the
+    """plan.gpus.device_memory_bytes (lora_inputs auto's room): the device's memory times the
     per-process fraction (bench --memory-cap), never more than is free plus what this process
     holds; a 1 GiB block held elsewhere in the process still counts as this process's."""
     device = torch.device("cuda", torch.cuda.current_device())
     index = device.index
     free, total = torch.cuda.mem_get_info(index)
-    whole = train_module.device_memory_bytes(device)
+    whole = device_memory_bytes(device)
     assert whole <= free + torch.cuda.memory_reserved(index) and whole > 0.5 * free
     block = torch.empty(2**29, dtype=torch.bfloat16, device=device)  # 1 GiB: reserved by this process
-    assert abs(train_module.device_memory_bytes(device) - whole) < 2**27
+    assert abs(device_memory_bytes(device) - whole) < 2**27
     del block
     torch.cuda.set_per_process_memory_fraction(0.25, index)
     try:
         room = free + torch.cuda.memory_reserved(index)
-        assert train_module.device_memory_bytes(device) == int(min(total * 0.25, room))
+        assert device_memory_bytes(device) == int(min(total * 0.25, room))
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, index)

@@ -24,7 +24,8 @@ import torch
 from hivetune.workflows.bench import WORKLOADS, random_model, workload_examples
 from hivetune.core.config import load_config
 from hivetune.data.dataset import TokenizedExamples
-from hivetune.train.loop import assemble, fit
+from hivetune.train.loop import fit
+from hivetune.train.setup import assemble
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -14,10 +14,12 @@ from hivetune.data.batch import collate_packed
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.model.lora import lora_parameters
 from hivetune.ops.fused_ce import fused_target_loss_sum
-from hivetune.train.graphs import (IGNORE_INDEX, batch_key, bucket_tokens, capture_cost_tokens, deferrable,
-                                 defers_captures, graphs_unsupported, micro_step_fn, pad_packed_batch, planned_keys)
+from hivetune.plan.graph_sizes import bucket_tokens, capture_cost_tokens, deferrable, defers_captures
+from hivetune.train.graph_batch import IGNORE_INDEX, batch_key, pad_packed_batch
+from hivetune.train.graph_plan import graphs_unsupported, micro_step_fn, planned_keys
 from hivetune.ops.loss import target_loss_sum
-from hivetune.train.loop import assemble, forward_backward, micro_batches
+from hivetune.train.setup import assemble
+from hivetune.train.step import forward_backward, micro_batches
 
 
 def tiny_run(tmp_path, dropout: float = 0.0, cap: int = 40, **cfg):
@@ -165,7 +167,7 @@ def test_ranks_agree_at_start_only_where_every_rank_has_a_first_micro_batch(tmp_
     step: not so when a rank's share of the run's first step is empty (a resumed run starting at
     an epoch's 1-example last step), nor past the plan; one process always."""
     from hivetune.parallel.distributed import Dist
-    from hivetune.train.graphs import ranks_agree_at_start
+    from hivetune.train.graph_plan import ranks_agree_at_start
 
     run = tiny_run(tmp_path, cap=0, batch_size=3, grad_accum=2, max_steps=5)
     assert ranks_agree_at_start(run)
@@ -192,7 +194,7 @@ def test_plan_sizes_is_the_cheapest_set_of_graph_sizes(seed):
     import itertools
     import random
 
-    from hivetune.train.graphs import plan_sizes
+    from hivetune.plan.graph_sizes import plan_sizes
 
     rng = random.Random(seed)
     tokens = [rng.randint(100, 900) for _ in range(rng.randint(5, 40))]
@@ -220,7 +222,7 @@ def test_capture_cost_rounds_down_to_a_power_of_two():
 
 
 def test_planned_micro_batches_are_what_the_loop_meets(tmp_path):
-    from hivetune.train.graphs import planned_micro_batches
+    from hivetune.train.graph_plan import planned_micro_batches
 
     run = tiny_run(tmp_path, batch_size=3, grad_accum=2, max_steps=4)
     met = [(b.input_ids.shape[1], len(b.layout.cu_seqlens) + 1) for step in run.steps for b in micro_batches(run, step)]
@@ -233,7 +235,7 @@ def test_paced_micro_batches_are_the_slowest_rank_s_counts(tmp_path):
     import dataclasses
 
     from hivetune.parallel.distributed import Dist
-    from hivetune.train.graphs import planned_micro_batches
+    from hivetune.train.graph_plan import planned_micro_batches
 
     run = tiny_run(tmp_path, cap=0, batch_size=3, grad_accum=2, max_steps=5)
     assert planned_micro_batches(run, paced=True) == planned_micro_batches(run)
@@ -250,26 +252,6 @@ def test_paced_micro_batches_are_the_slowest_rank_s_counts(tmp_path):
     assert any(a != b for (a, _), (b, _) in zip(*own))  # the ranks' counts do differ
 
 
-def test_with_rank_speeds_the_sizes_are_planned_on_every_rank_s_counts(tmp_path, monkeypatch):
-    """HIVETUNE_RANK_SPEEDS (experiments): the ranks' token counts differ by design, so paced
-    planning lists every rank's own micro-batches, each step's rank by rank (the same on every rank)."""
-    import dataclasses
-
-    from hivetune.parallel.distributed import Dist
-    from hivetune.train.graphs import planned_micro_batches
-
-    monkeypatch.setenv("HIVETUNE_RANK_SPEEDS", "1,0.7")
-    run = tiny_run(tmp_path, cap=0, batch_size=3, grad_accum=2, max_steps=5)
-    run.cfg = dataclasses.replace(run.cfg, batch_size=3)  # 6 examples a step: 3 a rank, 1 micro-batch
-    own, paced = [], []
-    for rank in (0, 1):
-        run.parallel = Dist(rank, 2, rank)
-        own.append(planned_micro_batches(run))
-        paced.append(planned_micro_batches(run, paced=True))
-    assert paced[0] == paced[1] == [m for pair in zip(*own) for m in pair]
-    assert sum(t for t, _ in own[1]) < sum(t for t, _ in own[0])  # the slower rank takes fewer tokens
-
-
 def w2_rank_counts(batch_order: str = "random") -> tuple[list[list[int]], list[list[int]]]:
     """W2 on 2 ranks (93 steps of 8 + 8 examples): each rank's micro-batch token counts, its own
     and paced (the most any rank has at that place)."""
@@ -278,7 +260,7 @@ def w2_rank_counts(batch_order: str = "random") -> tuple[list[list[int]], list[l
 
     from hivetune.workflows.bench import WORKLOADS
     from hivetune.parallel.distributed import Dist
-    from hivetune.train.graphs import planned_micro_batches
+    from hivetune.train.graph_plan import planned_micro_batches
 
     w = WORKLOADS["W2"]
     examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))
@@ -306,7 +288,7 @@ def test_w2_ranks_planning_on_paced_counts_choose_the_same_sizes():
     choose different sizes and the slower rank's graphs sum to 142,768 tokens; on the paced
     counts both choose the same three, summing to 142,144 (at the 64-token grain before 16:
     four, 141,248, one capture more)."""
-    from hivetune.train.graphs import plan_sizes
+    from hivetune.plan.graph_sizes import plan_sizes
 
     own, paced = w2_rank_counts()
     sizes_own = [plan_sizes(counts, 2048) for counts in own]
@@ -324,7 +306,7 @@ def test_w2_balanced_batch_order_takes_one_size_and_pads_less():
     totals evened): every rank's micro-batch holds 1,443-1,453 tokens, so one graph size holds
     them all, and the slower rank's graphs sum to 135,408 tokens (the real tokens: 134,799)
     against random order's 142,144 with three; at the 64-token grain, 136,896."""
-    from hivetune.train.graphs import plan_sizes
+    from hivetune.plan.graph_sizes import plan_sizes
 
     own, paced = w2_rank_counts("balanced")
     assert sum(own[0]) + sum(own[1]) == sum(sum(c) for c in w2_rank_counts()[0])  # the same tokens
@@ -337,15 +319,11 @@ def test_w2_balanced_batch_order_takes_one_size_and_pads_less():
     assert sum(size_of([1472], t) for t in paced[0]) == 136_896
 
 
-def test_captures_are_deferred_where_a_replay_covers_a_quarter_of_a_capture(monkeypatch):
+def test_captures_are_deferred_where_a_replay_covers_a_quarter_of_a_capture():
     """W2 under DDP (~0.083-0.1 s a replay, 0.1-0.24 s a capture): one capture after each
-    replay; W1 (~17 ms a replay, ~0.14 s a capture): all at the first micro-batch, as before;
-    HIVETUNE_REFERENCE=deferred_captures: never."""
-    monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
+    replay; W1 (~17 ms a replay, ~0.14 s a capture): all at the first micro-batch."""
     assert defers_captures(0.23, 0.1) and defers_captures(0.4, 0.1) and defers_captures(0.24, 0.083)
     assert not defers_captures(0.14, 0.017) and not defers_captures(0.41, 0.1)
-    monkeypatch.setenv("HIVETUNE_REFERENCE", "deferred_captures")
-    assert not defers_captures(0.2, 0.1)
 
 
 def test_each_segment_counts_largest_size_is_captured_at_once():
@@ -373,7 +351,7 @@ def test_target_capacities_hold_each_micro_batch_in_the_size_it_takes():
     """Each size holds the most targets of the micro-batches whose tokens it is the smallest size
     above; each segment count's largest size holds the most of all its micro-batches; never more
     than a target a token."""
-    from hivetune.train.graphs import target_capacities
+    from hivetune.plan.graph_sizes import target_capacities
 
     sizes = {10: [1408, 1536, 1728], 6: [512]}
     micro = [(1400, 10), (1300, 10), (1500, 10), (1450, 10), (1700, 10), (400, 6)]
@@ -385,38 +363,34 @@ def test_target_capacities_hold_each_micro_batch_in_the_size_it_takes():
 
 
 def test_planned_micro_targets_are_what_the_loop_meets(tmp_path):
-    from hivetune.train.graphs import planned_micro_batches, planned_micro_targets
+    from hivetune.train.graph_plan import planned_micro_batches, planned_micro_targets
 
     run = tiny_run(tmp_path, batch_size=3, grad_accum=2, max_steps=4)
     met = [b.target_ids.numel() for step in run.steps for b in micro_batches(run, step)]
     assert planned_micro_targets(run) == met and len(met) == len(planned_micro_batches(run)) > 4
 
 
-@pytest.mark.parametrize("env, expected", [(None, 2), ("1", 1), ("3", 3)])
-def test_preload_captures_the_model_cut_to_its_first_layers(env, expected, monkeypatch):
+def test_preload_captures_the_model_cut_to_its_first_layers(monkeypatch):
     """graph_preload's captures see the model cut to PRELOAD_LAYERS layers (2: the second layer's
     backward has the input-gradient products the first layer's lacks), one capture per deferred
     key into that key's bucket; the model gets all its layers back after, and a failed capture
     still restores them."""
     from types import SimpleNamespace
 
-    from hivetune.train import graphs
-    if env is None:
-        monkeypatch.delenv("HIVETUNE_PRELOAD_LAYERS", raising=False)
-    else:
-        monkeypatch.setenv("HIVETUNE_PRELOAD_LAYERS", env)
+    from hivetune.train import replay
+    expected = replay.PRELOAD_LAYERS
     layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(4))
     model = SimpleNamespace(model=SimpleNamespace(layers=layers))
     seen = []
-    graphed = object.__new__(graphs.GraphedForwardBackward)
-    graphed.run, graphed.preloaded, graphed.stats = SimpleNamespace(model=model), {}, {}
+    graphed = object.__new__(replay.GraphedForwardBackward)
+    graphed.model, graphed.preloaded, graphed.stats = model, {}, {}
     graphed._new_bucket = lambda key: ("bucket", key)
     graphed._record = lambda graph, bucket: seen.append((bucket, list(model.model.layers)))
-    monkeypatch.setattr(graphs, "keeps_graphs", lambda: False)
+    monkeypatch.setattr(replay, "keeps_graphs", lambda: False)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda *a, **k: object())
     graphed._preload([(1600, 10), (1408, 10)])
     assert [bucket for bucket, _ in seen] == [("bucket", (1600, 10)), ("bucket", (1408, 10))]
-    assert all(cut == list(layers)[:expected] for _, cut in seen)
+    assert expected == 2 and all(cut == list(layers)[:expected] for _, cut in seen)
     assert model.model.layers is layers and graphed.stats["preloaded"] == 2
 
     failures = []
@@ -426,41 +400,3 @@ def test_preload_captures_the_model_cut_to_its_first_layers(env, expected, monke
     assert model.model.layers is layers
     assert failures == [f"a preload capture (the first {expected} layers) of a 1344-token bucket failed: "
                         "ZeroDivisionError: division by zero"]
-
-
-def test_plan_sizes_weighs_measured_replay_costs(tmp_path):
-    """HIVETUNE_SIZE_COSTS: with each size's replay cost in place of its tokens, a size that costs
-    what the next larger one does buys nothing and is not planned (W2 DDP, 2 x H200: 1,600 tokens
-    took what 1,728 did); without costs the token-linear plan takes it."""
-    from hivetune.train.graphs import measured_size_cost, plan_sizes
-
-    tokens = [1500] * 20 + [1590] * 20 + [1700] * 20
-    assert plan_sizes(tokens, 1000, 64) == [1536, 1600, 1728]
-    costs = tmp_path / "size-cost.jsonl"
-    costs.write_text('{"probe": "size_cost"}\n\n' + "".join(
-        f'{{"size": {s}, "ms_median": {ms}}}\n' for s, ms in ((1536, 83.0), (1600, 93.0), (1728, 93.0))))
-    cost = measured_size_cost(str(costs))
-    per_token = 83.0 / 1536  # the median of 83/1536, 93/1600, 93/1728
-    assert cost(1600) == pytest.approx(93.0 / per_token) and cost(1728) == pytest.approx(93.0 / per_token)
-    assert cost(1568) == pytest.approx(88.0 / per_token)  # linear between measured sizes
-    assert cost(1472) == pytest.approx(73.0 / per_token)  # beyond them, along the nearest pair's slope
-    assert plan_sizes(tokens, 1000, 64, cost) == [1536, 1728]
-
-
-@pytest.mark.parametrize("text, message", [
-    (None, "{path}: cannot read it (HIVETUNE_SIZE_COSTS): No such file or directory"),
-    ('{"size": 1536, "ms_median": 83.0}\nnot json\n',
-     "{path}:2: malformed JSON (Expecting value at column 1) (HIVETUNE_SIZE_COSTS)"),
-    ('{"size": 1536, "ms_median": 83.0}\n', "{path}: HIVETUNE_SIZE_COSTS needs replay times at two sizes or more "
-                                            "(bench/size_cost.py's size / ms_median lines), found 1"),
-])
-def test_measured_size_cost_names_the_file_and_line(text, message, tmp_path):
-    from hivetune.core.errors import UserError
-    from hivetune.train.graphs import measured_size_cost
-
-    path = tmp_path / "costs.jsonl"
-    if text is not None:
-        path.write_text(text)
-    with pytest.raises(UserError) as e:
-        measured_size_cost(str(path))
-    assert str(e.value) == message.format(path=path)

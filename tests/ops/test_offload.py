@@ -250,7 +250,7 @@ def test_planner_breakdown_with_offload():
 def test_config_key_checks(tiny_model_dir, alpaca_file, tmp_path, capsys):
     from hivetune.core.config import load_config
     from hivetune.core.errors import UserError
-    from hivetune.train.loop import setup
+    from hivetune.train.setup import setup
 
     with pytest.raises(UserError, match=r"activation_offload: must be >= 0, got -1"):
         load_config(None, {"model": "m", "activation_offload": -1})
@@ -291,8 +291,8 @@ def test_train_sizes_the_scaled_offload_for_one_process_only(tiny_model_dir, alp
     import dataclasses
 
     from hivetune.parallel.distributed import Dist
-    from hivetune.train.graphs import planned_micro_batches
-    from hivetune.train.loop import planned_memory, setup
+    from hivetune.train.graph_plan import planned_micro_batches
+    from hivetune.train.setup import planned_memory, setup
     from test_train import tiny_config
 
     run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "run", batch_size=2, max_steps=3))

@@ -142,3 +142,11 @@ class ModelArgs:
 
     def replace(self, **changes) -> "ModelArgs":
         return dataclasses.replace(self, **changes)
+
+
+def qwen25_shape(vocab, hidden, intermediate, layers, heads, kv, tied) -> ModelArgs:
+    """A Qwen2.5-shaped architecture (the benchmarks' workloads, the planner's calibration)."""
+    return ModelArgs(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                     num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                     rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768,
+                     tie_word_embeddings=tied, attention_bias=True, model_type="qwen2")

@@ -22,15 +22,19 @@ Rank 0 alone writes files (config, metrics, checkpoints, adapter); the others wa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from hivetune.core.errors import UserError
+from hivetune.core.fastpath import one_buffer
+from hivetune.plan import plan
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 
@@ -59,64 +63,47 @@ class Dist:
         return self.shares(ids, lengths)[self.rank]
 
     def shares(self, ids: list, lengths=None) -> list[list]:
-        """Every rank's share of a step's examples (shard's split, indexed by rank; with
-        HIVETUNE_RANK_SPEEDS, an experiment, tokens in proportion to each rank's speed)."""
+        """Every rank's share of a step's examples (shard's split, indexed by rank)."""
         if lengths is None:
             return [ids[r::self.world] for r in range(self.world)]
-        return balanced_split(ids, lengths, self.world, rank_speeds(self.world))
+        return balanced_split(ids, lengths, self.world)
 
 
-def balanced_split(ids: list, lengths, n: int, speeds: list[float] | None = None) -> list[list]:
+def balanced_split(ids: list, lengths, n: int) -> list[list]:
     """These examples in `n` shares of near-equal count and token sum (balanced_shares over their
     `lengths`, indexed by example), each share keeping the examples' order."""
-    return [[ids[k] for k in sorted(share)] for share in balanced_shares([lengths[i] for i in ids], n, speeds)]
+    return [[ids[k] for k in sorted(share)] for share in balanced_shares([lengths[i] for i in ids], n)]
 
 
-def rank_speeds(world: int) -> list[float] | None:
-    """Experiments (issue 10): HIVETUNE_RANK_SPEEDS="1,0.965" gives each rank's relative speed,
-    and balanced_shares gives each rank tokens in proportion (a GPU held to lower clocks by its
-    power cap takes fewer). None: equal speeds."""
-    raw = os.environ.get("HIVETUNE_RANK_SPEEDS")
-    if not raw:
-        return None
-    speeds = [float(v) for v in raw.split(",")]
-    if len(speeds) != world or min(speeds) <= 0:
-        raise UserError(f"HIVETUNE_RANK_SPEEDS: {world} positive numbers expected, got {raw!r}")
-    return speeds
-
-
-def balanced_shares(sizes: list[int], world: int, speeds: list[float] | None = None) -> list[list[int]]:
+def balanced_shares(sizes: list[int], world: int) -> list[list[int]]:
     """Positions of `sizes` split into `world` shares of near-equal count and sum: longest first
     to the lightest share with room, then swaps between the heaviest and the lightest share
-    while a swap lowers the heaviest sum. With `speeds`, a share's weight is its sum over its
-    rank's speed. Remembered by its arguments (fresh lists each call): the CUDA graphs' plan
-    splits every step of the run at its start and again for each rank's own micro-batches, on
-    W2 ~9 ms a pass on this project's CPU, with the GPU idle at the second; the loop's
-    Dist.shard then finds each step's split made."""
-    return [list(share) for share in _balanced_shares(tuple(sizes), world, tuple(speeds) if speeds else None)]
+    while a swap lowers the heaviest sum. Remembered by its arguments (fresh lists each call):
+    the CUDA graphs' plan splits every step of the run at its start and again for each rank's
+    own micro-batches (W2: ~9 ms a pass on a small CPU, with the GPU idle at the second); the
+    loop's Dist.shard then finds each step's split made."""
+    return [list(share) for share in _balanced_shares(tuple(sizes), world)]
 
 
 @functools.lru_cache(maxsize=8192)
-def _balanced_shares(sizes: tuple[int, ...], world: int,
-                     speeds: tuple[float, ...] | None) -> tuple[tuple[int, ...], ...]:
-    speed = speeds or [1.0] * world
+def _balanced_shares(sizes: tuple[int, ...], world: int) -> tuple[tuple[int, ...], ...]:
     room = [len(sizes) // world + (r < len(sizes) % world) for r in range(world)]
     shares: list[list[int]] = [[] for _ in range(world)]
     load = [0] * world
     for k in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
-        r = min((r for r in range(world) if room[r]), key=lambda r: ((load[r] + sizes[k]) / speed[r], r))
+        r = min((r for r in range(world) if room[r]), key=lambda r: (load[r] + sizes[k], r))
         room[r] -= 1
         shares[r].append(k)
         load[r] += sizes[k]
     for _ in range(4 * len(sizes)):
-        hi = max(range(world), key=lambda r: (load[r] / speed[r], -r))
-        lo = min(range(world), key=lambda r: (load[r] / speed[r], r))
-        worst = load[hi] / speed[hi]
+        hi = max(range(world), key=lambda r: (load[r], -r))
+        lo = min(range(world), key=lambda r: (load[r], r))
+        worst = load[hi]
         best = None
         for i in shares[hi]:
             for j in shares[lo]:
                 d = sizes[i] - sizes[j]
-                after = max((load[hi] - d) / speed[hi], (load[lo] + d) / speed[lo])
+                after = max(load[hi] - d, load[lo] + d)
                 if d > 0 and after < worst and (best is None or after < best[2]):
                     best = (i, j, after, d)
         if best is None:
@@ -208,9 +195,6 @@ def choose_strategy(strategy: str, base_bytes: int, device: torch.device, cfg=No
         return "ddp"
     total = total_bytes or torch.cuda.get_device_properties(device).total_memory
     if cfg is not None and model_args is not None:
-        import dataclasses
-
-        from hivetune.plan import plan
         try:  # the planner sizes a micro-batch at max_length tokens an example without data: an upper bound
             verdict = plan(dataclasses.replace(cfg, data=""), memory_gib=total / 2**30, model_args=model_args)
             return "ddp" if verdict.fits else "fsdp"
@@ -228,7 +212,7 @@ def wrap(model: torch.nn.Module, strategy: str, d: Dist, device: torch.device) -
         # The frozen base is the same on every rank (loaded from the same files) and the LoRA
         # init is seeded alike on every rank: nothing to broadcast.
         return model
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard  # loaded here: FSDP's import is slow, and only FSDP runs need it
 
     for layer in model.model.layers:
         fully_shard(layer)
@@ -239,8 +223,6 @@ def wrap(model: torch.nn.Module, strategy: str, d: Dist, device: torch.device) -
 def gradient_sync(module: torch.nn.Module, strategy: str, enabled: bool):
     """Context for one micro-batch: FSDP reduce-scatters only on the last one (ddp syncs after
     the step, in allreduce_gradients)."""
-    from contextlib import nullcontext
-
     if strategy == "fsdp":
         module.set_requires_gradient_sync(enabled)
     return nullcontext()
@@ -255,8 +237,6 @@ def allreduce_gradients(params: list[torch.nn.Parameter], d: Dist) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
-    from hivetune.core.fastpath import one_buffer
-
     arena = one_buffer(grads)  # CUDA graphs' GradArena: reduced where it is, no copies
     if arena is not None:
         dist.all_reduce(arena, op=dist.ReduceOp.SUM)

@@ -5,10 +5,16 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
 import yaml
 
 from hivetune.core.config import TrainConfig
+from hivetune.core.embedded import embedded_model_path
 from hivetune.core.errors import UserError
+from hivetune.model.load import load_args
+from hivetune.plan.gpus import device_memory_bytes
+from hivetune.plan.memory import GIB, breakdown
+from hivetune.plan.planner import memory_config, bucketed, offload_to_fit, uses_graphs
 
 TUNE_FILE = "tune.yaml"  # written by `hivetune tune`, read by --auto when present
 
@@ -54,18 +60,15 @@ def offload_fit(cfg: TrainConfig, args, precision: str, tokens: int, budget: flo
     layers, with which an eager micro-batch of `tokens` fits `budget` bytes; None where nothing
     does, or where train would not move them (FSDP). Preferred to a smaller micro-batch or
     checkpointing: W2 (7B, 16 examples) under a 24 GiB cap with host_embeddings and 5 layers
-    offloaded ran 14,337 tokens/s on an H100 (b70c247), where 2 x 8 examples graphed ran 13,261
+    offloaded ran 14,337 tokens/s on an H100, where 2 x 8 examples graphed ran 13,261
     (BENCHMARKS.md); auto_config still takes a smaller micro-batch first where one fits without
     (~8% apart there, in runs of different calls), and this before checkpointing, which
     recomputes every layer's forward (offload: 2.9-5.5% slower than none, W2 on H200s)."""
-    from hivetune.plan.memory import breakdown
-    from hivetune.plan.planner import _memory_config, offload_to_fit
-
     if cfg.distributed == "fsdp":
         return None
     if not args.tie_word_embeddings and not cfg.host_embeddings:
         cfg = _with(cfg, host_embeddings=True)
-        peak = breakdown(args, _memory_config(cfg, precision, False), tokens).total
+        peak = breakdown(args, memory_config(cfg, precision, False), tokens).total
         if peak <= budget:
             return cfg, peak, ", host_embeddings"
     moved = ", host_embeddings" if cfg.host_embeddings else ""
@@ -75,7 +78,7 @@ def offload_fit(cfg: TrainConfig, args, precision: str, tokens: int, budget: flo
     if not n or n > args.num_hidden_layers // 2:
         return None
     cfg = _with(cfg, activation_offload=n)
-    return cfg, breakdown(args, _memory_config(cfg, precision, False), tokens).total, f"{moved}, activation_offload={n}"
+    return cfg, breakdown(args, memory_config(cfg, precision, False), tokens).total, f"{moved}, activation_offload={n}"
 
 
 def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
@@ -87,16 +90,11 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
     memory without checkpointing; where none does, the largest that fits with its input embedding
     in host memory and the fewest layers of activation offload (offload_fit); else with
     checkpointing. Micro-batches are sized at max_length tokens an example (the worst case), in
-    `memory_gib`, by default what this process may hold on the device (train.device_memory_bytes:
+    `memory_gib`, by default what this process may hold on the device (plan.gpus.device_memory_bytes:
     its memory times a per-process fraction where one is set, no more than is free plus what the
-    process holds; it was the device's whole memory, which a GPU shared with another process or
-    capped does not give). On a CPU nothing changes.
+    process holds, which a GPU shared with another process or capped allows). On a CPU nothing
+    changes.
     """
-    import torch
-
-    from hivetune.plan.memory import GIB, breakdown
-    from hivetune.plan.planner import _memory_config, bucketed, uses_graphs
-
     effective = cfg.batch_size * cfg.grad_accum
     tune_path = Path(tune_file) if tune_file else Path(TUNE_FILE)
     if tune_path.is_file():
@@ -114,20 +112,15 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
     device = torch.device(device) if not isinstance(device, torch.device) else device
     if device.type != "cuda" and memory_gib is None:
         return cfg, "auto: CPU run, config unchanged (the planner sizes GPU memory)"
-    from hivetune.core.embedded import embedded_model_path
-    from hivetune.model.load import load_args
-
     args = load_args(Path(cfg.model) if cfg.model else embedded_model_path())
     if memory_gib is None:  # what this process may hold: a per-process cap, other processes' share
-        from hivetune.train.loop import device_memory_bytes
-
         memory_gib = device_memory_bytes(device) / GIB
     budget = memory_gib * GIB
     precision = cfg.precision
     if precision == "auto":
         precision = "bf16" if device.type != "cuda" or torch.cuda.is_bf16_supported() else "fp16"
     for ckpt, offload in ((False, False), (False, True), (True, False)):
-        mcs = {graphed: _memory_config(cfg, precision, ckpt, graphs=graphed) for graphed in (False, True)}
+        mcs = {graphed: memory_config(cfg, precision, ckpt, graphs=graphed) for graphed in (False, True)}
         for b in _divisors_desc(effective):
             tokens = bucketed(b * cfg.max_length, uses_graphs(cfg, precision, ckpt), args)
             graphed = tokens != b * cfg.max_length

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from hivetune.core.device import cuda_index
 from hivetune.core.errors import UserError
 
 
@@ -83,3 +86,15 @@ def gpu_for_device_name(name: str) -> GPU | None:
         return find_gpu(name)
     except UserError:
         return None
+
+
+def device_memory_bytes(device) -> int:
+    """What this process may hold on a CUDA device: its memory times the per-process fraction
+    where one is set (bench --memory-cap), and no more than is free now plus what this process
+    already holds (another process on the same GPU keeps its share); 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    index = cuda_index(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(index)
+    free, total = torch.cuda.mem_get_info(index)
+    return int(min(total * fraction, free + torch.cuda.memory_reserved(index)))

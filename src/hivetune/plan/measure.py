@@ -18,7 +18,13 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.nn.functional as F
 
+import hivetune.model.decoder as decoder
+from hivetune.core.device import DTYPES
+from hivetune.ops import elementwise
 from hivetune.ops.attention import Packed
+from hivetune.ops.elementwise import rms_norm_reference, swiglu_reference
+from hivetune.ops.fused_ce import fused_target_loss_sum
+from hivetune.ops.loss import target_loss_sum
 
 
 class _VarlenStandIn(torch.autograd.Function):
@@ -62,8 +68,6 @@ def _standin_attention(q, k, v, layout=None, cache=None, layer: int = 0):
 @contextmanager
 def varlen_standin():
     """Route the decoder's packed attention through the varlen stand-in (CPU measurements)."""
-    import hivetune.model.decoder as decoder
-
     before = decoder.causal_attention
     decoder.causal_attention = _standin_attention
     try:
@@ -78,8 +82,6 @@ class _RMSNormStandIn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        from hivetune.ops.elementwise import rms_norm_reference
-
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         with torch.no_grad():
             y = rms_norm_reference(x, weight, eps)
@@ -90,8 +92,6 @@ class _RMSNormStandIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from hivetune.ops.elementwise import rms_norm_reference
-
         x2, weight, _ = ctx.saved_tensors
         with torch.enable_grad():
             x_ = x2.detach().requires_grad_()
@@ -104,8 +104,6 @@ class _SwiGLUStandIn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up):
-        from hivetune.ops.elementwise import swiglu_reference
-
         if up is None:
             joined = gate.contiguous()
             ctx.save_for_backward(joined)
@@ -118,8 +116,6 @@ class _SwiGLUStandIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from hivetune.ops.elementwise import swiglu_reference
-
         saved = ctx.saved_tensors
         with torch.enable_grad():
             xs = [t.detach().requires_grad_() for t in saved]
@@ -135,7 +131,6 @@ def fused_layers_standin():
     the input's dtype), and lora_group's dropout through a seeded CPU stand-in of the Triton
     one (no mask saved; o_proj / down_proj recompute their dropped input, q/k/v and gate/up
     theirs from the norm's input, RMSNorm.source)."""
-    from hivetune.ops import elementwise
     before = elementwise.rms_norm, elementwise.swiglu, elementwise.swiglu_joined
     half = (torch.bfloat16, torch.float16)
 
@@ -182,10 +177,6 @@ def fused_layers_standin():
 
 def saved_activation_bytes(model, batch, precision: str, fused_loss: bool = True) -> int:
     """Bytes of distinct non-parameter storages saved for backward by one forward + loss."""
-    from hivetune.core.device import DTYPES
-    from hivetune.ops.fused_ce import fused_target_loss_sum
-    from hivetune.ops.loss import target_loss_sum
-
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
     seen: dict[int, int] = {}

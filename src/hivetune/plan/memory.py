@@ -237,12 +237,12 @@ def keep_inputs_extra_bytes(args: ModelArgs, mc: MemoryConfig, tokens: int) -> i
 
 def resolve_keep_inputs(setting: str, args: ModelArgs, mc: MemoryConfig, tokens: int, memory_bytes: int = 0) -> bool:
     """train's lora_inputs: keep, recompute, or auto. auto, at the largest micro-batch (`tokens`)
-    and with `memory_bytes` what the process can use of the device (train.device_memory_bytes;
+    and with `memory_bytes` what the process can use of the device (plan.gpus.device_memory_bytes;
     0: unknown): recompute where the predicted peak with the inputs kept (the allocator's part,
     Breakdown.reserved, which is what a per-process cap bounds) would not fit; else keep where
     that peak is at most KEEP_INPUTS_ROOM of the memory, or where keeping costs at most
     KEEP_INPUTS_MAX_BYTES. W2 under DDP on 2 x H200 (8 examples a rank, +2.35 GiB): 10.27 /
-    10.23 s kept against 10.52 / 10.51 recomputed, 24.05 against 21.70 GiB reserved (55333e6);
+    10.23 s kept against 10.52 / 10.51 recomputed, 24.05 against 21.70 GiB reserved;
     the 0.6 leaves a 24 GB card (W2 on one: 24 GiB with activation_offload) recomputing; W1
     (+0.84 GiB, 3.79 GiB predicted) keeps under its 4 GiB cap. False where it changes nothing
     (no seeded dropout)."""

@@ -8,14 +8,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from hivetune.core.config import TrainConfig
+from hivetune.core.embedded import default_train_data, embedded_model_path
 from hivetune.core.errors import UserError
+from hivetune.core.fastpath import forced, fused_lora_usable
+from hivetune.core.fileio import atomic_write_with
+from hivetune.data.dataset import index_dataset
 from hivetune.model.config import ModelArgs
+from hivetune.model.load import load_args
+from hivetune.model.tokenizer import load_tokenizer
+from hivetune.ops import attention, elementwise
 from hivetune.plan.gpus import GPU, find_gpu, gpu_for_device_name
+from hivetune.plan.graph_sizes import bucket_tokens, launch_bound
 from hivetune.plan.memory import (GIB, MemoryConfig, breakdown, keep_inputs_extra_bytes, largest_micro_batch,
                                   lora_parameter_count, base_parameter_count, resolve_keep_inputs)
 from hivetune.plan.timing import micro_batch_seconds
@@ -58,21 +67,20 @@ class Plan:
     host_gib: dict = field(default_factory=dict)  # host memory the run holds (not GPU memory)
 
 
-def _memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: bool = True,
-                   graphs: bool = False, args: ModelArgs | None = None, tokens: int = 0,
-                   memory_bytes: int = 0) -> MemoryConfig:
+def memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: bool = True,
+                  graphs: bool = False, args: ModelArgs | None = None, tokens: int = 0,
+                  memory_bytes: int = 0) -> MemoryConfig:
     """`args` and `tokens` (the largest micro-batch), `memory_bytes` (the device's): resolve
     lora_inputs auto as train does; without args and tokens auto counts as recompute."""
-    from hivetune.ops.attention import _varlen_fn
-
-    fn, _, has_gqa = _varlen_fn()
+    fn, _, has_gqa = attention._varlen_fn()
     varlen = (cuda and precision != "fp32" and cfg.packing and fn is not None
-              and os.environ.get("HIVETUNE_ATTENTION") != "sdpa")
+              and getattr(cfg, "attention", "auto") != "sdpa")
+    path = training_path(precision, cuda, cfg.distributed, getattr(cfg, "fused_ops", True))
     mc = MemoryConfig(precision=precision, r=cfg.lora.r, targets=tuple(cfg.lora.targets), dropout=cfg.lora.dropout,
-                        gradient_checkpointing=checkpointing, fused_loss=cfg.fused_loss, packing=cfg.packing,
-                        attention="varlen" if varlen else "sdpa", gqa_native=has_gqa,
-                        mask_bytes=1 if cuda else (4 if precision == "fp32" else 2),
-                        offload_layers=offload_in_force(cfg, cuda, graphs), **training_path(precision, cuda, cfg.distributed))
+                      gradient_checkpointing=checkpointing, fused_loss=cfg.fused_loss, packing=cfg.packing,
+                      attention="varlen" if varlen else "sdpa", gqa_native=has_gqa,
+                      mask_bytes=1 if cuda else (4 if precision == "fp32" else 2),
+                      offload_layers=offload_in_force(cfg, cuda, graphs), **path)
     setting = getattr(cfg, "lora_inputs", "recompute")
     if setting == "auto" and (args is None or not tokens):
         setting = "recompute"
@@ -88,18 +96,14 @@ def offload_in_force(cfg: TrainConfig, cuda: bool, graphs: bool) -> int:
     return n if cuda and not graphs and cfg.distributed != "fsdp" else 0
 
 
-def training_path(precision: str, cuda: bool = True, distributed: str = "auto") -> dict:
+def training_path(precision: str, cuda: bool = True, distributed: str = "auto", fused_ops: bool = True) -> dict:
     """MemoryConfig's joined / fused_layers for the path train takes: LoRA groups joined
     (lora.fuse_projections) unless FSDP or HIVETUNE_REFERENCE=fused_lora; the Triton RMSNorm /
-    SwiGLU on a GPU in bf16 / fp16 (ops.elementwise.fused_ok) where Triton is importable, or
-    assumed when planning on a machine without a GPU (the CUDA and ROCm wheels ship it)."""
-    from hivetune.core.fastpath import forced, fused_lora_usable
-    from hivetune.ops import elementwise
-    fused_layers = (cuda and precision != "fp32" and os.environ.get("HIVETUNE_FUSED_OPS", "1") != "0"
-                    and not forced("fused_layers"))
+    SwiGLU on a GPU in bf16 / fp16 (ops.elementwise.fused_ok) unless fused_ops is off, where
+    Triton is importable, or assumed when planning on a machine without a GPU (the CUDA and
+    ROCm wheels ship it)."""
+    fused_layers = cuda and precision != "fp32" and fused_ops and not forced("fused_layers")
     if fused_layers and elementwise.triton is None:
-        import torch
-
         fused_layers = not torch.cuda.is_available()
     return {"joined": fused_lora_usable() and distributed != "fsdp", "fused_layers": fused_layers}
 
@@ -110,25 +114,17 @@ def uses_graphs(cfg: TrainConfig, precision: str, checkpointing: bool) -> bool:
 
 
 def bucketed(tokens: int, graphs: bool, args: ModelArgs | None = None) -> int:
-    """CUDA graphs pad each micro-batch to a token bucket (hivetune.train.graphs); they switch
-    themselves off for compute-bound micro-batches (MAX_TFLOP_PER_MICRO_BATCH, where the tree
-    has it), which then run eagerly at their own size."""
+    """CUDA graphs pad each micro-batch to a graph size (plan.graph_sizes, on the fixed grid
+    here); they switch themselves off for compute-bound micro-batches (launch_bound), which then
+    run eagerly at their own size."""
     if not graphs:
         return tokens
-    try:
-        from hivetune.train import graphs as ops_graphs
-    except ImportError:
+    if args is not None and not launch_bound(args.linear_weight_count, tokens):
         return tokens
-    cap = getattr(ops_graphs, "MAX_TFLOP_PER_MICRO_BATCH", None)
-    if cap is not None and args is not None and 4 * args.linear_weight_count * tokens / 1e12 > cap:
-        return tokens
-    return ops_graphs.bucket_tokens(tokens)
+    return bucket_tokens(tokens)
 
 
 def data_lengths(cfg: TrainConfig, model_path: Path) -> tuple[list[int], list[int]]:
-    from hivetune.data.dataset import index_dataset
-    from hivetune.model.tokenizer import load_tokenizer
-
     try:
         tokenizer = load_tokenizer(str(model_path))
     except UserError:
@@ -149,8 +145,6 @@ def resolve_gpu(gpu: str | None, memory_gib: float | None) -> tuple[GPU | None, 
         return entry, memory_gib or entry.memory_gib, entry.name
     if memory_gib:
         return None, memory_gib, f"{memory_gib:g} GiB"
-    import torch
-
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         entry = gpu_for_device_name(props.name)
@@ -166,9 +160,6 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     `cfg` is a training config (model, data, batch_size, grad_accum, max_length, precision,
     gradient_checkpointing, lora.*, packing, fused_loss); `model_args` skips reading cfg.model.
     """
-    from hivetune.core.embedded import embedded_model_path
-    from hivetune.model.load import load_args
-
     model_path = Path(cfg.model) if cfg.model else embedded_model_path()
     args = model_args or load_args(model_path)
     entry, mem_gib, label = resolve_gpu(gpu, memory_gib)
@@ -185,8 +176,6 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
 
     data = cfg.data
     if not data and not cfg.model:  # the embedded default job trains on the shipped dataset
-        from hivetune.core.embedded import default_train_data
-
         data = str(default_train_data())
         cfg = dataclasses.replace(cfg, data=data)
     if data:
@@ -209,12 +198,12 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     graphs = uses_graphs(cfg, precision, ckpt)
     tokens = bucketed(worst, graphs, args)
     graphs = graphs and tokens != worst
-    mc = _memory_config(cfg, precision, ckpt, graphs=graphs, args=args, tokens=tokens, memory_bytes=int(mem_gib * GIB))
+    mc = memory_config(cfg, precision, ckpt, graphs=graphs, args=args, tokens=tokens, memory_bytes=int(mem_gib * GIB))
     if mc.keep_inputs and not ckpt:
         notes.append(f"lora_inputs {cfg.lora_inputs}: the LoRA groups keep their dropped inputs "
                      f"(+{keep_inputs_extra_bytes(args, mc, tokens) / GIB:.2f} GiB of activations)")
     b = breakdown(args, mc, tokens, max(1, int(tokens * target_fraction)))
-    other = breakdown(args, _memory_config(cfg, precision, not ckpt), tokens, max(1, int(tokens * target_fraction)))
+    other = breakdown(args, memory_config(cfg, precision, not ckpt), tokens, max(1, int(tokens * target_fraction)))
     act = {("checkpointing on" if ckpt else "checkpointing off"): b.parts["activations"] / GIB,
            ("checkpointing off" if ckpt else "checkpointing on"): other.parts["activations"] / GIB}
     budget = int(mem_gib * GIB)
@@ -222,7 +211,7 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     # auto recomputes the LoRA inputs where keeping them would not fit: size the largest that way
     sizing = dataclasses.replace(mc, keep_inputs=False) if getattr(cfg, "lora_inputs", "") == "auto" else mc
     largest = largest_micro_batch(args, sizing, budget, target_fraction)
-    largest_ckpt = largest if ckpt else largest_micro_batch(args, _memory_config(cfg, precision, True), budget,
+    largest_ckpt = largest if ckpt else largest_micro_batch(args, memory_config(cfg, precision, True), budget,
                                                             target_fraction)
     suggestion = _suggest(cfg, fits, ckpt, worst, largest, largest_ckpt, avg_len)
     if not fits and not graphs and not ckpt:
@@ -267,7 +256,7 @@ def offload_to_fit(args: ModelArgs, cfg: TrainConfig, precision: str, tokens: in
                    budget: int) -> int:
     """The fewest layers of activation_offload with which a micro-batch of `tokens` fits
     `budget` bytes (eager, on CUDA), or 0 when none does."""
-    eager = _memory_config(dataclasses.replace(cfg, activation_offload=args.num_hidden_layers), precision, False)
+    eager = memory_config(dataclasses.replace(cfg, activation_offload=args.num_hidden_layers), precision, False)
     if not eager.offload_layers:  # where train would not offload (FSDP)
         return 0
     targets = max(1, int(tokens * target_fraction))
@@ -336,15 +325,13 @@ def plan_dict(p: Plan) -> dict:
 
 def plot_plan(p: Plan, path: str) -> None:
     """A horizontal stacked bar of the peak's parts against the GPU's memory."""
-    try:
+    try:  # an optional dependency (hivetune[plots])
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--png needs matplotlib: pip install 'hivetune[plots]'") from None
-    from hivetune.core.fileio import atomic_write_with
-
     fig, ax = plt.subplots(figsize=(9, 3.2))
     left = 0.0
     for name, gib in p.parts_gib.items():

@@ -8,8 +8,7 @@ and layer forward for an example of L tokens (causal), three times that with bac
 A micro-batch takes max(FLOPs / (peak x efficiency), layers x dispatch): small models are bound
 by eager PyTorch launching ~140 kernels a layer, big ones by the matmuls. Constants calibrated
 by ``calibrate`` from the H200 grid (bench/results/plan-grid-bb041c0-h200.json, step times of
-3-step runs, after the joined LoRA path and the Triton kernels; 5d2d30f before them) and checked
-against it by tests/test_plan.py.
+3-step runs) and checked against it by tests/test_plan.py.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import json
 import statistics
 from pathlib import Path
 
-from hivetune.model.config import ModelArgs
+from hivetune.model.config import ModelArgs, qwen25_shape
 
 EFFICIENCY = {"bf16": 0.42, "fp16": 0.42, "fp32": 0.63}  # of the datasheet dense rate
 DISPATCH_S_PER_LAYER = 0.0058  # eager, per micro-batch (fwd + bwd + the optimizer step's share)
@@ -41,8 +40,6 @@ def micro_batch_seconds(args: ModelArgs, tokens: float, example_tokens: float, c
 def calibrate(grid: str | Path | dict, peak_tflops: dict) -> dict:
     """Efficiency per precision (median over compute-bound points) and the dispatch time per
     layer (median over points far from compute-bound) from a plan-grid JSON (or its record)."""
-    from hivetune.workflows.bench import qwen25_shape
-
     record = grid if isinstance(grid, dict) else json.loads(Path(grid).read_text())
     shapes = {"0.5B": (151936, 896, 4864, 24, 14, 2, True), "1.5B": (151936, 1536, 8960, 28, 12, 2, True),
               "7B": (152064, 3584, 18944, 28, 28, 4, False)}

@@ -28,7 +28,7 @@ from hivetune.core.device import DTYPES, cap_memory
 from hivetune.core.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM
-from hivetune.train import graphs
+from hivetune.train import replay as graphs
 # Dense bf16 tensor-core peak, TFLOP/s, for MFU (vendor datasheets, no sparsity).
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "RTX 4090": 165.0,
                     "RTX 5090": 209.0, "MI300X": 1307.0, "MI250": 362.0, "MI50": 26.5}
@@ -217,7 +217,8 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
     caching allocator may hold at most this much from assembly on (as on a card of that size;
     set after the model is built: W2's random init runs in fp32)."""
     from hivetune.core import fastpath
-    from hivetune.train.loop import assemble, fit
+    from hivetune.train.loop import fit
+    from hivetune.train.setup import assemble
 
     fastpath.prewarm(device)  # overlaps building the data and the model, as in train's setup
     examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))

@@ -79,9 +79,9 @@ def _candidate_memory(cfg: TrainConfig, args, precision: str, checkpointing: boo
     always counted the inputs recomputed while the timed run kept them on a roomy GPU: up to
     ~5 GiB low for a 7B model."""
     from hivetune.plan.memory import seeded_dropout
-    from hivetune.plan.planner import _memory_config
+    from hivetune.plan.planner import memory_config
 
-    mc = _memory_config(cfg, precision, checkpointing, cuda=cuda, args=args, tokens=tokens, memory_bytes=memory_bytes)
+    mc = memory_config(cfg, precision, checkpointing, cuda=cuda, args=args, tokens=tokens, memory_bytes=memory_bytes)
     inputs = cfg.lora_inputs
     if inputs == "auto" and seeded_dropout(mc):
         inputs = "keep" if mc.keep_inputs else "recompute"
@@ -97,7 +97,8 @@ def _time_candidate(cfg: TrainConfig, args, device: torch.device, precision: str
     from hivetune.data.dataset import TokenizedExamples
     from hivetune.data.formats import Encoded
     from hivetune.core.device import DTYPES
-    from hivetune.train.loop import assemble, fit
+    from hivetune.train.loop import fit
+    from hivetune.train.setup import assemble
 
     per_step = cfg.batch_size * cfg.grad_accum
     gen = torch.Generator().manual_seed(0)
@@ -134,7 +135,7 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
     from hivetune.core.fileio import atomic_write_bytes
     from hivetune.model.load import load_args
     from hivetune.plan.memory import GIB, breakdown
-    from hivetune.train.loop import device_memory_bytes
+    from hivetune.plan.gpus import device_memory_bytes
 
     if steps < 2:
         raise UserError(f"--steps: at least 2 (the first step warms up), got {steps}")

@@ -1,0 +1,252 @@
+"""Build a Run: resolve paths, read and check the data, load the model, add LoRA, wrap it for
+several processes, plan the steps, make optimizer and schedule, create the run folder; and the
+memory decisions the planner's model makes for it (planned_memory)."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from hivetune.checkpoint import restore_rng, resume_point, resume_run
+from hivetune.core.config import TrainConfig, save_config, step_order
+from hivetune.core.device import DTYPES, resolve_device, resolve_precision, set_threads
+from hivetune.core.embedded import default_heldout_data, default_train_data, embedded_model_path
+from hivetune.core.errors import UserError
+from hivetune.core.fastpath import adamw, fused_lora_usable, prewarm
+from hivetune.core.fileio import hold_run_lock
+from hivetune.core.metrics import require_tensorboard
+from hivetune.data.dataset import index_dataset, plan_steps
+from hivetune.doctor.preflight import check_stack
+from hivetune.model.decoder import CausalLM
+from hivetune.model.load import load_args, load_model
+from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_parameters
+from hivetune.model.tokenizer import load_tokenizer
+from hivetune.ops import blas
+from hivetune.ops.attention import varlen_supported
+from hivetune.ops.host_embedding import move_embeddings
+from hivetune.ops.offload import ActivationOffload
+from hivetune.parallel import distributed
+from hivetune.plan.gpus import device_memory_bytes
+from hivetune.plan.graph_sizes import launch_bound
+from hivetune.plan.memory import keep_inputs_extra_bytes, offloaded_bytes, offloaded_layer_bytes
+from hivetune.plan.planner import memory_config
+from hivetune.train.graph_plan import planned_micro_batches
+from hivetune.train.run import Run, new_run_folder
+from hivetune.train.step import runs_in_dtype
+
+def setup(cfg: TrainConfig) -> Run:
+    """Resolve paths, read and check data, load the model, add LoRA; then create the run folder.
+
+    The folder is created last, so bad input leaves nothing behind.
+    """
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    set_threads(cfg.threads)
+    parallel = distributed.init(cfg.device)
+    if not cfg.skip_doctor:
+        check_stack(cfg.device, cfg.precision)  # the doctor's quick checks: a known-bad stack stops here
+    if cfg.tensorboard:
+        require_tensorboard()  # a missing package stops here, before any weight is read
+    model_path = Path(cfg.model) if cfg.model else embedded_model_path()
+    data_path = Path(cfg.data) if cfg.data else default_train_data()
+    val_path = Path(cfg.val_data) if cfg.val_data else (default_heldout_data() if not cfg.data else None)
+    if val_path is not None and not val_path.exists():
+        raise UserError(f"val_data: {val_path} not found")
+    folder = distributed.on_main(parallel, new_run_folder, cfg)  # rank 0 names (and locks) it
+    resuming = (folder / "config.yaml").is_file()
+    checkpoint = resume_point(folder, cfg) if resuming else None  # refuses another config
+    args = load_args(model_path)  # architecture only: cheap, catches a bad model early
+    if cfg.max_length > args.max_position_embeddings:
+        raise UserError(f"max_length: {cfg.max_length} exceeds the model's context "
+                        f"({args.max_position_embeddings})")
+    check_offload_layers(cfg, args.num_hidden_layers)
+    device = distributed.device_for(parallel, resolve_device(cfg.device))
+    precision = resolve_precision(cfg.precision, device)
+    prewarm(device)  # overlaps the tokenizer and the weights' load
+    tokenizer = load_tokenizer(str(model_path))
+    if len(tokenizer) > args.vocab_size:
+        raise UserError(f"{model_path}: tokenizer has {len(tokenizer)} tokens, more than the model's "
+                        f"vocab_size {args.vocab_size}")
+    data = index_dataset(data_path, cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
+
+    # fp16 / bf16 runs keep the frozen base in half precision; only LoRA is fp32.
+    model = load_model(model_path, dtype=DTYPES[precision], device=device)
+    run = assemble(cfg, model, data, tokenizer, device, precision, folder, model_path, parallel)
+    if parallel.is_main:
+        hold_run_lock(folder)  # a new folder: locked as soon as it exists
+    run.val_path = val_path
+    if cfg.val_data:
+        val_index = index_dataset(val_path, cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
+        run.val = (val_index, list(range(len(val_index))))
+    if data.truncated:
+        run.notes.append(f"{data.truncated} examples truncated to max_length={cfg.max_length}")
+    if data.skipped_no_target:
+        run.notes.append(f"{data.skipped_no_target} examples skipped: no response token within max_length")
+    if resuming:
+        resume_run(run, checkpoint)  # last: it restores the RNG states the loop goes on with
+        restore_rank_rng(run)
+    return run
+
+
+def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
+    """Multiplier of the peak lr at a step: linear warmup, then cosine / linear decay or constant."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+        return min_ratio + (1 - min_ratio) * decay
+
+    return f
+
+
+def wide_groups(model: CausalLM, cfg: TrainConfig, data, device: torch.device, strategy: str = "none") -> bool:
+    """Whether q/k/v and gate/up take the wide layout (lora.fuse_projections): wide_lora true or
+    auto, but not FSDP (auto); on CUDA, where a micro-batch's matmuls are small enough for CUDA
+    graphs (plan.graph_sizes.launch_bound, from the data's mean length). There the LoRA update
+    riding in the base matmul saves W1 ~5% of its loop and W2's DDP ranks 2-7%; W2 on one GPU
+    (16 x 1, ~80 TFLOP a micro-batch, not graphed) runs 8% slower with it (docs/log/train.md)."""
+    asked = cfg.wide_lora == "true" or (cfg.wide_lora == "auto" and strategy != "fsdp")
+    if not asked or device.type != "cuda" or not len(data):
+        return False
+    tokens = cfg.batch_size * data.total_tokens / len(data)
+    return launch_bound(model.args.linear_weight_count, tokens)
+
+
+def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.device, precision: str,
+             folder: Path, model_path: Path, parallel: distributed.Dist = distributed.Dist()) -> Run:
+    """Add LoRA, wrap for several processes, plan the steps, build optimizer and schedule,
+    create the run folder."""
+    spec = LoRASpec(cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.targets), cfg.lora.rslora)
+    torch.manual_seed(cfg.seed)  # LoRA init independent of anything loaded before (and alike on every rank)
+    apply_lora(model, spec, param_dtype=torch.float32)
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+    if device.type == "cuda" and precision != "fp32":  # probe flash varlen now, not inside a checkpointed forward
+        varlen_supported(torch.empty((1, 1, 1, 1), dtype=DTYPES[precision], device=device))
+    strategy, module = "none", model
+    if parallel.enabled:
+        base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+        strategy = distributed.choose_strategy(cfg.distributed, base_bytes, device, cfg, model.args)
+    if strategy != "fsdp" and fused_lora_usable():  # FSDP shards each weight: it keeps them apart
+        fuse_projections(model, wide=wide_groups(model, cfg, data, device, strategy))
+    if cfg.host_embeddings and device.type == "cuda":
+        if strategy == "fsdp":
+            print("hivetune: host_embeddings: off under FSDP (it shards the table with the rest)", file=sys.stderr)
+        else:
+            move_embeddings(model)
+    model.activation_offload = activation_offload(cfg, model, device, strategy)  # after the fusing: it reads the storages
+    if device.type == "cuda":
+        blas.available(device)  # loads cuBLAS / cuBLASLt here, not in the first step (~85 ms on an H100 host)
+    model.runs_in_dtype = runs_in_dtype(model, precision, strategy)
+    if parallel.enabled:
+        module = distributed.wrap(model, strategy, parallel, device)
+
+    per_step = cfg.batch_size * cfg.grad_accum * parallel.world  # the global batch
+    train_ids, val_ids = split_validation(len(data), cfg.val_split, cfg.seed)
+    lengths = [data.lengths[i] for i in train_ids]
+    steps = [[train_ids[i] for i in step] for step in plan_steps(
+        len(train_ids), per_step, cfg.epochs, cfg.max_steps, cfg.seed, lengths, step_order(cfg))]
+    params = lora_parameters(model)
+    # Fused on the CPU too: one pass over all LoRA tensors instead of ~10 foreach kernels each
+    # (SmolLM2's 420 on a 2-core CPU: ~35 -> ~10 ms a step).
+    optimizer = adamw(params, cfg.lr, cfg.weight_decay, fused=strategy != "fsdp")
+    warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, round(0.03 * len(steps)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(cfg.schedule, warmup, len(steps), cfg.min_lr_ratio))
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+
+    if parallel.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not (folder / "config.yaml").exists():  # a resumed run's stays as written: checkpoints hash it
+            save_config(cfg, folder / "config.yaml")
+    distributed.barrier(parallel)
+    if parallel.enabled:
+        torch.manual_seed(cfg.seed + 1_000_003 * parallel.rank)  # each rank its own dropout masks
+    run = Run(cfg, folder, model_path, device, precision, tokenizer, data, model, spec, steps,
+              optimizer, scheduler, scaler, val=(data, val_ids) if val_ids else None,
+              train_examples=len(train_ids), parallel=parallel, strategy=strategy, module=module)
+    planned_memory(run)
+    return run
+
+
+def planned_memory(run: Run) -> None:
+    """What the planner's memory model decides for the run, at the step plan's largest
+    micro-batch (so a resumed run decides the same): cfg.lora_inputs on the model's CastCache
+    (whether the seeded-dropout LoRA groups keep their dropped inputs for backward; auto:
+    plan.memory.resolve_keep_inputs), the micro-batch activation_offload's layer count is for, and
+    the host memory it will use, pinned before the loop (W2 with 8 layers: ~2.9 GB; pinning it in
+    the first steps instead costs ~1 s, docs/log/train.md)."""
+    casts, offload = getattr(run.model, "lora_casts", None), run.model.activation_offload
+    if casts is None and offload is None:
+        return
+    tokens = max((t for t, _ in planned_micro_batches(run, start=0)), default=0)
+    mc = memory_config(run.cfg, run.precision, run.cfg.gradient_checkpointing, cuda=run.device.type == "cuda",
+                       args=run.model.args, tokens=tokens, memory_bytes=device_memory_bytes(run.device))
+    if casts is not None:
+        casts.keep_inputs = mc.keep_inputs
+        # what recomputing would free, for the out-of-memory message (auto's choice only)
+        casts.kept_by_auto_bytes = (keep_inputs_extra_bytes(run.model.args, mc, tokens)
+                                    if mc.keep_inputs and run.cfg.lora_inputs == "auto" else 0)
+    if offload is not None and tokens:
+        # smaller micro-batches offload fewer layers (ActivationOffload.layers_for); not under
+        # torchrun, where a step that runs out of memory cannot be redone on one rank (back_off)
+        offload.max_tokens = None if run.parallel.enabled else tokens
+        offload.reserve(offloaded_bytes(run.model.args, mc, tokens), offloaded_layer_bytes(run.model.args, mc, tokens))
+
+
+def check_offload_layers(cfg: TrainConfig, layers: int) -> None:
+    if cfg.activation_offload > layers:
+        raise UserError(f"activation_offload: {cfg.activation_offload} exceeds the model's {layers} decoder "
+                        f"layers (offload at most {layers})")
+
+
+def activation_offload(cfg: TrainConfig, model: CausalLM, device: torch.device, strategy: str):
+    """The ops.offload.ActivationOffload of cfg.activation_offload layers, or None: off, with one
+    line on stderr, on the CPU, with gradient checkpointing and under FSDP (its per-layer weight
+    gathers are saved too). CUDA-graphed micro-batches skip it at capture (ops.offload)."""
+    if not cfg.activation_offload:
+        return None
+    check_offload_layers(cfg, model.args.num_hidden_layers)
+    reason = None
+    if device.type != "cuda":
+        reason = f"CUDA only, this run is on {device.type}"
+    elif cfg.gradient_checkpointing:
+        reason = "gradient_checkpointing keeps only each layer's input already"
+    elif strategy == "fsdp":
+        reason = "not under FSDP"
+    if reason:
+        print(f"hivetune: activation_offload off ({reason})", file=sys.stderr)
+        return None
+    return ActivationOffload(model, cfg.activation_offload)
+
+
+def restore_rank_rng(run: Run) -> None:
+    """A checkpoint of several processes holds every rank's RNG state: each rank takes its own
+    when the process count is the same (the data plan already checked the global batch)."""
+    world = run.counters.pop("world", 1)
+    states = run.counters.pop("rank_rng", None)
+    if run.parallel.enabled and states and world == run.parallel.world:
+        restore_rng(states[run.parallel.rank])
+    elif run.parallel.enabled:
+        torch.manual_seed(run.cfg.seed + 1_000_003 * run.parallel.rank + run.start_step)
+        run.notes.append(f"resumed on {run.parallel.world} processes from a checkpoint of {world}: "
+                         f"dropout masks are drawn afresh")
+
+
+def split_validation(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train ids, validation ids): a seeded random `fraction` of range(n) held out, at least one."""
+    if fraction <= 0:
+        return list(range(n)), []
+    k = max(1, round(fraction * n))
+    if k >= n:
+        raise UserError(f"val_split: {fraction:g} of {n} examples leaves none to train on")
+    order = list(range(n))
+    random.Random(seed * 1_000_003 + 7919).shuffle(order)
+    return sorted(order[k:]), sorted(order[:k])
