@@ -18,11 +18,12 @@ import torch
 import torch.nn as nn
 
 from hivetune.core.errors import UserError
-from hivetune.core.fastpath import forced
-from hivetune.ops import elementwise
+from hivetune.core.config import DEFAULT_TARGETS
+from hivetune.ops import dropout as dropout_op
+from hivetune.ops import lora_dropout
+from hivetune.ops import norm as norm_op
 from hivetune.ops.lora_group import CastCache, casts_active, dropout_seed, lora_group
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -194,7 +195,7 @@ class FusedProjections:
             return None
         first = lora[0]
         room = self.room if self.lora_cols == len(lora) * first.lora_A.out_features and casts_active() else 0
-        if room and (first.dropout_p() == 0 or not elementwise.seeded_dropout_ok(x)):
+        if room and (first.dropout_p() == 0 or not dropout_op.seeded_dropout_ok(x)):
             # x into a buffer with the free columns the wide path writes xa into (the seeded
             # dropout of the group's own is not taken there: no copy for nothing)
             x = torch.nn.functional.pad(x, (0, room))[..., :x.shape[-1]]
@@ -205,27 +206,27 @@ class FusedProjections:
 
     def normed(self, norm: nn.Module, x: torch.Tensor):
         """(self(norm(x)), x') with the norm and the group's LoRA dropout as one kernel each way
-        (elementwise.rms_norm_dropped): the base matmul reads norm(x), the A matmul its dropped
+        (norm_op.rms_norm_dropped): the base matmul reads norm(x), the A matmul its dropped
         copy, and x' is x for the residual add, whose gradient the norm's backward adds. W1 ran
         ~140 kernels a step fewer: the dropout, its masked add into dx and autograd's add of the
         residual's gradient, per group and layer. None where that does not apply (no seeded
         dropout in force, a norm that is not the Triton one, autocast into another dtype, the
-        in-matmul dropout kernels chosen for the group, the reference asked for:
-        HIVETUNE_REFERENCE=norm_dropout); the caller then runs norm(x) and the group."""
+        in-matmul dropout kernels chosen for the group); the caller then runs norm(x) and the
+        group."""
         lora = [m for m in self.layers if isinstance(m, LoRALinear) and m.enabled]
         if not lora or not shares_one_update(lora, self.layers) or not torch.is_grad_enabled():
             return None
         first = lora[0]
         p = first.dropout_p()
         device = x.device.type
-        if (p <= 0 or not elementwise.rms_norm_dropped_ok(x, norm.weight)
+        if (p <= 0 or not norm_op.rms_norm_dropped_ok(x, norm.weight)
                 or (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != x.dtype)
-                or elementwise.drop_matmul_shape(x.shape[-1], len(lora) * first.lora_A.out_features)):
+                or lora_dropout.drop_matmul_shape(x.shape[-1], len(lora) * first.lora_A.out_features)):
             return None
         seed = dropout_seed(x.device)
         room = self.room if self.lora_cols == len(lora) * first.lora_A.out_features and casts_active() else 0
-        y, yd, residual = elementwise.rms_norm_dropped(x, norm.weight, norm.eps, seed, p, room)
-        redo = partial(elementwise.rms_norm_dropped_only, weight=norm.weight, eps=norm.eps, seed=seed, p=p)
+        y, yd, residual = norm_op.rms_norm_dropped(x, norm.weight, norm.eps, seed, p, room)
+        redo = partial(norm_op.rms_norm_dropped_only, weight=norm.weight, eps=norm.eps, seed=seed, p=p)
         joined = lora_group(y, self.weight, self.bias, self.sizes, p, first.scaling, [m.lora_A.weight for m in lora],
                             [m.lora_B.weight for m in lora], (redo, x), xd=yd, room=bool(room))
         return joined, residual
@@ -237,11 +238,11 @@ def fuse_projections(model: nn.Module, wide: bool | None = None) -> int:
     its device (``.to()`` would split the views again); not for FSDP-sharded parameters.
     `wide`: store each group's weights in the wide layout (FusedProjections), all layers' of one
     group in one tensor (the CastCache then writes every layer's B with one kernel); None: on
-    CUDA unless HIVETUNE_REFERENCE=wide_lora (on the CPU the input's copy into a wider buffer
-    costs about what it saves). Returns the number of groups joined."""
+    CUDA (on the CPU the input's copy into a wider buffer costs about what it saves). Returns
+    the number of groups joined."""
     layers = list(getattr(getattr(model, "model", None), "layers", []))
     if wide is None:
-        wide = bool(layers) and layers[0].input_layernorm.weight.is_cuda and not forced("wide_lora")
+        wide = bool(layers) and layers[0].input_layernorm.weight.is_cuda
     groups, calls, joined, widened = 0, [], set(), False
     for owner, name, members in (("self_attn", "qkv", ("q_proj", "k_proj", "v_proj")),
                                  ("mlp", "gate_up", ("gate_proj", "up_proj"))):

@@ -255,7 +255,7 @@ def allreduce_gradients(params: list[torch.nn.Parameter], d: Dist) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
-    from hivetune.core.fastpath import one_buffer
+    from hivetune.ops.adamw import one_buffer
 
     arena = one_buffer(grads)  # CUDA graphs' GradArena: reduced where it is, no copies
     if arena is not None:

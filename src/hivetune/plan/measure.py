@@ -73,12 +73,12 @@ def varlen_standin():
 
 
 class _RMSNormStandIn(torch.autograd.Function):
-    """Saves what elementwise.RMSNormFunction saves: x [N, h] (a view of the input), the
+    """Saves what ops.norm.RMSNormFunction saves: x [N, h] (a view of the input), the
     weight and an fp32 1/rms per row; computes with the reference."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        from hivetune.ops.elementwise import rms_norm_reference
+        from hivetune.ops.norm import rms_norm_reference
 
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         with torch.no_grad():
@@ -90,7 +90,7 @@ class _RMSNormStandIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from hivetune.ops.elementwise import rms_norm_reference
+        from hivetune.ops.norm import rms_norm_reference
 
         x2, weight, _ = ctx.saved_tensors
         with torch.enable_grad():
@@ -100,11 +100,11 @@ class _RMSNormStandIn(torch.autograd.Function):
 
 
 class _SwiGLUStandIn(torch.autograd.Function):
-    """Saves what elementwise.SwiGLUFunction saves: gate and up, or the joined [.., 2I] tensor."""
+    """Saves what ops.swiglu.SwiGLUFunction saves: gate and up, or the joined [.., 2I] tensor."""
 
     @staticmethod
     def forward(ctx, gate, up):
-        from hivetune.ops.elementwise import swiglu_reference
+        from hivetune.ops.swiglu import swiglu_reference
 
         if up is None:
             joined = gate.contiguous()
@@ -118,7 +118,7 @@ class _SwiGLUStandIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from hivetune.ops.elementwise import swiglu_reference
+        from hivetune.ops.swiglu import swiglu_reference
 
         saved = ctx.saved_tensors
         with torch.enable_grad():
@@ -130,13 +130,13 @@ class _SwiGLUStandIn(torch.autograd.Function):
 
 @contextmanager
 def fused_layers_standin():
-    """Route elementwise.rms_norm / swiglu / swiglu_joined through the stand-ins where the
+    """Route ops.norm.rms_norm, ops.swiglu.swiglu / swiglu_joined through the stand-ins where the
     Triton kernels would take the tensors on a GPU (bf16 / fp16; RMSNorm: a frozen weight of
     the input's dtype), and lora_group's dropout through a seeded CPU stand-in of the Triton
     one (no mask saved; o_proj / down_proj recompute their dropped input, q/k/v and gate/up
     theirs from the norm's input, RMSNorm.source)."""
-    from hivetune.ops import elementwise
-    before = elementwise.rms_norm, elementwise.swiglu, elementwise.swiglu_joined
+    from hivetune.ops import dropout, norm, swiglu as swiglu_op
+    before = norm.rms_norm, swiglu_op.swiglu, swiglu_op.swiglu_joined
     half = (torch.bfloat16, torch.float16)
 
     def rms_norm(x, weight, eps):
@@ -161,23 +161,24 @@ def fused_layers_standin():
         out.add_(t * mask_of(t, seed, p) / (1 - p))
 
     def swiglu_raw(gate_up):
-        return elementwise.swiglu_reference(*gate_up.chunk(2, dim=-1))
+        return swiglu_op.swiglu_reference(*gate_up.chunk(2, dim=-1))
 
     seeded = {"seeded_dropout_ok": lambda x: x.dtype in half and x.is_contiguous(),
               "rms_norm_fused": lambda x, weight: x.dtype in half and weight.dtype == x.dtype
               and not weight.requires_grad,
               "new_dropout_seed": lambda device, n=1: torch.randint(0, 2**31 - 1, (n,), device=device),
               "dropout_seeded": dropout_seeded, "seeded_masked_add_": seeded_masked_add_, "swiglu_raw": swiglu_raw}
-    seeded_before = {name: getattr(elementwise, name) for name in seeded}
-    elementwise.rms_norm, elementwise.swiglu, elementwise.swiglu_joined = rms_norm, swiglu, swiglu_joined
+    home = {"rms_norm_fused": norm, "swiglu_raw": swiglu_op}  # the rest: ops.dropout
+    seeded_before = {name: getattr(home.get(name, dropout), name) for name in seeded}
+    norm.rms_norm, swiglu_op.swiglu, swiglu_op.swiglu_joined = rms_norm, swiglu, swiglu_joined
     for name, fn in seeded.items():
-        setattr(elementwise, name, fn)
+        setattr(home.get(name, dropout), name, fn)
     try:
         yield
     finally:
-        elementwise.rms_norm, elementwise.swiglu, elementwise.swiglu_joined = before
+        norm.rms_norm, swiglu_op.swiglu, swiglu_op.swiglu_joined = before
         for name, fn in seeded_before.items():
-            setattr(elementwise, name, fn)
+            setattr(home.get(name, dropout), name, fn)
 
 
 def saved_activation_bytes(model, batch, precision: str, fused_loss: bool = True) -> int:

@@ -67,12 +67,12 @@ def _memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: 
 
     fn, _, has_gqa = _varlen_fn()
     varlen = (cuda and precision != "fp32" and cfg.packing and fn is not None
-              and os.environ.get("HIVETUNE_ATTENTION") != "sdpa")
+              and cfg.attention != "sdpa")
     mc = MemoryConfig(precision=precision, r=cfg.lora.r, targets=tuple(cfg.lora.targets), dropout=cfg.lora.dropout,
                         gradient_checkpointing=checkpointing, fused_loss=cfg.fused_loss, packing=cfg.packing,
                         attention="varlen" if varlen else "sdpa", gqa_native=has_gqa,
                         mask_bytes=1 if cuda else (4 if precision == "fp32" else 2),
-                        offload_layers=offload_in_force(cfg, cuda, graphs), **training_path(precision, cuda, cfg.distributed))
+                        offload_layers=offload_in_force(cfg, cuda, graphs), **training_path(precision, cuda, cfg.distributed, cfg.fused_ops))
     setting = getattr(cfg, "lora_inputs", "recompute")
     if setting == "auto" and (args is None or not tokens):
         setting = "recompute"
@@ -88,16 +88,17 @@ def offload_in_force(cfg: TrainConfig, cuda: bool, graphs: bool) -> int:
     return n if cuda and not graphs and cfg.distributed != "fsdp" else 0
 
 
-def training_path(precision: str, cuda: bool = True, distributed: str = "auto") -> dict:
+def training_path(precision: str, cuda: bool = True, distributed: str = "auto", fused_ops: bool = True) -> dict:
     """MemoryConfig's joined / fused_layers for the path train takes: LoRA groups joined
     (lora.fuse_projections) unless FSDP or HIVETUNE_REFERENCE=fused_lora; the Triton RMSNorm /
-    SwiGLU on a GPU in bf16 / fp16 (ops.elementwise.fused_ok) where Triton is importable, or
+    SwiGLU on a GPU in bf16 / fp16 (ops.triton_util.fused_ok) where Triton is importable, or
     assumed when planning on a machine without a GPU (the CUDA and ROCm wheels ship it)."""
-    from hivetune.core.fastpath import forced, fused_lora_usable
-    from hivetune.ops import elementwise
-    fused_layers = (cuda and precision != "fp32" and os.environ.get("HIVETUNE_FUSED_OPS", "1") != "0"
+    from hivetune.core.fallbacks import forced
+    from hivetune.ops import triton_util
+    from hivetune.ops.lora_group import fused_lora_usable
+    fused_layers = (cuda and precision != "fp32" and fused_ops
                     and not forced("fused_layers"))
-    if fused_layers and elementwise.triton is None:
+    if fused_layers and triton_util.triton is None:
         import torch
 
         fused_layers = not torch.cuda.is_available()

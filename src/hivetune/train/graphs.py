@@ -72,7 +72,7 @@ from hivetune.data.formats import parse_json_line
 from hivetune.core.device import cuda_index
 from hivetune.parallel.distributed import all_gather_objects, rank_speeds
 from hivetune.core.errors import UserError
-from hivetune.core.fastpath import forced
+from hivetune.core.fallbacks import forced
 from hivetune.ops.attention import Packed, varlen_supported
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.ops.loss import target_loss_sum

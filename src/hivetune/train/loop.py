@@ -31,8 +31,8 @@ from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset
 from hivetune.parallel import distributed
 from hivetune.core.device import DTYPES, cuda_index, peak_memory_bytes, resolve_device, resolve_precision, set_threads
 from hivetune.doctor.preflight import check_stack
-from hivetune.core.fastpath import (adamw, clip_grad_norm, forced, fused_lora_usable, join_prewarm, prewarm,
-                               quiet_gc)
+from hivetune.core.collector import quiet_gc
+from hivetune.core.fallbacks import forced
 from hivetune.core.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.core.errors import UserError
 from hivetune.core.fileio import atomic_write_bytes, check_writable, hold_run_lock, write_folder_atomically
@@ -43,7 +43,11 @@ from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_par
 from hivetune.model.tokenizer import load_tokenizer
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.train.graphs import micro_step_fn
-from hivetune.ops.lora_group import given_seeds, join_aside
+from hivetune.ops.adamw import adamw, clip_grad_norm
+from hivetune.ops.lora_aside import join_aside
+from hivetune.ops.lora_group import fused_lora_usable, given_seeds
+from hivetune.ops.prewarm import join_prewarm, prewarm
+from hivetune.ops.switches import configure_ops
 from hivetune.ops.loss import target_loss_sum
 
 
@@ -213,6 +217,7 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     torch.manual_seed(cfg.seed)  # LoRA init independent of anything loaded before (and alike on every rank)
     apply_lora(model, spec, param_dtype=torch.float32)
     model.gradient_checkpointing = cfg.gradient_checkpointing
+    configure_ops(cfg.attention, cfg.fused_ops)
     if device.type == "cuda" and precision != "fp32":  # probe flash varlen now, not inside a checkpointed forward
         from hivetune.ops.attention import varlen_supported
 
