@@ -145,9 +145,8 @@ class TrainConfig:
     wide_lora: str = "auto"
     """On CUDA, for graph-sized micro-batches: q/k/v's and gate/up's weights stored beside their
     LoRA B, so the base matmul carries the LoRA update and its gradient. true, false, or auto (the
-    default): on, but not under FSDP. W1 under its 4 GiB cap: 10.23 / 10.26 s against 10.78 /
-    10.99, 3.95 against 3.93 GiB reserved (H100, 674eeb2); W2 on 2 x H100, 8 examples a rank:
-    10.82 / 10.42 s against 11.06 / 11.26 (058b554)."""
+    default): on, but not under FSDP. W1 under its 4 GiB cap: ~5% faster for the same reserved
+    memory; W2 on 2 x H100: ~4% faster (docs/log.md)."""
     cuda_graphs: bool = True
     """On CUDA (bf16, packing): replay each micro-batch's forward + loss + backward from a CUDA
     graph, one per token-count bucket (256 tokens), captured on first use; eager otherwise."""

@@ -274,14 +274,12 @@ def stack_frozen(modules: list[nn.Module]) -> torch.Tensor | None:
     """After the wide layout's widening (fuse_projections): the frozen base weights of one linear
     kind (o_proj, or down_proj) of every layer moved into one [L, out, in] tensor, each layer's
     weight a view of it (names, loading and merging unchanged), the separate tensors freed. Why:
-    W1's per-layer weights under 10 MiB share the CUDA allocator's 20 MiB segments; the widening
-    frees q/k/v's and gate/up's but the o_proj and down_proj beside them kept each segment, ~0.4
-    GiB of free blocks that empty_cache could not hand back (1.43 against 1.02 GiB reserved after
-    assembly, cd7630d), and under W1's 4 GiB cap the optimizer's first state ran out of memory.
-    Stacked, the old segments hold nothing: W1 under the cap peaks at 3.69 GiB allocated, 3.95
-    reserved (3.67 / 3.93 without the wide layout), in 10.23 / 10.26 s against 10.78 / 10.99
-    (H100, 674eeb2, alternating in one call). Returns the stack, or None (layers that differ in
-    shape, dtype or device, or a trainable weight: left as they are)."""
+    per-layer weights under 10 MiB share the CUDA allocator's 20 MiB segments; the widening frees
+    q/k/v's and gate/up's, but an o_proj or down_proj left beside them keeps each segment: W1
+    holds ~0.4 GiB of free blocks empty_cache cannot hand back, and under its 4 GiB cap the
+    optimizer's first state runs out of memory. Stacked, the old segments hold nothing (W1's
+    figures: docs/log.md). Returns the stack, or None (layers that differ in shape, dtype or
+    device, or a trainable weight: left as they are)."""
     bases = [m.base_layer if isinstance(m, LoRALinear) else m for m in modules]
     if not bases or not all(isinstance(b, nn.Linear) for b in bases):
         return None
@@ -379,13 +377,12 @@ STAGE_BYTES = 16 << 20  # to_host's pinned staging buffer
 
 def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors on the CPU, each in its own storage (safetensors refuses shared ones). GPU
-    tensors of one dtype go as one buffer: W2's 392 LoRA tensors one by one took ~0.2 s of the
+    tensors of one dtype go as one buffer: W2's 392 LoRA tensors one by one take ~0.2 s of the
     adapter save (each copy a sync and a small pageable transfer). On CUDA that buffer comes
     through a 16 MiB pinned stage, chunk by chunk, into the tensors' own host memory: W2's 323 MB
-    in 0.054-0.056 s, 0.149 s the first time, against 0.234-0.327 s (0.300 first) as one pageable
-    copy and a clone per tensor (H100, 5bee515, bench/to_host_probe.py). One 323 MB pinned buffer
-    (7077560) took 0.073-0.082 s but 0.29 s the first time (its allocation: 0.18 s at the end of a
-    DDP fit, 2dded52), and a fit's save is a first time."""
+    in ~0.055 s, 0.149 s the first time, against ~0.3 s as one pageable copy and a clone per
+    tensor (H100, bench/to_host_probe.py). One pinned buffer of the whole size costs more the
+    first time (its allocation), and a fit's save is a first time (docs/log.md)."""
     on_gpu = [t for t in tensors.values() if t.device.type != "cpu"]
     if len(on_gpu) < 2 or len({(t.device, t.dtype) for t in on_gpu}) > 1:
         return {k: t.contiguous().cpu() for k, t in tensors.items()}
