@@ -7,7 +7,7 @@ padded-view SDPA path, not the flash varlen kernel of CUDA; ``varlen_standin`` s
 autograd Function that saves exactly what ``torch.nn.attention.varlen.varlen_attn`` saves
 (q, k, v, out and a [H, T] fp32 log-sum-exp), so a CPU measurement describes the GPU run.
 Likewise ``fused_layers_standin`` swaps in Functions that save what the Triton RMSNorm and
-SwiGLU of ops.elementwise save (CUDA, bf16 / fp16): x and 1/rms; gate and up (or the joined
+SwiGLU of ops.norm and ops.swiglu save (CUDA, bf16 / fp16): x and 1/rms; gate and up (or the joined
 gate|up tensor) only.
 """
 
