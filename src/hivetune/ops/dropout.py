@@ -13,7 +13,6 @@ from hivetune.ops.triton_util import elementwise_grid, fused_ok, triton
 if triton is not None:
     import triton.language as tl
 
-if triton is not None:
     @triton.jit
     def _keep_eighths(SEED, groups, thr):
         """The dropout's keep masks of 128-element groups, as 8 pieces of 16: element

@@ -18,7 +18,6 @@ if triton is not None:
 
     from hivetune.ops.dropout import _keep_eighths
 
-if triton is not None:
     # The LoRA A matmuls with the dropout inside. x is row-major [T, D] with D a multiple of 128,
     # so a row's 128-column blocks are _keep_eighths' groups: (t D + k0) / 128.
 
