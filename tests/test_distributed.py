@@ -203,7 +203,7 @@ def _allreduce_worker(rank: int, port: int, out: str) -> None:
         for i, (p, g) in enumerate(zip(params, arena.grads)):
             g.copy_(torch.arange(g.numel(), dtype=torch.float32).view(g.shape) * (rank + 1) + i)
             p.grad = g
-        from hivetune.core.fastpath import one_buffer
+        from hivetune.ops.adamw import one_buffer
 
         assert one_buffer([p.grad for p in params]) is arena.flat  # so the in-place path is the one taken
         allreduce_gradients(params, Dist(rank=rank, world=2))

@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from hivetune.core.fastpath import FusedAdamW, adamw
+from hivetune.ops.adamw import FusedAdamW, adamw
 
 
 def make_params(seed=0, shapes=((8, 16), (16, 8), (3,), (5, 7))):

@@ -1,4 +1,4 @@
-"""Fast paths chosen by capability with a logged fallback (hivetune.core.fastpath), forced and compared on
+"""Fast paths chosen by capability with a logged fallback (hivetune.core.fallbacks), forced and compared on
 the CPU: the varlen-attention probe (working, raising, wrong), fused vs foreach AdamW, and fp32 in
 place of CPU bf16 autocast. The CUDA side is tests/gpu/test_fallbacks.py. About 5 s."""
 
@@ -11,9 +11,13 @@ import torch
 
 import hivetune.ops.attention as attention
 from hivetune.core import device as device_module
-from hivetune.core import fastpath
+from hivetune.core import fallbacks
 from hivetune.core.device import resolve_precision
-from hivetune.core.fastpath import FORCE_ENV, adamw, probe_varlen, varlen_usable
+from hivetune.core.fallbacks import FORCE_ENV
+from hivetune.ops import adamw as adamw_module
+from hivetune.ops import prewarm as prewarm_module
+from hivetune.ops.adamw import adamw
+from hivetune.ops.attention import probe_varlen, varlen_usable
 from hivetune.train.loop import fit
 from hivetune.train.setup import setup
 from test_train import tiny_config
@@ -24,8 +28,9 @@ CPU = torch.device("cpu")
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     """Each test starts with no fallback noted and no probe cached."""
-    monkeypatch.setattr(fastpath, "NOTED", {})
-    monkeypatch.setattr(fastpath, "_VARLEN_OK", {})
+    monkeypatch.setattr(fallbacks, "NOTED", {})
+    monkeypatch.setattr(attention, "_VARLEN_OK", {})
+    monkeypatch.setattr(attention, "_BACKEND", "auto")
     monkeypatch.delenv(FORCE_ENV, raising=False)
 
 
@@ -72,13 +77,13 @@ def test_varlen_probe_accepts_a_working_kernel_and_refuses_a_wrong_one(dtype, mo
 
 def test_varlen_fallback_on_a_gpu_is_one_line_once(monkeypatch, capsys):
     """Faked: the probe fails on 'cuda' -> one note line, cached, however often attention asks."""
-    monkeypatch.setattr(fastpath, "probe_varlen", lambda device, dtype: "RuntimeError: no kernel image")
+    monkeypatch.setattr(attention, "probe_varlen", lambda device, dtype: "RuntimeError: no kernel image")
     gpu = torch.device("cuda", 0)
     assert [varlen_usable(gpu, torch.bfloat16) for _ in range(3)] == [False] * 3
     assert capsys.readouterr().err.splitlines() == [
         "hivetune: note: flash varlen attention unavailable (RuntimeError: no kernel image); using SDPA over a "
         "padded view"]
-    monkeypatch.setattr(fastpath, "NOTED", {})
+    monkeypatch.setattr(fallbacks, "NOTED", {})
     monkeypatch.setenv(FORCE_ENV, "varlen")
     assert varlen_usable(gpu, torch.float16) is False
     assert capsys.readouterr().err.splitlines() == [
@@ -117,7 +122,7 @@ def test_fused_adamw_matches_foreach_and_falls_back_with_one_line(monkeypatch, c
         return real(params, **kw)
 
     monkeypatch.setattr(torch.optim, "AdamW", no_fused)
-    monkeypatch.setattr(fastpath, "FusedAdamW", no_fused)  # what adamw() builds when torch can fuse
+    monkeypatch.setattr(adamw_module, "FusedAdamW", no_fused)  # what adamw() builds when torch can fuse
     params = make_params()
     fallback = adamw(params, 1e-2, 0.01, fused=True)
     assert not fallback.defaults["fused"]
@@ -129,7 +134,7 @@ def test_fused_adamw_matches_foreach_and_falls_back_with_one_line(monkeypatch, c
         "hivetune: note: fused AdamW unavailable (`fused=True` requires all the params to be floating point Tensors "
         "of supported devices: ['cuda', 'xpu']); using foreach AdamW"]
     monkeypatch.setattr(torch.optim, "AdamW", real)
-    monkeypatch.setattr(fastpath, "NOTED", {})
+    monkeypatch.setattr(fallbacks, "NOTED", {})
     monkeypatch.setenv(FORCE_ENV, "fused_adamw")
     assert not adamw(make_params(), 1e-2, 0.0, fused=True).defaults["fused"]
     assert "HIVETUNE_REFERENCE asks for the reference" in capsys.readouterr().err
@@ -174,17 +179,17 @@ def test_the_varlen_probe_runs_clean_inside_a_checkpointed_forward(monkeypatch):
         seen.append(varlen_usable(torch.device("cuda", 0), torch.bfloat16))  # faked GPU: the probe runs on the CPU
         return x * 2
 
-    monkeypatch.setattr(fastpath, "probe_varlen", lambda device, dtype: probe_varlen(CPU, dtype))
+    monkeypatch.setattr(attention, "probe_varlen", lambda device, dtype: probe_varlen(CPU, dtype))
     x = torch.ones(3, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         checkpoint(layer, x, use_reentrant=False).sum().backward()
-    assert seen[0] is True and fastpath.NOTED == {}
+    assert seen[0] is True and fallbacks.NOTED == {}
     with torch.no_grad():
-        assert fastpath.isolated(probe_varlen, CPU, torch.float32) == ""
+        assert fallbacks.isolated(probe_varlen, CPU, torch.float32) == ""
 
 
 def test_join_prewarm_waits_for_the_thread_still_running(monkeypatch):
-    """fastpath.join_prewarm (train.fit, before the first step) returns once prewarm's
+    """prewarm.join_prewarm (train.fit, before the first step) returns once prewarm's
     thread has finished, and at once where none runs."""
     import threading
     import time
@@ -198,74 +203,66 @@ def test_join_prewarm_waits_for_the_thread_still_running(monkeypatch):
         done.append(True)
 
     thread = threading.Thread(target=warm, daemon=True)
-    monkeypatch.setattr(fastpath, "_PREWARM", thread)
+    monkeypatch.setattr(prewarm_module, "_PREWARM", thread)
     thread.start()
     release.set()
-    fastpath.join_prewarm()
+    prewarm_module.join_prewarm()
     assert done == [True] and not thread.is_alive()
-    monkeypatch.setattr(fastpath, "_PREWARM", None)
-    fastpath.join_prewarm()  # nothing to wait for
+    monkeypatch.setattr(prewarm_module, "_PREWARM", None)
+    prewarm_module.join_prewarm()  # nothing to wait for
 
 
 def test_prewarm_computes_the_cache_key_in_the_background(monkeypatch):
     """The first Triton launch hashes Triton's own files; prewarm does it before the model
     loads. Nothing on the CPU; on CUDA a thread fills triton_key's cache, once per process."""
-    monkeypatch.setattr(fastpath, "_PREWARM", None)
-    fastpath.prewarm(torch.device("cpu"))
-    assert fastpath._PREWARM is None
+    monkeypatch.setattr(prewarm_module, "_PREWARM", None)
+    prewarm_module.prewarm(torch.device("cpu"))
+    assert prewarm_module._PREWARM is None
     cache = pytest.importorskip("triton.runtime.cache")
     cache.triton_key.cache_clear()
-    fastpath.prewarm(torch.device("cuda"))
-    thread = fastpath._PREWARM
+    prewarm_module.prewarm(torch.device("cuda"))
+    thread = prewarm_module._PREWARM
     thread.join(60)
-    assert cache.triton_key.cache_info().currsize == 1 and fastpath.PREWARM_DONE_AT is not None
-    fastpath.prewarm(torch.device("cuda"))
-    assert fastpath._PREWARM is thread
+    assert cache.triton_key.cache_info().currsize == 1 and prewarm_module.PREWARM_DONE_AT is not None
+    prewarm_module.prewarm(torch.device("cuda"))
+    assert prewarm_module._PREWARM is thread
 
 
 def test_prewarm_thread_runs_the_tail_kernels_and_reports_how_they_went(monkeypatch):
-    """The prewarm thread runs fastpath.tail_kernels on the device it was given and records how it
-    went (PREWARM_TAIL) before it marks itself done; HIVETUNE_REFERENCE=tail_prewarm skips it.
+    """The prewarm thread runs prewarm.tail_kernels on the device it was given and records how it
+    went (PREWARM_TAIL) before it marks itself done.
     (Here the kernels' run is a stand-in: this machine has no CUDA.)"""
     seen = []
-    monkeypatch.setattr(fastpath, "tail_kernels", lambda device: seen.append(device))
-    for reference, expected in (("fused_layers", [torch.device("cuda", 1)]), ("fused_layers,tail_prewarm", [])):
-        seen.clear()
-        monkeypatch.setenv("HIVETUNE_REFERENCE", reference)
-        for name, value in (("_PREWARM", None), ("PREWARM_TAIL", None), ("PREWARM_DONE_AT", None)):
-            monkeypatch.setattr(fastpath, name, value)
-        fastpath.prewarm(torch.device("cuda", 1))
-        fastpath.join_prewarm()
-        assert seen == expected
-        if expected:
-            assert fastpath.PREWARM_TAIL.endswith(" ms") and fastpath.PREWARM_DONE_AT is not None
-        else:
-            assert fastpath._PREWARM is None and fastpath.PREWARM_TAIL is None
-    monkeypatch.setattr(fastpath, "tail_kernels", lambda device: 1 / 0)  # a failure: its line, no raise
+    monkeypatch.setattr(prewarm_module, "tail_kernels", lambda device: seen.append(device))
     monkeypatch.setenv("HIVETUNE_REFERENCE", "fused_layers")
-    monkeypatch.setattr(fastpath, "_PREWARM", None)
-    fastpath.prewarm(torch.device("cuda", 0))
-    fastpath.join_prewarm()
-    assert fastpath.PREWARM_TAIL == "ZeroDivisionError: division by zero"
+    for name, value in (("_PREWARM", None), ("PREWARM_TAIL", None), ("PREWARM_DONE_AT", None)):
+        monkeypatch.setattr(prewarm_module, name, value)
+    prewarm_module.prewarm(torch.device("cuda", 1))
+    prewarm_module.join_prewarm()
+    assert seen == [torch.device("cuda", 1)]
+    assert prewarm_module.PREWARM_TAIL.endswith(" ms") and prewarm_module.PREWARM_DONE_AT is not None
+    monkeypatch.setattr(prewarm_module, "tail_kernels", lambda device: 1 / 0)  # a failure: its line, no raise
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "fused_layers")
+    monkeypatch.setattr(prewarm_module, "_PREWARM", None)
+    prewarm_module.prewarm(torch.device("cuda", 0))
+    prewarm_module.join_prewarm()
+    assert prewarm_module.PREWARM_TAIL == "ZeroDivisionError: division by zero"
 
 
-def test_quiet_gc_freezes_the_loops_start_and_restores_the_collector(monkeypatch):
+def test_quiet_gc_freezes_the_loops_start_and_restores_the_collector():
     import gc
 
-    from hivetune.core.fastpath import quiet_gc
+    from hivetune.core.collector import quiet_gc
 
     before = gc.get_threshold()
     with quiet_gc():
         assert gc.get_threshold()[0] == 50_000
         assert gc.get_freeze_count() > 1000  # the test process's objects, frozen
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
-    monkeypatch.setenv("HIVETUNE_REFERENCE", "gc")
-    with quiet_gc():
-        assert gc.get_threshold() == before and gc.get_freeze_count() == 0
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_bf16_weights_train_without_autocast_to_the_same_bits(monkeypatch, tmp_path, dropout):
+def test_bf16_weights_train_without_autocast_to_the_same_bits(tmp_path, dropout):
     """A model whose frozen weights are bf16 and whose LoRA layers all run through lora_group
     trains without autocast (train.autocast): the same loss and LoRA gradients, bit for bit, as
     with it (runs_in_dtype off); an fp32 model keeps autocast."""
@@ -313,23 +310,39 @@ def test_bf16_weights_train_without_autocast_to_the_same_bits(monkeypatch, tmp_p
     assert not fp32.model.runs_in_dtype
 
 
-def test_env_and_forced_follow_every_change_of_the_environment(monkeypatch):
-    """fastpath.env reads CPython's dict behind os.environ (the per-layer checks of a step):
-    it must give what os.environ.get gives after each set and delete, and forced() with it."""
-    import os
-
-    monkeypatch.setenv(FORCE_ENV, "wide_lora, fused_layers")
-    assert fastpath.env(FORCE_ENV) == os.environ.get(FORCE_ENV) == "wide_lora, fused_layers"
-    assert fastpath.forced("fused_layers") and fastpath.forced("wide_lora") and not fastpath.forced("varlen")
+def test_forced_follows_every_change_of_the_environment(monkeypatch):
+    """forced() parses HIVETUNE_REFERENCE again after each set and delete."""
+    monkeypatch.setenv(FORCE_ENV, "cublaslt, fused_layers")
+    assert fallbacks.forced("fused_layers") and fallbacks.forced("cublaslt") and not fallbacks.forced("varlen")
     monkeypatch.setenv(FORCE_ENV, "all")
-    assert fastpath.forced("varlen")
+    assert fallbacks.forced("varlen")
     monkeypatch.delenv(FORCE_ENV)
-    assert fastpath.env(FORCE_ENV) == "" and fastpath.env(FORCE_ENV, "unset") == "unset"
-    assert not fastpath.forced("varlen")
-    monkeypatch.setenv("HIVETUNE_FUSED_OPS", "0")
-    assert fastpath.env("HIVETUNE_FUSED_OPS", "1") == "0"
-    os.environ["HIVETUNE_TEST_ENV_Ü"] = "ä"  # non-ASCII name and value round-trip as os.environ's
-    try:
-        assert fastpath.env("HIVETUNE_TEST_ENV_Ü") == "ä"
-    finally:
-        del os.environ["HIVETUNE_TEST_ENV_Ü"]
+    assert not fallbacks.forced("varlen")
+
+
+def test_attention_key_picks_the_path_and_flash_refuses_a_failing_probe(monkeypatch, capsys):
+    """attention (train setup: ops.switches.configure_ops): sdpa never asks for varlen; flash
+    raises the probe's reason where auto falls back with its line; a bad value is one error line."""
+    from hivetune.core.config import load_config
+    from hivetune.core.errors import UserError
+    from hivetune.ops import triton_util
+    from hivetune.ops.switches import configure_ops
+
+    monkeypatch.setattr(attention, "probe_varlen", lambda device, dtype: "RuntimeError: no kernel image")
+    monkeypatch.setattr(triton_util, "_FUSED_OPS", True)
+    gpu = torch.device("cuda", 0)
+    configure_ops("flash", False)
+    assert triton_util._FUSED_OPS is False
+    with pytest.raises(UserError, match=r"attention: flash varlen attention does not run here \(RuntimeError"):
+        varlen_usable(gpu, torch.bfloat16)
+    assert capsys.readouterr().err == ""
+    configure_ops("auto", True)
+    assert varlen_usable(gpu, torch.bfloat16) is False
+    assert "using SDPA over a padded view" in capsys.readouterr().err
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    configure_ops("sdpa", True)
+    monkeypatch.setattr(attention, "varlen_usable", lambda device, dtype: 1 / 0)  # never asked
+    assert attention.varlen_supported(torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16)) is False
+    with pytest.raises(UserError, match="attention: 'fast' is not one of auto, flash, sdpa"):
+        load_config(None, {"model": "random", "data": "generator", "attention": "fast"})
+    assert load_config(None, {"model": "random", "data": "generator"}).fused_ops is True

@@ -1,9 +1,9 @@
-"""On CUDA: FusedAdamW's kept-lists step and fastpath.clip_grad_norm give torch's bits."""
+"""On CUDA: FusedAdamW's kept-lists step and ops.adamw.clip_grad_norm give torch's bits."""
 
 import pytest
 import torch
 
-from hivetune.core.fastpath import FusedAdamW, clip_grad_norm
+from hivetune.ops.adamw import FusedAdamW, clip_grad_norm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -95,12 +95,12 @@ def test_flat_adamw_and_clip_over_a_gradient_arena_on_cuda():
 
 
 def test_tail_kernels_leave_the_process_unchanged():
-    """fastpath.tail_kernels (the prewarm thread's run of the step's tail) on another thread:
+    """prewarm.tail_kernels (the prewarm thread's run of the step's tail) on another thread:
     it returns, and a FusedAdamW built after it over a GradArena still steps flat from the first
     step with torch's bits (nothing of the prewarm's optimizers is shared)."""
     import threading
 
-    from hivetune.core.fastpath import tail_kernels
+    from hivetune.ops.prewarm import tail_kernels
 
     errors = []
 

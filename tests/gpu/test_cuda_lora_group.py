@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from hivetune.model.lora import fuse_projections, lora_parameters
-from hivetune.ops import elementwise
+from hivetune.ops import dropout as dropout_op
+from hivetune.ops import lora_dropout, triton_util
+from hivetune.ops import norm as norm_op
+from hivetune.ops import rope as rope_op
+from hivetune.ops import swiglu as swiglu_op
 from hivetune.ops.loss import target_loss_sum
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -68,15 +72,15 @@ def test_joined_projections_match_layer_by_layer(lora_model_and_batch):
     assert ((fused_grads - ref_grads).norm() / ref_grads.norm()).item() < 3e-2
 
 
-@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+@pytest.mark.skipif(triton_util.triton is None, reason="needs Triton")
 def test_joined_swiglu_and_strided_rope_match_references():
     torch.manual_seed(0)
     gu = torch.randn(3, 5, 2 * 96, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    y = elementwise.swiglu_joined(gu)
+    y = swiglu_op.swiglu_joined(gu)
     dy = torch.randn_like(y)
     (grad,) = torch.autograd.grad(y, gu, dy)
     gu_ref = gu.detach().clone().requires_grad_()
-    y_ref = elementwise.swiglu_reference(*gu_ref.chunk(2, dim=-1))
+    y_ref = swiglu_op.swiglu_reference(*gu_ref.chunk(2, dim=-1))
     (grad_ref,) = torch.autograd.grad(y_ref, gu_ref, dy)
     assert torch.allclose(y.float(), y_ref.float(), atol=2e-2, rtol=2e-2)
     assert torch.allclose(grad.float(), grad_ref.float(), atol=3e-2, rtol=3e-2)
@@ -85,46 +89,46 @@ def test_joined_swiglu_and_strided_rope_match_references():
     q = qkv.split([128, 64, 64], dim=-1)[0].view(2, 7, 4, 32)  # a strided view, read in place
     angles = torch.rand(2, 7, 16, device="cuda") * 6
     cos, sin = (torch.cat([angles, angles], -1).cos().bfloat16(), torch.cat([angles, angles], -1).sin().bfloat16())
-    out = elementwise.apply_rope(q, cos, sin)
-    ref = elementwise.rope_reference(q.detach().contiguous(), cos, sin)
+    out = rope_op.apply_rope(q, cos, sin)
+    ref = rope_op.rope_reference(q.detach().contiguous(), cos, sin)
     assert torch.allclose(out.float(), ref.float(), atol=2e-2)
     dout = torch.randn_like(out)
     (g,) = torch.autograd.grad(out, qkv, dout)
     q2 = q.detach().contiguous().requires_grad_()
-    (g_ref,) = torch.autograd.grad(elementwise.rope_reference(q2, cos, sin), q2, dout)
+    (g_ref,) = torch.autograd.grad(rope_op.rope_reference(q2, cos, sin), q2, dout)
     assert torch.allclose(g[..., :128].view(2, 7, 4, 32).float(), g_ref.float(), atol=3e-2)
     assert g[..., 128:].abs().max().item() == 0
 
 
-@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+@pytest.mark.skipif(triton_util.triton is None, reason="needs Triton")
 def test_masked_add_matches_torch():
     torch.manual_seed(0)
     out = torch.randn(37, 129, device="cuda", dtype=torch.bfloat16)
     t = torch.randn_like(out)
     mask = torch.rand(out.shape, device="cuda") > 0.3
     want = (out.float() + t.float() * mask * (1 / 0.7)).bfloat16()
-    elementwise.masked_add_(out, t, mask, 1 / 0.7)
+    dropout_op.masked_add_(out, t, mask, 1 / 0.7)
     assert torch.allclose(out.float(), want.float(), atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+@pytest.mark.skipif(triton_util.triton is None, reason="needs Triton")
 def test_seeded_dropout_kernels_share_one_mask():
     seed = torch.tensor([1234], device="cuda")
     x = torch.randn(1000, 333, device="cuda", dtype=torch.bfloat16)
-    y = elementwise.dropout_seeded(x, seed, 0.25)
+    y = dropout_op.dropout_seeded(x, seed, 0.25)
     keep = y != 0
-    assert torch.equal(y, elementwise.dropout_seeded(x, seed, 0.25))  # the same seed, the same mask
-    assert not torch.equal(keep, elementwise.dropout_seeded(x, seed + 1, 0.25) != 0)
+    assert torch.equal(y, dropout_op.dropout_seeded(x, seed, 0.25))  # the same seed, the same mask
+    assert not torch.equal(keep, dropout_op.dropout_seeded(x, seed + 1, 0.25) != 0)
     assert abs(keep.float().mean().item() - 0.75) < 0.01
     torch.testing.assert_close(y, (x.float() * keep / 0.75).bfloat16(), rtol=0, atol=0)
     out = torch.randn_like(x)
     t = torch.randn_like(x)
     want = (out.float() + t.float() * keep / 0.75).bfloat16()
-    elementwise.seeded_masked_add_(out, t, seed, 0.25)
+    dropout_op.seeded_masked_add_(out, t, seed, 0.25)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+@pytest.mark.skipif(triton_util.triton is None, reason="needs Triton")
 @pytest.mark.parametrize("in_matmul", [False, True])
 def test_seeded_lora_group_matches_fp32_with_its_mask_and_recomputes_bit_for_bit(monkeypatch, in_matmul):
     """lora_group with the seeded dropout against fp32 math with the same mask; keeping the
@@ -133,7 +137,7 @@ def test_seeded_lora_group_matches_fp32_with_its_mask_and_recomputes_bit_for_bit
     ways: dropout_seeded + cuBLAS, and the dropout inside the A matmuls (drop_matmul & co)."""
     from hivetune.ops.lora_group import lora_group
 
-    monkeypatch.setattr(elementwise, "DROP_MM_MIN_D", 128 if in_matmul else 1 << 30)
+    monkeypatch.setattr(lora_dropout, "DROP_MM_MIN_D", 128 if in_matmul else 1 << 30)
     torch.manual_seed(0)
     n_tok, inter, out_dim, r, p, scale = 300, 256, 96, 8, 0.3, 2.0
     gate_up = torch.randn(n_tok, 2 * inter, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -142,7 +146,7 @@ def test_seeded_lora_group_matches_fp32_with_its_mask_and_recomputes_bit_for_bit
     b0 = torch.randn(out_dim, r, device="cuda") * 0.1
     dy = torch.randn(n_tok, out_dim, device="cuda", dtype=torch.bfloat16)
     seed = torch.tensor([77], device="cuda")
-    monkeypatch.setattr(elementwise, "new_dropout_seed", lambda device, n=1: seed.clone())
+    monkeypatch.setattr(dropout_op, "new_dropout_seed", lambda device, n=1: seed.clone())
 
     def run(source: bool):
         gu = gate_up.detach().clone().requires_grad_()
@@ -153,10 +157,10 @@ def test_seeded_lora_group_matches_fp32_with_its_mask_and_recomputes_bit_for_bit
             saved.append((t.shape, t.dtype))
             return t
 
-        h = elementwise.swiglu_joined(gu)
+        h = swiglu_op.swiglu_joined(gu)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = lora_group(h, weight, None, (out_dim,), p, scale, [a], [b],
-                           (elementwise.swiglu_raw, gu) if source else None)
+                           (swiglu_op.swiglu_raw, gu) if source else None)
         y.backward(dy)
         return y.detach(), gu.grad, a.grad, b.grad, saved
 
@@ -168,8 +172,8 @@ def test_seeded_lora_group_matches_fp32_with_its_mask_and_recomputes_bit_for_bit
     assert all(dtype != torch.bool for _, dtype in kept[4] + plain[4])
 
     # fp32 reference with the kernel's mask
-    h = elementwise.swiglu_raw(gate_up.detach())
-    keep = (elementwise.dropout_seeded(torch.ones_like(h), seed, p) != 0).float()
+    h = swiglu_op.swiglu_raw(gate_up.detach())
+    keep = (dropout_op.dropout_seeded(torch.ones_like(h), seed, p) != 0).float()
     hf = h.float().requires_grad_()
     a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
     y_ref = hf @ weight.float().t() + scale * ((hf * keep / (1 - p)) @ a.t()) @ b.t()
@@ -179,7 +183,7 @@ def test_seeded_lora_group_matches_fp32_with_its_mask_and_recomputes_bit_for_bit
         assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item() > 0.999
 
 
-@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+@pytest.mark.skipif(triton_util.triton is None, reason="needs Triton")
 def test_norm_sources_recompute_the_same_gradients_bit_for_bit(lora_model_and_batch, monkeypatch):
     """With dropout, q/k/v and gate/up keep the norm's input (RMSNorm.source) and recompute the
     norm in backward instead of saving its dropped output: the same loss and LoRA gradients,
@@ -188,7 +192,7 @@ def test_norm_sources_recompute_the_same_gradients_bit_for_bit(lora_model_and_ba
     from hivetune.model.decoder import RMSNorm
 
     model, batch = dropout_model(lora_model_and_batch)
-    monkeypatch.setenv("HIVETUNE_REFERENCE", "norm_dropout")  # the norm apart from the group's dropout
+    monkeypatch.setattr(norm_op, "rms_norm_dropped_ok", lambda x, w: False)  # the norm apart from the dropout
 
     loss, grads, saved = loss_grads_saved(model, batch)
     monkeypatch.setattr(RMSNorm, "source", lambda self, x: None)
@@ -229,7 +233,7 @@ def test_flash_varlen_takes_grouped_heads_and_matches_sdpa():
         assert err < 2e-2, err
 
 
-@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+@pytest.mark.skipif(triton_util.triton is None, reason="needs Triton")
 def test_split_dropout_matmuls_are_deterministic():
     """The split kernels' last program of a block sums every split's partial in split order:
     the same bits on every call (a partial read before its store landed would differ), and
@@ -240,19 +244,19 @@ def test_split_dropout_matmuls_are_deterministic():
         x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
         a = torch.randn(r, d, device="cuda", dtype=torch.bfloat16) * 0.02
         g = torch.randn(t, r, device="cuda", dtype=torch.bfloat16)
-        xa = elementwise.drop_matmul(x, a, seed, p, 2.0)
-        ga = elementwise.drop_matmul_grad(g, x, seed, p)
+        xa = lora_dropout.drop_matmul(x, a, seed, p, 2.0)
+        ga = lora_dropout.drop_matmul_grad(g, x, seed, p)
         for _ in range(20):
-            assert torch.equal(elementwise.drop_matmul(x, a, seed, p, 2.0), xa)
-            assert torch.equal(elementwise.drop_matmul_grad(g, x, seed, p), ga)
-        torch.testing.assert_close(xa.float(), elementwise.drop_matmul(x, a, seed, p, 2.0, splits=1).float(),
+            assert torch.equal(lora_dropout.drop_matmul(x, a, seed, p, 2.0), xa)
+            assert torch.equal(lora_dropout.drop_matmul_grad(g, x, seed, p), ga)
+        torch.testing.assert_close(xa.float(), lora_dropout.drop_matmul(x, a, seed, p, 2.0, splits=1).float(),
                                    rtol=1e-2, atol=1e-2)
         # fp32 sums of 1,600-3,000 products in another order: ~1e-5 of the gradient's scale (~50)
-        torch.testing.assert_close(ga, elementwise.drop_matmul_grad(g, x, seed, p, splits=1), rtol=1e-4, atol=2e-3)
-        assert elementwise._COUNTERS[x.device].abs().sum().item() == 0
+        torch.testing.assert_close(ga, lora_dropout.drop_matmul_grad(g, x, seed, p, splits=1), rtol=1e-4, atol=2e-3)
+        assert lora_dropout._COUNTERS[x.device].abs().sum().item() == 0
 
 
-@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+@pytest.mark.skipif(triton_util.triton is None, reason="needs Triton")
 @pytest.mark.parametrize("in_matmul", [False, True])
 @pytest.mark.parametrize("sizes", [(96,), (64, 32, 32)])
 def test_grads_added_into_arena_match_autograd_accumulation(monkeypatch, in_matmul, sizes):
@@ -262,7 +266,7 @@ def test_grads_added_into_arena_match_autograd_accumulation(monkeypatch, in_matm
     from hivetune.ops import lora_group as lg
     from hivetune.ops.lora_group import lora_group
 
-    monkeypatch.setattr(elementwise, "DROP_MM_MIN_D", 128 if in_matmul else 1 << 30)
+    monkeypatch.setattr(lora_dropout, "DROP_MM_MIN_D", 128 if in_matmul else 1 << 30)
     torch.manual_seed(0)
     n_tok, d, r, p = 300, 256, 8, 0.3
     weight = torch.randn(sum(sizes), d, device="cuda", dtype=torch.bfloat16) * 0.05
@@ -271,7 +275,7 @@ def test_grads_added_into_arena_match_autograd_accumulation(monkeypatch, in_matm
     xs = [torch.randn(n_tok, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     dys = [torch.randn(n_tok, sum(sizes), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     seeds = iter(torch.tensor([[11], [12], [11], [12]], device="cuda"))
-    monkeypatch.setattr(elementwise, "new_dropout_seed", lambda device, n=1: next(seeds))
+    monkeypatch.setattr(dropout_op, "new_dropout_seed", lambda device, n=1: next(seeds))
 
     def run(arena: bool):
         a = [t.clone().requires_grad_() for t in a0]
@@ -295,7 +299,7 @@ def test_grads_added_into_arena_match_autograd_accumulation(monkeypatch, in_matm
         assert w.abs().sum() > 0
 
 
-@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+@pytest.mark.skipif(triton_util.triton is None, reason="needs Triton")
 def test_kept_lora_inputs_give_the_recomputed_gradients_bit_for_bit(lora_model_and_batch):
     """lora_inputs keep (CastCache.keep_inputs): every group keeps its dropped input instead of
     recomputing it in backward; the same loss and LoRA gradients bit for bit, and the saved
@@ -316,20 +320,20 @@ def test_kept_lora_inputs_give_the_recomputed_gradients_bit_for_bit(lora_model_a
     assert kept_saved - saved == keep_inputs_extra_bytes(model.args, mc, batch.input_ids.shape[1])
 
 
-@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+@pytest.mark.skipif(triton_util.triton is None, reason="needs Triton")
 def test_norm_with_the_groups_dropout_matches_the_norm_then_the_dropout(lora_model_and_batch, monkeypatch):
     """q/k/v and gate/up read norm(x) and its dropped copy from one kernel (FusedProjections.normed,
-    elementwise.rms_norm_dropped), whose backward also applies the dropout's mask and adds the
+    norm_op.rms_norm_dropped), whose backward also applies the dropout's mask and adds the
     residual stream's gradient: the loss and LoRA gradients of the norm, then dropout_seeded, then
-    autograd's adds (HIVETUNE_REFERENCE=norm_dropout), to rounding: the masks are the same (one
+    autograd's adds (rms_norm_dropped_ok false), to rounding: the masks are the same (one
     seed per group, drawn in the same order). Each of the 2 layers' 2 norms took the kernel."""
     model, batch = dropout_model(lora_model_and_batch)
     calls = []
-    real = elementwise.rms_norm_dropped
-    monkeypatch.setattr(elementwise, "rms_norm_dropped", lambda *a: calls.append(a[0].shape) or real(*a))
+    real = norm_op.rms_norm_dropped
+    monkeypatch.setattr(norm_op, "rms_norm_dropped", lambda *a: calls.append(a[0].shape) or real(*a))
     loss, grads, saved = loss_grads_saved(model, batch)
     assert len(calls) == 4
-    monkeypatch.setenv("HIVETUNE_REFERENCE", "norm_dropout")
+    monkeypatch.setattr(norm_op, "rms_norm_dropped_ok", lambda x, w: False)
     ref_loss, ref_grads, ref_saved = loss_grads_saved(model, batch)
     assert len(calls) == 4
     assert loss == pytest.approx(ref_loss, rel=2e-3)
@@ -338,11 +342,11 @@ def test_norm_with_the_groups_dropout_matches_the_norm_then_the_dropout(lora_mod
     assert saved == ref_saved  # the same tensors kept: the norm's input and 1/rms, the groups' sources
 
 
-@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+@pytest.mark.skipif(triton_util.triton is None, reason="needs Triton")
 def test_wide_groups_match_the_addmm_of_the_update(lora_model_and_batch, monkeypatch):
     """On CUDA q/k/v and gate/up are stored wide ([W | Bd] per layer) and the norm leaves room for
     xa after each row: the base matmul adds the LoRA update and one backward matmul gives dx and
-    d xa. The loss and LoRA gradients of the addmm path (HIVETUNE_REFERENCE=wide_lora), to
+    d xa. The loss and LoRA gradients of the addmm path (wide_matrix declining), to
     rounding (one bf16 rounding of y fewer), the same tensors saved; all 4 groups ran wide."""
     from hivetune.ops import lora_group as lg
     model, batch = dropout_model(lora_model_and_batch)
@@ -352,7 +356,7 @@ def test_wide_groups_match_the_addmm_of_the_update(lora_model_and_batch, monkeyp
     monkeypatch.setattr(lg, "wide_matrix", lambda w, bd: used.append(real(w, bd) is not None) or real(w, bd))
     loss, grads, saved = loss_grads_saved(model, batch)
     assert used == [True] * 4
-    monkeypatch.setenv("HIVETUNE_REFERENCE", "wide_lora")
+    monkeypatch.setattr(lg, "wide_matrix", lambda w, bd: None)
     ref_loss, ref_grads, ref_saved = loss_grads_saved(model, batch)
     assert len(used) == 4 and saved == ref_saved
     assert loss == pytest.approx(ref_loss, rel=2e-3)
@@ -360,18 +364,18 @@ def test_wide_groups_match_the_addmm_of_the_update(lora_model_and_batch, monkeyp
     assert ((flat - ref_flat).norm() / ref_flat.norm()).item() < 1e-2
 
 
-@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+@pytest.mark.skipif(triton_util.triton is None, reason="needs Triton")
 def test_rope_of_the_joined_qkv_matches_split_rope(lora_model_and_batch, monkeypatch):
-    """The joined q/k/v output goes through RoPE and v's copy in one kernel (elementwise.rope_qkv):
-    the loss of split + RoPE + copy (HIVETUNE_REFERENCE=rope_qkv) bit for bit, and its LoRA
+    """The joined q/k/v output goes through RoPE and v's copy in one kernel (rope_op.rope_qkv):
+    the loss of split + RoPE + copy (rope_qkv_ok false) bit for bit, and its LoRA
     gradients (flash attention's backward adds dq atomically, so to rounding)."""
     model, batch = dropout_model(lora_model_and_batch)
     calls = []
-    real = elementwise.rope_qkv
-    monkeypatch.setattr(elementwise, "rope_qkv", lambda *a: calls.append(1) or real(*a))
+    real = rope_op.rope_qkv
+    monkeypatch.setattr(rope_op, "rope_qkv", lambda *a: calls.append(1) or real(*a))
     loss, grads, saved = loss_grads_saved(model, batch)
     assert len(calls) == 2  # both layers
-    monkeypatch.setenv("HIVETUNE_REFERENCE", "rope_qkv")
+    monkeypatch.setattr(rope_op, "rope_qkv_ok", lambda joined, cos: False)
     ref_loss, ref_grads, ref_saved = loss_grads_saved(model, batch)
     assert len(calls) == 2
     assert loss == ref_loss and saved == ref_saved
@@ -379,28 +383,28 @@ def test_rope_of_the_joined_qkv_matches_split_rope(lora_model_and_batch, monkeyp
     assert ((flat - ref_flat).norm() / ref_flat.norm()).item() < 1e-3
 
 
-@pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")
+@pytest.mark.skipif(triton_util.triton is None, reason="needs Triton")
 def test_swiglu_with_down_projs_dropout_matches_swiglu_then_the_dropout(lora_model_and_batch, monkeypatch):
     """SwiGLU writes h and down_proj's dropped input in one kernel, and its backward applies the
-    dropout's (elementwise.swiglu_dropped): the loss of SwiGLU then the same hashed mask applied
+    dropout's (swiglu_op.swiglu_dropped): the loss of SwiGLU then the same hashed mask applied
     by autograd ops bit for bit, its LoRA gradients to rounding, and the same tensors saved."""
     model, batch = dropout_model(lora_model_and_batch)
     calls = []
-    real = elementwise.swiglu_dropped
-    monkeypatch.setattr(elementwise, "swiglu_dropped", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = swiglu_op.swiglu_dropped
+    monkeypatch.setattr(swiglu_op, "swiglu_dropped", lambda *a, **k: calls.append(1) or real(*a, **k))
     loss, grads, saved = loss_grads_saved(model, batch)
     assert len(calls) == 2  # both layers
 
     def composed(joined, seed, p, reuse=False):
-        h = elementwise.swiglu_joined(joined)
-        keep = elementwise.dropout_hashed(torch.ones(h.shape, dtype=torch.float32, device=h.device), seed, p)
+        h = swiglu_op.swiglu_joined(joined)
+        keep = dropout_op.dropout_hashed(torch.ones(h.shape, dtype=torch.float32, device=h.device), seed, p)
         return h, (h.float() * keep).to(h.dtype)
 
-    monkeypatch.setattr(elementwise, "swiglu_dropped", composed)
+    monkeypatch.setattr(swiglu_op, "swiglu_dropped", composed)
     ref_loss, ref_grads, _ = loss_grads_saved(model, batch)
     assert loss == ref_loss
     flat, ref_flat = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in ref_grads])
     assert ((flat - ref_flat).norm() / ref_flat.norm()).item() < 1e-2
-    monkeypatch.setattr(elementwise, "swiglu_dropped", real)
-    monkeypatch.setenv("HIVETUNE_REFERENCE", "swiglu_dropout")  # SwiGLU apart: another mask, the same tensors kept
+    monkeypatch.setattr(swiglu_op, "swiglu_dropped", real)
+    monkeypatch.setattr(swiglu_op, "swiglu_dropped_ok", lambda gate_up: False)  # SwiGLU apart: the same tensors kept
     assert loss_grads_saved(model, batch)[2] == saved

@@ -6,7 +6,7 @@ Bit for bit needs a step that is deterministic by itself, which the fast path is
 attention's backward adds dq up with atomics (two runs of one step differ in the last bits now
 and then, offload or not: measured on an H200), and so do the split dropout-matmul kernels. The
 bitwise tests therefore run attention as plain fp32 matmuls per example (``math_attention``)
-and the dropout-matmul reference (HIVETUNE_REFERENCE=dropout_matmul); everything else is the
+and dropout_seeded + cuBLAS in place of the dropout-matmul kernels; everything else is the
 fast path (Triton RMSNorm / RoPE / SwiGLU with its in-place gradient, lora_group, the seeded
 dropout, the fused loss)."""
 
@@ -52,7 +52,7 @@ def math_attention(q, k, v, layout=None, cache=None, layer: int = 0):
 @pytest.fixture
 def deterministic(monkeypatch):
     monkeypatch.setattr("hivetune.model.decoder.causal_attention", math_attention)
-    monkeypatch.setenv("HIVETUNE_REFERENCE", "dropout_matmul")
+    monkeypatch.setattr("hivetune.ops.lora_dropout.DROP_MM_MIN_D", 1 << 30)  # dropout_seeded + cuBLAS
 
 
 def lora_model(layers: int, hidden: int, intermediate: int, heads: int, kv: int, dropout: float):
@@ -114,7 +114,7 @@ def test_offload_lowers_peak_memory():
     80% of what the planner predicts (the offloaded storages, less the one layer the prefetch
     window holds beyond the kept ones when N = L / 2), and the pack hook moves what the planner
     says it moves."""
-    from hivetune.ops import elementwise
+    from hivetune.ops import triton_util
     from hivetune.ops.attention import _varlen_fn, varlen_supported
     from hivetune.plan.memory import MemoryConfig, breakdown, offloaded_bytes
 
@@ -141,7 +141,7 @@ def test_offload_lowers_peak_memory():
     per_pass = offload.stats["bytes"] // offload.stats["passes"]
 
     varlen = varlen_supported(batch.input_ids.new_empty((1, 1, 1, 1), dtype=torch.bfloat16))
-    mc = MemoryConfig(precision="bf16", r=8, fused_layers=elementwise.triton is not None,
+    mc = MemoryConfig(precision="bf16", r=8, fused_layers=triton_util.triton is not None,
                       attention="varlen" if varlen else "sdpa", gqa_native=_varlen_fn()[2])
     args = model.args
 

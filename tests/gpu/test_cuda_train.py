@@ -80,7 +80,7 @@ def test_varlen_attention_matches_sdpa_reference(tiny_model_dir, monkeypatch):
 
     assert attention.varlen_supported(torch.zeros(1, 1, 1, 1, device="cuda", dtype=torch.bfloat16))
     fast_loss, fast_grads = bf16_loss_and_grads(model, batch)
-    monkeypatch.setenv("HIVETUNE_ATTENTION", "sdpa")
+    monkeypatch.setattr(attention, "_BACKEND", "sdpa")  # the config key attention: sdpa
     ref_loss, ref_grads = bf16_loss_and_grads(model, batch)
     assert torch.isfinite(fast_grads).all()
     assert fast_loss == pytest.approx(ref_loss, rel=1e-2)

@@ -1,4 +1,4 @@
-"""Each fast path against its forced reference fallback on a CUDA GPU (hivetune.core.fastpath):
+"""Each fast path against its forced reference fallback on a CUDA GPU (hivetune.core.fallbacks):
 flash varlen attention vs SDPA, fused vs foreach AdamW, fused vs reference LM-head CE, bf16 vs
 the fp16 fallback. CUDA graphs vs eager are in test_graphs.py. Skips without CUDA."""
 
@@ -9,10 +9,13 @@ import json
 import pytest
 import torch
 
-from hivetune.core import fastpath
+from hivetune.core import fallbacks
 from hivetune.core.config import load_config
 from hivetune.core.device import resolve_precision
-from hivetune.core.fastpath import FORCE_ENV, adamw, probe_varlen, varlen_usable
+from hivetune.core.fallbacks import FORCE_ENV
+from hivetune.ops import attention
+from hivetune.ops.adamw import adamw
+from hivetune.ops.attention import probe_varlen, varlen_usable
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.ops.loss import target_loss_sum
 from hivetune.train.loop import fit
@@ -24,8 +27,8 @@ GPU = torch.device("cuda", 0)
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
-    monkeypatch.setattr(fastpath, "NOTED", {})
-    monkeypatch.setattr(fastpath, "_VARLEN_OK", {})
+    monkeypatch.setattr(fallbacks, "NOTED", {})
+    monkeypatch.setattr(attention, "_VARLEN_OK", {})
     monkeypatch.delenv(FORCE_ENV, raising=False)
 
 
@@ -43,7 +46,7 @@ def losses_of(model_dir, data, out, **kw):
 def test_varlen_probe_passes_on_this_gpu(dtype):
     assert probe_varlen(GPU, dtype) == ""
     assert varlen_usable(GPU, dtype) is True
-    assert fastpath.NOTED == {}
+    assert fallbacks.NOTED == {}
 
 
 def test_varlen_training_matches_the_forced_sdpa_fallback(tiny_model_dir, alpaca_file, tmp_path, monkeypatch, capsys):

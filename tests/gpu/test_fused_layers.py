@@ -1,24 +1,24 @@
-"""The decoder with the fused Triton RMSNorm / RoPE / SwiGLU (ops.elementwise) against the same
-decoder on the PyTorch references (HIVETUNE_FUSED_OPS=0), bf16 on the GPU."""
+"""The decoder with the fused Triton RMSNorm / RoPE / SwiGLU (ops.norm, rope, swiglu) against the
+same decoder on the PyTorch references (the config key fused_ops: false), bf16 on the GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hivetune.ops import elementwise
+from hivetune.ops import triton_util
 from hivetune.ops.loss import target_loss_sum
 
 from conftest import bf16_loss_and_grads
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or elementwise.triton is None,
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or triton_util.triton is None,
                                 reason="needs a CUDA GPU with Triton")
 
 
 def test_decoder_fused_layers_match_references(monkeypatch, lora_model_and_batch):
     model, batch = lora_model_and_batch
     fused_loss, fused_grads = bf16_loss_and_grads(model, batch)
-    monkeypatch.setenv("HIVETUNE_FUSED_OPS", "0")
+    monkeypatch.setattr(triton_util, "_FUSED_OPS", False)
     ref_loss, ref_grads = bf16_loss_and_grads(model, batch)
     assert fused_loss == pytest.approx(ref_loss, rel=2e-3)
     assert torch.nn.functional.cosine_similarity(fused_grads, ref_grads, dim=0).item() > 0.999
@@ -42,7 +42,7 @@ def test_triton_ce_chunks_match_the_pytorch_chunks(monkeypatch, ignore):
     out = {}
     for name in ("triton", "pytorch"):
         if name == "pytorch":
-            monkeypatch.setenv("HIVETUNE_FUSED_OPS", "0")
+            monkeypatch.setattr(triton_util, "_FUSED_OPS", False)
         h = hidden.clone().requires_grad_()
         loss = fused_target_loss_sum(h, head, index, targets, chunk_bytes=9001 * 4 * 60, ignore_index=ignore)
         (loss * 0.5).backward()

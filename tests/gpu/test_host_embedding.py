@@ -13,12 +13,12 @@ import torch
 from hivetune.workflows.bench import qwen25_shape, random_model, workload_examples
 from hivetune.core.config import load_config
 from hivetune.data.dataset import TokenizedExamples
-from hivetune.ops import elementwise
+from hivetune.ops import lora_dropout, triton_util
 from hivetune.train.loop import fit
 from hivetune.train.setup import assemble
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(elementwise.triton is None, reason="needs Triton")]
+              pytest.mark.skipif(triton_util.triton is None, reason="needs Triton")]
 
 VOCAB = 32768
 
@@ -38,8 +38,8 @@ def test_gather_from_host_memory_equals_the_embedding():
 def process_caches() -> int:
     """Bytes of the process-wide GPU caches made at their first use and kept (ops.blas's cuBLASLt
     workspace per stream, 32 MiB each; the split kernels' counters)."""
-    from hivetune.ops import blas, elementwise
-    return sum(t.numel() * t.element_size() for t in (*blas._WORKSPACES.values(), *elementwise._COUNTERS.values()))
+    from hivetune.ops import blas
+    return sum(t.numel() * t.element_size() for t in (*blas._WORKSPACES.values(), *lora_dropout._COUNTERS.values()))
 
 
 def losses_and_peak(tmp_path: Path, tie: bool, **cfg):
@@ -74,8 +74,8 @@ def test_training_with_the_table_in_host_memory(tmp_path, capsys):
     assert kind == "Embedding" and moved_kind == "HostEmbedding"
     assert got == pytest.approx(want, rel=1e-3)
     assert on_gpu - on_host >= VOCAB * 256 * 2
-    from hivetune.core import fastpath
-    fastpath.NOTED.pop("host_embeddings", None)  # (its line is printed once a process)
+    from hivetune.core import fallbacks
+    fallbacks.NOTED.pop("host_embeddings", None)  # (its line is printed once a process)
     _, _, tied_kind = losses_and_peak(tmp_path / "c", tie=True, host_embeddings=True)
     assert tied_kind == "Embedding"
     assert "input embedding in host memory unavailable (the embedding is tied to the LM head" in capsys.readouterr().err

@@ -109,9 +109,11 @@ def test_wide_layout_holds_weights_and_the_cast_bd(monkeypatch):
     """The wide layout: each layer's q/k/v weights are the first 64 columns of one [rows, 128]
     block (64 + 3 r = 76 columns, rows 128-aligned) of a tensor shared by all layers (names and
     values unchanged), and a forward's
-    CastCache refresh writes the block-diagonal B into the other columns; with
-    HIVETUNE_REFERENCE=wide_lora the group ignores them and gives the same output."""
+    CastCache refresh writes the block-diagonal B into the other columns; the output is the
+    narrow layout's (an addmm of the LoRA update)."""
     model = with_lora(tiny("qwen2", True), 0.0)
+    narrow = copy.deepcopy(model)
+    fuse_projections(narrow, wide=False)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     fuse_projections(model, wide=True)
     after = model.state_dict()
@@ -130,8 +132,7 @@ def test_wide_layout_holds_weights_and_the_cast_bd(monkeypatch):
     assert slot.shape == (128, 12) and slot.data_ptr() == attn.qkv.weight.data_ptr() + 64 * 4
     expect = torch.block_diag(*(m.lora_B.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj)))
     assert torch.equal(slot, expect)
-    monkeypatch.setenv("HIVETUNE_REFERENCE", "wide_lora")
-    assert torch.allclose(model(ids), out, rtol=0, atol=1e-6)
+    assert torch.allclose(narrow(ids), out, rtol=0, atol=1e-6)
 
 
 def test_stacked_frozen_weights_are_views_of_one_tensor():
@@ -305,10 +306,9 @@ def test_grads_into_declines_what_autograd_must_accumulate():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_residual_rides_in_the_base_matmul(monkeypatch, dtype):
+def test_residual_rides_in_the_base_matmul(dtype):
     """lora_group(residual=r) = r + lora_group(...): the add in the base matmul's epilogue
-    (addmm with C = r) to rounding, the reference (HIVETUNE_REFERENCE=residual_epilogue) the
-    same bits as adding after; r's gradient is the output's, x's and the LoRA gradients agree."""
+    (addmm with C = r) to rounding; r's gradient is the output's, x's and the LoRA gradients agree."""
     torch.manual_seed(0)
     x = torch.randn(2, 9, 48, dtype=dtype)
     r = torch.randn(2, 9, 40, dtype=dtype)
@@ -316,8 +316,7 @@ def test_residual_rides_in_the_base_matmul(monkeypatch, dtype):
     a0, b0 = torch.randn(4, 48) * 0.1, torch.randn(40, 4) * 0.1
     dy = torch.randn(2, 9, 40, dtype=dtype)
 
-    def run(with_residual: bool, reference: bool = False):
-        monkeypatch.setenv("HIVETUNE_REFERENCE", "residual_epilogue" if reference else "")
+    def run(with_residual: bool):
         xs, rs = x.clone().requires_grad_(), r.clone().requires_grad_()
         a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
         y = (lg.lora_group(xs, w, None, (40,), 0.0, 2.0, [a], [b], residual=rs) if with_residual
@@ -325,9 +324,7 @@ def test_residual_rides_in_the_base_matmul(monkeypatch, dtype):
         y.backward(dy)
         return y.detach(), xs.grad, rs.grad, a.grad, b.grad
 
-    plain, fused, reference = run(False), run(True), run(True, reference=True)
-    for u, v in zip(plain, reference):
-        assert torch.equal(u, v)
+    plain, fused = run(False), run(True)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fused[0], plain[0], rtol=tol, atol=tol)
     assert torch.equal(fused[2], dy) and torch.equal(plain[2], dy)
@@ -338,7 +335,7 @@ def test_residual_rides_in_the_base_matmul(monkeypatch, dtype):
 def test_wide_layout_only_where_micro_batches_are_small(monkeypatch):
     """train.wide_groups: the wide layout on CUDA for graph-sized micro-batches (W1: 0.5B, 8
     examples of ~199 tokens, ~2.3 TFLOP), not for W2's (7B, 16 x ~171 tokens, ~77 TFLOP, above
-    graphs' 60), nor on the CPU or with HIVETUNE_REFERENCE=wide_lora; when the config asks for it
+    graphs' 60), nor on the CPU; when the config asks for it
     or leaves it auto (the default), but not under FSDP by default.
     (Only shapes are read.)"""
     from types import SimpleNamespace
@@ -373,7 +370,7 @@ def test_given_seeds_decide_the_dropout_masks_not_the_generator(monkeypatch):
     given tensor (train.dropout_seeds; a CUDA graph's static inputs) and draws none from torch's
     generator: the same seeds give the same loss and gradients, bit for bit, whatever the
     generator's state; other seeds give other masks; without the block the generator decides."""
-    from hivetune.ops import elementwise
+    from hivetune.ops import dropout
     from hivetune.plan.measure import fused_layers_standin
 
     model = with_lora(tiny("qwen2", True), 0.2).to(torch.bfloat16)
@@ -383,8 +380,8 @@ def test_given_seeds_decide_the_dropout_masks_not_the_generator(monkeypatch):
     seeds = torch.randint(0, 2**31 - 1, (n,), generator=torch.Generator().manual_seed(3))
     with fused_layers_standin():
         draws = []
-        real_draw = elementwise.new_dropout_seed
-        monkeypatch.setattr(elementwise, "new_dropout_seed", lambda *a, **k: draws.append(1) or real_draw(*a, **k))
+        real_draw = dropout.new_dropout_seed
+        monkeypatch.setattr(dropout, "new_dropout_seed", lambda *a, **k: draws.append(1) or real_draw(*a, **k))
         results = []
         for generator_seed, given in ((1, seeds), (2, seeds), (1, seeds + 1)):
             torch.manual_seed(generator_seed)

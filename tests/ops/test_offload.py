@@ -170,17 +170,14 @@ def test_prefetch_schedule():
     assert prefetch_lead(1, 4) == 2 and peak_resident_layers(1, 4) == 3  # a shallow model: a shorter lead
 
 
-def test_smaller_micro_batches_offload_fewer_layers(monkeypatch):
+def test_smaller_micro_batches_offload_fewer_layers():
     """layers_for: the fewest first layers whose offload keeps (resident layers x tokens) within
-    the largest micro-batch's with N offloaded; N without a known largest micro-batch, above it,
-    or with HIVETUNE_REFERENCE=scaled_offload."""
+    the largest micro-batch's with N offloaded; N without a known largest micro-batch or above it."""
     offload = ActivationOffload(tiny_lora_model(0.0, layers=8), 3, cpu_test=True)
     assert offload.layers_for(100) == 3  # max_tokens unknown
     offload.max_tokens = 1000  # budget: peak_resident_layers(3, 8) = 5 layers x 1000 tokens
     assert [offload.layers_for(t) for t in (1000, 999, 834, 833, 715, 714, 625, 1)] == [3, 3, 3, 2, 2, 1, 0, 0]
     assert offload.layers_for(1001) == 3
-    monkeypatch.setenv("HIVETUNE_REFERENCE", "scaled_offload")
-    assert offload.layers_for(1) == 3
 
 
 def test_scaled_offload_is_bitwise():

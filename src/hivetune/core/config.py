@@ -16,7 +16,6 @@ from pathlib import Path
 import yaml
 
 from hivetune.core.errors import UserError
-from hivetune.model.lora import DEFAULT_TARGETS
 
 FORMATS = ("auto", "alpaca", "chat", "text")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
@@ -25,6 +24,8 @@ BATCH_ORDERS = ("auto", "random", "balanced")
 LORA_INPUTS = ("auto", "keep", "recompute")
 WIDE_LORA = ("auto", "true", "false")
 DEVICES = ("auto", "cpu", "cuda")
+ATTENTIONS = ("auto", "flash", "sdpa")
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Names people bring from HF Trainer / PEFT / other tools, mapped to ours for "did you mean".
 KEY_ALIASES = {
     "rank": "r", "lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout",
@@ -130,15 +131,22 @@ class TrainConfig:
     cards: ~2.5% faster for 2.35 GiB more; on a 24 GB card W2 recomputes), and never where that
     peak would not fit. Where an out-of-memory error follows, its message names
     lora_inputs=recompute first."""
+    attention: str = "auto"
+    """Attention of packed rows on a GPU: flash (flash varlen attention; an error where this
+    GPU, torch build or dtype has no working kernel), sdpa (SDPA over a padded view, the
+    reference), or auto: flash where a tiny probe runs it and matches float32, else sdpa with
+    one line saying why."""
+    fused_ops: bool = True
+    """On a GPU with Triton (bf16 / fp16): RMSNorm, RoPE, SwiGLU and the LoRA dropout as fused
+    Triton kernels; false: their plain PyTorch references."""
     fused_loss: bool = True
     """Chunked LM head + cross-entropy with the gradient taken in forward (one chunk of logits
     alive at a time); false: the plain reference path."""
     wide_lora: str = "auto"
     """On CUDA, for graph-sized micro-batches: q/k/v's and gate/up's weights stored beside their
     LoRA B, so the base matmul carries the LoRA update and its gradient. true, false, or auto (the
-    default): on, but not under FSDP. W1 under its 4 GiB cap: 10.23 / 10.26 s against 10.78 /
-    10.99, 3.95 against 3.93 GiB reserved (H100, 674eeb2); W2 on 2 x H100, 8 examples a rank:
-    10.82 / 10.42 s against 11.06 / 11.26 (058b554)."""
+    default): on, but not under FSDP. W1 under its 4 GiB cap: ~5% faster for the same reserved
+    memory; W2 on 2 x H100: ~4% faster (docs/log.md)."""
     cuda_graphs: bool = True
     """On CUDA (bf16, packing): replay each micro-batch's forward + loss + backward from a CUDA
     graph, one per token-count bucket (256 tokens), captured on first use; eager otherwise."""
@@ -402,6 +410,7 @@ def validate(cfg: TrainConfig) -> list[str]:
     choice("lora_inputs", cfg.lora_inputs, LORA_INPUTS)
     choice("wide_lora", cfg.wide_lora, WIDE_LORA)
     choice("device", cfg.device, DEVICES)
+    choice("attention", cfg.attention, ATTENTIONS)
     choice("on_bad_steps", cfg.on_bad_steps, ("stop", "rollback"))
     choice("distributed", cfg.distributed, ("auto", "ddp", "fsdp"))
     if not 0 < cfg.rollback_lr_factor <= 1:

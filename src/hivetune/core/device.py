@@ -8,7 +8,7 @@ from functools import lru_cache
 import torch
 
 from hivetune.core.errors import UserError
-from hivetune.core.fastpath import FORCE_ENV, forced, note_fallback
+from hivetune.core.fallbacks import FORCE_ENV, forced, note_fallback
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -18,7 +18,9 @@ from torch.utils.checkpoint import checkpoint
 
 from hivetune.model.config import ModelArgs
 from hivetune.model.lora import LoRALinear, project_shared_input
-from hivetune.ops import elementwise
+from hivetune.ops import norm as norm_op
+from hivetune.ops import rope as rope_op
+from hivetune.ops import swiglu as swiglu_op
 from hivetune.ops.attention import Packed, causal_attention
 from hivetune.ops.lora_group import dropout_seed
 
@@ -32,17 +34,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one Triton kernel each way on GPUs (ops.elementwise), saving only x and 1/rms
-        return elementwise.rms_norm(x, self.weight, self.eps)
+        # one Triton kernel each way on GPUs (ops.norm), saving only x and 1/rms
+        return norm_op.rms_norm(x, self.weight, self.eps)
 
     def source(self, x: torch.Tensor):
         """(fn, x) with fn(x) = this norm's output, for the LoRA group reading that output: x is
         kept for the norm's backward anyway, so under the seeded dropout the group keeps x and
         recomputes the output (one small kernel) instead of saving the dropped output, a
         [T, hidden] tensor per norm and layer (W2: 1.3 GiB at a 3,400-token micro-batch)."""
-        if not elementwise.rms_norm_fused(x, self.weight):
+        if not norm_op.rms_norm_fused(x, self.weight):
             return None
-        return partial(elementwise.rms_norm, weight=self.weight, eps=self.eps), x
+        return partial(norm_op.rms_norm, weight=self.weight, eps=self.eps), x
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -76,7 +78,7 @@ def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torc
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, T, H, D]; rotate-half form: x*cos + [-x2, x1]*sin (one Triton kernel on GPUs)."""
-    return elementwise.apply_rope(x, cos, sin)
+    return rope_op.apply_rope(x, cos, sin)
 
 
 def read_input(fused, norm, x):
@@ -120,8 +122,8 @@ class Attention(nn.Module):
         reads x and returns its output alone."""
         b, t, _ = x.shape
         h, joined, residual = read_input(self.qkv, norm, x)
-        if joined is not None and self.q_norm is None and elementwise.rope_qkv_ok(joined, cos):
-            q, k, v = elementwise.rope_qkv(joined, cos, sin, self.n_heads, self.n_kv)  # one kernel each way
+        if joined is not None and self.q_norm is None and rope_op.rope_qkv_ok(joined, cos):
+            q, k, v = rope_op.rope_qkv(joined, cos, sin, self.n_heads, self.n_kv)  # one kernel each way
             return self._attend(q, k, v, layout, cache, residual)
         if joined is not None:
             q, k, v = joined.split(self.qkv.sizes, dim=-1)  # views: RoPE reads q and k in place
@@ -160,20 +162,20 @@ class MLP(nn.Module):
         where LoRA joins it)."""
         x, joined, residual = read_input(self.gate_up, norm, x)
         p = self.down_proj.group_dropout_p() if isinstance(self.down_proj, LoRALinear) else 0.0
-        if joined is not None and p > 0 and elementwise.swiglu_dropped_ok(joined):
+        if joined is not None and p > 0 and swiglu_op.swiglu_dropped_ok(joined):
             # SwiGLU writes h and down_proj's dropped input in one pass, and its backward takes
             # the dropout's: down_proj recomputes the dropped input from `joined`, kept anyway
             seed = dropout_seed(joined.device)
-            h, hd = elementwise.swiglu_dropped(joined, seed, p, reuse=True)
-            redo = partial(elementwise.swiglu_dropped_only, seed=seed, p=p)
+            h, hd = swiglu_op.swiglu_dropped(joined, seed, p, reuse=True)
+            redo = partial(swiglu_op.swiglu_dropped_only, seed=seed, p=p)
             return self.down_proj(h, source=(redo, joined), residual=residual, xd=hd)
         if joined is not None:
-            h = elementwise.swiglu_joined(joined, reuse=True)  # its gradient goes over `joined`
+            h = swiglu_op.swiglu_joined(joined, reuse=True)  # its gradient goes over `joined`
         else:
             gate, up = project_shared_input(x, self.gate_proj, self.up_proj)
-            h = elementwise.swiglu(gate, up)  # saves gate and up only
+            h = swiglu_op.swiglu(gate, up)  # saves gate and up only
         if isinstance(self.down_proj, LoRALinear):  # SwiGLU keeps `joined`: h is recomputed from it
-            return self.down_proj(h, source=(elementwise.swiglu_raw, joined) if joined is not None else None,
+            return self.down_proj(h, source=(swiglu_op.swiglu_raw, joined) if joined is not None else None,
                                   residual=residual)
         return self.down_proj(h) if residual is None else residual + self.down_proj(h)
 

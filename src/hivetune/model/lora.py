@@ -18,11 +18,12 @@ import torch
 import torch.nn as nn
 
 from hivetune.core.errors import UserError
-from hivetune.core.fastpath import forced
-from hivetune.ops import elementwise
+from hivetune.core.config import DEFAULT_TARGETS
+from hivetune.ops import dropout as dropout_op
+from hivetune.ops import lora_dropout
+from hivetune.ops import norm as norm_op
 from hivetune.ops.lora_group import CastCache, casts_active, dropout_seed, lora_group
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -194,7 +195,7 @@ class FusedProjections:
             return None
         first = lora[0]
         room = self.room if self.lora_cols == len(lora) * first.lora_A.out_features and casts_active() else 0
-        if room and (first.dropout_p() == 0 or not elementwise.seeded_dropout_ok(x)):
+        if room and (first.dropout_p() == 0 or not dropout_op.seeded_dropout_ok(x)):
             # x into a buffer with the free columns the wide path writes xa into (the seeded
             # dropout of the group's own is not taken there: no copy for nothing)
             x = torch.nn.functional.pad(x, (0, room))[..., :x.shape[-1]]
@@ -205,27 +206,27 @@ class FusedProjections:
 
     def normed(self, norm: nn.Module, x: torch.Tensor):
         """(self(norm(x)), x') with the norm and the group's LoRA dropout as one kernel each way
-        (elementwise.rms_norm_dropped): the base matmul reads norm(x), the A matmul its dropped
+        (norm_op.rms_norm_dropped): the base matmul reads norm(x), the A matmul its dropped
         copy, and x' is x for the residual add, whose gradient the norm's backward adds. W1 ran
         ~140 kernels a step fewer: the dropout, its masked add into dx and autograd's add of the
         residual's gradient, per group and layer. None where that does not apply (no seeded
         dropout in force, a norm that is not the Triton one, autocast into another dtype, the
-        in-matmul dropout kernels chosen for the group, the reference asked for:
-        HIVETUNE_REFERENCE=norm_dropout); the caller then runs norm(x) and the group."""
+        in-matmul dropout kernels chosen for the group); the caller then runs norm(x) and the
+        group."""
         lora = [m for m in self.layers if isinstance(m, LoRALinear) and m.enabled]
         if not lora or not shares_one_update(lora, self.layers) or not torch.is_grad_enabled():
             return None
         first = lora[0]
         p = first.dropout_p()
         device = x.device.type
-        if (p <= 0 or not elementwise.rms_norm_dropped_ok(x, norm.weight)
+        if (p <= 0 or not norm_op.rms_norm_dropped_ok(x, norm.weight)
                 or (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != x.dtype)
-                or elementwise.drop_matmul_shape(x.shape[-1], len(lora) * first.lora_A.out_features)):
+                or lora_dropout.drop_matmul_shape(x.shape[-1], len(lora) * first.lora_A.out_features)):
             return None
         seed = dropout_seed(x.device)
         room = self.room if self.lora_cols == len(lora) * first.lora_A.out_features and casts_active() else 0
-        y, yd, residual = elementwise.rms_norm_dropped(x, norm.weight, norm.eps, seed, p, room)
-        redo = partial(elementwise.rms_norm_dropped_only, weight=norm.weight, eps=norm.eps, seed=seed, p=p)
+        y, yd, residual = norm_op.rms_norm_dropped(x, norm.weight, norm.eps, seed, p, room)
+        redo = partial(norm_op.rms_norm_dropped_only, weight=norm.weight, eps=norm.eps, seed=seed, p=p)
         joined = lora_group(y, self.weight, self.bias, self.sizes, p, first.scaling, [m.lora_A.weight for m in lora],
                             [m.lora_B.weight for m in lora], (redo, x), xd=yd, room=bool(room))
         return joined, residual
@@ -237,11 +238,11 @@ def fuse_projections(model: nn.Module, wide: bool | None = None) -> int:
     its device (``.to()`` would split the views again); not for FSDP-sharded parameters.
     `wide`: store each group's weights in the wide layout (FusedProjections), all layers' of one
     group in one tensor (the CastCache then writes every layer's B with one kernel); None: on
-    CUDA unless HIVETUNE_REFERENCE=wide_lora (on the CPU the input's copy into a wider buffer
-    costs about what it saves). Returns the number of groups joined."""
+    CUDA (on the CPU the input's copy into a wider buffer costs about what it saves). Returns
+    the number of groups joined."""
     layers = list(getattr(getattr(model, "model", None), "layers", []))
     if wide is None:
-        wide = bool(layers) and layers[0].input_layernorm.weight.is_cuda and not forced("wide_lora")
+        wide = bool(layers) and layers[0].input_layernorm.weight.is_cuda
     groups, calls, joined, widened = 0, [], set(), False
     for owner, name, members in (("self_attn", "qkv", ("q_proj", "k_proj", "v_proj")),
                                  ("mlp", "gate_up", ("gate_proj", "up_proj"))):
@@ -273,14 +274,12 @@ def stack_frozen(modules: list[nn.Module]) -> torch.Tensor | None:
     """After the wide layout's widening (fuse_projections): the frozen base weights of one linear
     kind (o_proj, or down_proj) of every layer moved into one [L, out, in] tensor, each layer's
     weight a view of it (names, loading and merging unchanged), the separate tensors freed. Why:
-    W1's per-layer weights under 10 MiB share the CUDA allocator's 20 MiB segments; the widening
-    frees q/k/v's and gate/up's but the o_proj and down_proj beside them kept each segment, ~0.4
-    GiB of free blocks that empty_cache could not hand back (1.43 against 1.02 GiB reserved after
-    assembly, cd7630d), and under W1's 4 GiB cap the optimizer's first state ran out of memory.
-    Stacked, the old segments hold nothing: W1 under the cap peaks at 3.69 GiB allocated, 3.95
-    reserved (3.67 / 3.93 without the wide layout), in 10.23 / 10.26 s against 10.78 / 10.99
-    (H100, 674eeb2, alternating in one call). Returns the stack, or None (layers that differ in
-    shape, dtype or device, or a trainable weight: left as they are)."""
+    per-layer weights under 10 MiB share the CUDA allocator's 20 MiB segments; the widening frees
+    q/k/v's and gate/up's, but an o_proj or down_proj left beside them keeps each segment: W1
+    holds ~0.4 GiB of free blocks empty_cache cannot hand back, and under its 4 GiB cap the
+    optimizer's first state runs out of memory. Stacked, the old segments hold nothing (W1's
+    figures: docs/log.md). Returns the stack, or None (layers that differ in shape, dtype or
+    device, or a trainable weight: left as they are)."""
     bases = [m.base_layer if isinstance(m, LoRALinear) else m for m in modules]
     if not bases or not all(isinstance(b, nn.Linear) for b in bases):
         return None
@@ -378,13 +377,12 @@ STAGE_BYTES = 16 << 20  # to_host's pinned staging buffer
 
 def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors on the CPU, each in its own storage (safetensors refuses shared ones). GPU
-    tensors of one dtype go as one buffer: W2's 392 LoRA tensors one by one took ~0.2 s of the
+    tensors of one dtype go as one buffer: W2's 392 LoRA tensors one by one take ~0.2 s of the
     adapter save (each copy a sync and a small pageable transfer). On CUDA that buffer comes
     through a 16 MiB pinned stage, chunk by chunk, into the tensors' own host memory: W2's 323 MB
-    in 0.054-0.056 s, 0.149 s the first time, against 0.234-0.327 s (0.300 first) as one pageable
-    copy and a clone per tensor (H100, 5bee515, bench/to_host_probe.py). One 323 MB pinned buffer
-    (7077560) took 0.073-0.082 s but 0.29 s the first time (its allocation: 0.18 s at the end of a
-    DDP fit, 2dded52), and a fit's save is a first time."""
+    in ~0.055 s, 0.149 s the first time, against ~0.3 s as one pageable copy and a clone per
+    tensor (H100, bench/to_host_probe.py). One pinned buffer of the whole size costs more the
+    first time (its allocation), and a fit's save is a first time (docs/log.md)."""
     on_gpu = [t for t in tensors.values() if t.device.type != "cpu"]
     if len(on_gpu) < 2 or len({(t.device, t.dtype) for t in on_gpu}) > 1:
         return {k: t.contiguous().cpu() for k, t in tensors.items()}

@@ -15,18 +15,33 @@ training's packed rows, so no pad token goes through the linear layers.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hivetune.core.fastpath import env, varlen_usable
+from hivetune.core.errors import UserError
+from hivetune.core.fallbacks import FORCE_ENV, forced, isolated, note_fallback
 
 # cuDNN's SDPA builds an execution plan per new shape: 2-2.5 ms of host time per call measured
 # on an H200 for W1's [8, 14, L, 64] (L changes every step), 35% of the step's host time.
 # Flash / memory-efficient kernels have no per-shape plan; math is the fallback everywhere.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+BACKENDS = ("auto", "flash", "sdpa")
+_BACKEND = "auto"  # the config key `attention`, set once by train setup (set_backend)
+_VARLEN_OK: dict[tuple[str, torch.dtype], str] = {}  # (device, dtype) -> "" when it works, else why not
+
+
+def set_backend(name: str) -> None:
+    """Attention of packed rows on a GPU: auto (flash varlen where its probe passes, else SDPA),
+    flash (flash varlen; an error where its probe fails) or sdpa (the SDPA reference)."""
+    global _BACKEND
+    if name not in BACKENDS:
+        raise ValueError(f"attention: {name!r} is not one of {', '.join(BACKENDS)}")
+    _BACKEND = name
 
 
 @dataclass
@@ -278,10 +293,10 @@ def _varlen_fn():
 
 
 def varlen_supported(q: torch.Tensor) -> bool:
-    if env("HIVETUNE_ATTENTION") == "sdpa":  # force the reference path (tests, A/B)
+    # Tried once per device and dtype (varlen_usable): a GPU or build without the kernel takes
+    # the SDPA reference path, with one log line.
+    if _BACKEND == "sdpa":
         return False
-    # Tried once per device and dtype (hivetune.core.fastpath): a GPU or build without the kernel
-    # takes the SDPA reference path, with one log line.
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[0] == 1
             and varlen_usable(q.device, q.dtype))
 
@@ -306,3 +321,63 @@ def varlen_causal(q, k, v, layout: Packed) -> torch.Tensor:
     cu = layout.cu_seqlens  # covers every token of the row, a trailing pad segment included
     out = fn(q0, k0, v0, cu, cu, layout.max_seqlen, layout.max_seqlen, **kwargs)
     return out[None]
+
+
+# ---- the probe of flash varlen attention ------------------------------------------------
+
+def varlen_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Flash varlen attention for packed rows: tried once per device and dtype (forward, backward,
+    against float32 per-example attention); a failure falls back to the SDPA reference."""
+    if forced("varlen"):
+        if device.type == "cuda":
+            note_fallback("varlen", "flash varlen attention", f"{FORCE_ENV} asks for the reference", "SDPA")
+        return False
+    key = (str(device), dtype)
+    if key not in _VARLEN_OK:
+        _VARLEN_OK[key] = isolated(probe_varlen, device, dtype)
+    why = _VARLEN_OK[key]
+    if why and _BACKEND == "flash":
+        raise UserError(f"attention: flash varlen attention does not run here ({why}); use attention: auto or sdpa")
+    if why and device.type == "cuda":
+        note_fallback("varlen", "flash varlen attention", why, "SDPA over a padded view")
+    return not why
+
+
+def probe_varlen(device: torch.device, dtype: torch.dtype) -> str:
+    """'' when varlen attention runs here and agrees with the reference; else why not."""
+    if _varlen_fn()[0] is None:
+        return "torch.nn.attention.varlen.varlen_attn is not in this torch"
+    gen = torch.Generator().manual_seed(0)
+    lengths = (5, 11)
+    q, k, v = (torch.randn(1, sum(lengths), h, 64, generator=gen) for h in (4, 2, 2))
+    layout = Packed(torch.tensor([0, 5, 16], dtype=torch.int32, device=device), max(lengths), lengths)
+    try:
+        with torch.enable_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qd, kd, vd = (t.to(device, dtype).requires_grad_() for t in (q, k, v))
+            out = varlen_causal(qd, kd, vd, layout)
+            out.float().square().sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    except Exception as e:  # no kernel for this GPU / dtype / build: the reference path works everywhere
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"{type(e).__name__}: {text}"[:200]
+    ref = _per_example_attention(q, k, v, lengths)
+    err = ((out.detach().float().cpu() - ref).abs().max() / ref.abs().max()).item()
+    if not err <= 3e-2:  # bf16 / fp16 rounding is ~1e-2 at most here
+        return f"wrong result on a tiny input (relative error {err:.3g})"
+    if not all(torch.isfinite(t.grad).all() for t in (qd, kd, vd)):
+        return "non-finite gradients on a tiny input"
+    return ""
+
+
+def _per_example_attention(q, k, v, lengths) -> torch.Tensor:
+    """float32 causal attention of each example alone: q [1, T, H, D], k / v [1, T, KVH, D]."""
+    groups = q.shape[2] // k.shape[2]
+    outs, start = [], 0
+    for n in lengths:
+        qs, ks, vs = (t[0, start:start + n].transpose(0, 1) for t in (q, k, v))  # [H, n, D]
+        ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+        start += n
+    return torch.cat(outs)[None]

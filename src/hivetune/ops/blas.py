@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-from hivetune.core.fastpath import forced
+from hivetune.core.fallbacks import forced
 
 _CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF = 0, 2, 14
 _COMPUTE_32F = 68
@@ -296,8 +296,7 @@ def _bucket_algo(lib: _Lib, handle, m: int, n: int, k: int, a_op: int, a_ld: int
 
 def _plan(lib: _Lib, a, b, out, aligns: tuple[int, int, int], shared: bool = True) -> _Plan | None:
     """The plan of this product, or None where the layout or dtypes are not taken (torch runs it).
-    shared: with its bucket's algorithm (_bucket_algo; HIVETUNE_REFERENCE=lt_buckets, or inside a
-    graph capture: its own)."""
+    shared: with its bucket's algorithm (_bucket_algo; inside a graph capture: its own)."""
     (m, k), n = a.shape, b.shape[1]
     in_type, out_type = _DTYPES.get(a.dtype), _DTYPES.get(out.dtype)
     a_op, b_op = _operand(a, m, k), _operand(b, k, n)
@@ -310,7 +309,7 @@ def _plan(lib: _Lib, a, b, out, aligns: tuple[int, int, int], shared: bool = Tru
     try:
         # not inside a CUDA graph capture: a graph asks once per size, and its replays keep the
         # algorithm chosen for their exact shape
-        shared = shared and not forced("lt_buckets") and not torch.cuda.is_current_stream_capturing()
+        shared = shared and not torch.cuda.is_current_stream_capturing()
         algo = _bucket_algo(lib, handle, *product) if shared else None
         plan = _Plan(lib, handle, *product, algo=algo)
     except RuntimeError:

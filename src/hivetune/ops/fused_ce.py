@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from hivetune.ops import blas
+from hivetune.ops.triton_util import fused_ok
 try:  # Triton is optional: CPUs and GPUs without it take the PyTorch chunk
     import triton
     import triton.language as tl
@@ -66,8 +67,6 @@ if triton is not None:
 
 def triton_ce_ok(rows: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the chunks take the Triton kernel (a CUDA bf16 / fp16 head with Triton installed)."""
-    from hivetune.ops.elementwise import fused_ok
-
     return triton is not None and weight.dtype in (torch.bfloat16, torch.float16) and fused_ok(weight) \
         and rows.is_cuda
 

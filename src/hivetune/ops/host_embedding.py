@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from hivetune.core.fastpath import note_fallback
-from hivetune.ops import elementwise
-triton = elementwise.triton
+from hivetune.core.fallbacks import note_fallback
+from hivetune.ops.triton_util import triton
+
 if triton is not None:
     import triton.language as tl
 

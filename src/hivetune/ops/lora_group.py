@@ -28,10 +28,10 @@ so that is its step time; on W2 (7B) the saved casts and adds are ~10% of the st
 
 Memory: saves xd (x itself when there is no dropout), the dropout mask (bool), xa [N, n r] and
 the bf16 casts of A and Bd, as the reference path does; x is not needed (W is frozen). On GPUs
-with Triton the dropout is seeded (ops.elementwise.dropout_seeded): the mask is drawn again from
+with Triton the dropout is seeded (ops.dropout.dropout_seeded): the mask is drawn again from
 the seed in backward instead of being saved, and a call given a `source` (o_proj: the attention
 output; down_proj: the gate/up output SwiGLU keeps) saves that instead of xd and recomputes xd.
-Where the kernels take the shapes (elementwise.drop_matmul_ok), xd is never made at all: the
+Where the kernels take the shapes (ops.lora_dropout.drop_matmul_ok), xd is never made at all: the
 A matmuls are Triton kernels that drop x's tiles as they load them (xa = s xd A^T, dA, and the
 masked add into dx), three fewer kernels and three fewer [N, d] passes over memory per group.
 
@@ -40,19 +40,29 @@ A_all and Bd themselves come from a ``CastCache`` when the model's forward refre
 and Bd of one group kind (q/k/v, o, gate/up, down) live in one buffer, written by two or three
 kernels for the whole model, instead of ~9 cast / fill / copy kernels per layer and group (on
 W1, ~500 of a step's ~2,400 kernels). Without a fresh cache (a layer called alone, a
-checkpointed layer's recompute) the Function builds them itself, as before.
+checkpointed layer's recompute) the Function builds them itself.
 """
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
-from hivetune.core.fastpath import forced
-from hivetune.ops import blas, elementwise
+from hivetune.core.fallbacks import forced
+from hivetune.ops import blas
+from hivetune.ops import dropout as dropout_op
+from hivetune.ops.lora_aside import aside_wanted, weight_grads_aside
+from hivetune.ops.lora_dropout import drop_matmul, drop_matmul_grad, drop_matmul_ok, matmul_drop_add_
+from hivetune.ops.triton_util import fused_ok
+
+
+def fused_lora_usable() -> bool:
+    """Whether training joins q/k/v and gate/up into matmul groups (plain PyTorch, any device):
+    unless HIVETUNE_REFERENCE=fused_lora."""
+    return not forced("fused_lora")
+
 _ACTIVE: "CastCache | None" = None  # the cache refreshed by the model forward now running
 # The seeds the next refreshed forward's seeded dropouts take (int64 on the device, one a group
 # call), set by given_seeds: train draws them on the host per micro-batch, and a CUDA graph reads
@@ -161,7 +171,7 @@ class CastCache:
         at the first call (one kernel a forward, not one a group: W1 ran 96 of them a step),
         then a view of the next one."""
         if self.seeds is None or self.seeds_used == self.seeds.numel():
-            self.seeds, self.seeds_used = elementwise.new_dropout_seed(device, len(self.slots)), 0
+            self.seeds, self.seeds_used = dropout_op.new_dropout_seed(device, len(self.slots)), 0
         self.seeds_used += 1
         return self.seeds[self.seeds_used - 1:self.seeds_used]
 
@@ -197,7 +207,7 @@ def casts_active() -> bool:
 def dropout_seed(device) -> torch.Tensor:
     """The seeded dropout's seed for the next group call: the refreshed CastCache's (one draw a
     forward), else a fresh one."""
-    return _ACTIVE.next_seed(device) if _ACTIVE is not None else elementwise.new_dropout_seed(device)
+    return _ACTIVE.next_seed(device) if _ACTIVE is not None else dropout_op.new_dropout_seed(device)
 
 
 _MM_OUT_DTYPE: bool | None = None  # whether torch.mm takes out_dtype (tried once)
@@ -237,7 +247,7 @@ class LoRAGroup(torch.autograd.Function):
         when source_fn is None); with the seeded dropout, x is recomputed from it in backward
         instead of saving the dropped input. `residual` [..., O] or None: returned added to the
         output (the decoder's residual stream; in the base matmul's epilogue where it can).
-        `xd`: x already dropped by the caller (elementwise.rms_norm_dropped, swiglu_dropped), or
+        `xd`: x already dropped by the caller (ops.norm.rms_norm_dropped, ops.swiglu.swiglu_dropped), or
         None. Its gradient goes back unmasked (the caller's backward applies the mask), and
         source_fn then recomputes xd itself from `source`. `room`: x's rows lie n r or more
         elements further apart, the columns after each row free (the wide path writes xa there)."""
@@ -303,10 +313,7 @@ def grads_into(params, joined_rows: int = 0) -> tuple | None:
     None where it must hand fresh gradients to autograd: a parameter without a .grad yet (the
     first micro-batch of an eager step, which autograd takes as it is, no copy), a .grad autograd
     would not simply add to, or grad mode on (a double backward). `joined_rows`: the .grads must
-    also be consecutive in one buffer (GradArena), returned as one [n r, d] view.
-    HIVETUNE_REFERENCE=grad_arena: always None (autograd accumulates, as before the arena)."""
-    if forced("grad_arena"):
-        return None
+    also be consecutive in one buffer (GradArena), returned as one [n r, d] view."""
     grads = []
     for p in params:
         g = p.grad
@@ -379,34 +386,33 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
     """LoRAGroup's forward outside autocast: y and what backward keeps (see the module doc).
     `given`: the dropped input made by the caller (LoRAGroup's `xd`), or None.
     `residual`: added to y; as the base matmul's C (cuBLAS beta = 1: no add kernel, no [N, O]
-    pass) when it is in the compute dtype and there is no bias, else added at the end (the
-    reference: HIVETUNE_REFERENCE=residual_epilogue).
+    pass) when it is in the compute dtype and there is no bias, else added at the end.
     `room`: x's rows lie n r or more further apart with those columns free. Where the weights are wide
     too (wide_matrix), xa is written there and y = [x | xa] @ [W | Bd]^T is one matmul: the
     LoRA update rides in the base matmul instead of an addmm reading and writing all of y
     (W1's gate/up: ~25 us of a ~40 us matmul on an H100), and backward [dx | d xa] = g [W | Bd]
-    is one matmul too. HIVETUNE_REFERENCE=wide_lora: never."""
+    is one matmul too."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != dtype:
         x2 = x2.to(dtype)
     w = weight if weight.dtype == dtype else weight.to(dtype)
     a_all, bd = cached if cached is not None else _casts(x2, weight, sizes, a_params, b_params, dtype)
     mask = None
-    seeded = "given" if given is not None else p > 0 and elementwise.seeded_dropout_ok(x2)
+    seeded = "given" if given is not None else p > 0 and dropout_op.seeded_dropout_ok(x2)
     d, k = x2.shape[1], a_all.shape[0]
     wide = (wide_matrix(w, bd) if room and seeded in ("given", False) and x2.stride(1) == 1 and x2.stride(0) >= d + k
-            and cached is not None and not forced("wide_lora") else None)
+            and cached is not None else None)
     if seeded is True:  # the mask is drawn again from the seed in backward: nothing stored
-        mask = _ACTIVE.next_seed(x2.device) if cached is not None else elementwise.new_dropout_seed(x2.device)
-    if seeded is True and elementwise.drop_matmul_ok(x2, a_all):  # the dropout rides in the A matmuls
+        mask = _ACTIVE.next_seed(x2.device) if cached is not None else dropout_op.new_dropout_seed(x2.device)
+    if seeded is True and drop_matmul_ok(x2, a_all):  # the dropout rides in the A matmuls
         seeded = "in_matmul"
-        xa = elementwise.drop_matmul(x2, a_all, mask, p, scale)
+        xa = drop_matmul(x2, a_all, mask, p, scale)
         xd = x2  # kept undropped: the backward kernels draw the mask again
     else:
         if given is not None:
             xd = given.reshape(x2.shape)
         elif seeded:
-            xd = elementwise.dropout_seeded(x2, mask, p)
+            xd = dropout_op.dropout_seeded(x2, mask, p)
         elif p > 0:
             xd, mask = torch.native_dropout(x2, p, True)
         else:
@@ -422,7 +428,7 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
             xa = x2.new_empty((x2.shape[0], k))
             blas.gemm(xd, a_all.t(), xa, scale)  # s (xd A^T): the scale is free
     r2 = residual.reshape(-1, w.shape[0]) if residual is not None else None
-    if r2 is not None and bias is None and r2.dtype == dtype and not forced("residual_epilogue"):
+    if r2 is not None and bias is None and r2.dtype == dtype:
         y, r2 = blas.gemm(x2, w.t(), beta=1.0, c=r2), None  # residual + x W^T in one kernel
     else:
         y = blas.gemm(x2, w.t()) if bias is None else F.linear(x2, w, bias.to(dtype))  # (less dispatch than linear)
@@ -448,7 +454,7 @@ def _group_backward(ctx, g, kept, mask, xa, a_all, bd, w):
         x2 = kept if ctx.source_fn is None else ctx.source_fn(kept)
         xd = x2.reshape(-1, x2.shape[-1]).contiguous()
         if not in_matmul and not given:
-            xd = elementwise.dropout_seeded(xd, mask, ctx.p)
+            xd = dropout_op.dropout_seeded(xd, mask, ctx.p)
         del x2  # only the (dropped) input is needed from here
     if ctx.wide:  # [g W | g Bd] in one matmul; the scale then rides in the matmuls reading g Bd
         d, k = w.shape[1], a_all.shape[0]
@@ -485,7 +491,7 @@ def _a_grads(ctx, g_xa, xd, mask, alpha, into):
     kernel draws the dropout mask again as it reads xd): added into `into` (returns None there)
     or returned in fp32."""
     if ctx.seeded == "in_matmul":
-        return elementwise.drop_matmul_grad(g_xa, xd, mask, ctx.p, into=into)
+        return drop_matmul_grad(g_xa, xd, mask, ctx.p, into=into)
     if into is None:
         return mm_fp32(g_xa.t(), xd, alpha)
     add_mm_fp32_(into, g_xa.t(), xd, alpha)
@@ -516,9 +522,9 @@ def _input_grads(ctx, g, gw, g_xa, a_all, mask, w, alpha, given, in_matmul):
     elif ctx.needs_input_grad[0]:
         grad_x = gw if gw is not None else blas.gemm(g, w)
         if in_matmul:
-            elementwise.matmul_drop_add_(grad_x, g_xa, a_all, mask, ctx.p)
+            matmul_drop_add_(grad_x, g_xa, a_all, mask, ctx.p)
         elif ctx.seeded:
-            elementwise.seeded_masked_add_(grad_x, blas.gemm(g_xa, a_all), mask, ctx.p)
+            dropout_op.seeded_masked_add_(grad_x, blas.gemm(g_xa, a_all), mask, ctx.p)
         elif mask is None:
             blas.gemm(g_xa, a_all, grad_x, alpha, 1.0)
         else:
@@ -527,66 +533,6 @@ def _input_grads(ctx, g, gw, g_xa, a_all, mask, w, alpha, given, in_matmul):
         if grad_x.dtype != ctx.x_dtype:
             grad_x = grad_x.to(ctx.x_dtype)
     return grad_x, grad_xd
-
-
-class _Aside:
-    """The side stream of one device and the side work not yet joined: (event, tensors it reads)."""
-
-    def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device)
-        self.pending: list[tuple[torch.cuda.Event, tuple]] = []
-        self.blocks = 0  # groups whose weight gradients went on the side stream (tests, benchmarks)
-
-
-_ASIDE: dict[int, _Aside] = {}
-ASIDE_WINDOW = 2  # side work of this many groups may be in flight; older work is joined as it is released
-
-
-def aside_wanted(g: torch.Tensor) -> bool:
-    """Whether this backward puts its LoRA weight gradients on the side stream: on CUDA, inside a
-    CUDA graph capture only (eager steps would pay the stream switches and events on the host),
-    unless HIVETUNE_LORA_SIDE_STREAM=0. W1 under the 4 GiB cap, H100, alternating in one call:
-    10.57 / 10.76 s with it against 11.07 / 11.20 without (d70dcbd), 10.66 / 10.36 against
-    10.81 / 10.65 (cd7630d), the same peak memory; W2 under DDP: no change (c5691cf). The A and
-    B gradients are small matmuls (W1, H100, 64096c7: ~1/9 of a step's GPU time in ~12
-    launch-bound kernels a layer) that nothing in the backward waits for; on their own stream,
-    the graph runs them as branches beside the chain of input gradients."""
-    if os.environ.get("HIVETUNE_LORA_SIDE_STREAM") == "0" or not g.is_cuda:
-        return False
-    if g.device.index not in _ASIDE:  # made outside a capture (the graphs' eager warm-up comes first)
-        _ASIDE[g.device.index] = _Aside(g.device)
-    return torch.cuda.is_current_stream_capturing()
-
-
-@contextmanager
-def weight_grads_aside(g: torch.Tensor, keep: tuple):
-    """Run the block on the device's side stream after the work queued so far on the current
-    one; `keep` (what the block reads) stays referenced until the current stream has waited for
-    the block (join_aside, or when newer side work pushes it out of the window), so that the
-    caching allocator cannot hand its memory to later work of the current stream first."""
-    aside = _ASIDE[g.device.index]
-    main = torch.cuda.current_stream(g.device)
-    aside.stream.wait_stream(main)
-    with torch.cuda.stream(aside.stream):
-        yield
-    aside.blocks += 1
-    done = torch.cuda.Event()
-    done.record(aside.stream)
-    aside.pending.append((done, keep))
-    while len(aside.pending) > ASIDE_WINDOW:
-        main.wait_event(aside.pending[0][0])
-        del aside.pending[0]  # its tensors are released after the wait, in the current stream's order
-
-
-def join_aside() -> None:
-    """The current stream waits for all side work (the gradients are complete after this); called
-    after every backward (train.forward_backward), a no-op when none was put aside."""
-    for aside in _ASIDE.values():
-        if aside.pending:
-            try:
-                torch.cuda.current_stream(aside.stream.device).wait_stream(aside.stream)
-            finally:  # a failed capture's events are not waited on again
-                aside.pending.clear()
 
 
 def _casts(x2, weight, sizes, a_params, b_params, dtype):
@@ -606,8 +552,8 @@ def _casts(x2, weight, sizes, a_params, b_params, dtype):
 def masked_add_(out: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, keep: float) -> None:
     """out += t * mask * keep (the dropout backward of the LoRA branch): one Triton kernel on
     GPUs (torch's addcmul with a bool mask runs an unvectorised mixed-dtype loop), else torch."""
-    if elementwise.fused_ok(out) and out.is_contiguous() and t.is_contiguous() and mask.is_contiguous():
-        elementwise.masked_add_(out, t, mask, keep)
+    if fused_ok(out) and out.is_contiguous() and t.is_contiguous() and mask.is_contiguous():
+        dropout_op.masked_add_(out, t, mask, keep)
     else:
         out.add_(torch.ops.aten.native_dropout_backward(t, mask, keep))
 
@@ -619,7 +565,7 @@ def lora_group(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     `source`: (fn, tensor) with x = fn(tensor) (fn None: x itself) where that tensor is saved for
     backward by another op anyway (the attention output; the gate/up output that SwiGLU keeps):
     under the seeded dropout the Function then keeps it instead of the dropped input.
-    `xd`: x dropped by the caller (elementwise.rms_norm_dropped, swiglu_dropped); then fn(tensor)
+    `xd`: x dropped by the caller (ops.norm.rms_norm_dropped, ops.swiglu.swiglu_dropped); then fn(tensor)
     gives the dropped input itself, and xd's gradient goes back unmasked.
     `room`: x's rows lie n r or more elements further apart, those columns free: with the
     wide weight layout the group then runs its wide path (_group_forward)."""

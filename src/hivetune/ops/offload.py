@@ -69,7 +69,6 @@ import weakref
 
 import torch
 
-from hivetune.core.fastpath import forced
 
 THRESHOLD_BYTES = 1 << 20  # storages under 1 MiB stay on the GPU (W2: lse, 1/rms, the rank-r xa)
 CHUNK_BYTES = 256 << 20  # pinned host memory is allocated in chunks of up to this size
@@ -206,9 +205,9 @@ class ActivationOffload:
         keep no more saved activations on the GPU (peak_resident_layers x tokens: a layer saves
         about the same per token) than the largest micro-batch (max_tokens) keeps with `layers`
         offloaded, which is what the run's memory was sized for. W2 under a 24 GiB cap (5 layers
-        for 3,426 tokens): 1.6 layers a step on average instead of 5. HIVETUNE_REFERENCE=
-        scaled_offload, no max_tokens, or a larger micro-batch than planned: `layers` always."""
-        if self.max_tokens is None or tokens > self.max_tokens or forced("scaled_offload"):
+        for 3,426 tokens): 1.6 layers a step on average instead of 5. No max_tokens, or a larger
+        micro-batch than planned: `layers` always."""
+        if self.max_tokens is None or tokens > self.max_tokens:
             return self.layers
         budget = peak_resident_layers(self.layers, self.total) * self.max_tokens * self.share
         return next((n for n in range(self.layers) if peak_resident_layers(n, self.total) * tokens <= budget),

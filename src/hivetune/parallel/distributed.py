@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hivetune.core.errors import UserError
-from hivetune.core.fastpath import one_buffer
+from hivetune.ops.adamw import one_buffer
 from hivetune.plan import plan
 
 STRATEGIES = ("auto", "ddp", "fsdp")

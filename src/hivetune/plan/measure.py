@@ -7,7 +7,7 @@ padded-view SDPA path, not the flash varlen kernel of CUDA; ``varlen_standin`` s
 autograd Function that saves exactly what ``torch.nn.attention.varlen.varlen_attn`` saves
 (q, k, v, out and a [H, T] fp32 log-sum-exp), so a CPU measurement describes the GPU run.
 Likewise ``fused_layers_standin`` swaps in Functions that save what the Triton RMSNorm and
-SwiGLU of ops.elementwise save (CUDA, bf16 / fp16): x and 1/rms; gate and up (or the joined
+SwiGLU of ops.norm and ops.swiglu save (CUDA, bf16 / fp16): x and 1/rms; gate and up (or the joined
 gate|up tensor) only.
 """
 
@@ -20,11 +20,12 @@ import torch.nn.functional as F
 
 import hivetune.model.decoder as decoder
 from hivetune.core.device import DTYPES
-from hivetune.ops import elementwise
+from hivetune.ops import dropout, norm, swiglu as swiglu_op
 from hivetune.ops.attention import Packed
-from hivetune.ops.elementwise import rms_norm_reference, swiglu_reference
+from hivetune.ops.norm import rms_norm_reference
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.ops.loss import target_loss_sum
+from hivetune.ops.swiglu import swiglu_reference
 
 
 class _VarlenStandIn(torch.autograd.Function):
@@ -77,7 +78,7 @@ def varlen_standin():
 
 
 class _RMSNormStandIn(torch.autograd.Function):
-    """Saves what elementwise.RMSNormFunction saves: x [N, h] (a view of the input), the
+    """Saves what ops.norm.RMSNormFunction saves: x [N, h] (a view of the input), the
     weight and an fp32 1/rms per row; computes with the reference."""
 
     @staticmethod
@@ -100,7 +101,7 @@ class _RMSNormStandIn(torch.autograd.Function):
 
 
 class _SwiGLUStandIn(torch.autograd.Function):
-    """Saves what elementwise.SwiGLUFunction saves: gate and up, or the joined [.., 2I] tensor."""
+    """Saves what ops.swiglu.SwiGLUFunction saves: gate and up, or the joined [.., 2I] tensor."""
 
     @staticmethod
     def forward(ctx, gate, up):
@@ -126,12 +127,12 @@ class _SwiGLUStandIn(torch.autograd.Function):
 
 @contextmanager
 def fused_layers_standin():
-    """Route elementwise.rms_norm / swiglu / swiglu_joined through the stand-ins where the
+    """Route ops.norm.rms_norm, ops.swiglu.swiglu / swiglu_joined through the stand-ins where the
     Triton kernels would take the tensors on a GPU (bf16 / fp16; RMSNorm: a frozen weight of
     the input's dtype), and lora_group's dropout through a seeded CPU stand-in of the Triton
     one (no mask saved; o_proj / down_proj recompute their dropped input, q/k/v and gate/up
     theirs from the norm's input, RMSNorm.source)."""
-    before = elementwise.rms_norm, elementwise.swiglu, elementwise.swiglu_joined
+    before = norm.rms_norm, swiglu_op.swiglu, swiglu_op.swiglu_joined
     half = (torch.bfloat16, torch.float16)
 
     def rms_norm(x, weight, eps):
@@ -156,23 +157,24 @@ def fused_layers_standin():
         out.add_(t * mask_of(t, seed, p) / (1 - p))
 
     def swiglu_raw(gate_up):
-        return elementwise.swiglu_reference(*gate_up.chunk(2, dim=-1))
+        return swiglu_op.swiglu_reference(*gate_up.chunk(2, dim=-1))
 
     seeded = {"seeded_dropout_ok": lambda x: x.dtype in half and x.is_contiguous(),
               "rms_norm_fused": lambda x, weight: x.dtype in half and weight.dtype == x.dtype
               and not weight.requires_grad,
               "new_dropout_seed": lambda device, n=1: torch.randint(0, 2**31 - 1, (n,), device=device),
               "dropout_seeded": dropout_seeded, "seeded_masked_add_": seeded_masked_add_, "swiglu_raw": swiglu_raw}
-    seeded_before = {name: getattr(elementwise, name) for name in seeded}
-    elementwise.rms_norm, elementwise.swiglu, elementwise.swiglu_joined = rms_norm, swiglu, swiglu_joined
+    home = {"rms_norm_fused": norm, "swiglu_raw": swiglu_op}  # the rest: ops.dropout
+    seeded_before = {name: getattr(home.get(name, dropout), name) for name in seeded}
+    norm.rms_norm, swiglu_op.swiglu, swiglu_op.swiglu_joined = rms_norm, swiglu, swiglu_joined
     for name, fn in seeded.items():
-        setattr(elementwise, name, fn)
+        setattr(home.get(name, dropout), name, fn)
     try:
         yield
     finally:
-        elementwise.rms_norm, elementwise.swiglu, elementwise.swiglu_joined = before
+        norm.rms_norm, swiglu_op.swiglu, swiglu_op.swiglu_joined = before
         for name, fn in seeded_before.items():
-            setattr(elementwise, name, fn)
+            setattr(home.get(name, dropout), name, fn)
 
 
 def saved_activation_bytes(model, batch, precision: str, fused_loss: bool = True) -> int:

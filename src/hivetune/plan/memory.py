@@ -216,7 +216,7 @@ def layer_saved_bytes_per_token(args: ModelArgs, mc: MemoryConfig) -> float:
 
 
 def seeded_dropout(mc: MemoryConfig) -> bool:
-    """Whether lora_group draws dropout masks from a seed in Triton (ops.elementwise, a GPU in
+    """Whether lora_group draws dropout masks from a seed in Triton (ops.dropout, a GPU in
     bf16 / fp16): no mask saved, and down_proj / o_proj recompute their dropped input."""
     return mc.joined and mc.fused_layers and mc.dropout > 0
 

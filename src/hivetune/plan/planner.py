@@ -16,13 +16,14 @@ import torch
 from hivetune.core.config import TrainConfig
 from hivetune.core.embedded import default_train_data, embedded_model_path
 from hivetune.core.errors import UserError
-from hivetune.core.fastpath import forced, fused_lora_usable
+from hivetune.core.fallbacks import forced
 from hivetune.core.fileio import atomic_write_with
 from hivetune.data.dataset import index_dataset
 from hivetune.model.config import ModelArgs
 from hivetune.model.load import load_args
 from hivetune.model.tokenizer import load_tokenizer
-from hivetune.ops import attention, elementwise
+from hivetune.ops import attention, triton_util
+from hivetune.ops.lora_group import fused_lora_usable
 from hivetune.plan.gpus import GPU, find_gpu, gpu_for_device_name
 from hivetune.plan.graph_sizes import bucket_tokens, launch_bound
 from hivetune.plan.memory import (GIB, MemoryConfig, breakdown, keep_inputs_extra_bytes, largest_micro_batch,
@@ -74,8 +75,8 @@ def memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: b
     lora_inputs auto as train does; without args and tokens auto counts as recompute."""
     fn, _, has_gqa = attention._varlen_fn()
     varlen = (cuda and precision != "fp32" and cfg.packing and fn is not None
-              and getattr(cfg, "attention", "auto") != "sdpa")
-    path = training_path(precision, cuda, cfg.distributed, getattr(cfg, "fused_ops", True))
+              and cfg.attention != "sdpa")
+    path = training_path(precision, cuda, cfg.distributed, cfg.fused_ops)
     mc = MemoryConfig(precision=precision, r=cfg.lora.r, targets=tuple(cfg.lora.targets), dropout=cfg.lora.dropout,
                       gradient_checkpointing=checkpointing, fused_loss=cfg.fused_loss, packing=cfg.packing,
                       attention="varlen" if varlen else "sdpa", gqa_native=has_gqa,
@@ -99,11 +100,11 @@ def offload_in_force(cfg: TrainConfig, cuda: bool, graphs: bool) -> int:
 def training_path(precision: str, cuda: bool = True, distributed: str = "auto", fused_ops: bool = True) -> dict:
     """MemoryConfig's joined / fused_layers for the path train takes: LoRA groups joined
     (lora.fuse_projections) unless FSDP or HIVETUNE_REFERENCE=fused_lora; the Triton RMSNorm /
-    SwiGLU on a GPU in bf16 / fp16 (ops.elementwise.fused_ok) unless fused_ops is off, where
+    SwiGLU on a GPU in bf16 / fp16 (ops.triton_util.fused_ok) unless fused_ops is off, where
     Triton is importable, or assumed when planning on a machine without a GPU (the CUDA and
     ROCm wheels ship it)."""
     fused_layers = cuda and precision != "fp32" and fused_ops and not forced("fused_layers")
-    if fused_layers and elementwise.triton is None:
+    if fused_layers and triton_util.triton is None:
         fused_layers = not torch.cuda.is_available()
     return {"joined": fused_lora_usable() and distributed != "fsdp", "fused_layers": fused_layers}
 

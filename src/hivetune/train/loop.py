@@ -19,7 +19,9 @@ from hivetune.checkpoint import (checkpoint_folders, load_checkpoint, load_lora_
                                  truncate_metrics)
 from hivetune.core.device import peak_memory_bytes
 from hivetune.core.errors import UserError
-from hivetune.core.fastpath import clip_grad_norm, join_prewarm, quiet_gc
+from hivetune.core.collector import quiet_gc
+from hivetune.ops.adamw import clip_grad_norm
+from hivetune.ops.prewarm import join_prewarm
 from hivetune.core.metrics import MetricsSink
 from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.model.lora import lora_parameters

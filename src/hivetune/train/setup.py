@@ -16,7 +16,10 @@ from hivetune.core.config import TrainConfig, save_config, step_order
 from hivetune.core.device import DTYPES, resolve_device, resolve_precision, set_threads
 from hivetune.core.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.core.errors import UserError
-from hivetune.core.fastpath import adamw, fused_lora_usable, prewarm
+from hivetune.ops.adamw import adamw
+from hivetune.ops.lora_group import fused_lora_usable
+from hivetune.ops.prewarm import prewarm
+from hivetune.ops.switches import configure_ops
 from hivetune.core.fileio import hold_run_lock
 from hivetune.core.metrics import require_tensorboard
 from hivetune.data.dataset import index_dataset, plan_steps
@@ -128,6 +131,7 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     torch.manual_seed(cfg.seed)  # LoRA init independent of anything loaded before (and alike on every rank)
     apply_lora(model, spec, param_dtype=torch.float32)
     model.gradient_checkpointing = cfg.gradient_checkpointing
+    configure_ops(cfg.attention, cfg.fused_ops)
     if device.type == "cuda" and precision != "fp32":  # probe flash varlen now, not inside a checkpointed forward
         varlen_supported(torch.empty((1, 1, 1, 1), dtype=DTYPES[precision], device=device))
     strategy, module = "none", model

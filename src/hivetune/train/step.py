@@ -20,7 +20,8 @@ from hivetune.core.device import DTYPES
 from hivetune.core.errors import UserError
 from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.model.decoder import CausalLM
-from hivetune.ops.lora_group import given_seeds, join_aside
+from hivetune.ops.lora_aside import join_aside
+from hivetune.ops.lora_group import given_seeds
 from hivetune.parallel import distributed
 from hivetune.plan import plan
 from hivetune.train.run import Run

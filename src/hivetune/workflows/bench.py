@@ -143,9 +143,9 @@ EXPERIMENTS = ("HIVETUNE_LORA_SIDE_STREAM", "HIVETUNE_CAPTURE_LEAD", "HIVETUNE_G
 
 
 def environment(device) -> dict:
-    from hivetune.ops import elementwise
+    from hivetune.ops import triton_util
     env = {"python": platform.python_version(), "torch": torch.__version__, "commit": git_commit(),
-           "fused_ops": elementwise.triton is not None and os.environ.get("HIVETUNE_FUSED_OPS", "1") != "0",
+           "fused_ops": triton_util.triton is not None and os.environ.get("HIVETUNE_FUSED_OPS", "1") != "0",
            "reference_paths": os.environ.get("HIVETUNE_REFERENCE", ""),
            "experiments": " ".join(f"{k}={os.environ[k]}" for k in EXPERIMENTS if os.environ.get(k))}
     if device.type == "cuda":
@@ -216,11 +216,11 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
     """Train the workload with hivetune's loop; return the measured figures. memory_cap_gib: the
     caching allocator may hold at most this much from assembly on (as on a card of that size;
     set after the model is built: W2's random init runs in fp32)."""
-    from hivetune.core import fastpath
+    from hivetune.ops import prewarm
     from hivetune.train.loop import fit
     from hivetune.train.setup import assemble
 
-    fastpath.prewarm(device)  # overlaps building the data and the model, as in train's setup
+    prewarm.prewarm(device)  # overlaps building the data and the model, as in train's setup
     examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))
     values = {"model": "random", "data": "generator", "precision": "bf16" if device.type == "cuda" else "fp32",
               "device": device.type, "epochs": w.epochs, "max_steps": max_steps,
@@ -281,8 +281,8 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
                                                  else "recomputed"),
         # when the prewarm thread finished, in seconds from the loop's start (negative: before it;
         # positive: the loop waited for it), and how its run of the step's tail kernels went
-        "prewarm_done_s": round(fastpath.PREWARM_DONE_AT - t0, 3) if fastpath.PREWARM_DONE_AT else None,
-        "prewarm_tail": fastpath.PREWARM_TAIL,
+        "prewarm_done_s": round(prewarm.PREWARM_DONE_AT - t0, 3) if prewarm.PREWARM_DONE_AT else None,
+        "prewarm_tail": prewarm.PREWARM_TAIL,
     }
 
 

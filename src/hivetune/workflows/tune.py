@@ -2,7 +2,7 @@
 
 Candidates: micro-batch sizes (divisors of the effective batch batch_size * grad_accum, so the
 optimisation is unchanged), gradient checkpointing off / on, and on CUDA the attention back-end
-(flash varlen, or the SDPA reference path, HIVETUNE_ATTENTION=sdpa). Each runs `steps` optimizer
+(flash varlen, or the SDPA reference path: the config key attention=sdpa). Each runs `steps` optimizer
 steps of hivetune's own loop (train.assemble + train.fit) on a random-init model of the
 configured architecture (no weights read) over examples of `length` tokens. Candidates the
 planner puts over the memory cap are skipped unmeasured; a CUDA out-of-memory counts as not
@@ -17,7 +17,6 @@ import os
 import statistics
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,22 +50,6 @@ class TuneResult:
     device: str
     out: str | None
     overrides: dict = field(default_factory=dict)
-
-
-@contextmanager
-def _attention_env(value: str | None):
-    before = os.environ.get("HIVETUNE_ATTENTION")
-    if value is None:
-        os.environ.pop("HIVETUNE_ATTENTION", None)
-    else:
-        os.environ["HIVETUNE_ATTENTION"] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("HIVETUNE_ATTENTION", None)
-        else:
-            os.environ["HIVETUNE_ATTENTION"] = before
 
 
 def _candidate_memory(cfg: TrainConfig, args, precision: str, checkpointing: bool, cuda: bool, tokens: int,
@@ -173,7 +156,8 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
                 c = load_config(None, values)
                 mc, inputs = _candidate_memory(c, args, precision, ckpt, device.type == "cuda", b * length,
                                                memory_bytes)
-                c = dataclasses.replace(c, lora_inputs=inputs)
+                # train setup hands the attention key to ops.attention
+                c = dataclasses.replace(c, lora_inputs=inputs, attention="sdpa" if backend == "sdpa" else "auto")
                 if backend == "sdpa":
                     mc = dataclasses.replace(mc, attention="sdpa")
                 planned = breakdown(args, mc, b * length)
@@ -185,8 +169,7 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
                     continue
                 t0 = time.perf_counter()
                 try:
-                    with _attention_env("sdpa" if backend == "sdpa" else None):
-                        seconds, tokens, peak = _time_candidate(c, args, device, precision, length, steps)
+                    seconds, tokens, peak = _time_candidate(c, args, device, precision, length, steps)
                 except torch.cuda.OutOfMemoryError:
                     row.status = "out of memory"
                     torch.cuda.empty_cache()
@@ -209,7 +192,7 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
             text = (f"# hivetune tune: fastest of {len(rows)} candidates on {device} within {cap_gib:.1f} GiB "
                     f"({best.tokens_per_s:,.0f} tokens/s at {length} tokens an example)\n")
             if best.attention == "sdpa":
-                text += "# attention: the SDPA path was fastest: export HIVETUNE_ATTENTION=sdpa\n"
+                result.overrides["attention"] = "sdpa"  # the SDPA path was fastest
             text += yaml.safe_dump(result.overrides, sort_keys=False)
             atomic_write_bytes(Path(out), text.encode())
     return result

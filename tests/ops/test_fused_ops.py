@@ -1,7 +1,7 @@
 """Fused RMSNorm / RoPE / SwiGLU (Triton) against float64 references, and the fallbacks.
 
 The Triton tests run on a CUDA GPU, or on the CPU under Triton's interpreter
-(`TRITON_INTERPRET=1 python -m pytest tests/ops/test_elementwise.py`, Triton installed); the
+(`TRITON_INTERPRET=1 python -m pytest tests/ops/test_fused_ops.py`, Triton installed); the
 CPU CI has no Triton and skips them. The oracle is float64 math on the same (rounded) inputs:
 the fused output must be at least about as close to it as the bf16 / fp16 PyTorch reference.
 """
@@ -13,8 +13,13 @@ import os
 import pytest
 import torch
 
-from hivetune.ops import elementwise as ew
-RUNS_TRITON = ew.triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+from hivetune.ops import dropout as dropout_op
+from hivetune.ops import lora_dropout, triton_util
+from hivetune.ops import norm as norm_op
+from hivetune.ops import rope as rope_op
+from hivetune.ops import swiglu as swiglu_op
+
+RUNS_TRITON = triton_util.triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 needs_triton = pytest.mark.skipif(not RUNS_TRITON, reason="needs Triton on a GPU (or TRITON_INTERPRET=1)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -55,8 +60,8 @@ def test_rms_norm_matches_float64(dtype, shape):
     torch.manual_seed(0)
     x = (torch.randn(shape) * 3).to(dtype).to(DEVICE)
     w = (1 + 0.2 * torch.randn(shape[-1])).to(dtype).to(DEVICE)
-    assert ew.fused_ok(x)
-    check(lambda a: ew.rms_norm(a, w, 1e-6), lambda a: ew.rms_norm_reference(a, w.to(a.dtype), 1e-6), [x],
+    assert triton_util.fused_ok(x)
+    check(lambda a: norm_op.rms_norm(a, w, 1e-6), lambda a: norm_op.rms_norm_reference(a, w.to(a.dtype), 1e-6), [x],
           torch.randn(shape, device=DEVICE))
 
 
@@ -67,7 +72,7 @@ def test_swiglu_matches_float64(dtype, shape):
     torch.manual_seed(1)
     gate = (torch.randn(shape) * 2).to(dtype).to(DEVICE)
     up = torch.randn(shape).to(dtype).to(DEVICE)
-    check(ew.swiglu, ew.swiglu_reference, [gate, up], torch.randn(shape, device=DEVICE))
+    check(swiglu_op.swiglu, swiglu_op.swiglu_reference, [gate, up], torch.randn(shape, device=DEVICE))
 
 
 @needs_triton
@@ -82,40 +87,41 @@ def test_rope_matches_float64(dtype, heads, dim):
     angles = pos[..., None].float() * inv
     emb = torch.cat([angles, angles], dim=-1)
     cos, sin = emb.cos().to(dtype).to(DEVICE), emb.sin().to(dtype).to(DEVICE)
-    check(lambda a: ew.apply_rope(a, cos, sin), lambda a: ew.rope_reference(a, cos.to(a.dtype), sin.to(a.dtype)),
+    check(lambda a: rope_op.apply_rope(a, cos, sin), lambda a: rope_op.rope_reference(a, cos.to(a.dtype), sin.to(a.dtype)),
           [x], torch.randn(b, t, heads, dim, device=DEVICE))
 
 
 def test_fallbacks_are_the_references(monkeypatch):
-    """fp32, CPU, a trainable norm weight or HIVETUNE_FUSED_OPS=0 take the plain PyTorch path."""
+    """fp32, CPU, a trainable norm weight or fused_ops false take the plain PyTorch path."""
     torch.manual_seed(3)
     x = torch.randn(2, 4, 8)
     w = torch.randn(8)
-    assert not ew.fused_ok(x)  # fp32
-    assert torch.equal(ew.rms_norm(x, w, 1e-5), ew.rms_norm_reference(x, w, 1e-5))
-    assert torch.equal(ew.swiglu(x, x * 2), ew.swiglu_reference(x, x * 2))
+    assert not triton_util.fused_ok(x)  # fp32
+    assert torch.equal(norm_op.rms_norm(x, w, 1e-5), norm_op.rms_norm_reference(x, w, 1e-5))
+    assert torch.equal(swiglu_op.swiglu(x, x * 2), swiglu_op.swiglu_reference(x, x * 2))
     xb = x.bfloat16()
-    monkeypatch.setenv("HIVETUNE_FUSED_OPS", "0")
-    assert not ew.fused_ok(xb)
-    monkeypatch.delenv("HIVETUNE_FUSED_OPS")
+    monkeypatch.setattr(triton_util, "_FUSED_OPS", True)
+    triton_util.set_fused_ops(False)
+    assert not triton_util.fused_ok(xb)
+    triton_util.set_fused_ops(True)
     monkeypatch.setenv("HIVETUNE_REFERENCE", "varlen,fused_layers")
-    assert not ew.fused_ok(xb)
+    assert not triton_util.fused_ok(xb)
     monkeypatch.delenv("HIVETUNE_REFERENCE")
     trainable = w.bfloat16().requires_grad_(True)
-    out = ew.rms_norm(xb, trainable, 1e-5)
+    out = norm_op.rms_norm(xb, trainable, 1e-5)
     assert out.grad_fn is not None and "RMSNormFunction" not in type(out.grad_fn).__name__
 
 
 def keep_mask(shape, seed, p, dtype):
     """dropout_seeded's keep mask: the oracle for every kernel that draws it."""
-    return ew.dropout_seeded(torch.ones(shape, dtype=dtype, device=DEVICE), seed, p) != 0
+    return dropout_op.dropout_seeded(torch.ones(shape, dtype=dtype, device=DEVICE), seed, p) != 0
 
 
 def test_keep_threshold_rounds_p_to_16_bits():
-    assert ew.keep_threshold(0.25) == (16384, 65536 / 49152)
-    thr, scale = ew.keep_threshold(0.05)
+    assert dropout_op.keep_threshold(0.25) == (16384, 65536 / 49152)
+    thr, scale = dropout_op.keep_threshold(0.05)
     assert thr == 3277 and abs(thr / 65536 - 0.05) < 2**-17 and scale == 65536 / (65536 - 3277)
-    assert ew.keep_threshold(0.0) == (0, 1.0)
+    assert dropout_op.keep_threshold(0.0) == (0, 1.0)
 
 
 @needs_triton
@@ -125,14 +131,14 @@ def test_seeded_dropout_keeps_1_minus_p_in_every_piece_of_its_groups():
     independent draws would, and the kept values are x * scale exactly."""
     seed, p = torch.tensor([77], device=DEVICE), 0.05
     x = torch.randn(512, 384, generator=torch.Generator().manual_seed(0)).to(DEVICE, torch.float16)
-    y = ew.dropout_seeded(x, seed, p)
+    y = dropout_op.dropout_seeded(x, seed, p)
     keep = (y != 0).cpu().view(-1, 8, 16).double()  # [group, piece, j]
     rates = keep.mean((0, 2))
     assert ((rates - 0.95).abs() < 0.006).all(), rates
     lo, hi = keep[:, 0::2], keep[:, 1::2]  # the low and high halves of the same words
     both_dropped = ((1 - lo) * (1 - hi)).mean().item()
     assert abs(both_dropped - 0.05**2) < 0.0015
-    thr, scale = ew.keep_threshold(p)
+    thr, scale = dropout_op.keep_threshold(p)
     kept = y != 0
     assert torch.equal(y[kept], (x[kept].float() * scale).to(torch.float16))
 
@@ -149,15 +155,15 @@ def test_rms_norm_dropped_is_the_norm_then_dropout_seeded(dtype, shape):
     x = (torch.randn(shape, generator=gen) * 3).to(DEVICE, dtype)
     w = (1 + 0.2 * torch.randn(shape[-1], generator=gen)).to(DEVICE, dtype)
     seed, p = torch.tensor([99], device=DEVICE), 0.25
-    assert ew.rms_norm_dropped_ok(x, w) and not ew.rms_norm_dropped_ok(x[..., :shape[-1] - 64].contiguous(), w[:-64])
-    y, yd, same = ew.rms_norm_dropped(x, w, 1e-6, seed, p)
-    plain = ew.rms_norm(x, w, 1e-6)
+    assert norm_op.rms_norm_dropped_ok(x, w) and not norm_op.rms_norm_dropped_ok(x[..., :shape[-1] - 64].contiguous(), w[:-64])
+    y, yd, same = norm_op.rms_norm_dropped(x, w, 1e-6, seed, p)
+    plain = norm_op.rms_norm(x, w, 1e-6)
     assert same.data_ptr() == x.data_ptr() and torch.equal(same, x)
     assert (y != plain).float().mean().item() < 0.01 and rel(y, plain) < 1e-3  # rstd summed in another order
-    assert torch.equal(yd, ew.dropout_seeded(y, seed, p))
-    assert torch.equal(ew.rms_norm_dropped_only(x, w, 1e-6, seed, p), yd)
+    assert torch.equal(yd, dropout_op.dropout_seeded(y, seed, p))
+    assert torch.equal(norm_op.rms_norm_dropped_only(x, w, 1e-6, seed, p), yd)
     keep = keep_mask(shape, seed, p, torch.float64).double() / (1 - p)
-    kept = keep_mask(shape, seed, p, torch.float64).float() * ew.keep_threshold(p)[1]  # the unfused dropout
+    kept = keep_mask(shape, seed, p, torch.float64).float() * dropout_op.keep_threshold(p)[1]  # the unfused dropout
     dy, dyd, dr = (torch.randn(shape, generator=gen).to(DEVICE, dtype) for _ in range(3))
     slack = 3.0 if dtype == torch.bfloat16 and not x.is_cuda else 1.5
 
@@ -169,18 +175,18 @@ def test_rms_norm_dropped_is_the_norm_then_dropout_seeded(dtype, shape):
     w64 = w.double()
     for with_dyd, with_dr in ((True, True), (True, False), (False, True)):
         def loss64(a):
-            y64 = ew.rms_norm_reference(a, w64, 1e-6)
+            y64 = norm_op.rms_norm_reference(a, w64, 1e-6)
             return ((y64 * dy.double()).sum() + with_dyd * (y64 * keep * dyd.double()).sum()
                     + with_dr * (a * dr.double()).sum())
 
         def loss_fused(a):
-            y_, yd_, x_ = ew.rms_norm_dropped(a, w, 1e-6, seed, p)
+            y_, yd_, x_ = norm_op.rms_norm_dropped(a, w, 1e-6, seed, p)
             total = (y_ * dy).float().sum()
             total = total + (yd_ * dyd).float().sum() if with_dyd else total
             return total + (x_ * dr).float().sum() if with_dr else total
 
         def loss_unfused(a):  # what the decoder ran before: norm, dropout, autograd's adds
-            y_ = ew.rms_norm(a, w, 1e-6)
+            y_ = norm_op.rms_norm(a, w, 1e-6)
             total = (y_ * dy).float().sum()
             total = total + (y_.float() * kept * dyd.float()).sum() if with_dyd else total
             return total + (a * dr).float().sum() if with_dr else total
@@ -199,14 +205,14 @@ def test_rms_norm_dropped_leaves_room_after_each_row():
     x = torch.randn((3, 7, 384), generator=gen).to(DEVICE, torch.bfloat16)
     w = (1 + 0.2 * torch.randn(384, generator=gen)).to(DEVICE, torch.bfloat16)
     seed = torch.tensor([7], device=DEVICE)
-    y0, yd0, _ = ew.rms_norm_dropped(x, w, 1e-6, seed, 0.1)
-    y, yd, _ = ew.rms_norm_dropped(x, w, 1e-6, seed, 0.1, room=48)
+    y0, yd0, _ = norm_op.rms_norm_dropped(x, w, 1e-6, seed, 0.1)
+    y, yd, _ = norm_op.rms_norm_dropped(x, w, 1e-6, seed, 0.1, room=48)
     assert y.stride() == (7 * 432, 432, 1) and torch.equal(y, y0) and torch.equal(yd, yd0)
     wide = torch.randn((21, 432), generator=gen).to(DEVICE, torch.bfloat16)
     dxs = []
     for dy in (wide[:, :384].view(3, 7, 384), wide[:, :384].contiguous().view(3, 7, 384)):
         leaf = x.detach().clone().requires_grad_(True)
-        y_, yd_, _ = ew.rms_norm_dropped(leaf, w, 1e-6, seed, 0.1, room=48)
+        y_, yd_, _ = norm_op.rms_norm_dropped(leaf, w, 1e-6, seed, 0.1, room=48)
         torch.autograd.backward([y_, yd_], [dy, torch.ones_like(yd_)])
         dxs.append(leaf.grad)
     assert dxs[0].abs().sum() > 0 and torch.equal(dxs[0], dxs[1])
@@ -222,13 +228,13 @@ def test_swiglu_dropped_is_swiglu_then_dropout_seeded(dtype, shape):
     gen = torch.Generator().manual_seed(shape[1])
     gu = (torch.randn(shape, generator=gen) * 2).to(DEVICE, dtype)
     seed, p = torch.tensor([5], device=DEVICE), 0.25
-    assert ew.swiglu_dropped_ok(gu)
-    h, hd = ew.swiglu_dropped(gu, seed, p)
-    assert torch.equal(h, ew.swiglu_joined(gu)) and torch.equal(hd, ew.dropout_hashed(h, seed, p))
-    assert torch.equal(ew.swiglu_dropped_only(gu, seed, p), hd)
+    assert swiglu_op.swiglu_dropped_ok(gu)
+    h, hd = swiglu_op.swiglu_dropped(gu, seed, p)
+    assert torch.equal(h, swiglu_op.swiglu_joined(gu)) and torch.equal(hd, dropout_op.dropout_hashed(h, seed, p))
+    assert torch.equal(swiglu_op.swiglu_dropped_only(gu, seed, p), hd)
     cols = shape[-1] // 2
-    mask = ew.dropout_hashed(torch.ones(h.shape, dtype=torch.float64, device=DEVICE), seed, p) != 0
-    keep, kept = mask.double() / (1 - p), mask.float() * ew.keep_threshold(p)[1]
+    mask = dropout_op.dropout_hashed(torch.ones(h.shape, dtype=torch.float64, device=DEVICE), seed, p) != 0
+    keep, kept = mask.double() / (1 - p), mask.float() * dropout_op.keep_threshold(p)[1]
     dh, dhd = (torch.randn(h.shape, generator=gen).to(DEVICE, dtype) for _ in range(2))
 
     def grad_of(fn, inputs):
@@ -237,15 +243,15 @@ def test_swiglu_dropped_is_swiglu_then_dropout_seeded(dtype, shape):
         return leaf.grad
 
     def loss64(a):
-        h64 = ew.swiglu_reference(a[..., :cols], a[..., cols:])
+        h64 = swiglu_op.swiglu_reference(a[..., :cols], a[..., cols:])
         return (h64 * dh.double()).sum() + (h64 * keep * dhd.double()).sum()
 
     def loss_fused(a):
-        h_, hd_ = ew.swiglu_dropped(a, seed, p)
+        h_, hd_ = swiglu_op.swiglu_dropped(a, seed, p)
         return (h_ * dh).float().sum() + (hd_ * dhd).float().sum()
 
     def loss_unfused(a):
-        h_ = ew.swiglu_joined(a)
+        h_ = swiglu_op.swiglu_joined(a)
         return (h_ * dh).float().sum() + (h_.float() * kept * dhd.float()).sum()
 
     slack = 3.0 if dtype == torch.bfloat16 and not gu.is_cuda else 1.5
@@ -264,15 +270,15 @@ def test_rope_qkv_gives_the_split_rope_bits_both_ways(hq, hk, d):
     angles = torch.randn(b, t, d // 2, generator=gen).repeat(1, 1, 2)
     cos, sin = angles.cos().to(DEVICE, torch.bfloat16), angles.sin().to(DEVICE, torch.bfloat16)
     grads = [torch.randn(b, t, h, d, generator=gen).to(DEVICE, torch.bfloat16) for h in (hq, hk, hk)]
-    assert ew.rope_qkv_ok(joined, cos)
+    assert rope_op.rope_qkv_ok(joined, cos)
 
     def run(fused):
         x = joined.detach().clone().requires_grad_(True)
         if fused:
-            outs = ew.rope_qkv(x, cos, sin, hq, hk)
+            outs = rope_op.rope_qkv(x, cos, sin, hq, hk)
         else:
             q, k, v = x.split([hq * d, hk * d, hk * d], dim=-1)
-            outs = (ew.apply_rope(q.reshape(b, t, hq, d), cos, sin), ew.apply_rope(k.reshape(b, t, hk, d), cos, sin),
+            outs = (rope_op.apply_rope(q.reshape(b, t, hq, d), cos, sin), rope_op.apply_rope(k.reshape(b, t, hk, d), cos, sin),
                     v.contiguous().view(b, t, hk, d))
         torch.autograd.backward(outs, grads)
         return outs, x.grad
@@ -290,13 +296,13 @@ def test_hashed_dropout_keeps_1_minus_p_independently():
     them, neighbours' keeps uncorrelated, another seed another mask, kept values x * scale."""
     seed, p = torch.tensor([123], device=DEVICE), 0.05
     x = torch.randn(256, 1000, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.float16)
-    y = ew.dropout_hashed(x, seed, p)
+    y = dropout_op.dropout_hashed(x, seed, p)
     keep = (y != 0).cpu().double()
     assert ((keep.view(-1, 16000).mean(1) - 0.95).abs() < 0.01).all()
     dropped = 1 - keep.flatten()
     assert abs((dropped[1:] * dropped[:-1]).mean().item() - 0.05**2) < 0.0015
-    assert (y != 0).ne(ew.dropout_hashed(x, seed + 1, p) != 0).double().mean().item() > 0.08
-    thr, scale = ew.keep_threshold(p)
+    assert (y != 0).ne(dropout_op.dropout_hashed(x, seed + 1, p) != 0).double().mean().item() > 0.08
+    thr, scale = dropout_op.keep_threshold(p)
     assert torch.equal(y[y != 0], (x[y != 0].float() * scale).to(torch.float16))
 
 
@@ -318,50 +324,50 @@ def test_dropout_matmuls_match_dropout_seeded_then_matmul(monkeypatch, dtype, t,
     g = torch.randn(t, r, generator=gen).to(DEVICE, dtype)
     out = torch.randn(t, d, generator=gen).to(DEVICE, dtype)
     seed, p = torch.tensor([4321 + t], device=DEVICE), 0.25
-    monkeypatch.setattr(ew, "DROP_MM_MIN_D", 128)  # the kernels take any width; training, where they win
-    assert ew.drop_matmul_ok(x, a)
+    monkeypatch.setattr(lora_dropout, "DROP_MM_MIN_D", 128)  # the kernels take any width; training, where they win
+    assert lora_dropout.drop_matmul_ok(x, a)
     keep = keep_mask(x.shape, seed, p, dtype).double() / (1 - p)
     assert abs(keep.gt(0).double().mean().item() - 0.75) < 0.03
     xd = x.double() * keep
-    xa = ew.drop_matmul(x, a, seed, p, 2.0)
+    xa = lora_dropout.drop_matmul(x, a, seed, p, 2.0)
     assert xa.dtype == dtype and rel(xa, 2.0 * xd @ a.double().t()) < 4e-3
     for bt, splits in ((64, 1), (16, 2)):  # the sweep's overrides of the split rules
-        assert rel(ew.drop_matmul(x, a, seed, p, 2.0, bt=bt, splits=splits), 2.0 * xd @ a.double().t()) < 4e-3
-    grad_a = ew.drop_matmul_grad(g, x, seed, p)
+        assert rel(lora_dropout.drop_matmul(x, a, seed, p, 2.0, bt=bt, splits=splits), 2.0 * xd @ a.double().t()) < 4e-3
+    grad_a = lora_dropout.drop_matmul_grad(g, x, seed, p)
     assert grad_a.dtype == torch.float32 and grad_a.shape == (r, d)
     assert rel(grad_a, g.double().t() @ xd) < 1e-5  # fp32 accumulation of exact products
-    assert rel(ew.drop_matmul_grad(g, x, seed, p, splits=1), g.double().t() @ xd) < 1e-5
+    assert rel(lora_dropout.drop_matmul_grad(g, x, seed, p, splits=1), g.double().t() @ xd) < 1e-5
     # into=: added to what is there, the bits of `into += product`, one split or several
     for splits in (1, None):
         before = torch.randn(r, d, generator=torch.Generator().manual_seed(3)).to(DEVICE)
         into = before.clone()
-        assert ew.drop_matmul_grad(g, x, seed, p, splits=splits, into=into) is into
-        assert torch.equal(into, before + ew.drop_matmul_grad(g, x, seed, p, splits=splits)), splits
+        assert lora_dropout.drop_matmul_grad(g, x, seed, p, splits=splits, into=into) is into
+        assert torch.equal(into, before + lora_dropout.drop_matmul_grad(g, x, seed, p, splits=splits)), splits
     want = out.double() + (g.double() @ a.double()) * keep
-    ew.matmul_drop_add_(out, g, a, seed, p)
+    lora_dropout.matmul_drop_add_(out, g, a, seed, p)
     assert rel(out, want) < 4e-3
     # another seed, another mask
-    assert not torch.equal(xa, ew.drop_matmul(x, a, seed + 1, p, 2.0))
+    assert not torch.equal(xa, lora_dropout.drop_matmul(x, a, seed + 1, p, 2.0))
     # the split kernels' last programs summed the partials and left their counters at zero
-    counters = ew._COUNTERS[x.device]
+    counters = lora_dropout._COUNTERS[x.device]
     assert counters.abs().sum().item() == 0
-    assert torch.equal(ew.drop_matmul(x, a, seed, p, 2.0, bt=16, splits=2), ew.drop_matmul(x, a, seed, p, 2.0, bt=16, splits=2))
+    assert torch.equal(lora_dropout.drop_matmul(x, a, seed, p, 2.0, bt=16, splits=2), lora_dropout.drop_matmul(x, a, seed, p, 2.0, bt=16, splits=2))
 
 
 def test_dropout_matmul_takes_what_its_kernels_can():
     x = torch.zeros(8, 2048, dtype=torch.float16, device=DEVICE)
     a = torch.zeros(16, 2048, dtype=torch.float16, device=DEVICE)
     usable = RUNS_TRITON
-    assert ew.drop_matmul_ok(x, a) == usable
-    assert not ew.drop_matmul_ok(x[:, :1920].contiguous(), a[:, :1920].contiguous())  # narrower: cuBLAS wins
-    assert not ew.drop_matmul_ok(x.float(), a.float())  # fp32: cuBLAS's fp32 matmuls
+    assert lora_dropout.drop_matmul_ok(x, a) == usable
+    assert not lora_dropout.drop_matmul_ok(x[:, :1920].contiguous(), a[:, :1920].contiguous())  # narrower: cuBLAS wins
+    assert not lora_dropout.drop_matmul_ok(x.float(), a.float())  # fp32: cuBLAS's fp32 matmuls
     x2112 = torch.zeros(8, 2112, dtype=torch.float16, device=DEVICE)  # rows not in 128-column blocks
-    assert not ew.drop_matmul_ok(x2112, torch.zeros(16, 2112, dtype=torch.float16, device=DEVICE))
-    assert not ew.drop_matmul_ok(x, torch.zeros(ew.DROP_MM_MAX_R + 1, 2048, dtype=torch.float16, device=DEVICE))
-    assert not ew.drop_matmul_ok(x.t(), a[:, :8].contiguous())  # not contiguous
+    assert not lora_dropout.drop_matmul_ok(x2112, torch.zeros(16, 2112, dtype=torch.float16, device=DEVICE))
+    assert not lora_dropout.drop_matmul_ok(x, torch.zeros(lora_dropout.DROP_MM_MAX_R + 1, 2048, dtype=torch.float16, device=DEVICE))
+    assert not lora_dropout.drop_matmul_ok(x.t(), a[:, :8].contiguous())  # not contiguous
 
 
-@pytest.mark.skipif(ew.triton is None or os.environ.get("TRITON_INTERPRET") == "1",
+@pytest.mark.skipif(triton_util.triton is None or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="needs Triton, compiling (no GPU needed: it compiles for sm_90)")
 @pytest.mark.parametrize("kernel, ints", [("_drop_mm", "cols_per_split"), ("_drop_mm_grad", "rows_per_split"),
                                           ("_mm_drop_add", "")])
@@ -371,7 +377,7 @@ def test_dropout_matmul_kernels_compile_for_hopper(kernel, ints):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = getattr(ew, kernel)
+    fn = getattr(lora_dropout, kernel)
     names = list(fn.arg_names)
     pointers = {"X": "*bf16", "A": "*bf16", "G": "*bf16", "SEED": "*i64", "PART": "*fp32", "COUNT": "*i32",
                 "OUT": "*fp32" if kernel == "_drop_mm_grad" else "*bf16"}
@@ -382,5 +388,5 @@ def test_dropout_matmul_kernels_compile_for_hopper(kernel, ints):
     for bt, rp, acc in ((16, 32, False), (64, 128, True)):
         constants = {"BT": bt, "RP": rp, **({"ACC": acc} if "ACC" in names else {})}  # ACC: _drop_mm_grad's into=
         src = ASTSource(fn, sig, constants, attrs)
-        compiled = ew.triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        compiled = triton_util.triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         assert ".entry" in compiled.asm["ptx"]

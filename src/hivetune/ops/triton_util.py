@@ -1,0 +1,51 @@
+"""What the Triton ops share: the optional Triton import, the fused_ops switch, and fused_ok,
+the one test each op's wrapper asks before it takes its kernel instead of its PyTorch
+reference (CPUs, fp32, no Triton, fused_ops false, HIVETUNE_REFERENCE=fused_layers).
+
+Why the ops have kernels (ops.norm, rope, swiglu, dropout, lora_dropout): in eager PyTorch each
+is 5-12 small kernels forward and as many backward, about 40% of a W1 step's ~3,300 kernels;
+under CUDA graphs each kernel still costs a few microseconds of GPU time, and the reference
+norm keeps fp32 copies of its input (W2: ~5 GB). Layers in each op's file: Triton kernel ->
+autograd Function -> functional wrapper choosing the kernel or the reference."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hivetune.core.fallbacks import forced, note_fallback
+
+try:  # Triton is optional: CPUs, ROCm builds without it, old GPUs take the references
+    import triton
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+_HALF = (torch.bfloat16, torch.float16)
+_FUSED_OPS = True  # the config key fused_ops, set once by train setup (set_fused_ops)
+
+
+def set_fused_ops(on: bool) -> None:
+    """The config key fused_ops: false makes every op take its PyTorch reference."""
+    global _FUSED_OPS
+    _FUSED_OPS = bool(on)
+
+
+def fused_ok(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels take this tensor (else the PyTorch reference runs): bf16 / fp16
+    on a GPU (or a CPU under TRITON_INTERPRET=1, for tests), Triton installed, fused_ops on and
+    no HIVETUNE_REFERENCE=fused_layers (or all)."""
+    if x.dtype not in _HALF or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    if not _FUSED_OPS or forced("fused_layers"):
+        note_fallback("fused_layers", "fused RMSNorm / RoPE / SwiGLU", "asked for the reference", "PyTorch ops")
+        return False
+    if triton is None:
+        note_fallback("fused_layers", "fused RMSNorm / RoPE / SwiGLU", "Triton is not installed", "PyTorch ops")
+        return False
+    return True
+
+
+def elementwise_grid(n: int, block: int) -> tuple[int]:
+    """A 1-D launch grid covering n elements, `block` a program."""
+    return (triton.cdiv(n, block),)
