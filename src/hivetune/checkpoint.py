@@ -33,18 +33,16 @@ from pathlib import Path
 
 import torch
 
-from hivetune.core.config import to_dict
+from hivetune.core.config import load_config, load_run_config, to_dict
 from hivetune.core.errors import UserError
-from hivetune.core.fileio import (atomic_write_bytes, confined, disk_error_message, fsync_dir, is_disk_error,
-                             recover_folder)
+from hivetune.core.fileio import (LOCK_NAME, RUN_FORMAT, RUN_MARKER, atomic_write_bytes, confined,
+                                  disk_error_message, fsync_dir, is_disk_error, pause_for_tests, recover_folder,
+                                  run_marker_format, write_run_marker)
 from hivetune.model.lora import ADAPTER_WEIGHTS, lora_modules, save_adapter
 
 MANIFEST = "manifest.json"
 STATE = "trainer_state.pt"
 FORMAT = 1
-# Tests set this to a number of seconds to sleep between the files of a checkpoint, so that a
-# SIGKILL at a random moment often lands in the middle of writing one.
-SLOW_ENV = "HIVETUNE_TEST_SLOW_CHECKPOINT"
 # The run's adapter folders, each replaced whole (fileio.write_folder_atomically): the final
 # adapter/ and, with early stopping, best_adapter/.
 ADAPTER_FOLDERS = ("adapter", "best_adapter")
@@ -87,12 +85,6 @@ def restore_rng(state: dict) -> None:
             torch.cuda.set_rng_state(s, i)
 
 
-def _pause() -> None:
-    seconds = float(os.environ.get(SLOW_ENV) or 0)
-    if seconds > 0:
-        time.sleep(seconds)
-
-
 def save_checkpoint(run, step: int, counters: dict, gathered: tuple | None = None) -> Path:
     """Write checkpoints/step-NNNNNN/ atomically (see the module docstring); keep the last
     cfg.keep_checkpoints. `counters`: loop totals to restore with the step (skipped steps...).
@@ -132,7 +124,7 @@ def _write_checkpoint(run, step: int, counters: dict, root: Path, tmp: Path, gat
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_adapter(run.model, run.spec, tmp, str(run.model_path), tensors=tensors)  # each file fsynced
-    _pause()
+    pause_for_tests()
     state = {
         "format": FORMAT, "step": step, "plan_length": len(run.steps), "plan_sha256": plan_hash(run.steps),
         "examples": len(run.data), "config_sha256": config_hash(run.folder),
@@ -143,13 +135,13 @@ def _write_checkpoint(run, step: int, counters: dict, root: Path, tmp: Path, gat
     buffer = io.BytesIO()
     torch.save(state, buffer)
     atomic_write_bytes(tmp / STATE, buffer.getvalue())
-    _pause()
+    pause_for_tests()
     files = sorted(p.name for p in tmp.iterdir())
     manifest = {"format": FORMAT, "step": step, "config_sha256": state["config_sha256"],
                 "files": {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in files}}
     atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks it complete
     fsync_dir(tmp)
-    _pause()
+    pause_for_tests()
 
 
 def _discard(folder: Path) -> None:
@@ -313,12 +305,68 @@ def truncate_metrics(path: Path, step: int) -> None:
     atomic_write_bytes(path, "".join(kept).encode())
 
 
+# ---- which folders are run folders ---------------------------------------------------------------
+
+def existing_run(folder: Path, key: str = "output_dir") -> bool:
+    """Whether `folder` holds a run of hivetune's to go on with (True), or is new or empty (False).
+    A folder holding files hivetune did not write is refused with a UserError naming the folder and
+    why; nothing in it is touched. A run folder carries RUN_MARKER, written first; one written
+    before the marker existed is recognised by a checkpoint whose manifest names the sha256 of its
+    config.yaml (only hivetune writes those two together)."""
+    folder = Path(folder)
+    if not folder.exists():
+        return False
+    if not folder.is_dir():
+        raise UserError(f"{key}: {folder} is a file, not a folder")
+    others = sorted(p.name for p in folder.iterdir() if p.name not in (RUN_MARKER, LOCK_NAME))
+    marker = run_marker_format(folder)
+    if marker is not None and marker > RUN_FORMAT:
+        raise UserError(f"{key}: {folder} is a run folder of a newer hivetune (format {marker}; this one "
+                        f"reads {RUN_FORMAT}); upgrade hivetune or choose another folder")
+    if marker is not None and (folder / "config.yaml").is_file():
+        return True
+    if not others:
+        return False  # empty, or marked by a process killed before it wrote config.yaml
+    if marker is None and legacy_run(folder):
+        return True
+    why = ("a run marker but no config.yaml" if marker is not None
+           else f"files hivetune did not write (no {RUN_MARKER} marker)")
+    listing = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
+    raise UserError(f"{key}: {folder} holds {why}: {listing}; it is not a run folder, nothing was changed; "
+                    f"choose another folder")
+
+
+def legacy_run(folder: Path) -> bool:
+    """A run folder written before RUN_MARKER: config.yaml, and a checkpoint whose manifest.json
+    holds that config.yaml's sha256."""
+    if not (folder / "config.yaml").is_file():
+        return False
+    digest = config_hash(folder)
+    for checkpoint in checkpoint_folders(folder / "checkpoints"):
+        try:
+            manifest = json.loads((checkpoint / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(manifest, dict) and manifest.get("config_sha256") == digest:
+            return True
+    return False
+
+
+def read_run_config(path: Path, overrides: dict | None = None):
+    """load_run_config, its errors naming the file: '<path>: unknown key ...'."""
+    try:
+        return load_run_config(path, overrides)
+    except UserError as e:
+        text = str(e)
+        if text.startswith(str(path)):
+            raise
+        raise UserError(f"{path}: {text}") from None
+
+
 def resume_point(folder: Path, cfg) -> Path | None:
     """For an output folder that already holds a run (config.yaml): refuse when its config
     differs from `cfg`, else return its newest valid checkpoint (None: start again at step 0)."""
-    from hivetune.core.config import load_run_config
-
-    diff = config_diff(load_run_config(folder / "config.yaml"), cfg)
+    diff = config_diff(read_run_config(folder / "config.yaml"), cfg)
     if diff:
         raise UserError(f"output_dir: {folder} holds a run with another config ({'; '.join(diff)}); "
                         f"choose another output, or resume it as it was with --resume {folder}")
@@ -335,6 +383,8 @@ def resume_run(run, checkpoint: Path | None) -> None:
     only rank 0 touches files (another rank's rewrite of metrics.jsonl would race rank 0's appends)."""
     main = getattr(getattr(run, "parallel", None), "is_main", True)
     if main:
+        if run_marker_format(run.folder) is None:  # a run folder of an earlier hivetune (legacy_run)
+            write_run_marker(run.folder)
         remove_leftovers(run.folder / "checkpoints")
         for name in ADAPTER_FOLDERS:  # killed while replacing one: the old one back, temp folders gone
             recover_folder(run.folder / name)
@@ -355,18 +405,16 @@ def resume_config(run_folder: str | Path, config_path: str | None, overrides: di
     """`hivetune train --resume RUN`: RUN's saved config. Flags or a --config that would change
     it are refused with the keys they change: a resumed run continues the run it was. Only
     RUNTIME_KEYS (threads, device, skip_doctor) may be given anew; config.yaml stays as written."""
-    from hivetune.core.config import load_config, load_run_config
-
     folder = Path(run_folder)
     path = folder / "config.yaml"
-    if not path.is_file():
+    if not existing_run(folder, "--resume"):
         raise UserError(f"--resume: {folder} is not a run folder (no config.yaml)")
-    saved = load_run_config(path)
+    saved = read_run_config(path)
     output = overrides.get("output_dir")
     if output and Path(output).resolve() != folder.resolve():
         raise UserError(f"--output: {output} is not the resumed run {folder}; leave --output out")
     if config_path or overrides:
-        wanted = load_config(config_path, overrides) if config_path else load_run_config(path, overrides)
+        wanted = load_config(config_path, overrides) if config_path else read_run_config(path, overrides)
         diff = config_diff(saved, wanted)
         if diff:
             raise UserError(f"--resume: a resumed run keeps its config; these flags change it: {'; '.join(diff)}")

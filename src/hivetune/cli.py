@@ -142,6 +142,7 @@ def train_overrides(ns: argparse.Namespace) -> dict:
 def run_train(ns) -> int:
     from hivetune.checkpoint import resume_config
     from hivetune.core.config import TrainConfig, load_config
+    from hivetune.core.fileio import release_run_locks
     from hivetune.train.loop import TrainingStopped, train
 
     if ns.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
@@ -164,6 +165,8 @@ def run_train(ns) -> int:
     except TrainingStopped as e:  # SIGINT / SIGTERM: the step finished and was checkpointed
         print(f"hivetune: stopped at step {e.step}; resume with: hivetune train --resume {e.folder}", file=sys.stderr)
         return 128 + (e.signum or 2)  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
+    finally:
+        release_run_locks()  # on every exit path: no .hivetune.lock stays behind
     if int(os.environ.get("RANK", "0") or 0) == 0:
         print_train_summary(result)
     return 0

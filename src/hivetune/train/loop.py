@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from hivetune.checkpoint import load_lora_weights, resume_point, resume_run, save_checkpoint
+from hivetune.checkpoint import existing_run, load_lora_weights, resume_point, resume_run, save_checkpoint
 from hivetune.core.config import TrainConfig, save_config, step_order
 from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset, plan_steps
@@ -35,7 +35,8 @@ from hivetune.core.fastpath import (adamw, clip_grad_norm, forced, fused_lora_us
                                quiet_gc)
 from hivetune.core.embedded import default_heldout_data, default_train_data, embedded_model_path
 from hivetune.core.errors import UserError
-from hivetune.core.fileio import atomic_write_bytes, check_writable, hold_run_lock, write_folder_atomically
+from hivetune.core.fileio import (atomic_write_bytes, check_writable, create_run_folder, hold_run_lock,
+                                  write_folder_atomically)
 from hivetune.core.metrics import MetricsSink, require_tensorboard
 from hivetune.model.decoder import CausalLM
 from hivetune.model.load import load_args, load_model
@@ -121,9 +122,7 @@ def new_run_folder(cfg: TrainConfig) -> Path:
     """The run folder: new, empty, or a run folder (config.yaml) to resume (checked in setup)."""
     if cfg.output_dir:
         folder = Path(cfg.output_dir)
-        if (folder.exists() and (not folder.is_dir() or any(folder.iterdir()))
-                and not (folder / "config.yaml").is_file()):
-            raise UserError(f"output_dir: {folder} already exists and is not empty; choose another")
+        existing_run(folder)  # refuses a folder holding files hivetune did not write
     else:
         folder = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
     check_writable(folder)
@@ -254,7 +253,7 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
     if parallel.is_main:
-        folder.mkdir(parents=True, exist_ok=True)
+        create_run_folder(folder)  # its marker first: the folder is hivetune's
         if not (folder / "config.yaml").exists():  # a resumed run's stays as written: checkpoints hash it
             save_config(cfg, folder / "config.yaml")
     distributed.barrier(parallel)
