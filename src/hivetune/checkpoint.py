@@ -161,9 +161,40 @@ def checkpoint_folders(root: Path) -> list[Path]:
 
 
 def prune_checkpoints(root: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints (complete: a checkpoint that cannot be loaded
+    does not count). Older ones go, and so does an incomplete one older than the newest complete
+    one; nothing newer than that one is touched, so the last loadable checkpoint always stays."""
     folders = checkpoint_folders(root)
-    for stale in folders[: max(0, len(folders) - keep)]:
-        _discard(stale)
+    complete = [f for f in folders if not incomplete(f)]
+    if not complete:
+        return
+    kept, newest = complete[-max(1, keep):], _step_of(complete[-1])
+    for stale in folders:
+        if stale not in kept and _step_of(stale) < newest:
+            _discard(stale)
+
+
+def _step_of(folder: Path) -> int:
+    return int(folder.name[5:])
+
+
+def incomplete(folder: Path) -> str:
+    """Why `folder` cannot be a loadable checkpoint, from its manifest and file sizes alone
+    (verify_checkpoint hashes every file too, before a load); "" when it may be."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest.json"
+    except (OSError, ValueError) as e:
+        return f"unreadable manifest.json ({e})"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or STATE not in files or ADAPTER_WEIGHTS not in files:
+        return "manifest.json does not list the checkpoint's files"
+    for name, expected in files.items():
+        path = folder / str(name)
+        if not isinstance(expected, dict) or not path.is_file() or path.stat().st_size != expected.get("bytes"):
+            return f"{name} is missing or of another size"
+    return ""
 
 
 def remove_leftovers(root: Path) -> None:
