@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, FORMAT_NAMES, chat_spans, decode_json_file,
-                                   encode_record, is_json_array, open_data_file,
+                                   encode_record, is_json_array, json_type, open_data_file,
                                    parse_jsonl_line)
 from hivetune.core.errors import UserError
 
@@ -66,7 +66,7 @@ def _array_lines(path: Path, raw: bytes):
         if isinstance(record, dict):
             yield Line(i, None, record)
         else:
-            yield Line(i, None, None, f"item {i}: expected a JSON object, got {type(record).__name__}")
+            yield Line(i, None, None, f"item {i}: expected a JSON object, got {json_type(record)}")
 
 
 def check_format_name(fmt: str) -> str | None:
