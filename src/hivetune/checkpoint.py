@@ -265,9 +265,11 @@ def load_lora_weights(model, folder: Path) -> None:
                 p.copy_(t)
 
 
-def load_checkpoint(run, folder: Path) -> dict:
+def load_checkpoint(run, folder: Path, totals: bool = False) -> dict:
     """Restore LoRA weights, optimizer, scheduler, scaler and RNG from `folder` into `run`;
-    return the state's step and counters. Call it last before the loop: it sets the RNG."""
+    return the state's step and counters. Call it last before the loop: it sets the RNG.
+    `totals`: include the run's time and tokens so far (TOTALS; a resume wants them, a rollback
+    within the same process goes on counting its own)."""
     state = torch.load(folder / STATE, map_location="cpu", weights_only=True)
     where = f"{folder}"
     if state.get("format") != FORMAT:
@@ -295,7 +297,25 @@ def load_checkpoint(run, folder: Path) -> dict:
     if run.scaler is not None and state["scaler"]:
         run.scaler.load_state_dict(state["scaler"])
     restore_rng(state["rng"])
-    return {"step": state["step"], **state["counters"]}
+    counters = {k: v for k, v in state["counters"].items() if totals or k not in TOTALS}
+    return {"step": state["step"], **counters}
+
+
+# The run's training time and tokens over all its parts (a run resumed after a kill is several
+# processes), kept in each checkpoint's counters so the summary covers the whole run.
+TOTALS = ("run_seconds", "run_tokens")
+
+
+def with_totals(counters: dict, seconds: float, tokens: int) -> dict:
+    """`counters` with TOTALS covering this part too: its `seconds` and `tokens` added to those
+    of the parts before it (restored by resume_run)."""
+    before_s, before_t = run_totals(counters, 0.0, 0)
+    return {**counters, "run_seconds": before_s + seconds, "run_tokens": before_t + tokens}
+
+
+def run_totals(counters: dict, seconds: float, tokens: int) -> tuple[float, int]:
+    """(seconds, tokens) of the whole run: this part's plus those of the parts before it."""
+    return counters.get("run_seconds", 0.0) + seconds, counters.get("run_tokens", 0) + tokens
 
 
 def flat_config(cfg) -> dict:
@@ -424,7 +444,7 @@ def resume_run(run, checkpoint: Path | None) -> None:
             print(f"hivetune: warning: {run.folder} has no valid checkpoint; starting again at step 0", file=sys.stderr)
             truncate_metrics(run.folder / "metrics.jsonl", 0)
         return
-    counters = load_checkpoint(run, checkpoint)
+    counters = load_checkpoint(run, checkpoint, totals=True)
     run.start_step = counters.pop("step")
     run.counters = counters
     if main:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from hivetune.checkpoint import existing_run, load_lora_weights, resume_point, resume_run, save_checkpoint
+from hivetune.checkpoint import (existing_run, load_lora_weights, resume_point, resume_run, run_totals,
+                                 save_checkpoint, with_totals)
 from hivetune.core.config import TrainConfig, save_config, step_order
 from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset, plan_steps
@@ -568,7 +569,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
                 write_metrics(run, validate_step(run, done, counters))
                 stop_early = 0 < cfg.early_stopping_patience <= counters["evals_since_best"]
             if signalled or (cfg.save_every and (save_now or stop_early)):
-                save_all_ranks(run, done, counters)
+                save_all_ranks(run, done, with_totals(counters, time.perf_counter() - t_start, tokens_done))
             if signalled or done == stop_after:
                 bar.close()
                 raise TrainingStopped(done, (stop.signum or signal.SIGTERM) if signalled else None, run.folder)
@@ -581,6 +582,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
             step = done
 
     seconds = time.perf_counter() - t_start
+    seconds, tokens_done = run_totals(counters, seconds, tokens_done)  # the whole run, across resumes
     bar.close()
     if cfg.early_stopping_patience and (run.folder / BEST_ADAPTER).is_dir():
         load_lora_weights(model, run.folder / BEST_ADAPTER)  # the adapter of the best validation loss
