@@ -356,6 +356,72 @@ def truncate_metrics(path: Path, step: int) -> None:
     atomic_write_bytes(path, "".join(kept).encode())
 
 
+# ---- when to save, and saving on a failure -----------------------------------------------------
+
+class SaveSchedule:
+    """When fit writes a checkpoint: every cfg.save_every steps, every cfg.save_every_minutes of
+    training, and at the last step when either is set. The clock counts in one process only:
+    under torchrun each rank would read its own and they could disagree on a collective save."""
+
+    def __init__(self, cfg, total_steps: int, one_process: bool = True, clock=time.monotonic):
+        self.every, self.total, self.clock = cfg.save_every, total_steps, clock
+        self.seconds = cfg.save_every_minutes * 60 if one_process else 0
+        self.last = clock()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.every or self.seconds)
+
+    def due(self, done: int) -> bool:
+        """Whether to save after step `done`; a True restarts the minutes."""
+        due = (bool(self.every) and done % self.every == 0) or (self.enabled and done == self.total)
+        if self.seconds and not due:
+            due = self.clock() - self.last >= self.seconds
+        if due:
+            self.last = self.clock()
+        return due
+
+
+class TrainingFailed(Exception):
+    """fit stopped by an exception (not a signal, not a UserError): str() is the one line to
+    print, naming the cause, what was saved and the command that resumes."""
+
+
+class SaveOnError:
+    """Around fit's loop: on an exception, write the last completed step's state (`progress()`:
+    (step, counters)) with `save(step, counters)` after `flush()` (metrics the loop holds back),
+    then raise TrainingFailed. `passthrough`: exceptions that are not failures (a signal's stop).
+    Under torchrun nothing is saved (the other ranks wait in a collective); the last periodic
+    checkpoint is named."""
+
+    def __init__(self, run, progress, save, flush=None, passthrough: tuple = ()):
+        self.run, self.progress, self.save, self.flush, self.passthrough = run, progress, save, flush, passthrough
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if not isinstance(e, Exception) or isinstance(e, (UserError, *self.passthrough)):
+            return False
+        cause = f"{type(e).__name__}: {e}".strip().splitlines()[0]
+        done, counters = self.progress()
+        kept, why = None, ""
+        if done > self.run.start_step and not self.run.parallel.enabled:
+            try:  # the device or the disk that failed the step may fail this too
+                if self.flush is not None:
+                    self.flush()
+                done, counters = self.progress()
+                self.save(self.run, done, counters)
+                kept = f"saved the checkpoint of step {done}"
+            except Exception as err:
+                why = f" (saving step {done} failed: {type(err).__name__})"
+        if kept is None:
+            last = checkpoint_folders(self.run.folder / "checkpoints")
+            kept = (f"the last checkpoint is {last[-1].name}" if last else "no checkpoint was written") + why
+        raise TrainingFailed(f"training failed after step {done} ({cause}); {kept}; resume with: "
+                             f"hivetune train --resume {self.run.folder}") from e
+
+
 # ---- which folders are run folders ---------------------------------------------------------------
 
 def existing_run(folder: Path, key: str = "output_dir") -> bool:

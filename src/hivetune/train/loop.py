@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from hivetune.checkpoint import (existing_run, load_lora_weights, resume_point, resume_run, run_totals,
-                                 save_checkpoint, with_totals)
+from hivetune.checkpoint import (SaveOnError, SaveSchedule, existing_run, load_lora_weights, resume_point, resume_run,
+                                 run_totals, save_checkpoint, with_totals)
 from hivetune.core.config import TrainConfig, save_config, step_order
 from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.data.dataset import DatasetIndex, TokenizedExamples, index_dataset, plan_steps
@@ -484,7 +484,13 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     # CUDA with fused AdamW: a non-finite step is skipped by the optimizer kernel itself (its
     # found_inf input), so no step waits for the GPU; the host reads what happened in batches.
     ledger = StepLedger(deferred=defer_steps(run), started=t_start)
-    with _stop_signals() as stop, (run.sink or nullcontext()), quiet_gc():
+    saves = SaveSchedule(cfg, len(run.steps), one_process=not parallel.enabled)
+    # An exception in a step: save the last completed step, then one line (TrainingFailed).
+    on_error = SaveOnError(run, lambda: (done, with_totals(counters, time.perf_counter() - t_start, tokens_done)),
+                           save_all_ranks, flush=lambda: ledger.pending and [
+                               write_metrics(run, r) for r in ledger.read(counters, cfg.max_bad_steps)[0]],
+                           passthrough=(TrainingStopped,))
+    with _stop_signals() as stop, (run.sink or nullcontext()), quiet_gc(), on_error:
         while step < len(run.steps):
             example_ids = run.steps[step]
             n_targets = sum(run.data.n_targets[i] for i in example_ids)  # the whole step's, all ranks
@@ -548,7 +554,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
                 t_log, tokens_since_log, samples_since_log = now, 0, 0
             ledger.add(finite, record, signal_flag, step_tokens, len(example_ids))
             validate = run.val is not None and (done == len(run.steps) or (cfg.eval_every and done % cfg.eval_every == 0))
-            save_now = bool(cfg.save_every) and (done % cfg.save_every == 0 or done == len(run.steps))
+            save_now = saves.due(done)
             if not ledger.due(validate or save_now or done == len(run.steps) or done == stop_after or signal_flag is True):
                 step = done
                 continue
@@ -568,7 +574,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
             if validate:
                 write_metrics(run, validate_step(run, done, counters))
                 stop_early = 0 < cfg.early_stopping_patience <= counters["evals_since_best"]
-            if signalled or (cfg.save_every and (save_now or stop_early)):
+            if signalled or save_now or (saves.enabled and stop_early):
                 save_all_ranks(run, done, with_totals(counters, time.perf_counter() - t_start, tokens_done))
             if signalled or done == stop_after:
                 bar.close()
