@@ -108,7 +108,7 @@ def save_checkpoint(run, step: int, counters: dict, gathered: tuple | None = Non
         saved = checkpoint_folders(root)
         last = (f"the last checkpoint, {saved[-1]}, is intact; make room, then resume with "
                 f"hivetune train --resume {run.folder}") if saved else "no earlier checkpoint exists"
-        raise UserError(f"{disk_error_message(e, f'checkpoint of step {step}')}; {last}") from None
+        raise UserError(f"{disk_error_message(e, f'checkpoint of step {step}', root)}; {last}") from None
     try:
         fsync_dir(root)
         prune_checkpoints(root, run.cfg.keep_checkpoints)
@@ -149,6 +149,7 @@ def _discard(folder: Path) -> None:
     trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}")
     shutil.rmtree(trash, ignore_errors=True)
     os.rename(folder, trash)
+    pause_for_tests()
     shutil.rmtree(trash, ignore_errors=True)
 
 

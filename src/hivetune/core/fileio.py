@@ -179,10 +179,12 @@ def is_disk_error(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in DISK_ERRNOS
 
 
-def disk_error_message(e: OSError, what: str = "") -> str:
-    """'checkpoint: cannot write runs/x/...: No space left on device (ENOSPC)'."""
+def disk_error_message(e: OSError, what: str = "", folder: Path | None = None) -> str:
+    """'checkpoint: cannot write runs/x/...: No space left on device (ENOSPC)'; `folder` names
+    where, when the error has no file name (a write() that found the disk full)."""
     name = errno.errorcode.get(e.errno, str(e.errno))
-    where = f" {e.filename}" if e.filename else ""
+    filename = e.filename or folder
+    where = f" {filename}" if filename else ""
     return f"{what + ': ' if what else ''}cannot write{where}: {e.strerror or e} ({name})"
 
 
