@@ -17,6 +17,12 @@ plan's length and hash are stored to catch a changed data file.
 
 ``trainer_state.pt`` holds only tensors, dicts, lists, numbers and None, so it loads with
 ``torch.load(weights_only=True)``: loading a checkpoint never runs pickled code.
+
+Keeping: the newest ``keep_checkpoints`` complete ones; an incomplete one goes only once a newer
+complete one exists (prune_checkpoints). When: every ``save_every`` steps, every
+``save_every_minutes`` and at the end (SaveSchedule); on an exception in a step, the last
+completed step (SaveOnError). A run folder is one hivetune marked (existing_run): --output and
+--resume touch no other folder.
 """
 
 from __future__ import annotations
