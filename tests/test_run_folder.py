@@ -50,8 +50,9 @@ def user_folder(tmp_path: Path) -> Path:
 def test_a_users_folder_is_refused_by_output_and_resume(tiny_model_dir, data, tmp_path, capsys):
     d = user_folder(tmp_path)
     before = snapshot(d)
-    why = (f"{d} holds files hivetune did not write (no {RUN_MARKER} marker): config.yaml, metrics.jsonl; "
-           f"it is not a run folder, nothing was changed; choose another folder")
+    why = (f"{d} holds files hivetune did not write (no {RUN_MARKER} marker, no checkpoint made from its "
+           f"config.yaml): config.yaml, metrics.jsonl; it is not a run folder, nothing was changed; "
+           f"choose another folder")
     assert main(cli_args(tiny_model_dir, data, d, "--max-steps", "1")) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"hivetune: error: output_dir: {why}"]
     assert main(["train", "--resume", str(d), "--quiet"]) == 2
@@ -109,9 +110,9 @@ def test_a_run_folder_without_marker_or_checkpoint_is_refused(tiny_model_dir, da
     capsys.readouterr()
     assert main(["train", "--resume", str(old), "--quiet"]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"hivetune: error: --resume: {old} holds files hivetune did not write (no {RUN_MARKER} marker): "
-        f"adapter, config.yaml, metrics.jsonl, summary.json; it is not a run folder, nothing was changed; "
-        f"choose another folder")
+        f"hivetune: error: --resume: {old} holds files hivetune did not write (no {RUN_MARKER} marker, no "
+        f"checkpoint made from its config.yaml): adapter, config.yaml, metrics.jsonl, summary.json; it is not a "
+        f"run folder, nothing was changed; choose another folder")
     assert snapshot(old) == before
 
 

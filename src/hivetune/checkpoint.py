@@ -453,8 +453,12 @@ def existing_run(folder: Path, key: str = "output_dir") -> bool:
         return False  # empty, or marked by a process killed before it wrote config.yaml
     if marker is None and legacy_run(folder):
         return True
-    why = ("a run marker but no config.yaml" if marker is not None
-           else f"files hivetune did not write (no {RUN_MARKER} marker)")
+    if marker is not None:
+        why = "a run marker but no config.yaml"
+    elif (folder / "config.yaml").exists():
+        why = f"files hivetune did not write (no {RUN_MARKER} marker, no checkpoint made from its config.yaml)"
+    else:
+        why = f"files hivetune did not write (no {RUN_MARKER} marker)"
     listing = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
     raise UserError(f"{key}: {folder} holds {why}: {listing}; it is not a run folder, nothing was changed; "
                     f"choose another folder")
