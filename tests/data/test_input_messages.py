@@ -75,3 +75,14 @@ def test_train_names_the_record_that_is_not_an_object(body, message, tiny_model_
                  "--quiet", "--device", "cpu", "--max-steps", "1"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"hivetune: error: {message.format(p=path)}"]
     assert not (tmp_path / "run").exists()
+
+
+def test_split_drops_the_bom_from_the_records_it_copies(tmp_path):
+    from hivetune.data.split import split_file
+
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(BOM + jsonl_bytes(RECORDS))
+    split_file(path, 0.5, 0, tmp_path / "train.jsonl", tmp_path / "heldout.jsonl")
+    written = (tmp_path / "train.jsonl").read_bytes() + (tmp_path / "heldout.jsonl").read_bytes()
+    assert BOM not in written
+    assert sorted(written.splitlines()) == sorted(jsonl_bytes(RECORDS).splitlines())
