@@ -396,7 +396,7 @@ class TrainingFailed(Exception):
 
 class SaveOnError:
     """Around fit's loop: on an exception, write the last completed step's state (`progress()`:
-    (step, counters)) with `save(step, counters)` after `flush()` (metrics the loop holds back),
+    (step, counters)) with `save(run, step, counters)` after `flush()` (metrics held back),
     then raise TrainingFailed. `passthrough`: exceptions that are not failures (a signal's stop).
     Under torchrun nothing is saved (the other ranks wait in a collective); the last periodic
     checkpoint is named."""
