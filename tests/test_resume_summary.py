@@ -32,7 +32,9 @@ def test_a_resume_with_only_the_adapter_left_reports_the_whole_run(tiny_model_di
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 6
     assert summary["train_seconds"] >= round(part["run_seconds"], 2) > 0
-    assert summary["tokens_per_s"] * summary["train_seconds"] == pytest.approx(tokens, rel=0.02)
+    tps, secs = summary["tokens_per_s"], summary["train_seconds"]
+    rounding = tps * 0.005 + secs * 0.05  # summary.json rounds seconds to 0.01 and tokens/s to 0.1
+    assert abs(tps * secs - tokens) <= rounding + 0.01 * tokens
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("trained"))
     assert line.startswith(f"trained 6 steps in {summary['train_seconds']:.1f} s  ({summary['tokens_per_s']:,.0f} "
                            f"tokens/s")
