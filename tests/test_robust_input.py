@@ -155,7 +155,7 @@ HOSTILE = {
     "deep_array_file": (b"[" * 100_000 + b"]" * 100_000, "{p}: malformed JSON (nested too deeply)"),
     "huge_integer": (b'{"text": "a", "n": 1' + b"0" * 5000 + b"}\n",
                      "{p}:1: malformed JSON (Exceeds the limit (4300 digits) for integer string conversion)"),
-    "nan_field": (b'{"instruction": NaN, "output": "b"}\n', "{p}:1: field 'instruction' must be a string, got float"),
+    "nan_field": (b'{"instruction": NaN, "output": "b"}\n', "{p}:1: field 'instruction' must be a string, got NaN"),
     "infinity_content": (b'{"messages": [{"role": "user", "content": Infinity}]}\n',
                          "{p}:1: messages[0].content must be a string"),
     "lone_surrogate": (b'{"instruction": "ok \\udc80", "output": "b"}\n',

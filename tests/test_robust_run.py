@@ -296,7 +296,7 @@ def test_full_disk_through_the_cli_is_one_line(tiny_model_dir, data, tmp_path, m
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(train_module, "atomic_write_bytes", full)
-    assert main(cli_args(tiny_model_dir, data, tmp_path / "run2")) == 2
+    assert main(cli_args(tiny_model_dir, data, tmp_path / "run2", "--set", "save_every_minutes=0")) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"hivetune: error: cannot write {tmp_path / 'run2' / 'summary.json'}: No space left on device (ENOSPC)"]
 

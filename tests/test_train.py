@@ -177,7 +177,8 @@ def test_existing_run_folder_is_refused_untouched(tiny_model_dir, alpaca_file, t
     (out / "keep.txt").write_text("precious")
     assert main(["train", "--model", str(tiny_model_dir), "--data", str(alpaca_file), "--output", str(out)]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"hivetune: error: output_dir: {out} already exists and is not empty; choose another")
+        f"hivetune: error: output_dir: {out} holds files hivetune did not write (no .hivetune-run marker): "
+        f"keep.txt; it is not a run folder, nothing was changed; choose another folder")
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
@@ -263,9 +264,10 @@ def test_batch_order_auto_is_balanced_with_packing_and_random_without(tiny_model
 def test_a_run_config_without_batch_order_resumes_in_random_order(tmp_path):
     from hivetune.checkpoint import resume_config, resume_point
     from hivetune.core.config import load_run_config, save_config
+    from hivetune.core.fileio import create_run_folder
 
     folder = tmp_path / "old-run"
-    folder.mkdir()
+    create_run_folder(folder)
     values = {"model": "m", "data": "d.jsonl", "output_dir": str(folder)}
     save_config(load_config(None, values), folder / "config.yaml")
     text = (folder / "config.yaml").read_text()

@@ -17,6 +17,12 @@ plan's length and hash are stored to catch a changed data file.
 
 ``trainer_state.pt`` holds only tensors, dicts, lists, numbers and None, so it loads with
 ``torch.load(weights_only=True)``: loading a checkpoint never runs pickled code.
+
+Keeping: the newest ``keep_checkpoints`` complete ones; an incomplete one goes only once a newer
+complete one exists (prune_checkpoints). When: every ``save_every`` steps, every
+``save_every_minutes`` and at the end (SaveSchedule); on an exception in a step, the last
+completed step (SaveOnError). A run folder is one hivetune marked (existing_run): --output and
+--resume touch no other folder.
 """
 
 from __future__ import annotations
@@ -33,18 +39,16 @@ from pathlib import Path
 
 import torch
 
-from hivetune.core.config import to_dict
+from hivetune.core.config import load_config, load_run_config, to_dict
 from hivetune.core.errors import UserError
-from hivetune.core.fileio import (atomic_write_bytes, confined, disk_error_message, fsync_dir, is_disk_error,
-                             recover_folder)
+from hivetune.core.fileio import (LOCK_NAME, RUN_FORMAT, RUN_MARKER, atomic_write_bytes, confined,
+                                  disk_error_message, fsync_dir, is_disk_error, pause_for_tests, recover_folder,
+                                  run_marker_format, write_run_marker)
 from hivetune.model.lora import ADAPTER_WEIGHTS, lora_modules, save_adapter
 
 MANIFEST = "manifest.json"
 STATE = "trainer_state.pt"
 FORMAT = 1
-# Tests set this to a number of seconds to sleep between the files of a checkpoint, so that a
-# SIGKILL at a random moment often lands in the middle of writing one.
-SLOW_ENV = "HIVETUNE_TEST_SLOW_CHECKPOINT"
 # The run's adapter folders, each replaced whole (fileio.write_folder_atomically): the final
 # adapter/ and, with early stopping, best_adapter/.
 ADAPTER_FOLDERS = ("adapter", "best_adapter")
@@ -87,12 +91,6 @@ def restore_rng(state: dict) -> None:
             torch.cuda.set_rng_state(s, i)
 
 
-def _pause() -> None:
-    seconds = float(os.environ.get(SLOW_ENV) or 0)
-    if seconds > 0:
-        time.sleep(seconds)
-
-
 def save_checkpoint(run, step: int, counters: dict, gathered: tuple | None = None) -> Path:
     """Write checkpoints/step-NNNNNN/ atomically (see the module docstring); keep the last
     cfg.keep_checkpoints. `counters`: loop totals to restore with the step (skipped steps...).
@@ -116,7 +114,7 @@ def save_checkpoint(run, step: int, counters: dict, gathered: tuple | None = Non
         saved = checkpoint_folders(root)
         last = (f"the last checkpoint, {saved[-1]}, is intact; make room, then resume with "
                 f"hivetune train --resume {run.folder}") if saved else "no earlier checkpoint exists"
-        raise UserError(f"{disk_error_message(e, f'checkpoint of step {step}')}; {last}") from None
+        raise UserError(f"{disk_error_message(e, f'checkpoint of step {step}', root)}; {last}") from None
     try:
         fsync_dir(root)
         prune_checkpoints(root, run.cfg.keep_checkpoints)
@@ -132,7 +130,7 @@ def _write_checkpoint(run, step: int, counters: dict, root: Path, tmp: Path, gat
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_adapter(run.model, run.spec, tmp, str(run.model_path), tensors=tensors)  # each file fsynced
-    _pause()
+    pause_for_tests()
     state = {
         "format": FORMAT, "step": step, "plan_length": len(run.steps), "plan_sha256": plan_hash(run.steps),
         "examples": len(run.data), "config_sha256": config_hash(run.folder),
@@ -143,13 +141,13 @@ def _write_checkpoint(run, step: int, counters: dict, root: Path, tmp: Path, gat
     buffer = io.BytesIO()
     torch.save(state, buffer)
     atomic_write_bytes(tmp / STATE, buffer.getvalue())
-    _pause()
+    pause_for_tests()
     files = sorted(p.name for p in tmp.iterdir())
     manifest = {"format": FORMAT, "step": step, "config_sha256": state["config_sha256"],
                 "files": {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in files}}
     atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks it complete
     fsync_dir(tmp)
-    _pause()
+    pause_for_tests()
 
 
 def _discard(folder: Path) -> None:
@@ -157,6 +155,7 @@ def _discard(folder: Path) -> None:
     trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}")
     shutil.rmtree(trash, ignore_errors=True)
     os.rename(folder, trash)
+    pause_for_tests()
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -169,9 +168,40 @@ def checkpoint_folders(root: Path) -> list[Path]:
 
 
 def prune_checkpoints(root: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints (complete: a checkpoint that cannot be loaded
+    does not count). Older ones go, and so does an incomplete one older than the newest complete
+    one; nothing newer than that one is touched, so the last loadable checkpoint always stays."""
     folders = checkpoint_folders(root)
-    for stale in folders[: max(0, len(folders) - keep)]:
-        _discard(stale)
+    complete = [f for f in folders if not incomplete(f)]
+    if not complete:
+        return
+    kept, newest = complete[-max(1, keep):], _step_of(complete[-1])
+    for stale in folders:
+        if stale not in kept and _step_of(stale) < newest:
+            _discard(stale)
+
+
+def _step_of(folder: Path) -> int:
+    return int(folder.name[5:])
+
+
+def incomplete(folder: Path) -> str:
+    """Why `folder` cannot be a loadable checkpoint, from its manifest and file sizes alone
+    (verify_checkpoint hashes every file too, before a load); "" when it may be."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest.json"
+    except (OSError, ValueError) as e:
+        return f"unreadable manifest.json ({e})"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or STATE not in files or ADAPTER_WEIGHTS not in files:
+        return "manifest.json does not list the checkpoint's files"
+    for name, expected in files.items():
+        path = folder / str(name)
+        if not isinstance(expected, dict) or not path.is_file() or path.stat().st_size != expected.get("bytes"):
+            return f"{name} is missing or of another size"
+    return ""
 
 
 def remove_leftovers(root: Path) -> None:
@@ -242,9 +272,11 @@ def load_lora_weights(model, folder: Path) -> None:
                 p.copy_(t)
 
 
-def load_checkpoint(run, folder: Path) -> dict:
+def load_checkpoint(run, folder: Path, totals: bool = False) -> dict:
     """Restore LoRA weights, optimizer, scheduler, scaler and RNG from `folder` into `run`;
-    return the state's step and counters. Call it last before the loop: it sets the RNG."""
+    return the state's step and counters. Call it last before the loop: it sets the RNG.
+    `totals`: include the run's time and tokens so far (TOTALS; a resume wants them, a rollback
+    within the same process goes on counting its own)."""
     state = torch.load(folder / STATE, map_location="cpu", weights_only=True)
     where = f"{folder}"
     if state.get("format") != FORMAT:
@@ -272,7 +304,25 @@ def load_checkpoint(run, folder: Path) -> dict:
     if run.scaler is not None and state["scaler"]:
         run.scaler.load_state_dict(state["scaler"])
     restore_rng(state["rng"])
-    return {"step": state["step"], **state["counters"]}
+    counters = {k: v for k, v in state["counters"].items() if totals or k not in TOTALS}
+    return {"step": state["step"], **counters}
+
+
+# The run's training time and tokens over all its parts (a run resumed after a kill is several
+# processes), kept in each checkpoint's counters so the summary covers the whole run.
+TOTALS = ("run_seconds", "run_tokens")
+
+
+def with_totals(counters: dict, seconds: float, tokens: int) -> dict:
+    """`counters` with TOTALS covering this part too: its `seconds` and `tokens` added to those
+    of the parts before it (restored by resume_run)."""
+    before_s, before_t = run_totals(counters, 0.0, 0)
+    return {**counters, "run_seconds": before_s + seconds, "run_tokens": before_t + tokens}
+
+
+def run_totals(counters: dict, seconds: float, tokens: int) -> tuple[float, int]:
+    """(seconds, tokens) of the whole run: this part's plus those of the parts before it."""
+    return counters.get("run_seconds", 0.0) + seconds, counters.get("run_tokens", 0) + tokens
 
 
 def flat_config(cfg) -> dict:
@@ -313,12 +363,138 @@ def truncate_metrics(path: Path, step: int) -> None:
     atomic_write_bytes(path, "".join(kept).encode())
 
 
+# ---- when to save, and saving on a failure -----------------------------------------------------
+
+class SaveSchedule:
+    """When fit writes a checkpoint: every cfg.save_every steps, every cfg.save_every_minutes of
+    training, and at the last step when either is set. The clock counts in one process only:
+    under torchrun each rank would read its own and they could disagree on a collective save."""
+
+    def __init__(self, cfg, total_steps: int, one_process: bool = True, clock=time.monotonic):
+        self.every, self.total, self.clock = cfg.save_every, total_steps, clock
+        self.seconds = cfg.save_every_minutes * 60 if one_process else 0
+        self.last = clock()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.every or self.seconds)
+
+    def due(self, done: int) -> bool:
+        """Whether to save after step `done`; a True restarts the minutes."""
+        due = (bool(self.every) and done % self.every == 0) or (self.enabled and done == self.total)
+        if self.seconds and not due:
+            due = self.clock() - self.last >= self.seconds
+        if due:
+            self.last = self.clock()
+        return due
+
+
+class TrainingFailed(Exception):
+    """fit stopped by an exception (not a signal, not a UserError): str() is the one line to
+    print, naming the cause, what was saved and the command that resumes."""
+
+
+class SaveOnError:
+    """Around fit's loop: on an exception, write the last completed step's state (`progress()`:
+    (step, counters)) with `save(run, step, counters)` after `flush()` (metrics held back),
+    then raise TrainingFailed. `passthrough`: exceptions that are not failures (a signal's stop).
+    Under torchrun nothing is saved (the other ranks wait in a collective); the last periodic
+    checkpoint is named."""
+
+    def __init__(self, run, progress, save, flush=None, passthrough: tuple = ()):
+        self.run, self.progress, self.save, self.flush, self.passthrough = run, progress, save, flush, passthrough
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if not isinstance(e, Exception) or isinstance(e, (UserError, *self.passthrough)):
+            return False
+        cause = f"{type(e).__name__}: {e}".strip().splitlines()[0]
+        done, counters = self.progress()
+        kept, why = None, ""
+        if done > self.run.start_step and not self.run.parallel.enabled:
+            try:  # the device or the disk that failed the step may fail this too
+                if self.flush is not None:
+                    self.flush()
+                done, counters = self.progress()
+                self.save(self.run, done, counters)
+                kept = f"saved the checkpoint of step {done}"
+            except Exception as err:
+                why = f" (saving step {done} failed: {type(err).__name__})"
+        if kept is None:
+            last = checkpoint_folders(self.run.folder / "checkpoints")
+            kept = (f"the last checkpoint is {last[-1].name}" if last else "no checkpoint was written") + why
+        raise TrainingFailed(f"training failed after step {done} ({cause}); {kept}; resume with: "
+                             f"hivetune train --resume {self.run.folder}") from e
+
+
+# ---- which folders are run folders ---------------------------------------------------------------
+
+def existing_run(folder: Path, key: str = "output_dir") -> bool:
+    """Whether `folder` holds a run of hivetune's to go on with (True), or is new or empty (False).
+    A folder holding files hivetune did not write is refused with a UserError naming the folder and
+    why; nothing in it is touched. A run folder carries RUN_MARKER, written first; one written
+    before the marker existed is recognised by a checkpoint whose manifest names the sha256 of its
+    config.yaml (only hivetune writes those two together)."""
+    folder = Path(folder)
+    if not folder.exists():
+        return False
+    if not folder.is_dir():
+        raise UserError(f"{key}: {folder} is a file, not a folder")
+    others = sorted(p.name for p in folder.iterdir() if p.name not in (RUN_MARKER, LOCK_NAME))
+    marker = run_marker_format(folder)
+    if marker is not None and marker > RUN_FORMAT:
+        raise UserError(f"{key}: {folder} is a run folder of a newer hivetune (format {marker}; this one "
+                        f"reads {RUN_FORMAT}); upgrade hivetune or choose another folder")
+    if marker is not None and (folder / "config.yaml").is_file():
+        return True
+    if not others:
+        return False  # empty, or marked by a process killed before it wrote config.yaml
+    if marker is None and legacy_run(folder):
+        return True
+    if marker is not None:
+        why = "a run marker but no config.yaml"
+    elif (folder / "config.yaml").exists():
+        why = f"files hivetune did not write (no {RUN_MARKER} marker, no checkpoint made from its config.yaml)"
+    else:
+        why = f"files hivetune did not write (no {RUN_MARKER} marker)"
+    listing = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
+    raise UserError(f"{key}: {folder} holds {why}: {listing}; it is not a run folder, nothing was changed; "
+                    f"choose another folder")
+
+
+def legacy_run(folder: Path) -> bool:
+    """A run folder written before RUN_MARKER: config.yaml, and a checkpoint whose manifest.json
+    holds that config.yaml's sha256."""
+    if not (folder / "config.yaml").is_file():
+        return False
+    digest = config_hash(folder)
+    for checkpoint in checkpoint_folders(folder / "checkpoints"):
+        try:
+            manifest = json.loads((checkpoint / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(manifest, dict) and manifest.get("config_sha256") == digest:
+            return True
+    return False
+
+
+def read_run_config(path: Path, overrides: dict | None = None):
+    """load_run_config, its errors naming the file: '<path>: unknown key ...'."""
+    try:
+        return load_run_config(path, overrides)
+    except UserError as e:
+        text = str(e)
+        if text.startswith(str(path)):
+            raise
+        raise UserError(f"{path}: {text}") from None
+
+
 def resume_point(folder: Path, cfg) -> Path | None:
     """For an output folder that already holds a run (config.yaml): refuse when its config
     differs from `cfg`, else return its newest valid checkpoint (None: start again at step 0)."""
-    from hivetune.core.config import load_run_config
-
-    diff = config_diff(load_run_config(folder / "config.yaml"), cfg)
+    diff = config_diff(read_run_config(folder / "config.yaml"), cfg)
     if diff:
         raise UserError(f"output_dir: {folder} holds a run with another config ({'; '.join(diff)}); "
                         f"choose another output, or resume it as it was with --resume {folder}")
@@ -335,6 +511,8 @@ def resume_run(run, checkpoint: Path | None) -> None:
     only rank 0 touches files (another rank's rewrite of metrics.jsonl would race rank 0's appends)."""
     main = getattr(getattr(run, "parallel", None), "is_main", True)
     if main:
+        if run_marker_format(run.folder) is None:  # a run folder of an earlier hivetune (legacy_run)
+            write_run_marker(run.folder)
         remove_leftovers(run.folder / "checkpoints")
         for name in ADAPTER_FOLDERS:  # killed while replacing one: the old one back, temp folders gone
             recover_folder(run.folder / name)
@@ -343,7 +521,7 @@ def resume_run(run, checkpoint: Path | None) -> None:
             print(f"hivetune: warning: {run.folder} has no valid checkpoint; starting again at step 0", file=sys.stderr)
             truncate_metrics(run.folder / "metrics.jsonl", 0)
         return
-    counters = load_checkpoint(run, checkpoint)
+    counters = load_checkpoint(run, checkpoint, totals=True)
     run.start_step = counters.pop("step")
     run.counters = counters
     if main:
@@ -355,18 +533,16 @@ def resume_config(run_folder: str | Path, config_path: str | None, overrides: di
     """`hivetune train --resume RUN`: RUN's saved config. Flags or a --config that would change
     it are refused with the keys they change: a resumed run continues the run it was. Only
     RUNTIME_KEYS (threads, device, skip_doctor) may be given anew; config.yaml stays as written."""
-    from hivetune.core.config import load_config, load_run_config
-
     folder = Path(run_folder)
     path = folder / "config.yaml"
-    if not path.is_file():
+    if not existing_run(folder, "--resume"):
         raise UserError(f"--resume: {folder} is not a run folder (no config.yaml)")
-    saved = load_run_config(path)
+    saved = read_run_config(path)
     output = overrides.get("output_dir")
     if output and Path(output).resolve() != folder.resolve():
         raise UserError(f"--output: {output} is not the resumed run {folder}; leave --output out")
     if config_path or overrides:
-        wanted = load_config(config_path, overrides) if config_path else load_run_config(path, overrides)
+        wanted = load_config(config_path, overrides) if config_path else read_run_config(path, overrides)
         diff = config_diff(saved, wanted)
         if diff:
             raise UserError(f"--resume: a resumed run keeps its config; these flags change it: {'; '.join(diff)}")

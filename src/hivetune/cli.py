@@ -140,8 +140,9 @@ def train_overrides(ns: argparse.Namespace) -> dict:
 
 
 def run_train(ns) -> int:
-    from hivetune.checkpoint import resume_config
+    from hivetune.checkpoint import TrainingFailed, resume_config
     from hivetune.core.config import TrainConfig, load_config
+    from hivetune.core.fileio import release_run_locks
     from hivetune.train.loop import TrainingStopped
     from hivetune.workflows.train_job import train
 
@@ -165,6 +166,13 @@ def run_train(ns) -> int:
     except TrainingStopped as e:  # SIGINT / SIGTERM: the step finished and was checkpointed
         print(f"hivetune: stopped at step {e.step}; resume with: hivetune train --resume {e.folder}", file=sys.stderr)
         return 128 + (e.signum or 2)  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
+    except TrainingFailed as e:  # an exception in a step: the last good step was saved where it could be
+        if ns.debug:
+            raise
+        print(f"hivetune: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        release_run_locks()  # on every exit path: no .hivetune.lock stays behind
     if int(os.environ.get("RANK", "0") or 0) == 0:
         print_train_summary(result)
     return 0

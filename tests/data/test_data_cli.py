@@ -101,9 +101,9 @@ def test_validate_reports_every_problem_with_file_line_and_exits_1(tmp_path, cap
     assert report.counts == {"schema": 5, "empty": 1, "duplicate": 1, "near_duplicate": 1, "too_long": 0}
     assert report.listed["schema"] == [
         f"{path}:2: malformed JSON (Expecting property name enclosed in double quotes at column 27)",
-        f"{path}:4: expected a JSON object, got list",
+        f"{path}:4: expected a JSON object, got array",
         f"{path}:5: missing field 'output' for alpaca format",
-        f"{path}:12: field 'instruction' must be a string, got int",
+        f"{path}:12: field 'instruction' must be a string, got number",
         f"{path}:13: missing field 'instruction' for alpaca format",
     ]
     assert report.listed["empty"] == [f"{path}:6: empty output"]

@@ -355,3 +355,19 @@ def test_smollm2_gguf_matches_transformers(smollm2):
     assert scale > 1.0
     assert diff <= TOL * scale
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_truncated_gguf_says_so_with_its_sizes(tmp_path):
+    from hivetune.core.errors import UserError
+    from hivetune.model.load import load_args, load_model
+
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(path, tiny_llama("llama2", seed=1))
+    full = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(full - 1000)
+    for load in (load_args, load_model):
+        with pytest.raises(UserError) as e:
+            load(path)
+        assert str(e.value) == (f"{path}: the file is truncated: its tensors need {full:,} bytes, the file has "
+                                f"{full - 1000:,} (a download or copy cut short?)")

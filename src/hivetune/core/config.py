@@ -167,6 +167,10 @@ class TrainConfig:
     save_every: int = 0
     """Checkpoint (adapter, optimizer, RNG...) every this many optimizer steps and at the end,
     in checkpoints/step-N/; 0: only the final adapter (and a checkpoint on SIGINT / SIGTERM)."""
+    save_every_minutes: float = 10.0
+    """Also checkpoint every this many minutes of training, and at the end, so that a run that
+    dies (an exception, a kill, a power cut) keeps its progress; 0: off. In one process only:
+    under torchrun the ranks' clocks could disagree on when, so save_every counts there."""
     keep_checkpoints: int = 2
     """How many step checkpoints to keep."""
     max_bad_steps: int = 5
@@ -422,8 +426,8 @@ def validate(cfg: TrainConfig) -> list[str]:
         value = cfg.lora.r if key == "lora.r" else getattr(cfg, key)
         if value <= 0:
             errors.append(f"{key}: must be > 0, got {value}")
-    for key in ("max_steps", "save_every", "threads", "eval_prompts", "max_new_tokens", "eval_every",
-                "early_stopping_patience", "activation_offload"):
+    for key in ("max_steps", "save_every", "save_every_minutes", "threads", "eval_prompts", "max_new_tokens",
+                "eval_every", "early_stopping_patience", "activation_offload"):
         if getattr(cfg, key) < 0:
             errors.append(f"{key}: must be >= 0, got {getattr(cfg, key)}")
     if not 0 <= cfg.val_split < 1:

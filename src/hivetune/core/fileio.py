@@ -1,13 +1,16 @@
 """Writing files safely: atomic writes (temp file in the same folder, fsync, rename: a crash leaves old
 or new), folders replaced whole the same way, clear errors for a full or read-only disk, names from
-data kept inside their folder, and the lock that keeps two trainers out of one run folder."""
+data kept inside their folder, the marker that makes a folder a run folder, and the lock that keeps
+two trainers out of one run folder."""
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -29,6 +32,17 @@ def fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# Tests set this to a number of seconds to sleep at the stages of a checkpoint or adapter write,
+# so that a SIGKILL sent at a chosen moment lands inside that stage.
+SLOW_ENV = "HIVETUNE_TEST_SLOW_CHECKPOINT"
+
+
+def pause_for_tests() -> None:
+    seconds = float(os.environ.get(SLOW_ENV) or 0)
+    if seconds > 0:
+        time.sleep(seconds)
 
 
 def atomic_write_with(path: Path, write: Callable[[Path], None]) -> None:
@@ -75,6 +89,7 @@ def write_folder_atomically(folder: Path, write: Callable[[Path], None]) -> None
     try:
         write(tmp)
         fsync_dir(tmp)
+        pause_for_tests()
         replace_folder(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -117,6 +132,8 @@ def replace_folder(tmp: Path, out: Path) -> None:
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         os.replace(out, old)
     try:
+        if old is not None:
+            pause_for_tests()
         os.replace(tmp, out)
     except BaseException:
         if old is not None:
@@ -162,10 +179,12 @@ def is_disk_error(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in DISK_ERRNOS
 
 
-def disk_error_message(e: OSError, what: str = "") -> str:
-    """'checkpoint: cannot write runs/x/...: No space left on device (ENOSPC)'."""
+def disk_error_message(e: OSError, what: str = "", folder: Path | None = None) -> str:
+    """'checkpoint: cannot write runs/x/...: No space left on device (ENOSPC)'; `folder` names
+    where, when the error has no file name (a write() that found the disk full)."""
     name = errno.errorcode.get(e.errno, str(e.errno))
-    where = f" {e.filename}" if e.filename else ""
+    filename = e.filename or folder
+    where = f" {filename}" if filename else ""
     return f"{what + ': ' if what else ''}cannot write{where}: {e.strerror or e} ({name})"
 
 
@@ -201,6 +220,43 @@ def confined(folder: Path, name: str, what: str = "file name") -> Path:
     return Path(folder) / name
 
 
+# ---- the run folder's marker ---------------------------------------------------------------------
+#
+# A folder is a run folder only when hivetune made it one: .hivetune-run, written first, before
+# config.yaml or anything else. A folder without it that holds files is someone else's.
+
+RUN_MARKER = ".hivetune-run"
+RUN_FORMAT = 1  # the run folder's layout; a newer hivetune that changes it raises this
+
+
+def create_run_folder(folder: Path) -> None:
+    """Create `folder` (new, or empty but for hivetune's own files) and write its marker first."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / RUN_MARKER).is_file():
+        write_run_marker(folder)
+
+
+def write_run_marker(folder: Path) -> None:
+    atomic_write_bytes(Path(folder) / RUN_MARKER,
+                       json.dumps({"tool": "hivetune", "format": RUN_FORMAT}).encode() + b"\n")
+
+
+def run_marker_format(folder: Path) -> int | None:
+    """The format in folder/.hivetune-run; None when there is no marker. A marker that is not
+    hivetune's JSON is a UserError naming it."""
+    path = Path(folder) / RUN_MARKER
+    try:
+        marker = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: not a hivetune run marker ({e})") from None
+    if not isinstance(marker, dict) or marker.get("tool") != "hivetune" or not isinstance(marker.get("format"), int):
+        raise UserError(f"{path}: not a hivetune run marker (expected {{\"tool\": \"hivetune\", \"format\": N}})")
+    return marker["format"]
+
+
 # ---- one trainer per run folder ------------------------------------------------------------------
 
 LOCK_NAME = ".hivetune.lock"
@@ -215,11 +271,32 @@ def hold_run_lock(folder: Path) -> int | None:
     the lock of a crashed, killed or powered-off trainer is free without any clean-up, and a stale
     file (the pid of a process that is gone) is simply taken over. The pid in the file names the
     holder in the message. Where the file system has no locks (ENOLCK), the pid is checked instead.
+    release_run_lock removes the file while it holds the lock; a process that locked the removed
+    file meanwhile sees that the path names another file (or none) and tries again.
     """
     key = str(Path(folder).resolve())
     if _HELD.get(key, (0, 0))[0] == os.getpid():
         return None
     path = Path(folder) / LOCK_NAME
+    for _ in range(100):
+        fd, previous = _lock(folder, path)
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    else:
+        raise UserError(_busy_message(folder, None))
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _HELD[key] = (os.getpid(), fd)
+    return previous if previous and previous != os.getpid() else None
+
+
+def _lock(folder: Path, path: Path) -> tuple[int, int | None]:
+    """(fd of path, locked; the pid the file held) or a UserError naming the live holder."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
@@ -236,16 +313,26 @@ def hold_run_lock(folder: Path) -> int | None:
         if previous and previous != os.getpid() and pid_alive(previous):  # no locking here: trust the pid
             os.close(fd)
             raise UserError(_busy_message(folder, previous)) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    _HELD[key] = (os.getpid(), fd)
-    return previous if previous and previous != os.getpid() else None
+    return fd, previous
 
 
 def release_run_lock(folder: Path) -> None:
+    """Remove the lock file (still locked, so no one else holds it), then unlock by closing it."""
     pid, fd = _HELD.pop(str(Path(folder).resolve()), (0, 0))
     if pid == os.getpid():
-        os.close(fd)  # closing releases the lock; the file stays (unlinking it would race)
+        try:
+            if os.fstat(fd).st_ino == os.stat(Path(folder) / LOCK_NAME).st_ino:
+                os.unlink(Path(folder) / LOCK_NAME)
+        except OSError:
+            pass  # gone already, or a read-only folder: a stale lock file is taken over later
+        os.close(fd)
+
+
+def release_run_locks() -> None:
+    """Release every run lock this process holds: the end of `hivetune train`, on every exit path."""
+    for key, (pid, _) in list(_HELD.items()):
+        if pid == os.getpid():
+            release_run_lock(Path(key))
 
 
 def _busy_message(folder: Path, pid: int | None) -> str:

@@ -43,15 +43,43 @@ def open_data_file(path: str | Path, what: str = "data file"):
         raise UserError(f"{path}: unreadable {what} ({e.strerror})") from None
 
 
+# A UTF-8 byte-order mark: Windows editors (Notepad, Excel's CSV-to-JSON exports) start files with
+# it. JSON forbids it, yet it carries no text: every reader here skips it.
+BOM = b"\xef\xbb\xbf"
+
+
+def starts_with_bom(path: str | Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(BOM)) == BOM
+    except OSError:
+        return False
+
+
+def json_type(value) -> str:
+    """JSON's name for a parsed value's type: object, array, string, number, true/false, null."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value != value:
+        return "NaN"
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return "Infinity" if value > 0 else "-Infinity"
+    names = {dict: "object", list: "array", str: "string", int: "number", float: "number"}
+    return names.get(type(value), type(value).__name__)
+
+
 def is_json_array(f, path: Path, what: str = "data file") -> bool:
     """True when the first non-blank byte is '[' (a JSON array), False for JSONL; the file is
-    rewound. An all-blank file is an error."""
-    head = b""
+    rewound. An all-blank file (a byte-order mark aside) is an error."""
+    head, first = b"", True
     while not head:
         chunk = f.read(1 << 16)
         if not chunk:
             break
-        head = chunk.lstrip()
+        head = (chunk.removeprefix(BOM) if first else chunk).lstrip()
+        first = False
     f.seek(0)
     if not head:
         raise UserError(f"{path}: {what} is empty")
@@ -66,7 +94,7 @@ def parse_jsonl_line(raw: bytes) -> tuple[dict | None, str | None]:
     parse_json_line's."""
     record, error = parse_json_line(raw)
     if error is None and not isinstance(record, dict):
-        return None, f"expected a JSON object, got {type(record).__name__}"
+        return None, f"expected a JSON object, got {json_type(record)}"
     return record, error
 
 
@@ -74,10 +102,11 @@ def parse_json_line(raw: bytes) -> tuple[object, str | None]:
     """One line's JSON value of any type -> (value, None), or (None, what is wrong with it): the
     decoding of parse_jsonl_line, and of `data collect`'s log lines that hold a bare message
     array. The line break is stripped first, so an error at the end of the line gets this line's
-    column. Hostile input gets a message, never an exception: bytes that are not UTF-8, nesting
-    deeper than MAX_NESTING, integers longer than Python converts (4300 digits)."""
+    column. A leading byte-order mark (BOM) is skipped. Hostile input gets a message, never an
+    exception: bytes that are not UTF-8, nesting deeper than MAX_NESTING, integers longer than
+    Python converts (4300 digits)."""
     try:
-        text = raw.rstrip(b"\r\n").decode("utf-8")
+        text = raw.rstrip(b"\r\n").removeprefix(BOM).decode("utf-8")
         if _nested_too_deeply(text):
             raise RecursionError
         return json.loads(text), None
@@ -151,7 +180,7 @@ def checked_records(path: str | Path, fmt: str = "auto", setting: str | None = "
     path = Path(path)
     chosen = None if fmt == "auto" else fmt
     for line, offset, record in iter_records(path):
-        where = f"{path}:{line}"
+        where = f"{path}:{line}" if offset is not None else f"{path}: item {line}"  # None: a JSON array's
         if chosen is None:
             chosen = detect_format(record)
             if chosen is None:
@@ -163,11 +192,12 @@ def checked_records(path: str | Path, fmt: str = "auto", setting: str | None = "
 
 
 def decode_json_file(path: Path, raw: bytes):
-    """A whole JSON document (a JSON array data file), or a file:line UserError."""
+    """A whole JSON document (a JSON array data file; a leading BOM skipped), or a file:line UserError."""
+    skipped = len(BOM) if raw.startswith(BOM) else 0
     try:
-        return json.loads(raw.decode("utf-8"))
+        return json.loads(raw[skipped:].decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not valid UTF-8 (byte {e.start})") from None
+        raise UserError(f"{path}: not valid UTF-8 (byte {e.start + skipped})") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path}:{e.lineno}: malformed JSON ({_json_error(e)})") from None
     except RecursionError:
@@ -182,7 +212,7 @@ def _iter_json_array(path: Path, raw: bytes):
         raise UserError(f"{path}: expected a non-empty JSON array of objects")
     for i, record in enumerate(data, start=1):
         if not isinstance(record, dict):
-            raise UserError(f"{path}: item {i}: expected a JSON object, got {type(record).__name__}")
+            raise UserError(f"{path}: item {i}: expected a JSON object, got {json_type(record)}")
         yield i, None, record
 
 
@@ -217,10 +247,10 @@ def check_record(record: dict, fmt: str, where: str) -> None:
 
     def need_str(key, allow_empty=False):
         value = record.get(key)
-        if value is None:
+        if key not in record:
             raise UserError(f"{where}: missing field {key!r} for {fmt} format")
         if not isinstance(value, str):
-            raise UserError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
+            raise UserError(f"{where}: field {key!r} must be a string, got {json_type(value)}")
         if not allow_empty and not value.strip():
             raise UserError(f"{where}: field {key!r} is empty")
         check_encodable(value, where, f"field {key!r}")

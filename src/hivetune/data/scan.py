@@ -15,8 +15,8 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
 
-from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, FORMAT_NAMES, chat_spans, decode_json_file,
-                                   encode_record, is_json_array, open_data_file,
+from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, BOM, FORMAT_NAMES, chat_spans, decode_json_file,
+                                   encode_record, is_json_array, json_type, open_data_file,
                                    parse_jsonl_line)
 from hivetune.core.errors import UserError
 
@@ -54,6 +54,8 @@ def stream_lines(path: str | Path, what: str = "data file"):
 
 
 def parse_line(number: int, raw: bytes) -> Line:
+    if number == 1:
+        raw = raw.removeprefix(BOM)  # a file's byte-order mark is no part of its first record
     record, error = parse_jsonl_line(raw)
     return Line(number, raw, record, error)
 
@@ -66,7 +68,7 @@ def _array_lines(path: Path, raw: bytes):
         if isinstance(record, dict):
             yield Line(i, None, record)
         else:
-            yield Line(i, None, None, f"item {i}: expected a JSON object, got {type(record).__name__}")
+            yield Line(i, None, None, f"item {i}: expected a JSON object, got {json_type(record)}")
 
 
 def check_format_name(fmt: str) -> str | None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hivetune.data.dedupe import WINDOW, FirstSeen, NearDuplicateIndex
-from hivetune.data.formats import FORMAT_NAMES, check_record, detect_format
+from hivetune.data.formats import FORMAT_NAMES, check_record, detect_format, starts_with_bom
 from hivetune.data.scan import (DEFAULT_MAX_LENGTH, TOKENIZE_BATCH, check_format_name, empty_fields, exact_key,
                                 prompt_text, resolve_model, stream_lines, token_lengths)
 from hivetune.data.synth import NEAR_DUPLICATE_THRESHOLD
@@ -49,6 +49,8 @@ class ValidationReport:
     listed: dict[str, list[str]] = field(default_factory=lambda: {k: [] for k in KINDS})
     model: str | None = None  # tokenizer used for the length check, None when not checked
     max_length: int | None = None
+    array: bool = False  # a JSON array: records are items, not lines
+    bom: bool = False  # the file starts with a UTF-8 byte-order mark (skipped)
 
     @property
     def problems(self) -> int:
@@ -58,10 +60,15 @@ class ValidationReport:
     def exit_code(self) -> int:
         return 1 if self.problems else 0
 
+    def at(self, number: int) -> str:
+        """'item 4' in a JSON array, 'line 4' in JSONL."""
+        return f"{'item' if self.array else 'line'} {number}"
+
     def add(self, kind: str, line: int, message: str) -> None:
         self.counts[kind] += 1
         if len(self.listed[kind]) < LISTED_PER_KIND:
-            self.listed[kind].append(f"{self.path}:{line}: {message}")
+            where = f"{self.path}: item {line}" if self.array else f"{self.path}:{line}"
+            self.listed[kind].append(f"{where}: {message.removeprefix(f'item {line}: ')}")
 
 
 def validate_file(path: str | Path, model: str | None = None, max_length: int | None = None,
@@ -80,13 +87,15 @@ def validate_file(path: str | Path, model: str | None = None, max_length: int | 
 
         model = resolve_model(model)
         tokenizer = load_tokenizer(model)
-    report = ValidationReport(path, chosen, model=model if tokenizer else None, max_length=max_length)
+    report = ValidationReport(path, chosen, model=model if tokenizer else None, max_length=max_length,
+                              bom=starts_with_bom(path))
     seen = FirstSeen()
     near = NearDuplicateIndex()
     pending: list[tuple[int, dict]] = []  # records waiting to be tokenised
 
     for line in stream_lines(path):
         report.records += 1
+        report.array = line.raw is None
         where = f"{path}:{line.number}"
         if line.error:
             report.add("schema", line.number, line.error)
@@ -113,11 +122,11 @@ def validate_file(path: str | Path, model: str | None = None, max_length: int | 
             continue
         earlier = seen.add(exact_key(record, report.format), line.number)
         if earlier is not None:
-            report.add("duplicate", line.number, f"duplicate of line {earlier}")
+            report.add("duplicate", line.number, f"duplicate of {report.at(earlier)}")
         match = near.check_and_add(prompt_text(record, report.format), line.number)
         if match is not None and earlier is None:
             report.add("near_duplicate", line.number,
-                       f"prompt is a near duplicate of line {match[0]}'s (similarity {match[1]:.2f})")
+                       f"prompt is a near duplicate of {report.at(match[0])}'s (similarity {match[1]:.2f})")
         if tokenizer is not None:
             pending.append((line.number, record))
             if len(pending) >= TOKENIZE_BATCH:
@@ -138,6 +147,8 @@ def _check_lengths(report: ValidationReport, pending: list[tuple[int, dict]], to
 
 def format_report(report: ValidationReport) -> str:
     lines = [f"{report.path}: {report.records:,} records, format {report.format or 'unknown'}"]
+    if report.bom:
+        lines.append("  starts with a UTF-8 byte-order mark: accepted (skipped when read)")
     for kind in KINDS:
         title = KIND_TITLES[kind]
         if kind == "too_long":

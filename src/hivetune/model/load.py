@@ -155,12 +155,39 @@ def safetensors_state_dict(folder: Path):
 
 
 def open_gguf(path: Path):
-    import gguf
-
+    """A gguf.GGUFReader over `path`; a file cut short is a UserError giving the size its
+    tensors need and the size it has."""
+    reader_class = _sized_reader()
+    size = Path(path).stat().st_size
     try:
-        return gguf.GGUFReader(str(path))
+        reader = reader_class(str(path))
     except Exception as e:  # the reader raises ValueError, struct errors, IndexError ...
         raise UserError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    if reader.needed > size:
+        raise UserError(f"{path}: the file is truncated: its tensors need {reader.needed:,} bytes, the file has "
+                        f"{size:,} (a download or copy cut short?)")
+    return reader
+
+
+def _sized_reader():
+    import gguf  # loaded lazily: only GGUF files need it
+
+    class SizedReader(gguf.GGUFReader):
+        """GGUFReader noting the end of the furthest slice it reads (`needed`). A tensor past the
+        end of the mapped file comes back as zeros of its full length (a zero-stride view, no
+        memory), so the header is read whole and `needed` is the size the file should have."""
+
+        needed = 0
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            itemsize = int(np.empty([], dtype=dtype).itemsize)
+            end = int(offset) + itemsize * int(count)
+            self.needed = max(self.needed, end)
+            if end > len(self.data):
+                return np.broadcast_to(np.zeros(1, dtype=dtype), (int(count),))
+            return super()._get(offset, dtype, count, override_order)
+
+    return SizedReader
 
 
 def gguf_field(reader, key, default=None):

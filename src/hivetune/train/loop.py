@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from hivetune.checkpoint import (checkpoint_folders, load_checkpoint, load_lora_weights, newest_valid_checkpoint,
-                                 truncate_metrics)
+from hivetune.checkpoint import (SaveOnError, SaveSchedule, checkpoint_folders, load_checkpoint, load_lora_weights,
+                                 newest_valid_checkpoint, run_totals, truncate_metrics, with_totals)
 from hivetune.core.device import peak_memory_bytes
 from hivetune.core.errors import UserError
 from hivetune.core.collector import quiet_gc
@@ -77,7 +77,13 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     # CUDA with fused AdamW: a non-finite step is skipped by the optimizer kernel itself (its
     # found_inf input), so no step waits for the GPU; the host reads what happened in batches.
     ledger = StepLedger(deferred=defer_steps(run), started=t_start)
-    with _stop_signals() as stop, (run.sink or nullcontext()), quiet_gc():
+    saves = SaveSchedule(cfg, len(run.steps), one_process=not parallel.enabled)
+    # An exception in a step: save the last completed step, then one line (TrainingFailed).
+    on_error = SaveOnError(run, lambda: (done, with_totals(counters, time.perf_counter() - t_start, tokens_done)),
+                           save_all_ranks, flush=lambda: ledger.pending and [
+                               write_metrics(run, r) for r in ledger.read(counters, cfg.max_bad_steps)[0]],
+                           passthrough=(TrainingStopped,))
+    with _stop_signals() as stop, (run.sink or nullcontext()), quiet_gc(), on_error:
         while step < len(run.steps):
             example_ids = run.steps[step]
             n_targets = sum(run.data.n_targets[i] for i in example_ids)  # the whole step's, all ranks
@@ -112,7 +118,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
                 t_log, tokens_since_log, samples_since_log = now, 0, 0
             ledger.add(finite, record, signal_flag, step_tokens, len(example_ids))
             validate = run.val is not None and (done == len(run.steps) or (cfg.eval_every and done % cfg.eval_every == 0))
-            save_now = bool(cfg.save_every) and (done % cfg.save_every == 0 or done == len(run.steps))
+            save_now = saves.due(done)
             if not ledger.due(validate or save_now or done == len(run.steps) or done == stop_after or signal_flag is True):
                 step = done
                 continue
@@ -132,8 +138,8 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
             if validate:
                 write_metrics(run, validate_step(run, done, counters))
                 stop_early = 0 < cfg.early_stopping_patience <= counters["evals_since_best"]
-            if signalled or (cfg.save_every and (save_now or stop_early)):
-                save_all_ranks(run, done, counters)
+            if signalled or save_now or (saves.enabled and stop_early):
+                save_all_ranks(run, done, with_totals(counters, time.perf_counter() - t_start, tokens_done))
             if signalled or done == stop_after:
                 bar.close()
                 raise TrainingStopped(done, (stop.signum or signal.SIGTERM) if signalled else None, run.folder)
@@ -146,6 +152,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
             step = done
 
     seconds = time.perf_counter() - t_start
+    seconds, tokens_done = run_totals(counters, seconds, tokens_done)  # the whole run, across resumes
     bar.close()
     if cfg.early_stopping_patience and (run.folder / BEST_ADAPTER).is_dir():
         load_lora_weights(model, run.folder / BEST_ADAPTER)  # the adapter of the best validation loss

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import torch
 
-from hivetune.checkpoint import capture_rng, save_checkpoint
+from hivetune.checkpoint import capture_rng, existing_run, save_checkpoint
 from hivetune.core.config import TrainConfig
-from hivetune.core.errors import UserError
 from hivetune.core.fileio import check_writable, hold_run_lock, write_folder_atomically
 from hivetune.core.metrics import MetricsSink
 from hivetune.data.dataset import DatasetIndex, TokenizedExamples
@@ -79,9 +78,7 @@ def new_run_folder(cfg: TrainConfig) -> Path:
     """The run folder: new, empty, or a run folder (config.yaml) to resume (checked in setup)."""
     if cfg.output_dir:
         folder = Path(cfg.output_dir)
-        if (folder.exists() and (not folder.is_dir() or any(folder.iterdir()))
-                and not (folder / "config.yaml").is_file()):
-            raise UserError(f"output_dir: {folder} already exists and is not empty; choose another")
+        existing_run(folder)  # refuses a folder holding files hivetune did not write
     else:
         folder = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
     check_writable(folder)

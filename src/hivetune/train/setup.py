@@ -20,7 +20,7 @@ from hivetune.ops.adamw import adamw
 from hivetune.ops.lora_group import fused_lora_usable
 from hivetune.ops.prewarm import prewarm
 from hivetune.ops.switches import configure_ops
-from hivetune.core.fileio import hold_run_lock
+from hivetune.core.fileio import create_run_folder, hold_run_lock
 from hivetune.core.metrics import require_tensorboard
 from hivetune.data.dataset import index_dataset, plan_steps
 from hivetune.doctor.preflight import check_stack
@@ -167,7 +167,7 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
     if parallel.is_main:
-        folder.mkdir(parents=True, exist_ok=True)
+        create_run_folder(folder)  # its marker first: the folder is hivetune's
         if not (folder / "config.yaml").exists():  # a resumed run's stays as written: checkpoints hash it
             save_config(cfg, folder / "config.yaml")
     distributed.barrier(parallel)
