@@ -41,7 +41,7 @@ def micro_batch_seconds(args: ModelArgs, tokens: float, example_tokens: float, c
 def calibrate(grid: str | Path | dict, peak_tflops: dict) -> dict:
     """Efficiency per precision (median over compute-bound points) and the dispatch time per
     layer (median over points far from compute-bound) from a plan-grid JSON (or its record)."""
-    from hivetune.workflows.bench import qwen25_shape
+    from hivetune.workflows.workloads import qwen25_shape
 
     record = grid if isinstance(grid, dict) else json.loads(Path(grid).read_text())
     shapes = {"0.5B": (151936, 896, 4864, 24, 14, 2, True), "1.5B": (151936, 1536, 8960, 28, 12, 2, True),
