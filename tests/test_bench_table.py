@@ -87,3 +87,13 @@ def test_the_checked_in_results_parse_and_fill_benchmarks_md():
     text = (ROOT / "BENCHMARKS.md").read_text()
     generated = text.split(bench_results.TABLE_BEGIN, 1)[1].split(bench_results.TABLE_END, 1)[0]
     assert generated.strip() == bench_results.results_table(folder).strip()
+
+
+def test_the_w1_generator_gives_the_documented_token_counts():
+    from hivetune.workflows.workloads import WORKLOADS, workload_examples
+
+    w = WORKLOADS["W1"]
+    examples = workload_examples(w.n_examples, w.args.vocab_size, w.cap)
+    lengths = [len(e.ids) for e in examples]
+    assert sum(lengths) == 298_259 and max(lengths) == 496
+    assert sum(sum(e.mask) for e in examples) == 213_895
