@@ -252,28 +252,6 @@ def step_timeline(rank: int):
     print(summary, file=sys.stderr, flush=True)
 
 
-@contextmanager
-def loop_stream(cuda: bool):
-    """HIVETUNE_MULTI_LOOP_STREAM=1 (an experiment): the loop runs with a non-blocking side stream
-    as its current stream (torch's pool streams are made with cudaStreamNonBlocking) instead of
-    the legacy default stream, which blocking streams and some driver calls synchronise with.
-    The stream waits for what was queued before the loop, and the default stream for the loop.
-    Measured (session 31, bench/results/ddp-31/, d679db4): no gain. bench/capture_stall.py
-    --loop-stream: a capture meeting a new kernel and a 3,000-node instantiation still waited for
-    the queue (412-425 and 416 ms, against 409-423 and 407 ms on the default stream); W2 DDP on
-    two 2 x H200 machines: 9.02 / 8.88 and 9.10 / 9.12 s against the defaults' 9.13 / 9.14 and
-    9.07 / 9.19 s."""
-    if not (cuda and os.environ.get("HIVETUNE_MULTI_LOOP_STREAM") == "1"):
-        yield
-        return
-    before = torch.cuda.current_stream()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(before)
-    with torch.cuda.stream(stream):
-        yield
-    before.wait_stream(stream)
-
-
 def profile_text(stats, rows: int, *orders: str) -> str:
     """A cProfile's pstats.Stats as text: its top `rows` functions in each of `orders` in turn."""
     import io
@@ -500,7 +478,7 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
         distributed.barrier(parallel)
         t0 = time.perf_counter()
         with (kernel_profile(parallel.rank), step_timeline(parallel.rank), capture_profile(parallel.rank),
-              first_steps_profile(parallel.rank), loop_stream(cuda), pass_profile(parallel.rank)):
+              first_steps_profile(parallel.rank), pass_profile(parallel.rank)):
             result = fit(run, progress=False)
             if cuda:
                 torch.cuda.synchronize()
@@ -523,7 +501,6 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
            "params_billion": round(n_params / 1e9, 3), "cuda_graphs": dict(graphs.last_stats),
            "cuda_graphs_per_rank": graphs_per_rank, "overrides": extra,
            "allocator": allocator_counts(device),  # rank 0's: a cudaFree or a retry syncs the device
-           "loop_stream": os.environ.get("HIVETUNE_MULTI_LOOP_STREAM") == "1" and cuda,
            "prewarm_tail": fastpath.PREWARM_TAIL,  # the step's tail kernels in the prewarm thread
            # as hivetune bench's: when the prewarm thread finished, from the loop's start (positive: it waited)
            "prewarm_done_s": round(fastpath.PREWARM_DONE_AT - t0, 3) if fastpath.PREWARM_DONE_AT else None,

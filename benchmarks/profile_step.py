@@ -1,7 +1,7 @@
 """Profile a few optimizer steps of a workload on the GPU: top ops by CUDA and CPU time.
 
     python benchmarks/profile_step.py W1 [--steps 20] [--set packing=false] [--set cuda_graphs=false]
-    python benchmarks/profile_step.py W1 --steps 203 --no-profile --bucket 512   # time only
+    python benchmarks/profile_step.py W1 --steps 203 --no-profile               # time only
     python benchmarks/profile_step.py W1 --steps 203 --cprofile                  # host time by function
     python benchmarks/profile_step.py W2 --narrow --no-profile --set cuda_graphs=false  # host dispatch alone
     python benchmarks/profile_step.py W1 --first --steps 3   # cProfile over a fresh process's first steps
@@ -19,7 +19,6 @@ and without that capture time.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -58,13 +57,9 @@ def main() -> None:
                         help="count the aten ops a step dispatches, by op and the hivetune line that called it")
     parser.add_argument("--cap", type=float, default=0.0, help="cap the allocator at this many GiB, as bench's "
                         "--memory-cap does")
-    parser.add_argument("--bucket", type=int, default=0, help="CUDA-graph bucket in tokens (default 256)")
     parser.add_argument("--gaps", default="", help="with the profiler: write the GPU's idle gaps between kernels "
                         "(and what ran around the longest) as JSON to this file")
     opts = parser.parse_args()
-    if opts.bucket:
-        os.environ["HIVETUNE_GRAPH_BUCKET"] = str(opts.bucket)
-    os.environ["HIVETUNE_GRAPH_TIMING"] = "1"  # GPU time of each graph replay (CUDA events)
     w = WORKLOADS[opts.workload]
     device = torch.device("cuda")
     values = {"model": "random", "data": "generator", "precision": "bf16", "device": "cuda",
@@ -128,9 +123,6 @@ def main() -> None:
               f"{1000 * (seconds - cap) / len(rest):.1f} ms/step without {cap:.2f} s of graph capture), "
               f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated, "
               f"{torch.cuda.max_memory_reserved() / 2**30:.2f} GiB reserved; graphs: {graphs.last_stats or 'off'}")
-        if graphs.last_graphed is not None:
-            print(f"GPU ms per graph replay (forward + loss + backward of one micro-batch), by bucket: "
-                  f"{graphs.last_graphed.replay_ms()}")
         return
     from torch.profiler import ProfilerActivity, profile
 
