@@ -19,7 +19,7 @@ import triton.language as tl  # noqa: E402
 
 @triton.jit
 def _per_element_draw(X, Y, SEED, n, p, scale, BLOCK: tl.constexpr):
-    """The kernel before 52814ae, for comparison: one Philox draw (tl.rand) per element."""
+    """For comparison with the shipped kernel: one Philox draw (tl.rand) per element."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     keep = tl.rand(tl.load(SEED), i) >= p

@@ -309,15 +309,7 @@ def pass_profile(rank: int, passes: int = 4):
     cProfile, as DIR/passes-rank<r>.txt: per pass its host time, the GPU still busy at its end or
     not, the caching allocator's cudaMalloc / cudaFree calls during it, and its functions by own
     time; then the functions whose own time in the first pass exceeds the second's most (what a
-    fresh process pays once: kernel loads, plans, allocations). Issue 10: W2's first DDP step
-    spends 0.39-0.49 s of host time in its eager warm-up pass against 0.09-0.16 s for a later
-    capture's host pass of the same size. Measured (one H200, a39a699, W2 with 8-example
-    micro-batches, warm Triton cache; bench/results/ddp-31/passes-*.txt): eager passes 1-3 took
-    424-456, 168-240 and 141-187 ms under cProfile, with 151, 40 and 8 cudaMallocs. Pass 1's
-    extra: 56 cuBLASLt plans (ops.blas, 33-38 ms), first cuBLASLt calls (36-46 ms), the autograd
-    engine's first backward (41-43 ms), Triton's first call of each kernel (source hashing, cache
-    reads, launchers: ~45 ms), allocations (~22 ms). With graphs the warm-up pass took 402 ms and
-    the largest capture's 200 ms. The one-GPU eager run pays the same first-pass costs."""
+    fresh process pays once: kernel loads, plans, allocations)."""
     folder = os.environ.get("HIVETUNE_MULTI_PASS_PROFILE")
     if not folder:
         yield
