@@ -92,7 +92,7 @@ def lora_model_and_batch():
     (B nonzero, so every gradient path carries signal), 6 generator examples packed in one row."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from hivetune.workflows.bench import qwen25_shape, random_model, workload_examples
+    from hivetune.workflows.workloads import qwen25_shape, random_model, workload_examples
     from hivetune.data.batch import collate_packed
     from hivetune.model.lora import LoRASpec, apply_lora, lora_parameters
 

@@ -1,4 +1,4 @@
-"""bench/multi_gpu.py's step timeline (HIVETUNE_MULTI_TIMELINE) on 2 gloo processes, with CUDA
+"""benchmarks/multi_gpu.py's step timeline (HIVETUNE_MULTI_TIMELINE) on 2 gloo processes, with CUDA
 events replaced by host-clock stand-ins (the probe's bookkeeping, not the GPU's clock)."""
 
 import json
@@ -32,7 +32,7 @@ def test_ddp_step_timeline_marks_each_step_and_sums_its_parts(tmp_path):
            "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(shim), str(ROOT / "bench" / "multi_gpu.py")],
+                           str(shim), str(ROOT / "benchmarks" / "multi_gpu.py")],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     for rank in (0, 1):
@@ -66,7 +66,7 @@ def test_capture_profile_reports_each_deferred_capture(tmp_path, monkeypatch):
     import torch
 
     from hivetune.train import replay as graphs
-    spec = importlib.util.spec_from_file_location("multi_gpu_bench", ROOT / "bench" / "multi_gpu.py")
+    spec = importlib.util.spec_from_file_location("multi_gpu_bench", ROOT / "benchmarks" / "multi_gpu.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
 
@@ -111,7 +111,7 @@ def test_pass_profile_reports_each_pass_and_what_the_first_paid(tmp_path, monkey
 
     import hivetune.train.step as train_module
 
-    spec = importlib.util.spec_from_file_location("multi_gpu_bench_passes", ROOT / "bench" / "multi_gpu.py")
+    spec = importlib.util.spec_from_file_location("multi_gpu_bench_passes", ROOT / "benchmarks" / "multi_gpu.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     calls = []
@@ -143,7 +143,7 @@ def test_median_by_size_takes_steps_of_one_graph_size_after_the_first_two():
     micro-batches all took one size count (step 3 mixed two sizes; steps 0-1 warm up and plan)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("multi_gpu_bench_sizes", ROOT / "bench" / "multi_gpu.py")
+    spec = importlib.util.spec_from_file_location("multi_gpu_bench_sizes", ROOT / "benchmarks" / "multi_gpu.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     seconds = {0: 0.7, 1: 0.2, 2: 0.094, 3: 0.18, 4: 0.093, 5: 0.081, 6: 0.095, 7: 0.5}

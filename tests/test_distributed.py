@@ -154,7 +154,7 @@ def test_fsdp2_two_processes_checkpoint_and_resume(tiny_model_dir, alpaca_file, 
 
 
 def test_auto_strategy_follows_the_planner():
-    from hivetune.workflows.bench import qwen25_shape
+    from hivetune.workflows.workloads import qwen25_shape
     from hivetune.core.config import load_config
     from hivetune.parallel.distributed import choose_strategy
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hivetune.workflows.bench import qwen25_shape, random_model
+from hivetune.workflows.workloads import qwen25_shape, random_model
 from hivetune.cli import main
 from hivetune.core.config import load_config
 from hivetune.data.batch import collate_packed
@@ -242,7 +242,7 @@ def test_auto_config_fits_and_keeps_the_effective_batch(tmp_path, monkeypatch):
 
 def test_timing_constants_match_the_h200_grid():
     from hivetune.plan import timing
-    grid = Path(__file__).parents[1] / "bench" / "results" / "plan-grid-bb041c0-h200.json"
+    grid = Path(__file__).parents[1] / "benchmarks" / "results" / "plan-grid-h200.json"
     cal = timing.calibrate(grid, {"bf16": 989.0, "fp32": 67.0})
     assert cal["efficiency"]["bf16"] == pytest.approx(timing.EFFICIENCY["bf16"], rel=0.1)
     assert cal["efficiency"]["fp32"] == pytest.approx(timing.EFFICIENCY["fp32"], rel=0.1)
@@ -329,7 +329,7 @@ def test_lora_inputs_auto_keeps_what_costs_at_most_a_gib():
     and the peak with them kept is at most 60% of it (an 80 GB card, not a 24 GB one), and
     never where that peak would not fit; keep / recompute are obeyed, and nothing is kept where
     nothing is recomputed (no seeded dropout: dropout 0, the CPU)."""
-    from hivetune.workflows.bench import WORKLOADS
+    from hivetune.workflows.workloads import WORKLOADS
     from hivetune.plan.memory import KEEP_INPUTS_MAX_BYTES, keep_inputs_extra_bytes, resolve_keep_inputs
 
     seeded = MemoryConfig(precision="bf16", r=8, dropout=0.05, fused_layers=True)
@@ -380,7 +380,7 @@ def test_plan_keeps_the_lora_inputs_where_the_gpu_has_room_and_sizes_by_recomput
 def test_host_embeddings_move_the_untied_table_out_of_gpu_memory():
     """host_embeddings: the untied input embedding (W2: 152,064 x 3,584 bf16) leaves the GPU's
     base weights for pinned host memory; a tied table (W1: the LM head reads it) stays."""
-    from hivetune.workflows.bench import WORKLOADS
+    from hivetune.workflows.workloads import WORKLOADS
 
     mc = MemoryConfig(precision="bf16", r=32)
     moved = dataclasses.replace(mc, host_embeddings=True)

@@ -266,7 +266,7 @@ def test_bf16_weights_train_without_autocast_to_the_same_bits(tmp_path, dropout)
     """A model whose frozen weights are bf16 and whose LoRA layers all run through lora_group
     trains without autocast (train.autocast): the same loss and LoRA gradients, bit for bit, as
     with it (runs_in_dtype off); an fp32 model keeps autocast."""
-    from hivetune.workflows.bench import qwen25_shape, random_model, workload_examples
+    from hivetune.workflows.workloads import qwen25_shape, random_model, workload_examples
     from hivetune.core.config import load_config
     from hivetune.data.batch import collate_packed
     from hivetune.data.dataset import TokenizedExamples

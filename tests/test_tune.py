@@ -51,7 +51,7 @@ def test_tune_predicts_lora_inputs_auto_as_train_resolves_it_and_pins_it():
     on a GPU keeps the dropped inputs within 80 GiB, and the predicted peak counts them; within
     24 GiB it recomputes. The resolved value is what the candidate trains with (and tune.yaml
     writes); keep / recompute asked for stay; nothing is resolved without seeded dropout."""
-    from hivetune.workflows.bench import WORKLOADS
+    from hivetune.workflows.workloads import WORKLOADS
     from hivetune.plan.memory import GIB, breakdown, keep_inputs_extra_bytes
     from hivetune.workflows.tune import _candidate_memory
 

@@ -90,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="time the W1 / W2 workloads (random-init Qwen2.5 shapes)")
     bench.add_argument("workload", nargs="?", default="W1", help="W1 | W2 | all")
     bench.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: the full workload)")
-    bench.add_argument("--out", default="bench/results", help="folder for the JSON results")
+    bench.add_argument("--out", default="benchmarks/results",
+                       help="folder of the results files (one line appended to <workload>-<device>.jsonl)")
+    bench.add_argument("--commit", default="", help="the commit measured (default: git rev-parse HEAD)")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="training config override, e.g. --set packing=false")
     bench.add_argument("--baseline", default="", choices=["", "hf-peft"],
@@ -100,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--memory-cap", type=float, default=0.0, metavar="GIB",
                        help="let the training loop's allocator hold at most GIB (as a card of that size would)")
     bench.add_argument("--table-only", action="store_true",
-                       help="only rewrite BENCHMARKS.md's generated table from bench/results/*.json")
+                       help="only rewrite BENCHMARKS.md's generated table from the results files")
     doctor = sub.add_parser("doctor", help="check the torch / GPU stack, self-test it, and name known fixes",
                             description="Report torch's build, drivers, GPUs and attention back-ends, run a short "
                                         "self-test, and list known problems with their fixes. Exits 1 when any "
@@ -207,12 +209,12 @@ def run_bench(ns) -> int:
     if ns.table_only:
         from pathlib import Path
 
-        from hivetune.workflows.bench import write_table
+        from hivetune.workflows.bench_results import write_table
 
         write_table(Path("BENCHMARKS.md"), Path(ns.out))
         return 0
     results = bench(ns.workload, ns.max_steps, ns.out, parse_overrides(ns.overrides), ns.baseline, ns.baseline_steps,
-                    memory_cap_gib=ns.memory_cap)
+                    memory_cap_gib=ns.memory_cap, commit=ns.commit)
     for name, record in results.items():
         h = record["hivetune"]
         mfu = f", MFU {h['mfu']:.1%}" if h["mfu"] else ""

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hivetune.workflows.bench import qwen25_shape, random_model, workload_examples
+from hivetune.workflows.workloads import qwen25_shape, random_model, workload_examples
 from hivetune.core.config import load_config
 from hivetune.data.batch import collate_packed
 from hivetune.data.dataset import TokenizedExamples

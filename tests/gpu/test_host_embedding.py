@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hivetune.workflows.bench import qwen25_shape, random_model, workload_examples
+from hivetune.workflows.workloads import qwen25_shape, random_model, workload_examples
 from hivetune.core.config import load_config
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.ops import lora_dropout, triton_util

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hivetune.workflows.bench import WORKLOADS, random_model, workload_examples
+from hivetune.workflows.workloads import WORKLOADS, random_model, workload_examples
 from hivetune.core.config import load_config
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.train.loop import fit

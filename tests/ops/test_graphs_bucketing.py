@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hivetune.workflows.bench import qwen25_shape, random_model, workload_examples
+from hivetune.workflows.workloads import qwen25_shape, random_model, workload_examples
 from hivetune.core.config import load_config
 from hivetune.data.batch import collate_packed
 from hivetune.data.dataset import TokenizedExamples
@@ -258,7 +258,7 @@ def w2_rank_counts(batch_order: str = "random") -> tuple[list[list[int]], list[l
     import dataclasses
     import tempfile
 
-    from hivetune.workflows.bench import WORKLOADS
+    from hivetune.workflows.workloads import WORKLOADS
     from hivetune.parallel.distributed import Dist
     from hivetune.train.graph_plan import planned_micro_batches
 

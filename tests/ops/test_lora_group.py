@@ -340,7 +340,7 @@ def test_wide_layout_only_where_micro_batches_are_small(monkeypatch):
     (Only shapes are read.)"""
     from types import SimpleNamespace
 
-    from hivetune.workflows.bench import WORKLOADS
+    from hivetune.workflows.workloads import WORKLOADS
     from hivetune.data.dataset import TokenizedExamples
     from hivetune.data.formats import Encoded
     from hivetune.train.setup import wide_groups

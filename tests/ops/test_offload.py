@@ -221,7 +221,7 @@ def test_planner_breakdown_with_offload():
     """W2 (Qwen2.5-7B shape, r 32 on all 7, bf16, the GPU path) at 3,426 tokens: offloading 8
     layers takes their large saved tensors (~104 KiB a token a layer; the first layer saves
     less) out of the activations into a host row, and the predicted peak under 24 GiB."""
-    from hivetune.workflows.bench import WORKLOADS
+    from hivetune.workflows.workloads import WORKLOADS
     from hivetune.plan.memory import (GIB, MemoryConfig, breakdown, first_layer_saving, layer_saved_bytes_per_token,
                                       offloaded_layer_bytes)
 

@@ -1,123 +1,58 @@
-"""Benchmark workloads W1 / W2 (../shared/WORKLOADS.md): random-init Qwen2.5 shapes, generator data.
+"""`hivetune bench`: time a workload (W1, W2: hivetune.workflows.workloads) with hivetune's training
+loop, optionally HF Trainer + PEFT on the same work in the same process, and append the figures
+as one line to benchmarks/results/<workload>-<device>.jsonl (hivetune.workflows.bench_results).
 
-Throughput does not depend on weight values, so the workloads need no model hub and time the
-same work anywhere. The clock covers the training loop only (model built, data made before;
-the final adapter write after, recorded as adapter_save_s).
+The clock covers the training loop only: the model is built and the data made before it starts,
+and the final adapter write comes after it stops (recorded as adapter_save_s).
 """
 
 from __future__ import annotations
 
+import gc
+import importlib.util
 import json
 import os
 import platform
-import random
 import subprocess
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from hivetune.core.config import load_config
-from hivetune.data.dataset import TokenizedExamples
-from hivetune.data.formats import Encoded
 from hivetune.core.device import DTYPES, cap_memory
 from hivetune.core.errors import UserError
-from hivetune.model.config import ModelArgs
-from hivetune.model.decoder import CausalLM
+from hivetune.data.dataset import TokenizedExamples
+from hivetune.plan.gpus import gpu_for_device_name
+from hivetune.ops import prewarm
 from hivetune.train import replay as graphs
-# Dense bf16 tensor-core peak, TFLOP/s, for MFU (vendor datasheets, no sparsity).
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "RTX 4090": 165.0,
-                    "RTX 5090": 209.0, "MI300X": 1307.0, "MI250": 362.0, "MI50": 26.5}
-
-
-@dataclass
-class Workload:
-    name: str
-    args: ModelArgs
-    n_examples: int
-    cap: int  # 0: no cap
-    epochs: float
-    examples_per_step: int
-    lora: dict
-    # examples per forward / backward (0: all of the step's), the rest by accumulation; the
-    # optimizer still sees examples_per_step per step. W2 with 2 x 8 (--set batch_size=8 --set
-    # grad_accum=2) peaks at 26.9 GiB instead of 35, but its eager steps are then bound by the
-    # host's kernel dispatch: 6,463 against ~14,000 tokens/s on an H100 (faae9e6).
-    micro_batch: int = 0
-
-
-def qwen25_shape(vocab, hidden, intermediate, layers, heads, kv, tied) -> ModelArgs:
-    return ModelArgs(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                     num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                     rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768,
-                     tie_word_embeddings=tied, attention_bias=True, model_type="qwen2")
-
-
-WORKLOADS = {
-    "W1": Workload("W1", qwen25_shape(151936, 896, 4864, 24, 14, 2, True), 1500, 0, 3.0, 8,
-                   {"r": 8, "alpha": 16, "dropout": 0.05}),
-    "W2": Workload("W2", qwen25_shape(152064, 3584, 18944, 28, 28, 4, False), 1500, 256, 1.0, 16,
-                   {"r": 32, "alpha": 64, "dropout": 0.05}),
-}
-
-
-def workload_examples(n: int, vocab: int, cap: int = 0, seed: int = 0) -> list[Encoded]:
-    """The generator of WORKLOADS.md, call for call: prompt p tokens (masked), response r."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        p = rng.randint(16, 96)
-        r = int(min(400, max(8, rng.lognormvariate(4.8, 0.6))))
-        ids = [rng.randrange(1000, vocab - 1000) for _ in range(p + r)]
-        mask = [False] * p + [True] * r
-        if cap:
-            ids, mask = ids[:cap], mask[:cap]
-        out.append(Encoded(ids, mask, truncated=False))
-    return out
-
-
-def random_model(args: ModelArgs, device, dtype) -> CausalLM:
-    """HF's initialisation (normal, std 0.02; norms at 1) so losses start near ln(vocab)."""
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = CausalLM(args)
-    init_like_hf(model)
-    return model.to(dtype)
-
-
-@torch.no_grad()
-def init_like_hf(model: CausalLM) -> None:
-    """In place, in parameter order: norms 1, biases 0, the rest normal(0, 0.02); all frozen."""
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        elif name.endswith(".bias"):
-            p.zero_()
-        else:
-            p.normal_(0.0, 0.02)
-        p.requires_grad_(False)
+from hivetune.train import loop as train_loop
+from hivetune.train.loop import fit
+from hivetune.train.setup import assemble
+from hivetune.workflows.bench_results import append_result, device_kind, setting_text, write_table
+from hivetune.workflows.workloads import WORKLOADS, Workload, random_model, workload_examples
 
 
 def peak_tflops(device) -> float | None:
+    """The GPU's dense bf16 TFLOP/s from hivetune.plan.gpus (for MFU); None off CUDA or unknown."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    gpu = gpu_for_device_name(torch.cuda.get_device_name(device))
+    return gpu.bf16_tflops if gpu else None
 
 
-def git_commit() -> str:
-    """HEAD's short hash; HIVETUNE_COMMIT wins (the device gets the working tree, with no .git or
-    a stale one: `git rev-parse` there named d70dcbd for a run of cd7630d in session 17)."""
-    if os.environ.get("HIVETUNE_COMMIT"):
-        return os.environ["HIVETUNE_COMMIT"]
+def git_commit(commit: str = "") -> str:
+    """`commit` where given (the benchmark scripts pass it: a device's copy of the tree may hold no
+    .git, or a stale one), else HEAD's short hash, else "unknown"."""
+    if commit:
+        return commit
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        cwd=Path(__file__).parent, stderr=subprocess.DEVNULL).strip()
-    except Exception:
+    except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
@@ -136,18 +71,11 @@ def triton_cache_has_kernels() -> bool:
 TRITON_CACHE_WARM_AT_START = triton_cache_has_kernels()
 
 
-# switches under trial, recorded with each result where set (the graphs' ones: ops.graphs)
-EXPERIMENTS = ("HIVETUNE_LORA_SIDE_STREAM", "HIVETUNE_CAPTURE_LEAD", "HIVETUNE_GRAPH_DEFER", "HIVETUNE_CAPTURE_TOKENS",
-               "HIVETUNE_GRAPH_MAX_TFLOP", "HIVETUNE_GRAPH_GRAIN", "HIVETUNE_RANK_SPEEDS", "CUDA_MODULE_LOADING",
-               "HIVETUNE_PRELOAD_LAYERS", "HIVETUNE_SIZE_COSTS")
-
-
-def environment(device) -> dict:
-    from hivetune.ops import triton_util
-    env = {"python": platform.python_version(), "torch": torch.__version__, "commit": git_commit(),
-           "fused_ops": triton_util.triton is not None and os.environ.get("HIVETUNE_FUSED_OPS", "1") != "0",
-           "reference_paths": os.environ.get("HIVETUNE_REFERENCE", ""),
-           "experiments": " ".join(f"{k}={os.environ[k]}" for k in EXPERIMENTS if os.environ.get(k))}
+def environment(device, commit: str = "") -> dict:
+    """Versions, commit and device of a measurement."""
+    env = {"python": platform.python_version(), "torch": torch.__version__, "commit": git_commit(commit),
+           "triton": importlib.util.find_spec("triton") is not None,
+           "reference_paths": os.environ.get("HIVETUNE_REFERENCE", "")}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["triton_cache"] = "warm" if TRITON_CACHE_WARM_AT_START else "cold"
@@ -155,7 +83,7 @@ def environment(device) -> dict:
         try:
             env["driver"] = subprocess.check_output(
                 ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], text=True).split()[0]
-        except Exception:
+        except (OSError, subprocess.CalledProcessError, IndexError):
             env["driver"] = "unknown"
     else:
         env["gpu"] = None
@@ -216,10 +144,6 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
     """Train the workload with hivetune's loop; return the measured figures. memory_cap_gib: the
     caching allocator may hold at most this much from assembly on (as on a card of that size;
     set after the model is built: W2's random init runs in fp32)."""
-    from hivetune.ops import prewarm
-    from hivetune.train.loop import fit
-    from hivetune.train.setup import assemble
-
     prewarm.prewarm(device)  # overlaps building the data and the model, as in train's setup
     examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))
     values = {"model": "random", "data": "generator", "precision": "bf16" if device.type == "cuda" else "fp32",
@@ -290,9 +214,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
 def first_step_clock(device: torch.device):
     """Yields a dict that gets "seconds": the wall time of fit's first optimizer step from the
     block's start, the GPU's work included (one synchronisation, after that step only)."""
-    import hivetune.train.loop as train
-
-    out, real, start = {}, train.accumulate_step, time.perf_counter()
+    out, real, start = {}, train_loop.accumulate_step, time.perf_counter()
 
     def timed(*args, **kwargs):
         result = real(*args, **kwargs)
@@ -302,11 +224,11 @@ def first_step_clock(device: torch.device):
             out["seconds"] = round(time.perf_counter() - start, 3)
         return result
 
-    train.accumulate_step = timed
+    train_loop.accumulate_step = timed
     try:
         yield out
     finally:
-        train.accumulate_step = real
+        train_loop.accumulate_step = real
 
 
 ALLOCATOR_COUNTS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free")
@@ -327,6 +249,7 @@ def run_hf_peft(w: Workload, device: torch.device, timed_steps: int = 0, warmup_
     examples per step, bf16 on GPUs, SDPA attention, AdamW lr 2e-4, cosine) on the same model
     shape and examples. timed_steps > 0: run warmup_steps + timed_steps optimizer steps, time the
     last timed_steps and extrapolate to the workload's step count (labelled in the result)."""
+    # optional dependencies (hivetune[dev]), loaded only for the baseline
     import transformers
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -411,17 +334,17 @@ def run_hf_peft(w: Workload, device: torch.device, timed_steps: int = 0, warmup_
 BASELINES = ("hf-peft",)
 
 
-def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "bench/results", overrides: dict | None = None,
-          baseline: str = "", baseline_steps: int = 0, table: str | None = "BENCHMARKS.md",
-          memory_cap_gib: float = 0.0) -> dict:
+def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "benchmarks/results",
+          overrides: dict | None = None, baseline: str = "", baseline_steps: int = 0,
+          table: str | None = "BENCHMARKS.md", memory_cap_gib: float = 0.0, commit: str = "") -> dict:
     """`hivetune bench`: time a workload (and, with `baseline`, HF Trainer + PEFT on it in the same
-    process), write its JSON under out_dir, and rewrite the generated table of `table` where
-    out_dir is the folder that table is made from (bench/results beside it): a run written
-    elsewhere (--out /tmp/x) leaves the table as it is."""
+    process), append its line to out_dir/<workload>-<device>.jsonl, and rewrite the generated
+    table of `table` where out_dir is the folder that table is made from (benchmarks/results
+    beside it): results written elsewhere (--out /tmp/x) leave the table as it is."""
     names = list(WORKLOADS) if workload == "all" else [workload]
     for name in names:
         if name not in WORKLOADS:
-            raise UserError(f"bench: unknown workload {name!r} (W1, W2, all)")
+            raise UserError(f"bench: unknown workload {name!r} ({', '.join(WORKLOADS)}, all)")
     if baseline and baseline not in BASELINES:
         raise UserError(f"--baseline: unknown baseline {baseline!r} ({', '.join(BASELINES)})")
     if baseline_steps < 0:
@@ -431,106 +354,37 @@ def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "bench/result
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results = {}
     for name in names:
-        w = WORKLOADS[name]
-        record = {"workload": name, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  "environment": environment(device), "max_steps": max_steps, "overrides": overrides or {},
-                  "hivetune": run_hivetune(w, device, overrides, max_steps, memory_cap_gib)}
-        _release_memory(device)
-        record["environment"]["host_probe"] = host_probe(device)
-        if baseline:
-            _release_memory(device)
-            record["baseline"] = {"name": baseline, **run_hf_peft(w, device, baseline_steps)}
-            if not max_steps:  # the same work on both sides: the full workload
-                record["speedup_vs_baseline"] = round(record["baseline"]["seconds"] / record["hivetune"]["seconds"], 2)
-        folder = Path(out_dir)
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
-        path.write_text(json.dumps(record, indent=2) + "\n")
-        record["path"] = str(path)
-        results[name] = record
-        _release_memory(device)
-    made_from = Path(table).parent / "bench" / "results" if table else None
+        results[name] = measure(WORKLOADS[name], device, max_steps, overrides, baseline, baseline_steps,
+                                memory_cap_gib, commit)
+        results[name]["path"] = str(append_result(Path(out_dir), results[name]))
+    made_from = Path(table).parent / "benchmarks" / "results" if table else None
     if made_from is not None and Path(table).is_file() and Path(out_dir).resolve() == made_from.resolve():
         write_table(Path(table), Path(out_dir))
     return results
 
 
-def _release_memory(device) -> None:
-    import gc
+def measure(w: Workload, device: torch.device, max_steps: int, overrides: dict | None, baseline: str,
+            baseline_steps: int, memory_cap_gib: float, commit: str) -> dict:
+    """One workload's record (a line of its results file): hivetune's figures, the host probe and,
+    with `baseline`, the peer's figures and the ratio."""
+    env = environment(device, commit)
+    record = {"workload": w.name, "device": device_kind(env["gpu"]),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": env["commit"],
+              "setting": setting_text(overrides, memory_cap_gib, env["reference_paths"], max_steps),
+              "environment": env, "max_steps": max_steps, "overrides": overrides or {},
+              "hivetune": run_hivetune(w, device, overrides, max_steps, memory_cap_gib)}
+    _release_memory(device)
+    env["host_probe"] = host_probe(device)
+    if baseline:
+        _release_memory(device)
+        record["baseline"] = {"name": baseline, **run_hf_peft(w, device, baseline_steps)}
+        if not max_steps:  # the same work on both sides: the full workload
+            record["speedup_vs_baseline"] = round(record["baseline"]["seconds"] / record["hivetune"]["seconds"], 2)
+    _release_memory(device)
+    return record
 
+
+def _release_memory(device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-TABLE_BEGIN = "<!-- bench-table:begin (generated by `hivetune bench` from bench/results/*.json; do not edit) -->"
-TABLE_END = "<!-- bench-table:end -->"
-
-
-def results_table(folder: Path) -> str:
-    """A markdown table of every W1 / W2 result JSON in `folder`, newest first."""
-    rows = []
-    for path in sorted(folder.glob("W[12]-*.json"), reverse=True):
-        try:
-            r = json.loads(path.read_text())
-            h = r["hivetune"]
-        except (OSError, ValueError, KeyError):
-            continue
-        env = r.get("environment", {})
-        setting = ", ".join(f"{k}={v}" for k, v in (r.get("overrides") or {}).items()) or "defaults"
-        if env.get("gpu") and env.get("fused_ops") is False:
-            setting += "; PyTorch RMSNorm / RoPE / SwiGLU"
-        if h.get("micro_batch") and not h["micro_batch"].endswith(" x 1"):
-            setting += f"; micro-batch {h['micro_batch']}"
-        if env.get("reference_paths"):
-            setting += f"; reference paths: {env['reference_paths']}"
-        if env.get("experiments"):
-            setting += f"; experiments: {env['experiments']}"
-        if h.get("memory_cap_gib"):
-            setting += f"; allocator capped at {h['memory_cap_gib']:g} GiB"
-        if env.get("triton_cache"):
-            setting += f"; Triton kernel cache {env['triton_cache']} at start"
-        if h.get("first_step_s") is not None:  # seconds where this workload's kernels compiled in the clock
-            setting += f"; first step {h['first_step_s']:g} s"
-        if h.get("adapter_save_s") is not None:  # results before it counted the final adapter write
-            setting += f"; adapter write {h['adapter_save_s']:g} s after the clock"
-        offload = h.get("activation_offload")
-        if offload and offload.get("passes"):
-            setting += f"; {offload['layers'] / offload['passes']:.1f} layers offloaded a micro-batch"
-        graphs = h.get("cuda_graphs")
-        if graphs and graphs.get("off"):
-            setting += f"; CUDA graphs off: {graphs['off']}"
-        elif graphs:
-            setting += f"; {graphs['graphs']} CUDA graphs, capture {graphs['capture_s']} s"
-            if graphs.get("bucket_tokens", 256) not in (256, "planned"):
-                setting += f", {graphs['bucket_tokens']}-token buckets"
-            elif graphs.get("sizes"):
-                sizes = sorted({s for group in graphs["sizes"].values() for s in group})
-                setting += f", sizes {', '.join(map(str, sizes))} (pad {graphs['pad_tokens']:,} tokens)"
-        steps = f"{h['steps']}" + ("" if not r.get("max_steps") else " (max_steps)")
-        base = r.get("baseline")
-        if base:
-            how = "" if base.get("measured") == "full" else f", extrapolated from {base['timed_steps']} steps"
-            base_txt = f"{base['seconds']:,} s, {base['tokens_per_s']:,.0f} tok/s{how}"
-        else:
-            base_txt = ""
-        ratio = f"{r['speedup_vs_baseline']}x" if r.get("speedup_vs_baseline") else ""
-        mem = lambda key: f"{h[key]:.1f}" if h.get(key) is not None else ""  # noqa: E731
-        mfu = f"{h['mfu']:.1%}" if h.get("mfu") is not None else ""
-        rows.append(f"| {r['workload']} | {env.get('commit', '?')} | {env.get('gpu') or 'cpu'} | {setting} | {steps} | "
-                    f"{h['seconds']:.1f} | {h['tokens_per_s']:,.0f} | {mfu} | {mem('peak_memory_allocated_gib')} | "
-                    f"{mem('peak_memory_reserved_gib')} | {base_txt} | {ratio} | {path.name} |")
-    head = ("| workload | commit | device | settings | steps | seconds | tokens/s | MFU | peak alloc GiB | "
-            "peak reserved GiB | HF + PEFT seed config | speedup | file |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    return "\n".join([head, *rows])
-
-
-def write_table(md: Path, folder: Path) -> None:
-    """Rewrite the generated section of `md` (between the markers) from the JSON in `folder`."""
-    text = md.read_text()
-    if TABLE_BEGIN not in text or TABLE_END not in text:
-        return
-    before, rest = text.split(TABLE_BEGIN, 1)
-    after = rest.split(TABLE_END, 1)[1]
-    md.write_text(f"{before}{TABLE_BEGIN}\n{results_table(folder)}\n{TABLE_END}{after}")

@@ -239,7 +239,7 @@ def environment(device: str = "") -> dict:
             pass
     from hivetune import __version__
     env["hivetune"] = __version__
-    commit = os.environ.get("HIVETUNE_COMMIT") or _git_commit()
+    commit = _git_commit()
     if commit:
         env["commit"] = commit
     env["cpu"] = _cpu_name()

@@ -76,7 +76,7 @@ def _time_candidate(cfg: TrainConfig, args, device: torch.device, precision: str
     """(median seconds per optimizer step after the first, tokens per step, peak reserved GiB)."""
     import json
 
-    from hivetune.workflows.bench import random_model
+    from hivetune.workflows.workloads import random_model
     from hivetune.data.dataset import TokenizedExamples
     from hivetune.data.formats import Encoded
     from hivetune.core.device import DTYPES

@@ -1,0 +1,79 @@
+"""The benchmark workloads W1 and W2 (benchmarks/README.md): random-init Qwen2.5 shapes and
+generator data, so that they need no model hub and time the same work on any machine.
+
+Throughput does not depend on the values of the weights; the model gets HF's initialisation
+so that its losses start near ln(vocab), as a real run's do.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from hivetune.data.formats import Encoded
+from hivetune.model.config import ModelArgs, qwen25_shape
+from hivetune.model.decoder import CausalLM
+
+
+@dataclass
+class Workload:
+    name: str
+    args: ModelArgs
+    n_examples: int
+    cap: int  # tokens an example keeps; 0: no cap
+    epochs: float
+    examples_per_step: int
+    lora: dict
+    # examples per forward / backward (0: all of the step's), the rest by accumulation; the
+    # optimizer still sees examples_per_step per step.
+    micro_batch: int = 0
+
+
+WORKLOADS = {
+    # Qwen2.5-0.5B shape, LoRA r 8 on the 7 linear modules, 3 epochs of 1,500 examples, 8 a step
+    "W1": Workload("W1", qwen25_shape(151936, 896, 4864, 24, 14, 2, True), 1500, 0, 3.0, 8,
+                   {"r": 8, "alpha": 16, "dropout": 0.05}),
+    # Qwen2.5-7B shape, LoRA r 32, 1 epoch of 1,500 examples capped at 256 tokens, 16 a step
+    "W2": Workload("W2", qwen25_shape(152064, 3584, 18944, 28, 28, 4, False), 1500, 256, 1.0, 16,
+                   {"r": 32, "alpha": 64, "dropout": 0.05}),
+}
+
+
+def workload_examples(n: int, vocab: int, cap: int = 0, seed: int = 0) -> list[Encoded]:
+    """The workloads' generator, call for call: p prompt tokens (masked), then r response tokens.
+    W1: 298,259 tokens (213,895 of them response tokens), mean 198.8, max 496."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = rng.randint(16, 96)
+        r = int(min(400, max(8, rng.lognormvariate(4.8, 0.6))))
+        ids = [rng.randrange(1000, vocab - 1000) for _ in range(p + r)]
+        mask = [False] * p + [True] * r
+        if cap:
+            ids, mask = ids[:cap], mask[:cap]
+        out.append(Encoded(ids, mask, truncated=False))
+    return out
+
+
+def random_model(args: ModelArgs, device, dtype) -> CausalLM:
+    """HF's initialisation (normal, std 0.02; norms at 1) so losses start near ln(vocab)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = CausalLM(args)
+    init_like_hf(model)
+    return model.to(dtype)
+
+
+@torch.no_grad()
+def init_like_hf(model: CausalLM) -> None:
+    """In place, in parameter order: norms 1, biases 0, the rest normal(0, 0.02); all frozen."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02)
+        p.requires_grad_(False)
