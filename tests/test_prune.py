@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from hivetune.checkpoint import MANIFEST, STATE, checkpoint_folders, incomplete, prune_checkpoints
-from hivetune.train.loop import TrainingStopped, fit, setup
+from hivetune.train.loop import TrainingStopped, fit
+from hivetune.train.setup import setup
 from test_resume import data, run_cfg  # noqa: F401 (fixture)
 
 

@@ -10,7 +10,8 @@ import torch
 
 from hivetune.checkpoint import STATE
 from hivetune.cli import main
-from hivetune.train.loop import TrainingStopped, fit, setup
+from hivetune.train.loop import TrainingStopped, fit
+from hivetune.train.setup import setup
 from test_resume import data, run_cfg  # noqa: F401 (fixture)
 
 

@@ -150,7 +150,8 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
               "device": device.type, "epochs": w.epochs, "max_steps": max_steps,
               "batch_size": w.micro_batch or w.examples_per_step,
               "grad_accum": w.examples_per_step // (w.micro_batch or w.examples_per_step),
-              "lr": 2e-4, "lora": w.lora, "eval_prompts": 0, "max_length": 4096, "log_every": 50}
+              "lr": 2e-4, "lora": w.lora, "eval_prompts": 0, "max_length": 4096, "log_every": 50,
+              "save_every_minutes": 0}  # the figure times training alone: no checkpoint inside the clock
     values.update(overrides or {})
     cfg = load_config(None, values)
     model = random_model(w.args, device, DTYPES[cfg.precision])
