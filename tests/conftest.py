@@ -131,6 +131,5 @@ def pytest_collection_modifyitems(config, items):
     trains under a ~1.4 GiB cap, and earlier GPU tests leave memory behind that empty_cache cannot
     return (after test_graphs, the aborted capture's private pool: 1.35 GiB still allocated on an
     H100, where the calibration then read 0.70 and 0.90 GiB for 4 and 8 examples instead of 0.89
-    and 1.78, bench/results/oom-auto-bisect-ada4a0f-h100.txt; test_auto_offload ran out of memory
-    after test_cuda_blas on the command line before it)."""
+    and 1.78; test_auto_offload runs out of memory after test_cuda_blas)."""
     items.sort(key=lambda item: 0 if item.path.name in FIRST else 1)  # stable: the rest keep their order

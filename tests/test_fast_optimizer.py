@@ -109,8 +109,8 @@ def test_flat_step_over_a_gradient_arena_equals_torch_fused_bit_for_bit():
 
 def test_first_step_over_an_arena_with_a_loaded_state_goes_through_torch():
     """A state loaded from a checkpoint (a resumed run): the first step is torch's, which reads
-    the loaded moments, and the flat lists are built after it as before; its parameters equal
-    an unbroken run's to fp32 rounding."""
+    the loaded moments, and the flat lists are built after it; its parameters equal an unbroken
+    run's to fp32 rounding."""
     from hivetune.ops.lora_group import GradArena
 
     ref_params = make_params()

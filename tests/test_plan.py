@@ -118,7 +118,6 @@ def test_training_path_follows_the_run(monkeypatch):
     from hivetune.plan.planner import training_path
 
     monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
-    monkeypatch.delenv("HIVETUNE_FUSED_OPS", raising=False)
     assert training_path("fp32", cuda=True) == {"joined": True, "fused_layers": False}
     assert training_path("bf16", cuda=False) == {"joined": True, "fused_layers": False}
     assert training_path("bf16", cuda=True, distributed="fsdp")["joined"] is False

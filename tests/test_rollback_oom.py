@@ -126,8 +126,9 @@ def test_oom_after_auto_kept_the_lora_inputs_names_recompute_first(tiny_model_di
 def test_scaled_offload_backs_off_on_oom_and_redoes_the_step(tmp_path, alpaca_file, monkeypatch, capsys):
     """A step whose micro-batch offloaded fewer layers than activation_offload's N (a smaller
     micro-batch than the largest) and still ran out of memory is redone with a 5% smaller budget,
-    more layers offloaded, the same result; one that offloaded N stops as before. (The offload in
-    its CPU test mode: the same hooks, CPU tensors as the host copies.)"""
+    more layers offloaded: the same losses and weights to 1e-6. One that offloaded N stops with
+    the out-of-memory error. (The offload in its CPU test mode: the same hooks, CPU tensors as
+    the host copies.)"""
     from conftest import build_tiny_model, build_tokenizer
     from hivetune.model.lora import lora_state_dict
     from hivetune.ops.offload import ActivationOffload

@@ -225,7 +225,7 @@ def test_dropout_seeds_follow_the_step_plan():
 
 def test_fit_times_the_final_adapter_write_apart(tiny_model_dir, alpaca_file, tmp_path, monkeypatch):
     """TrainResult.seconds is the loop's; save_seconds the adapter write after it, which the
-    benchmarks leave out of their clocks (bench.run_hivetune, bench/multi_gpu.py)."""
+    benchmarks leave out of their clocks (workflows.bench.run_hivetune, benchmarks/multi_gpu.py)."""
     import time
 
     import hivetune.train.loop as train_module

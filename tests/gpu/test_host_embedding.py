@@ -44,10 +44,9 @@ def process_caches() -> int:
 
 def losses_and_peak(tmp_path: Path, tie: bool, **cfg):
     """(logged losses, the GPU memory the model and run hold after setup, the input embedding's
-    class). The memory is what setup added (what earlier runs' fits left in the process's caches
-    does not count: run after the elementwise tests alone, run b's base with the whole process's
-    memory came out 16 MiB above run a's, then 15 MiB above with the cuBLASLt workspaces left out,
-    instead of 16 MiB below; 561bbb3 and dcac461, H200)."""
+    class). The memory is what setup added: the process-wide caches made at first use (cuBLASLt
+    workspaces, the split kernels' counters) do not count, else a run's base would include what
+    an earlier run's fit left there (16 MiB on an H200)."""
     gc.collect()  # an earlier run's model, if a cycle still holds it, goes before the count
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated() - process_caches()

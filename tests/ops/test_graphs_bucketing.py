@@ -270,7 +270,7 @@ def w2_rank_counts(batch_order: str = "random") -> tuple[list[list[int]], list[l
     with tempfile.TemporaryDirectory() as tmp:
         run = assemble(load_config(None, values), model, examples, None, torch.device("cpu"), "fp32",
                        Path(tmp) / "run", Path("random"))
-    run.cfg = dataclasses.replace(run.cfg, batch_size=8)  # as bench/multi_gpu.py: 8 a rank
+    run.cfg = dataclasses.replace(run.cfg, batch_size=8)  # as benchmarks/multi_gpu.py: 8 a rank
     own, paced = [], []
     for rank in (0, 1):
         run.parallel = Dist(rank, 2, rank)

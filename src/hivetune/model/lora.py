@@ -381,8 +381,8 @@ def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     adapter save (each copy a sync and a small pageable transfer). On CUDA that buffer comes
     through a 16 MiB pinned stage, chunk by chunk, into the tensors' own host memory: W2's 323 MB
     in ~0.055 s, 0.149 s the first time, against ~0.3 s as one pageable copy and a clone per
-    tensor (H100, bench/to_host_probe.py). One pinned buffer of the whole size costs more the
-    first time (its allocation), and a fit's save is a first time (docs/log.md)."""
+    tensor on an H100. One pinned buffer of the whole size costs more the first time (its
+    allocation), and a fit's save is a first time (figures in docs/log.md)."""
     on_gpu = [t for t in tensors.values() if t.device.type != "cpu"]
     if len(on_gpu) < 2 or len({(t.device, t.dtype) for t in on_gpu}) > 1:
         return {k: t.contiguous().cpu() for k, t in tensors.items()}

@@ -74,7 +74,7 @@ class FusedAdamW(torch.optim.AdamW):
         count shared, as _flat leaves them after torch's first step, so that the first step is
         the later steps' one fused call too. Torch's first step would set up a state per tensor
         and _flat then copy them into buffers and read every step count: 17 + 23 ms of host
-        time for W2's 392 tensors on an H200 (bench/first_calls.py), with the GPU idle. The flat
+        time for W2's 392 tensors on an H200, with the GPU idle (docs/log.md). The flat
         lists (self._grads set), or None where _flat would keep torch's."""
         if len(self.param_groups) != 1:
             return None

@@ -1,8 +1,8 @@
 """Matrix products through cuBLASLt with the plan cached: out = alpha a @ b + beta out.
 
 Why: an eager W2 step (Qwen2.5-7B shape, one 16-example micro-batch) makes ~950 matmul calls,
-and on the device's hosts each torch.mm / addmm costs 20-70 us of host time (cProfile of the
-narrow W2 step, bench/results/cprofile-narrow-eager-*.txt), most of it in torch's cuBLAS path:
+and on the device's hosts each torch.mm / addmm costs 20-70 us of host time (cProfile of an
+eager W2 step, docs/log.md), most of it in torch's cuBLAS path:
 per call it builds the cuBLASLt descriptors, asks the heuristic for an algorithm and sets up the
 handle. That is 20-65 ms of a ~180 ms step whose kernels take ~160 ms, so the step is bound by
 the host's dispatch. Here the descriptors, the heuristic's algorithm and a workspace are made

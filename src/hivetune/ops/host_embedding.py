@@ -4,7 +4,7 @@ Why: LoRA never trains the input embedding, and a forward reads only the rows of
 W2 (Qwen2.5-7B, untied: 152,064 x 3,584 bf16) holds 1.02 GiB of GPU memory for a table of which
 a micro-batch reads ~3,000 rows (~21 MB). Pinned host memory is mapped into the GPU's address
 space (UVA), so a Triton kernel gathers those rows straight over PCIe: 0.44 ms for 3,000 rows
-on an H200 (49 GB/s, bench/uva_probe.py), under 0.3% of a W2 step; no host thread, no copy
+on an H200 (49 GB/s, docs/log.md), under 0.3% of a W2 step; no host thread, no copy
 stream, and it runs inside CUDA graphs like any other kernel.
 
 Not for tied embeddings (the LM head reads the whole table every step) nor without Triton;

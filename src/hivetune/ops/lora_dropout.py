@@ -177,7 +177,7 @@ if triton is not None:
 
 # The kernels beat dropout_seeded + cuBLAS on inputs 2,048+ wide with A of at most 32 rows (the
 # forward's [T, R] accumulator grows with R); cuBLAS + one elementwise pass win on narrower
-# inputs (H200, bench/drop_matmul_speed.py; figures in docs/log.md).
+# inputs (H200, benchmarks/drop_matmul_speed.py; figures in docs/log.md).
 DROP_MM_MIN_D = 2048
 DROP_MM_MAX_R = 32
 
@@ -217,7 +217,7 @@ def drop_matmul(x: torch.Tensor, a: torch.Tensor, seed: torch.Tensor, p: float, 
     column splits, each program's fp32 partial sum added by the last of its row block (T / BT
     programs alone leave the GPU mostly idle, and W2's down_proj would loop over 148 column
     blocks). `bt` (rows a program) and `splits` override the rules below, which are the best of
-    bench/drop_matmul_speed.py --sweep on an H200 (8 splits of 64-row blocks at W2's ~3,000
+    benchmarks/drop_matmul_speed.py --sweep on an H200 (8 splits of 64-row blocks at W2's ~3,000
     tokens: down 119 us against 427 with 2 splits of 16 rows; 16 splits of 16 rows at W1's 1,600)."""
     t, d = x.shape
     r = a.shape[0]

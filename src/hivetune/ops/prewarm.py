@@ -23,8 +23,8 @@ def prewarm(device: torch.device) -> None:
     - the kernels the first step meets only after its forward and backward, each run once on a
       few values (tail_kernels): clipping's norm and scale, the finite check and the fused
       AdamW step. Their first call loads their kernels (~160 ms for the clipping and ~15 ms for
-      the optimizer's in a fresh process on an H200: bench/first_calls.py), which would leave
-      the GPU idle between the first step and the second (docs/log.md).
+      the optimizer's in a fresh process on an H200, docs/log.md), which would leave the GPU
+      idle between the first step and the second.
     Called before the model loads, it overlaps that load instead of delaying the first training
     step. Once per process; nothing without CUDA."""
     global _PREWARM

@@ -122,7 +122,7 @@ class SwiGLUFunction(torch.autograd.Function):
         _swiglu_bwd[elementwise_grid(n, SwiGLUFunction.BLOCK)](dy, gate, up, dg, du, n, cols, cols,
                                                                  BLOCK=SwiGLUFunction.BLOCK)
         return dg, du, None
-# Launch shape of the SwiGLU kernels with the dropout (bench/fused_sweep.py times others).
+# Launch shape of the SwiGLU kernels with the dropout (benchmarks/fused_sweep.py times others).
 SWIGLU_DROP_BLOCK = 1024  # elements a program
 SWIGLU_DROP_WARPS = 4
 

@@ -35,7 +35,7 @@ Triton) holds a chunk of fp32 logits (256 MiB) with two temporaries of its size 
 x - max and exp of that): 768 MiB for a 152k vocabulary. The Triton chunk (fused_layers) holds
 only its logits in the compute dtype, 256 MiB, turned into their gradient in place.
 
-Peaks (measured on an H200, bench/results/plan-grid-*.json): without checkpointing at the loss,
+Peaks (measured on an H200, benchmarks/results/plan-grid-h200.json): without checkpointing at the loss,
 everything saved + the chunk buffers; the backward pass adds less (about 1.7 s I per token).
 With checkpointing, in backward: the recomputed layer + about 1.7 s I per token of gradient
 buffers; or in forward, a layer's gate, up, silu and product (4 s I per token).
@@ -59,10 +59,10 @@ GIB = 1 << 30
 MIB = 1 << 20
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
-# Calibrated on an H200 (bench/plan_grid.py, bench/results/plan-grid-*.json): a layer's backward
-# holds about BACKWARD_I buffers of [T, intermediate] in the compute dtype (gradients of down's
-# input, silu(gate) and up) on top of what is saved; 1.67-1.70 measured over 0.5B / 1.5B / 7B
-# shapes in bf16 and fp32. A checkpointed layer's forward holds FORWARD_I of them.
+# A layer's backward holds about BACKWARD_I buffers of [T, intermediate] in the compute dtype
+# (gradients of down's input, silu(gate) and up) on top of what is saved; a checkpointed layer's
+# forward holds FORWARD_I of them. Calibrated on an H200 over 0.5B / 1.5B / 7B shapes in bf16 and
+# fp32 (1.67-1.70 measured; benchmarks/plan_grid.py, benchmarks/results/plan-grid-h200.json).
 BACKWARD_I = 1.75
 FORWARD_I = 4.0
 RECOMPUTE_I = 1.0  # seeded dropout: down_proj's dropped input, recomputed in its backward

@@ -96,7 +96,7 @@ def _time_candidate(cfg: TrainConfig, args, device: torch.device, precision: str
         run = assemble(cfg, model, TokenizedExamples(examples), None, device, precision, Path(tmp) / "run",
                        Path("random"))
         # each step read as it ends, so its record's time follows the GPU: batched reads let the
-        # host date 3 graphed W1 steps 3-5 ms apart where each takes ~26 ms (398,000 tokens/s at 5d590cf)
+        # host date 3 graphed W1 steps 3-5 ms apart where each takes ~26 ms (docs/log.md)
         run.read_every_step = True
         fit(run, progress=False)
         times = [json.loads(x)["elapsed_s"] for x in (run.folder / "metrics.jsonl").read_text().splitlines()]
