@@ -172,7 +172,7 @@ def test_a_folder_write_killed_at_any_moment_leaves_old_or_new(moment, left_on_d
 
 def test_an_adapter_write_that_fails_leaves_the_previous_adapter_whole(tiny_model_dir, data, tmp_path, monkeypatch):
     """The weights are written, then the config fails (a full disk): adapter/ keeps both old files.
-    (Written file by file into adapter/, it held the new weights beside the old config.)"""
+    (A write file by file into adapter/ would leave the new weights beside the old config.)"""
     import torch
 
     from hivetune.train.run import save_adapter_all_ranks

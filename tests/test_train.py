@@ -65,8 +65,8 @@ def test_grad_accumulation_equals_one_big_batch(tiny_model_dir, alpaca_file, tmp
             assert torch.allclose(value, other[key], atol=2e-6, rtol=1e-5), key
 
 
-# Losses of the first 4 steps of a fixed tiny run (seed 0, fp32, CPU, torch 2.13), in random order
-# (measured before batch_order's auto default dealt steps by length).
+# Losses of the first 4 steps of a fixed tiny run (seed 0, fp32, CPU, torch 2.13), with
+# batch_order random (the auto default deals steps by length, which would change them).
 GOLDEN_LOSSES = [5.957276, 5.896777, 5.810771, 5.812476]
 
 

@@ -380,7 +380,7 @@ def test_deferred_captures_wait_for_a_lead_of_queued_replays(tmp_path, monkeypat
 
 
 def test_preloaded_deferred_captures_match_the_reference(tmp_path, monkeypatch):
-    """graph_preload: once the plan is made, each deferred size is captured through the model cut
+    """The preload: once the plan is made, each deferred size is captured through the model cut
     to its first layer (dropped unrun) and its bucket kept for the real capture; the model keeps
     its layers, and the losses and gradients match the run without the preload (a capture after
     every replay either way) within the padding's rounding."""
@@ -400,7 +400,7 @@ def test_preloaded_deferred_captures_match_the_reference(tmp_path, monkeypatch):
 
 
 def test_deferred_captures_wait_for_the_instantiations(tmp_path, monkeypatch):
-    """instantiation_wait: no deferred capture begins while a background instantiation is in
+    """The wait for instantiations: no deferred capture begins while a background instantiation is in
     flight (stats began_instantiating stays unset); losses and gradients match the run without
     that wait, within the padding's rounding."""
     monkeypatch.setattr(replay, "capture_cost_tokens", lambda capture_s, s_per_token: 1.0)

@@ -371,10 +371,10 @@ def test_planned_micro_targets_are_what_the_loop_meets(tmp_path):
 
 
 def test_preload_captures_the_model_cut_to_its_first_layers(monkeypatch):
-    """graph_preload's captures see the model cut to PRELOAD_LAYERS layers (2: the second layer's
-    backward has the input-gradient products the first layer's lacks), one capture per deferred
-    key into that key's bucket; the model gets all its layers back after, and a failed capture
-    still restores them."""
+    """The preload's captures (GraphedForwardBackward._preload) see the model cut to
+    PRELOAD_LAYERS layers (2: the second layer's backward has the input-gradient products the
+    first layer's lacks), one capture per deferred key into that key's bucket; the model gets
+    all its layers back after, and a failed capture still restores them."""
     from types import SimpleNamespace
 
     from hivetune.train import replay

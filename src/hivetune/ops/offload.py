@@ -4,9 +4,8 @@ memory between forward and backward, copied on a side CUDA stream that overlaps 
 Why: W2 (Qwen2.5-7B shape, LoRA r 32 on all 7 projections, bf16, ~3,400 tokens a micro-batch)
 peaks at 26.3 GiB allocated; autograd keeps ~107 KB a token a layer (0.34 GiB a layer), most of
 it the [T, 2 I] gate|up output that SwiGLU and down_proj's LoRA group keep. Moving N = 8 layers'
-(2.7 GiB) to the host brings the peak under 24 GiB: measured on an H200 (55 GB/s each way over
-PCIe), 26.27 -> 23.55 GiB allocated, 227 against 230 ms a step (three interleaved runs of 20
-steps each way; the runs' spread was +-10 ms).
+(2.7 GiB) to the host brings the peak under 24 GiB at about the same step time (H200, 55 GB/s
+each way over PCIe: 26.27 -> 23.55 GiB allocated, 227 against 230 ms a step; docs/log.md).
 
 How many layers: N (``activation_offload``) for the run's largest micro-batch, which the memory
 was sized for; a smaller micro-batch offloads the fewest first layers that keep no more saved
@@ -217,8 +216,8 @@ class ActivationOffload:
         """After a CUDA out-of-memory error in a step (train.accumulate_step): whether redoing it
         offloads more, i.e. the latest forward offloaded fewer than N layers; then the budget
         shrinks by 5% for the rest of the run. The saved activations stay within the largest
-        micro-batch's, but the allocator's free blocks need not fit the next request: on an
-        H100 one W2 run in three hit the 24 GiB cap once (step 78, 3,020 tokens, 2 layers)."""
+        micro-batch's, but the allocator's free blocks need not fit the next request (W2 under
+        a 24 GiB cap on an H100 hits it now and then; docs/log.md)."""
         if self.last_layers is None or self.last_layers >= self.layers:
             return False
         self.share *= 0.95

@@ -60,10 +60,10 @@ def offload_fit(cfg: TrainConfig, args, precision: str, tokens: int, budget: flo
     layers, with which an eager micro-batch of `tokens` fits `budget` bytes; None where nothing
     does, or where train would not move them (FSDP). Preferred to a smaller micro-batch or
     checkpointing: W2 (7B, 16 examples) under a 24 GiB cap with host_embeddings and 5 layers
-    offloaded ran 14,337 tokens/s on an H100, where 2 x 8 examples graphed ran 13,261
-    (BENCHMARKS.md); auto_config still takes a smaller micro-batch first where one fits without
-    (~8% apart there, in runs of different calls), and this before checkpointing, which
-    recomputes every layer's forward (offload: 2.9-5.5% slower than none, W2 on H200s)."""
+    offloaded ran ~8% faster than 2 x 8 examples graphed on an H100 (docs/log.md). auto_config
+    still takes a smaller micro-batch first where one fits without (the two are close), and this
+    before checkpointing, which recomputes every layer's forward (offload: 2.9-5.5% slower than
+    none, W2 on H200s)."""
     if cfg.distributed == "fsdp":
         return None
     if not args.tie_word_embeddings and not cfg.host_embeddings:

@@ -14,11 +14,11 @@ import math
 # (128: 13 buckets, 4%; 512: 4, 16%).
 BUCKET_TOKENS = 256
 # Planned sizes are multiples of this. A replay's time grows ~54 us a token with no step at the
-# matmuls' 128-row tiles, so a fine grain only pads less (docs/log/train.md).
+# matmuls' 128-row tiles, so a fine grain only pads less (docs/log.md).
 GRAIN = 16
 # Above this many matmul TFLOP per micro-batch (4 x linear weights x tokens) the GPU outruns the
 # host's dispatch anyway and graphs cost capture time and pool memory for nothing: W2's
-# 16-example micro-batches (~82 TFLOP) ran 16.80 s graphed against 16.96 s eager (docs/log/train.md).
+# 16-example micro-batches (~82 TFLOP) ran 16.80 s graphed against 16.96 s eager (docs/log.md).
 MAX_TFLOP_PER_MICRO_BATCH = 60.0
 
 
@@ -99,7 +99,7 @@ def capture_cost_tokens(capture_s: float, gpu_s_per_token: float) -> float:
     over the GPU's time a token, rounded down to a power of two (the same plan from run to run
     despite the timing's noise). Down, not to the nearest: the largest graph's capture is the
     slowest (first-time costs); W1 plans 5 graphs at 16,384 against 3 at 32,768, which pad
-    more and run ~0.5 s longer (docs/log/train.md)."""
+    more and run ~0.5 s longer (docs/log.md)."""
     return 2.0 ** math.floor(math.log2(max(capture_s / max(gpu_s_per_token, 1e-9), 1.0)))
 
 

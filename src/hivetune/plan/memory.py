@@ -241,10 +241,9 @@ def resolve_keep_inputs(setting: str, args: ModelArgs, mc: MemoryConfig, tokens:
     0: unknown): recompute where the predicted peak with the inputs kept (the allocator's part,
     Breakdown.reserved, which is what a per-process cap bounds) would not fit; else keep where
     that peak is at most KEEP_INPUTS_ROOM of the memory, or where keeping costs at most
-    KEEP_INPUTS_MAX_BYTES. W2 under DDP on 2 x H200 (8 examples a rank, +2.35 GiB): 10.27 /
-    10.23 s kept against 10.52 / 10.51 recomputed, 24.05 against 21.70 GiB reserved;
-    the 0.6 leaves a 24 GB card (W2 on one: 24 GiB with activation_offload) recomputing; W1
-    (+0.84 GiB, 3.79 GiB predicted) keeps under its 4 GiB cap. False where it changes nothing
+    KEEP_INPUTS_MAX_BYTES. Keeping is ~2.5% faster on W2 under DDP on 2 x H200 for +2.35 GiB a
+    rank (docs/log.md); the 0.6 leaves a 24 GB card (W2 on one: 24 GiB with activation_offload)
+    recomputing, and W1 (+0.84 GiB, 3.79 GiB predicted) keeps under its 4 GiB cap. False where it changes nothing
     (no seeded dropout)."""
     if not seeded_dropout(mc) or setting == "recompute":
         return False

@@ -54,7 +54,7 @@ from hivetune.train.graph_batch import Bucket, first_line, batch_key, keeps_grap
 
 MAX_GRAPHS = 48  # keys beyond this many run eagerly
 # A deferred capture waits until this many replays are queued ahead of the GPU, so that its host
-# pass runs while the GPU works (docs/log/train.md: W2 DDP 9.40 / 9.27 s against 9.60 / 9.72).
+# pass runs while the GPU works (docs/log.md: W2 DDP 9.40 / 9.27 s against 9.60 / 9.72).
 CAPTURE_LEAD = 3
 # The preload captures the model cut to this many layers: the first layer's backward has no
 # input-gradient products (its input needs no gradient), the second's has them, as every later

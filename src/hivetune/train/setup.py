@@ -115,7 +115,7 @@ def wide_groups(model: CausalLM, cfg: TrainConfig, data, device: torch.device, s
     auto, but not FSDP (auto); on CUDA, where a micro-batch's matmuls are small enough for CUDA
     graphs (plan.graph_sizes.launch_bound, from the data's mean length). There the LoRA update
     riding in the base matmul saves W1 ~5% of its loop and W2's DDP ranks 2-7%; W2 on one GPU
-    (16 x 1, ~80 TFLOP a micro-batch, not graphed) runs 8% slower with it (docs/log/train.md)."""
+    (16 x 1, ~80 TFLOP a micro-batch, not graphed) runs 8% slower with it (docs/log.md)."""
     asked = cfg.wide_lora == "true" or (cfg.wide_lora == "auto" and strategy != "fsdp")
     if not asked or device.type != "cuda" or not len(data):
         return False
@@ -186,7 +186,7 @@ def planned_memory(run: Run) -> None:
     (whether the seeded-dropout LoRA groups keep their dropped inputs for backward; auto:
     plan.memory.resolve_keep_inputs), the micro-batch activation_offload's layer count is for, and
     the host memory it will use, pinned before the loop (W2 with 8 layers: ~2.9 GB; pinning it in
-    the first steps instead costs ~1 s, docs/log/train.md)."""
+    the first steps instead costs ~1 s, docs/log.md)."""
     casts, offload = getattr(run.model, "lora_casts", None), run.model.activation_offload
     if casts is None and offload is None:
         return
