@@ -334,7 +334,8 @@ def test_default_job_tuned_beats_base(tmp_path):
     """`hivetune train` with no arguments (the embedded SmolLM2 on the shipped data) ends with the
     A/B on the shipped held-out split, and the tuned model beats the base by a wide margin on
     response loss and on command hits. If it does not, the default recipe or data is wrong.
-    Measured on a 2-core CPU: loss 3.66 -> 0.35, hits 1 -> 16 of 40 (benchmarks/results/default-job-cpu.jsonl).
+    Measured on a 2-core CPU: loss 3.66 -> 0.35, hits 1 -> 16 of 40
+    (benchmarks/results/default-job-cpu.jsonl).
     It takes about 4 minutes there: select it alone with `-m default_job`, leave it out with
     `-m "not default_job"`."""
     import subprocess

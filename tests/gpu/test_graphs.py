@@ -400,9 +400,9 @@ def test_preloaded_deferred_captures_match_the_reference(tmp_path, monkeypatch):
 
 
 def test_deferred_captures_wait_for_the_instantiations(tmp_path, monkeypatch):
-    """The wait for instantiations: no deferred capture begins while a background instantiation is in
-    flight (stats began_instantiating stays unset); losses and gradients match the run without
-    that wait, within the padding's rounding."""
+    """The wait for instantiations: no deferred capture begins while a background
+    instantiation is in flight (stats began_instantiating stays unset); losses and gradients
+    match the run without that wait, within the padding's rounding."""
     monkeypatch.setattr(replay, "capture_cost_tokens", lambda capture_s, s_per_token: 1.0)
     losses, grads, graphed = deferred_run(tmp_path / "after")
     stats = graphed.stats

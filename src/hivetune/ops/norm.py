@@ -190,7 +190,8 @@ class RMSNormFunction(torch.autograd.Function):
         return dx.view(dy.shape), None, None
 
 
-# Warps of the norm kernels with the dropout (benchmarks/fused_sweep.py times others); 0: by the row's width.
+# Warps of the norm kernels with the dropout (benchmarks/fused_sweep.py times others);
+# 0: by the row's width.
 NORM_DROP_WARPS = 0
 
 

@@ -35,8 +35,8 @@ Triton) holds a chunk of fp32 logits (256 MiB) with two temporaries of its size 
 x - max and exp of that): 768 MiB for a 152k vocabulary. The Triton chunk (fused_layers) holds
 only its logits in the compute dtype, 256 MiB, turned into their gradient in place.
 
-Peaks (measured on an H200, benchmarks/results/plan-grid-h200.json): without checkpointing at the loss,
-everything saved + the chunk buffers; the backward pass adds less (about 1.7 s I per token).
+Peaks (measured on an H200, benchmarks/results/plan-grid-h200.json): without checkpointing at the
+loss, everything saved + the chunk buffers; the backward pass adds less (about 1.7 s I per token).
 With checkpointing, in backward: the recomputed layer + about 1.7 s I per token of gradient
 buffers; or in forward, a layer's gate, up, silu and product (4 s I per token).
 
@@ -243,8 +243,8 @@ def resolve_keep_inputs(setting: str, args: ModelArgs, mc: MemoryConfig, tokens:
     that peak is at most KEEP_INPUTS_ROOM of the memory, or where keeping costs at most
     KEEP_INPUTS_MAX_BYTES. Keeping is ~2.5% faster on W2 under DDP on 2 x H200 for +2.35 GiB a
     rank (docs/log.md); the 0.6 leaves a 24 GB card (W2 on one: 24 GiB with activation_offload)
-    recomputing, and W1 (+0.84 GiB, 3.79 GiB predicted) keeps under its 4 GiB cap. False where it changes nothing
-    (no seeded dropout)."""
+    recomputing, and W1 (+0.84 GiB, 3.79 GiB predicted) keeps under its 4 GiB cap. False where
+    it changes nothing (no seeded dropout)."""
     if not seeded_dropout(mc) or setting == "recompute":
         return False
     if setting == "keep":
