@@ -222,7 +222,7 @@ def markdown(record: dict) -> str:
     cal = record.get("timing_calibration")
     if cal:
         lines += ["", f"timing.calibrate on this grid: {json.dumps(cal['measured'])}",
-                  f"hivetune.plan.timing now: {json.dumps(cal['constants'])}"]
+                  f"hivetune.plan.timing in use: {json.dumps(cal['constants'])}"]
     return "\n".join(lines) + "\n"
 
 

@@ -183,7 +183,7 @@ def print_memory_peak(run) -> None:
             total -= live.pop(e["addr"])["size"]
 
     def where(e):
-        frames = [f for f in e.get("frames", []) if "hivetune" in f["filename"] or "bench/" in f["filename"]]
+        frames = [f for f in e.get("frames", []) if "hivetune" in f["filename"] or "benchmarks/" in f["filename"]]
         if not frames:
             return "(no hivetune frame)"
         f = frames[0]
