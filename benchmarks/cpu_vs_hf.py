@@ -4,9 +4,10 @@ Same examples in the same order, same effective batch, same LoRA (r 16, alpha 32
 dropout 0), fp32 on both sides, same number of optimizer steps. Tokens/s counts real tokens
 (no padding) over the steps after the first (the first step pays one-off warm-up on both sides).
 
-    python benchmarks/cpu_vs_hf.py [--steps 12] [--batch 8]
+    python benchmarks/cpu_vs_hf.py [--steps 12] [--batch 8] [--results benchmarks/results] [--commit C]
 
-Writes bench/results/cpu-smollm2-<date>.json and prints the ratio.
+Prints the ratio and appends a line to benchmarks/results/smollm2-cpu.jsonl (the device,
+versions and commit with the figures of both sides).
 """
 
 from __future__ import annotations
@@ -14,12 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -32,6 +30,8 @@ from hivetune.data.dataset import load_example  # noqa: E402
 from hivetune.core.embedded import default_train_data, embedded_model_path  # noqa: E402
 from hivetune.train.loop import fit  # noqa: E402
 from hivetune.train.setup import setup  # noqa: E402
+from hivetune.workflows.bench import environment  # noqa: E402
+from hivetune.workflows.bench_results import append_result  # noqa: E402
 
 
 def hivetune_run(steps: int, batch: int, out: Path) -> tuple[object, dict]:
@@ -112,13 +112,6 @@ def hf_peft_run(run, steps: int, batch: int, out: Path) -> dict:
             "total_seconds": total, "losses": losses, "tokens": sum(tokens)}
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
-    except Exception:
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
@@ -126,6 +119,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2,
                         help="alternate hivetune and HF this many times; each side's best round counts "
                              "(a shared machine's load comes and goes: alternating exposes both to it)")
+    parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"),
+                        help="folder of the JSONL results files")
+    parser.add_argument("--commit", default="", help="the commit measured (default: git rev-parse HEAD)")
     opts = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     rounds = []
@@ -141,31 +137,28 @@ def main() -> None:
             print(f"round {k + 1}: hivetune {ours['tokens_per_s']:.1f} tok/s, HF+PEFT {theirs['tokens_per_s']:.1f} tok/s")
     ours = max((r[0] for r in rounds), key=lambda r: r["tokens_per_s"])
     theirs = max((r[1] for r in rounds), key=lambda r: r["tokens_per_s"])
-    import peft
-    import transformers
-
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    result = {
-        "benchmark": "cpu-smollm2-lora-fp32",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "device": f"CPU: {cpu}, {torch.get_num_threads()} threads",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "peft": peft.__version__},
-        "config": {"model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantised to fp32)", "data": "shipped train.jsonl",
-                   "steps": opts.steps, "examples_per_step": opts.batch, "precision": "fp32",
-                   "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "targets": 7}},
-        "hivetune": ours,
-        "hf_peft": theirs,
-        "speedup": ours["tokens_per_s"] / theirs["tokens_per_s"],  # best round against best round
+    env = environment(torch.device("cpu"), opts.commit)
+    env["cpu"] = f"CPU: {cpu}, {torch.get_num_threads()} threads"
+    record = {
+        "workload": "smollm2", "device": "cpu", "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+        "commit": env["commit"], "setting": f"fp32, {opts.steps} steps of {opts.batch}", "environment": env,
+        "max_steps": opts.steps, "overrides": {},
+        "hivetune": {"steps": opts.steps, "seconds": round(ours["total_seconds"], 3),
+                     "seconds_after_first_step": round(ours["seconds_after_first_step"], 3),
+                     "tokens_per_s": round(ours["tokens_per_s"], 1), "tokens": ours["tokens"],
+                     "losses_logged": [round(x, 6) for x in ours["losses"]]},
+        "baseline": {"name": "HF + PEFT", "seconds": round(theirs["total_seconds"], 3),
+                     "tokens_per_s": round(theirs["tokens_per_s"], 1),
+                     "measured": f"same run, steps 2-{opts.steps}"},
+        "speedup_vs_baseline": round(ours["tokens_per_s"] / theirs["tokens_per_s"], 2),  # best round against best
         "rounds": [{"hivetune_tokens_per_s": round(a["tokens_per_s"], 1), "hivetune_load_before": a["load_before"],
                     "hf_peft_tokens_per_s": round(b["tokens_per_s"], 1), "hf_peft_load_before": b["load_before"]}
                    for a, b in rounds],
     }
-    out = ROOT / "bench" / "results" / f"cpu-smollm2-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    path = append_result(Path(opts.results), record)
     print(f"hivetune {ours['tokens_per_s']:.1f} tok/s, HF+PEFT {theirs['tokens_per_s']:.1f} tok/s, "
-          f"speedup {result['speedup']:.2f}x -> {out.relative_to(ROOT)}")
+          f"speedup {record['speedup_vs_baseline']:.2f}x -> {path}")
 
 
 if __name__ == "__main__":

@@ -1,30 +1,31 @@
 """GPU microseconds of a LoRA group's dropout + A matmuls, two ways, at W1's and W2's shapes:
-dropout_seeded + cuBLAS (the path before the dropout moved into the matmuls) against the
-Triton kernels that drop x's tiles as they load them (ops.elementwise.drop_matmul & co).
+dropout_seeded then cuBLAS ("apart") against the Triton kernels that drop x's tiles as they load
+them ("fused": ops.lora_dropout.drop_matmul, drop_matmul_grad, matmul_drop_add_).
 
-    python benchmarks/drop_matmul_speed.py [--out FILE.json]
-    python benchmarks/drop_matmul_speed.py --sweep [--out FILE.json]   # the kernels' split choices
+    python benchmarks/drop_matmul_speed.py [--results benchmarks/results] [--commit C]
+    python benchmarks/drop_matmul_speed.py --sweep     # the kernels' split choices
 
 --sweep times the forward kernel at every (row block, column split) and A's gradient at every
 row split against what drop_matmul / drop_matmul_grad choose: the data for their split rules.
+Each appends its rows to benchmarks/results/drop-matmul-<device>.jsonl (drop-matmul-sweep-...
+for --sweep). Needs a CUDA GPU and Triton.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hivetune.workflows.bench import environment  # noqa: E402  (versions, driver, commit)
-from hivetune.ops import elementwise as ew  # noqa: E402
+from kernel_timing import add_result_flags, append_kernel_rows, gpu_us  # noqa: E402
+from hivetune.ops.dropout import dropout_seeded, seeded_masked_add_  # noqa: E402
+from hivetune.ops.lora_dropout import drop_matmul, drop_matmul_grad, matmul_drop_add_  # noqa: E402
 from hivetune.ops.lora_group import mm_fp32  # noqa: E402
-
-from dropout_speed import gpu_us  # noqa: E402  (benchmarks/: CUDA-graph replays, so no launch cost)
 
 # (workload, group, tokens, d, n x r)
 SHAPES = [("W1", "q/k/v", 1600, 896, 24), ("W1", "gate/up", 1600, 896, 16), ("W1", "o", 1600, 896, 8),
@@ -32,7 +33,7 @@ SHAPES = [("W1", "q/k/v", 1600, 896, 24), ("W1", "gate/up", 1600, 896, 16), ("W1
           ("W2", "o", 3000, 3584, 32), ("W2", "down", 3000, 18944, 32)]
 
 
-def sweep(out_path: str) -> None:
+def sweep(results: str, commit: str) -> None:
     rows = []
     p, s = 0.05, 2.0
     seed = torch.tensor([7], device="cuda")
@@ -40,37 +41,35 @@ def sweep(out_path: str) -> None:
         x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
         a = torch.randn(r, d, device="cuda", dtype=torch.bfloat16) * 0.02
         g = torch.randn(t, r, device="cuda", dtype=torch.bfloat16)
-        want = ew.drop_matmul(x, a, seed, p, s).float()
+        want = drop_matmul(x, a, seed, p, s).float()
         row = {"workload": workload, "group": group, "tokens": t, "d": d, "r_total": r,
-               "chosen_forward": round(gpu_us(lambda: ew.drop_matmul(x, a, seed, p, s)), 1),
-               "chosen_grad_a": round(gpu_us(lambda: ew.drop_matmul_grad(g, x, seed, p)), 1),
+               "chosen_forward": round(gpu_us(lambda: drop_matmul(x, a, seed, p, s)), 1),
+               "chosen_grad_a": round(gpu_us(lambda: drop_matmul_grad(g, x, seed, p)), 1),
                "forward": {}, "grad_a": {}}
         for bt in (16, 64):
             for splits in (1, 2, 4, 8, 16):
-                got = ew.drop_matmul(x, a, seed, p, s, bt=bt, splits=splits).float()
+                got = drop_matmul(x, a, seed, p, s, bt=bt, splits=splits).float()
                 assert torch.allclose(got, want, atol=2e-2, rtol=2e-2), (bt, splits)
                 row["forward"][f"bt{bt}-s{splits}"] = round(
-                    gpu_us(lambda: ew.drop_matmul(x, a, seed, p, s, bt=bt, splits=splits)), 1)
+                    gpu_us(lambda: drop_matmul(x, a, seed, p, s, bt=bt, splits=splits)), 1)
         for splits in (1, 2, 4, 8, 16, 32):
-            row["grad_a"][f"s{splits}"] = round(gpu_us(lambda: ew.drop_matmul_grad(g, x, seed, p, splits=splits)), 1)
+            row["grad_a"][f"s{splits}"] = round(gpu_us(lambda: drop_matmul_grad(g, x, seed, p, splits=splits)), 1)
         best_f = min(row["forward"], key=row["forward"].get)
         best_g = min(row["grad_a"], key=row["grad_a"].get)
         print(f"{workload} {group:8s}: forward chosen {row['chosen_forward']} us, best {best_f} "
               f"{row['forward'][best_f]} us; A grad chosen {row['chosen_grad_a']} us, best {best_g} "
               f"{row['grad_a'][best_g]} us")
         rows.append(row)
-    if out_path:
-        Path(out_path).write_text(json.dumps({"device": torch.cuda.get_device_name(), "sweep": rows,
-                                              "environment": environment(torch.device("cuda"))}, indent=1))
+    append_kernel_rows(results, "drop-matmul-sweep", rows, commit, "p 0.05, bf16, CUDA-graph replays")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_result_flags(parser)
     parser.add_argument("--sweep", action="store_true", help="time the kernels' split choices")
     opts = parser.parse_args()
     if opts.sweep:
-        sweep(opts.out)
+        sweep(opts.results, opts.commit)
         return
     rows = []
     p, s = 0.05, 2.0
@@ -81,32 +80,30 @@ def main() -> None:
         out = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
         seed = torch.tensor([7], device="cuda")
 
-        def old_fwd():
-            xd = ew.dropout_seeded(x, seed, p)
+        def apart_forward():
+            xd = dropout_seeded(x, seed, p)
             xa = x.new_empty((t, r))
             torch.addmm(xa, xd, a.t(), beta=0, alpha=s, out=xa)
 
-        def old_grad():
-            mm_fp32(g.t(), ew.dropout_seeded(x, seed, p))
+        def apart_grad_a():
+            mm_fp32(g.t(), dropout_seeded(x, seed, p))
 
-        def old_add():
-            ew.seeded_masked_add_(out, g @ a, seed, p)
+        def apart_masked_add():
+            seeded_masked_add_(out, g @ a, seed, p)
 
-        times = {"old_forward": gpu_us(old_fwd), "old_grad_a": gpu_us(old_grad), "old_masked_add": gpu_us(old_add),
-                 "new_forward": gpu_us(lambda: ew.drop_matmul(x, a, seed, p, s)),
-                 "new_grad_a": gpu_us(lambda: ew.drop_matmul_grad(g, x, seed, p)),
-                 "new_masked_add": gpu_us(lambda: ew.matmul_drop_add_(out, g, a, seed, p))}
-        old = times["old_forward"] + times["old_grad_a"] + times["old_masked_add"]
-        new = times["new_forward"] + times["new_grad_a"] + times["new_masked_add"]
+        times = {"apart_forward": gpu_us(apart_forward), "apart_grad_a": gpu_us(apart_grad_a),
+                 "apart_masked_add": gpu_us(apart_masked_add), "fused_forward": gpu_us(lambda: drop_matmul(x, a, seed, p, s)),
+                 "fused_grad_a": gpu_us(lambda: drop_matmul_grad(g, x, seed, p)),
+                 "fused_masked_add": gpu_us(lambda: matmul_drop_add_(out, g, a, seed, p))}
+        apart = times["apart_forward"] + times["apart_grad_a"] + times["apart_masked_add"]
+        fused = times["fused_forward"] + times["fused_grad_a"] + times["fused_masked_add"]
         rows.append({"workload": workload, "group": group, "tokens": t, "d": d, "r_total": r,
-                     **{k: round(v, 1) for k, v in times.items()}, "old_us": round(old, 1), "new_us": round(new, 1)})
-        print(f"{workload} {group:8s} T {t} d {d:5d} R {r:3d}: old {old:7.1f} us "
-              f"({times['old_forward']:.1f} + {times['old_grad_a']:.1f} + {times['old_masked_add']:.1f}), "
-              f"new {new:7.1f} us ({times['new_forward']:.1f} + {times['new_grad_a']:.1f} + "
-              f"{times['new_masked_add']:.1f})")
-    if opts.out:
-        Path(opts.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows,
-                                              "environment": environment(torch.device("cuda"))}, indent=1))
+                     **{k: round(v, 1) for k, v in times.items()}, "apart_us": round(apart, 1), "fused_us": round(fused, 1)})
+        print(f"{workload} {group:8s} T {t} d {d:5d} R {r:3d}: apart {apart:7.1f} us "
+              f"({times['apart_forward']:.1f} + {times['apart_grad_a']:.1f} + {times['apart_masked_add']:.1f}), "
+              f"fused {fused:7.1f} us ({times['fused_forward']:.1f} + {times['fused_grad_a']:.1f} + "
+              f"{times['fused_masked_add']:.1f})")
+    append_kernel_rows(opts.results, "drop-matmul", rows, opts.commit, "p 0.05, bf16, CUDA-graph replays")
 
 
 if __name__ == "__main__":

@@ -1,86 +1,74 @@
-"""GPU time of the seeded dropout kernels at W1 / W2 shapes (forward and its backward add).
+"""GPU time of the seeded dropout kernels at W1 / W2 shapes (forward and its backward add), and
+of a dropout that draws one Philox number per element, for comparison.
 
-    python benchmarks/dropout_speed.py [--out bench/results]     # prints, and writes dropout-speed-<commit>.json
+    python benchmarks/dropout_speed.py [--results benchmarks/results] [--commit C]
+
+Prints the figures and appends them to benchmarks/results/dropout-speed-<device>.jsonl. Needs a
+CUDA GPU and Triton.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hivetune.ops import elementwise  # noqa: E402
-import triton  # noqa: E402  (GPU only)
-import triton.language as tl  # noqa: E402
+from kernel_timing import add_result_flags, append_kernel_rows, gpu_us  # noqa: E402
+
+P = 0.05
+SHAPES = {"W1": (1600, 896), "W2": (2896, 3584), "W2 down_proj": (2896, 18944)}
 
 
-@triton.jit
-def _per_element_draw(X, Y, SEED, n, p, scale, BLOCK: tl.constexpr):
-    """For comparison with the shipped kernel: one Philox draw (tl.rand) per element."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    keep = tl.rand(tl.load(SEED), i) >= p
-    x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
-    tl.store(Y + i, tl.where(keep, x * scale, 0.0).to(Y.dtype.element_ty), mask=m)
+@lru_cache(maxsize=None)
+def per_element_kernel():
+    """A Triton kernel drawing one Philox number (tl.rand) per element: the comparison."""
+    import triton  # GPU only: --help runs without it
+    import triton.language as tl
+
+    @triton.jit
+    def per_element_draw(X, Y, SEED, n, p, scale, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        keep = tl.rand(tl.load(SEED), i) >= p
+        x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
+        tl.store(Y + i, tl.where(keep, x * scale, 0.0).to(Y.dtype.element_ty), mask=m)
+
+    return per_element_draw
 
 
 def per_element(x, seed, p):
     y = torch.empty_like(x)
     n = x.numel()
-    _per_element_draw[(triton.cdiv(n, 1024),)](x, y, seed, n, p, 1.0 / (1.0 - p), BLOCK=1024)
+    per_element_kernel()[((n + 1023) // 1024,)](x, y, seed, n, p, 1.0 / (1.0 - p), BLOCK=1024)
     return y
 
 
-def gpu_us(fn, reps: int = 50) -> float:
-    """GPU microseconds per call: `reps` calls captured in one CUDA graph and replayed, so the
-    host's launch cost (~20-45 us a Triton launch, more than these kernels take) stays out."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / reps
-
-
 def main() -> None:
-    import argparse
-    import json
-    from datetime import datetime
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_result_flags(parser)
+    ns = parser.parse_args()
+    from hivetune.ops.dropout import dropout_seeded, seeded_masked_add_
 
-    from hivetune.workflows.bench import environment, git_commit
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="/tmp/hivetune-bench")
-    out_dir = Path(parser.parse_args().out)
     rows = []
     seed = torch.tensor([7], device="cuda")
-    for name, shape in (("W1", (1600, 896)), ("W2", (2896, 3584)), ("W2 down_proj", (2896, 18944))):
+    for name, shape in SHAPES.items():
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         out, t = torch.randn_like(x), torch.randn_like(x)
-        fwd = gpu_us(lambda: elementwise.dropout_seeded(x, seed, 0.05))
-        bwd = gpu_us(lambda: elementwise.seeded_masked_add_(out, t, seed, 0.05))
-        old = gpu_us(lambda: per_element(x, seed, 0.05))
+        fwd = gpu_us(lambda: dropout_seeded(x, seed, P))
+        bwd = gpu_us(lambda: seeded_masked_add_(out, t, seed, P))
+        each = gpu_us(lambda: per_element(x, seed, P))
         mb = x.numel() * 2 / 1e6
         print(f"{name} {list(shape)}: dropout {fwd:.1f} us ({2 * mb / fwd:.2f} TB/s), "
-              f"masked add {bwd:.1f} us ({3 * mb / bwd:.2f} TB/s); one draw per element (before): dropout {old:.1f} us")
+              f"masked add {bwd:.1f} us ({3 * mb / bwd:.2f} TB/s); one draw per element: dropout {each:.1f} us")
         rows.append({"shape": name, "elements": list(shape), "dropout_us": round(fwd, 2),
-                     "masked_add_us": round(bwd, 2), "one_draw_per_element_dropout_us": round(old, 2)})
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"dropout-speed-{git_commit()}-{datetime.now():%Y%m%d-%H%M%S}.json"
-    path.write_text(json.dumps({"benchmark": "seeded_dropout_kernels", "date": datetime.now().isoformat(timespec="seconds"),
-                                "p": 0.05, "dtype": "bfloat16", "timing": "50 calls inside one CUDA graph",
-                                "rows": rows, "environment": environment(torch.device("cuda"))}, indent=2) + "\n")
-    print(f"wrote {path}")
+                     "masked_add_us": round(bwd, 2), "one_draw_per_element_dropout_us": round(each, 2)})
+    append_kernel_rows(ns.results, "dropout-speed", rows, ns.commit, f"p {P}, bf16, 50 calls in one CUDA graph")
 
 
 if __name__ == "__main__":

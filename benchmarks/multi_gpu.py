@@ -1,4 +1,4 @@
-"""Multi-GPU benchmark (issue 10), one device call on 2 GPUs:
+"""Multi-GPU benchmark, one device call on 2 GPUs:
 
     python benchmarks/multi_gpu.py all --out DIR      # orchestrates the runs below, writes one JSON
 
@@ -9,6 +9,8 @@
              (20 steps of W2-style examples, 4 per GPU), per-GPU peak memory recorded.
 
 Each run prints one JSON line (rank 0); `all` collects them with the device, versions, commit.
+`--timeline DIR` and the other profile flags write each rank's timeline or profile into DIR;
+`python benchmarks/multi_gpu.py ddp tiny --device cpu` under torchrun is a CPU smoke test (gloo).
 """
 
 from __future__ import annotations
@@ -25,18 +27,17 @@ from pathlib import Path
 
 import torch
 
-from hivetune.parallel import distributed
-from hivetune.core import fastpath
-from hivetune.workflows.bench import allocator_counts, environment, git_commit
-from hivetune.workflows.bench_results import append_result, device_kind, setting_text
-from hivetune.workflows.workloads import WORKLOADS, init_like_hf, qwen25_shape, random_model, workload_examples
 from hivetune.core.config import load_config, parse_overrides
 from hivetune.data.dataset import TokenizedExamples
-from hivetune.core.fastpath import prewarm
 from hivetune.model.decoder import CausalLM
+from hivetune.ops import prewarm
+from hivetune.parallel import distributed
 from hivetune.train import replay as graphs
 from hivetune.train.loop import fit
 from hivetune.train.setup import assemble
+from hivetune.workflows.bench import allocator_counts, environment, git_commit
+from hivetune.workflows.bench_results import append_result, device_kind, setting_text
+from hivetune.workflows.workloads import WORKLOADS, init_like_hf, qwen25_shape, random_model, workload_examples
 
 QWEN25_14B = qwen25_shape(152064, 5120, 13824, 48, 40, 8, False)
 
@@ -66,13 +67,12 @@ def totals_by(pairs) -> dict:
 
 
 @contextmanager
-def kernel_profile(rank: int):
-    """HIVETUNE_MULTI_PROFILE=DIR: each rank's GPU kernels over the whole fit (CUPTI only: no
+def kernel_profile(rank: int, folder: str | None):
+    """--kernel-profile DIR: each rank's GPU kernels over the whole fit (CUPTI only: no
     operator events, the CUDA runtime and driver calls included), as DIR/kernels-rank<r>.txt: the
     GPU's busy time (the union of kernel intervals) against the wall, NCCL's share, the idle gaps
     by the kernels around them, the host's CUDA calls (by name, the longest, those over 2 ms in
     time order), and every kernel by total time."""
-    folder = os.environ.get("HIVETUNE_MULTI_PROFILE")
     if not folder:
         yield
         return
@@ -148,9 +148,9 @@ def median_by_size(step_seconds: dict[int, float], sizes: list[tuple[int, int, i
 
 
 @contextmanager
-def step_timeline(rank: int):
-    """HIVETUNE_MULTI_TIMELINE=DIR: each rank's steps on the GPU clock, as DIR/timeline-rank<r>.json
-    and a summary line: CUDA events at each step's start (train.accumulate_step), before and after
+def step_timeline(rank: int, folder: str | None):
+    """--timeline DIR: each rank's steps on the GPU clock, as DIR/timeline-rank<r>.json
+    and a summary line: CUDA events at each step's start (train.step.accumulate_step), before and after
     its gradient all-reduce (distributed.allreduce_gradients), with the host's clock at each record.
     Per step: the micro-batches' GPU time (start -> before the all-reduce), the all-reduce's
     (its wait for the other rank included: NCCL's kernel spins until both have arrived), and the
@@ -160,7 +160,6 @@ def step_timeline(rank: int):
     schedule's step (after the optimizer's), so the first step's host work can be told apart.
     With CUDA graphs, each micro-batch's graph size and real tokens ("sizes": step, size, tokens)
     and the micro-batches' GPU time by size (by_size_ms; median_by_size)."""
-    folder = os.environ.get("HIVETUNE_MULTI_TIMELINE")
     if not folder:
         yield
         return
@@ -265,12 +264,11 @@ def profile_text(stats, rows: int, *orders: str) -> str:
 
 
 @contextmanager
-def first_steps_profile(rank: int):
-    """HIVETUNE_MULTI_FIRST_PROFILE=DIR: the loop under cProfile from its start to the third
+def first_steps_profile(rank: int, folder: str | None):
+    """--first-profile DIR: the loop under cProfile from its start to the third
     step's start (the warm-up, the first captures, the first clipping and optimizer step), as
     DIR/first-steps-rank<r>.txt: its wall time and the functions by own and by cumulative time.
     A first call that loads kernels or waits for the GPU shows as one builtin with a long own time."""
-    folder = os.environ.get("HIVETUNE_MULTI_FIRST_PROFILE")
     if not folder:
         yield
         return
@@ -304,14 +302,13 @@ def first_steps_profile(rank: int):
 
 
 @contextmanager
-def pass_profile(rank: int, passes: int = 4):
-    """HIVETUNE_MULTI_PASS_PROFILE=DIR: each of the first `passes` forward-backward passes
-    (train.forward_backward: an eager micro-batch, or a graph capture's host pass) under its own
+def pass_profile(rank: int, folder: str | None, passes: int = 4):
+    """--pass-profile DIR: each of the first `passes` forward-backward passes
+    (train.step.forward_backward: an eager micro-batch, or a graph capture's host pass) under its own
     cProfile, as DIR/passes-rank<r>.txt: per pass its host time, the GPU still busy at its end or
     not, the caching allocator's cudaMalloc / cudaFree calls during it, and its functions by own
     time; then the functions whose own time in the first pass exceeds the second's most (what a
     fresh process pays once: kernel loads, plans, allocations)."""
-    folder = os.environ.get("HIVETUNE_MULTI_PASS_PROFILE")
     if not folder:
         yield
         return
@@ -365,13 +362,12 @@ def pass_profile(rank: int, passes: int = 4):
 
 
 @contextmanager
-def capture_profile(rank: int):
-    """HIVETUNE_MULTI_CAPTURE_PROFILE=DIR: each deferred graph capture (ops.graphs'
+def capture_profile(rank: int, folder: str | None):
+    """--capture-profile DIR: each deferred graph capture (train.replay's
     GraphedForwardBackward._capture_deferred) under cProfile, as DIR/captures-rank<r>.txt: per
     capture its wall time, whether the GPU still had work queued at its start and end, and the
     functions by their own time. A call that waits for the GPU (the queue draining inside a
     capture) shows as one builtin with a long own time; cProfile's overhead stretches the rest."""
-    folder = os.environ.get("HIVETUNE_MULTI_CAPTURE_PROFILE")
     if not folder:
         yield
         return
@@ -436,10 +432,13 @@ def allreduce_probe(numel: int = 80_740_352, repeats: int = 20) -> dict:
     return out
 
 
-def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
+def train_once(mode: str, workload: str, device_name: str = "cuda", settings: list[str] = (),
+               profiles: dict[str, str | None] | None = None) -> dict:
+    """One run of `workload` (single, ddp or fsdp); `settings`: config overrides "key=value" for an
+    A/B; `profiles`: the folders of the optional profiles (PROFILES' keys)."""
     parallel = distributed.init(device_name)
     device = distributed.device_for(parallel, torch.device(device_name))
-    prewarm(device)  # as train's setup does: overlaps building the data and the model
+    prewarm.prewarm(device)  # as train's setup does: overlaps building the data and the model
     if workload == "tiny":  # a CPU smoke test of this script (gloo)
         args, n_examples, cap, per_step = qwen25_shape(2048, 64, 128, 2, 4, 2, False), 64, 64, 8
         lora, max_steps = {"r": 4, "alpha": 8, "dropout": 0.0}, 3
@@ -450,8 +449,7 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
         w = WORKLOADS[workload]
         args, n_examples, cap, per_step, lora, max_steps = w.args, w.n_examples, w.cap, w.examples_per_step, w.lora, 0
     examples = TokenizedExamples(workload_examples(n_examples, args.vocab_size, cap))
-    # HIVETUNE_MULTI_SET="key=value ...": config overrides for an A/B (e.g. wide_lora=true)
-    extra = parse_overrides(os.environ.get("HIVETUNE_MULTI_SET", "").split())
+    extra = parse_overrides(list(settings))
     cfg = load_config(None, {
         "model": "random", "data": "generator", "precision": "bf16" if device.type == "cuda" else "fp32",
         "device": device.type, "epochs": 1.0,
@@ -470,8 +468,10 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
             torch.cuda.reset_peak_memory_stats(device)
         distributed.barrier(parallel)
         t0 = time.perf_counter()
-        with (kernel_profile(parallel.rank), step_timeline(parallel.rank), capture_profile(parallel.rank),
-              first_steps_profile(parallel.rank), pass_profile(parallel.rank)):
+        where, rank = profiles or {}, parallel.rank
+        with (kernel_profile(rank, where.get("kernel_profile")), step_timeline(rank, where.get("timeline")),
+              capture_profile(rank, where.get("capture_profile")),
+              first_steps_profile(rank, where.get("first_profile")), pass_profile(rank, where.get("pass_profile"))):
             result = fit(run, progress=False)
             if cuda:
                 torch.cuda.synchronize()
@@ -494,26 +494,30 @@ def train_once(mode: str, workload: str, device_name: str = "cuda") -> dict:
            "params_billion": round(n_params / 1e9, 3), "cuda_graphs": dict(graphs.last_stats),
            "cuda_graphs_per_rank": graphs_per_rank, "overrides": extra,
            "allocator": allocator_counts(device),  # rank 0's: a cudaFree or a retry syncs the device
-           "prewarm_tail": fastpath.PREWARM_TAIL,  # the step's tail kernels in the prewarm thread
+           "prewarm_tail": prewarm.PREWARM_TAIL,  # the step's tail kernels in the prewarm thread
            # as hivetune bench's: when the prewarm thread finished, from the loop's start (positive: it waited)
-           "prewarm_done_s": round(fastpath.PREWARM_DONE_AT - t0, 3) if fastpath.PREWARM_DONE_AT else None,
+           "prewarm_done_s": round(prewarm.PREWARM_DONE_AT - t0, 3) if prewarm.PREWARM_DONE_AT else None,
            "environment": environment(device)}  # device, versions, commit: each line a record
     distributed.shutdown(parallel)
     return out
 
 
-def run_all(out_dir: Path, results: Path, commit: str = "") -> dict:
+def run_all(out_dir: Path, results: Path, commit: str = "", skip_14b: bool = False,
+            passed: list[str] = ()) -> dict:
+    """W2 on one GPU and on two, then the 14B shape with FSDP2 (unless `skip_14b`), each in its own
+    process(es) given `passed` (the --set and profile flags); one JSON in `out_dir`, the result
+    lines appended in `results`."""
     here = Path(__file__).resolve()
     env = {**os.environ, "OMP_NUM_THREADS": "4"}
     runs = {}
     commands = {
-        "single_W2": [sys.executable, str(here), "single", "W2"],
+        "single_W2": [sys.executable, str(here), "single", "W2", *passed],
         "ddp_W2": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(here),
-                   "ddp", "W2"],
+                   "ddp", "W2", *passed],
         "fsdp_14B": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(here),
-                     "fsdp", "14B"],
+                     "fsdp", "14B", *passed],
     }
-    if os.environ.get("HIVETUNE_SKIP_14B"):  # a shorter call when only the W2 figures changed
+    if skip_14b:  # a shorter call when only the W2 figures changed
         commands.pop("fsdp_14B")
     for name, command in commands.items():
         t0 = time.perf_counter()
@@ -558,19 +562,36 @@ def results_line(run: dict, result: dict, single: dict | None) -> dict:
     return line
 
 
+PROFILES = {"timeline": "each rank's steps on the GPU clock (step_timeline)",
+            "kernel_profile": "each rank's GPU kernels and host CUDA calls over the fit (kernel_profile)",
+            "first_profile": "the loop's first two steps under cProfile (first_steps_profile)",
+            "pass_profile": "the first forward-backward passes under cProfile (pass_profile)",
+            "capture_profile": "each deferred CUDA-graph capture under cProfile (capture_profile)"}
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["all", "single", "ddp", "fsdp", "allreduce"])
-    parser.add_argument("workload", nargs="?", default="W2")
+    parser.add_argument("workload", nargs="?", default="W2", help="W2 (default), 14B, or tiny (a CPU smoke test)")
     parser.add_argument("--out", default="/tmp/hivetune-bench")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--results", default="benchmarks/results", help="folder of the JSONL results files")
     parser.add_argument("--commit", default="", help="the commit measured (default: git rev-parse HEAD)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for an A/B (repeatable)")
+    parser.add_argument("--skip-14b", action="store_true", help="all: leave out the 14B FSDP2 run")
+    for name, what in PROFILES.items():
+        parser.add_argument("--" + name.replace("_", "-"), metavar="DIR", help=f"write {what} into DIR")
     ns = parser.parse_args()
+    profiles = {name: getattr(ns, name) for name in PROFILES}
     if ns.mode == "all":
-        run_all(Path(ns.out), Path(ns.results), ns.commit)
+        passed = [a for s in ns.set for a in ("--set", s)]
+        passed += [a for name, d in profiles.items() if d for a in ("--" + name.replace("_", "-"), d)]
+        run_all(Path(ns.out), Path(ns.results), ns.commit, ns.skip_14b, passed)
         return
-    result = allreduce_probe() if ns.mode == "allreduce" else train_once(ns.mode, ns.workload, ns.device)
+    result = (allreduce_probe() if ns.mode == "allreduce"
+              else train_once(ns.mode, ns.workload, ns.device, ns.set, profiles))
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result), flush=True)
 

@@ -5,21 +5,22 @@ Usage (one device call, about 6 minutes on an H200; --budget keeps it under 9):
 Each grid point runs in a fresh subprocess (a clean caching allocator): a random-init Qwen2.5
 shape built straight in the training dtype, one micro-batch of `batch_size` equal-length
 examples packed in one row, a few optimizer steps through hivetune's own loop (train.fit, so
-the path training takes: LoRA groups joined by lora.fuse_projections unless
+the path training takes: LoRA groups joined by model.lora.fuse_projections unless
 HIVETUNE_REFERENCE=fused_lora, the Triton RMSNorm / SwiGLU in bf16), then the peak reserved
 memory is compared with hivetune.plan's prediction for that path, and the step time with
-plan/timing.py's. Afterwards one more forward / backward records the phases (allocated after
+hivetune.plan.timing's. Afterwards one more forward / backward records the phases (allocated after
 forward = weights + saved activations) so a miss can be traced to a term. Writes
 plan-grid-<commit>-<device>.json and .md after every point (the commit from --commit, else
 git: the device copy has no .git), with timing.calibrate's constants from this grid beside the
-ones in plan/timing.py.
+ones in hivetune.plan.timing. benchmarks/results/plan-grid-h200.json is such a file
+(tests/test_plan.py reads it). `--attention sdpa` runs and predicts every point with SDPA (the
+config key `attention`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -51,14 +52,14 @@ GRID = [
     ("7B", "bf16", 8, 1024, True, 8, 0.0, None),
     ("7B", "fp32", 4, 512, False, 16, 0.0, None),
     ("7B", "fp32", 8, 1024, True, 16, 0.0, None),
-    # added after the first run calibrated the model (out of sample for it)
+    # out of sample for the memory model's calibration
     ("0.5B", "bf16", 32, 256, True, 32, 0.1, None),
     ("1.5B", "fp32", 2, 2048, False, 8, 0.0, QV),
     ("7B", "bf16", 2, 2048, False, 64, 0.0, None),
 ]
 
 
-# The same bf16 packed points with CUDA graphs on (train.cuda_graphs, where the tree has it).
+# The same bf16 packed points with CUDA graphs on (the config key cuda_graphs).
 GRAPHED = [0, 1, 5, 9, 10, 11, 18]
 
 
@@ -82,7 +83,7 @@ def predict(p: dict) -> dict:
         targets = tokens  # the graphed loss runs a bucket of rows, the pad rows ignored
     kw = {"targets": tuple(p["targets"])} if p["targets"] else {}
     fn, _, gqa = _varlen_fn()
-    varlen = p["precision"] != "fp32" and fn is not None and os.environ.get("HIVETUNE_ATTENTION") != "sdpa"
+    varlen = p["precision"] != "fp32" and fn is not None and p.get("attention", "auto") != "sdpa"
     path = training_path(p["precision"], cuda=True)
     mc = MemoryConfig(precision=p["precision"], r=p["r"], dropout=p["dropout"],
                       gradient_checkpointing=p["gradient_checkpointing"], attention="varlen" if varlen else "sdpa",
@@ -93,7 +94,7 @@ def predict(p: dict) -> dict:
 
 
 def predict_seconds(p: dict, tokens: int, gpu) -> float | None:
-    """plan/timing.py's seconds for one micro-batch of the point (None: no rates for this GPU)."""
+    """hivetune.plan.timing's seconds for one micro-batch of the point (None: no rates for this GPU)."""
     from hivetune.workflows.workloads import qwen25_shape
     from hivetune.plan.timing import micro_batch_seconds
 
@@ -141,11 +142,7 @@ def run_point(p: dict) -> dict:
     lora = {"r": p["r"], "alpha": 2 * p["r"], "dropout": p["dropout"]}
     if p["targets"]:
         lora["targets"] = p["targets"]
-    extra = {}
-    from hivetune.core.config import TrainConfig
-    if "cuda_graphs" in TrainConfig.__dataclass_fields__:
-        extra["cuda_graphs"] = p["cuda_graphs"]
-    cfg = load_config(None, {**extra, "model": "random", "data": "generator", "precision": p["precision"], "device": device.type,
+    cfg = load_config(None, {"cuda_graphs": p["cuda_graphs"], "attention": p.get("attention", "auto"), "model": "random", "data": "generator", "precision": p["precision"], "device": device.type,
                              "batch_size": n, "grad_accum": 1, "max_steps": steps, "max_length": length,
                              "lora": lora, "gradient_checkpointing": p["gradient_checkpointing"],
                              "eval_prompts": 0, "log_every": 1, "lr": 1e-4})
@@ -225,12 +222,12 @@ def markdown(record: dict) -> str:
     cal = record.get("timing_calibration")
     if cal:
         lines += ["", f"timing.calibrate on this grid: {json.dumps(cal['measured'])}",
-                  f"plan/timing.py now: {json.dumps(cal['constants'])}"]
+                  f"hivetune.plan.timing in use: {json.dumps(cal['constants'])}"]
     return "\n".join(lines) + "\n"
 
 
 def timing_calibration(record: dict, gpu) -> dict | None:
-    """plan/timing.calibrate on the grid just written, beside the constants in use."""
+    """hivetune.plan.timing.calibrate on the grid just written, beside the constants in use."""
     from hivetune.plan import timing
     if gpu is None:
         return None
@@ -257,7 +254,7 @@ def write_results(env: dict, points: list, out: Path, gpu=None):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/hivetune-bench")
     ap.add_argument("--point", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--only", type=int, nargs="*", default=None,
@@ -268,6 +265,8 @@ def main() -> int:
                     help="seconds for the whole grid: no point starts that the time left cannot hold "
                          "(its timeout, or the longest point so far if less); those are listed as not run")
     ap.add_argument("--commit", default="", help="the commit measured (default: git rev-parse HEAD)")
+    ap.add_argument("--attention", default="auto", choices=["auto", "flash", "sdpa"],
+                    help="the config key attention for every point (default auto)")
     ns = ap.parse_args()
     if ns.point:
         print("RESULT " + json.dumps(run_point(json.loads(ns.point))), flush=True)
@@ -284,7 +283,7 @@ def main() -> int:
     todo = [(i, point_dict(row)) for i, row in enumerate(GRID)]
     if not ns.eager_only:
         todo += [(i, point_dict(GRID[i], graphs=True)) for i in GRAPHED]
-    todo = [(i, p) for i, p in todo if ns.only is None or i in ns.only]
+    todo = [(i, {**p, "attention": ns.attention}) for i, p in todo if ns.only is None or i in ns.only]
     start, longest = time.time(), 0.0
     record, stem = write_results(env, points, Path(ns.out), gpu)
     for i, p in todo:

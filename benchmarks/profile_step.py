@@ -31,6 +31,7 @@ from hivetune.workflows.workloads import WORKLOADS, random_model, workload_examp
 from hivetune.core.config import load_config, parse_overrides  # noqa: E402
 from hivetune.core.device import cap_memory  # noqa: E402
 from hivetune.data.dataset import TokenizedExamples  # noqa: E402
+from hivetune.ops import prewarm  # noqa: E402
 from hivetune.train.loop import fit  # noqa: E402
 from hivetune.train.setup import assemble  # noqa: E402
 
@@ -41,7 +42,7 @@ def capture_seconds() -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workload", default="W1", nargs="?")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
@@ -76,8 +77,7 @@ def main() -> None:
         heads = args.num_attention_heads
         args = dataclasses.replace(args, hidden_size=16 * heads, head_dim=16, intermediate_size=512, vocab_size=8192)
     if opts.first:  # as train's setup and the benchmark do: Triton's first-launch work overlaps the build
-        from hivetune.core import fastpath
-        fastpath.prewarm(device)
+        prewarm.prewarm(device)
     examples = TokenizedExamples(workload_examples(w.n_examples, args.vocab_size, w.cap))
     model = random_model(args, device, torch.bfloat16)
     if opts.cap:  # after the build, as bench does (W2's random init runs in fp32)
@@ -88,9 +88,7 @@ def main() -> None:
         for layer in model.model.layers:
             layer.compile(dynamic=True)
     if opts.first:
-        from hivetune.core import fastpath
-        if fastpath._PREWARM is not None:
-            fastpath._PREWARM.join()
+        prewarm.join_prewarm()
         run.steps = run.steps[:opts.steps]
         print_host_profile(run)
         return
@@ -185,7 +183,7 @@ def print_memory_peak(run) -> None:
             total -= live.pop(e["addr"])["size"]
 
     def where(e):
-        frames = [f for f in e.get("frames", []) if "hivetune" in f["filename"] or "bench/" in f["filename"]]
+        frames = [f for f in e.get("frames", []) if "hivetune" in f["filename"] or "benchmarks/" in f["filename"]]
         if not frames:
             return "(no hivetune frame)"
         f = frames[0]

@@ -1,20 +1,21 @@
 """Time `hivetune tune` on the W1 shape on this GPU (goal: under 2 minutes).
 
 Usage (one device call):
-    python benchmarks/tune_w1.py --out "$OUT/results" --commit <short hash>
+    python benchmarks/tune_w1.py --results "$OUT/results" --commit <short hash>
 
-W1 (hivetune.workflows.bench.WORKLOADS, ../shared/WORKLOADS.md): Qwen2.5-0.5B's shape, 8 examples an
+W1 (hivetune.workflows.workloads.WORKLOADS, benchmarks/README.md): Qwen2.5-0.5B's shape, 8 examples an
 optimizer step, LoRA r 8 / alpha 16 / dropout 0.05 on all seven projections, bf16 on a GPU. Its
 config.json goes to a temporary folder (tune reads the architecture only and trains a random-init
-model). tune runs every example at one length (--length); W1's examples (bench.workload_examples)
+model). tune runs every example at one length (--length); W1's examples (workloads.workload_examples)
 are 47 to 496 tokens, 199 on average, so by default each candidate trains 8 examples of the mean
 length a step: W1's tokens per step. The candidates: micro-batches of 1, 2, 4, 8 examples (grad_accum
 keeping 8), checkpointing off / on, flash varlen or SDPA attention; 3 steps each.
 
-Prints tune's table and the wall seconds, and writes tune-w1-<commit>-<device>.json under --out:
-device, torch, commit (--commit, else git), wall seconds (tune itself, and the process
-from its start), the table's rows and the chosen config. ``--tiny`` swaps in a 2-layer shape:
-a CPU check of the script, not a measurement.
+Prints tune's table and the wall seconds, and appends a line to
+benchmarks/results/tune-w1-<device>.jsonl: device, versions, commit (--commit, else git), wall
+seconds (tune itself, and the process from its start), the table's rows and the chosen config.
+``--tiny`` swaps in a 2-layer shape: a CPU check of the script, not a measurement (its line goes
+to tune-w1-tiny-<device>.jsonl).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def hf_config(args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="/tmp/hivetune-bench", help="folder for the result JSON")
+    ap.add_argument("--results", default="benchmarks/results", help="folder of the JSONL results files")
     ap.add_argument("--length", type=int, default=None, help="tokens per example (default: W1's mean)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per candidate (tune's default)")
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
@@ -54,6 +55,7 @@ def main() -> int:
     import torch
 
     from hivetune.workflows.bench import environment
+    from hivetune.workflows.bench_results import append_result, device_kind
     from hivetune.workflows.workloads import WORKLOADS, qwen25_shape, workload_examples
     from hivetune.core.config import load_config
     from hivetune.workflows.tune import format_tune, tune
@@ -89,8 +91,10 @@ def main() -> int:
           f"{sum(r.step_seconds is not None for r in result.rows)} measured); {process_wall:.1f} s for the process "
           f"(goal: under 120 s)")
 
-    record = {"what": "hivetune tune on the W1 shape", "device": env.get("gpu") or "cpu", "torch": torch.__version__,
-              "commit": env["commit"], "environment": env, "wall_s": round(wall, 2),
+    record = {"workload": "tune-w1-tiny" if ns.tiny else "tune-w1", "device": device_kind(env.get("gpu")),
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "commit": env["commit"],
+              "setting": f"{ns.steps} steps a candidate, {length} tokens an example", "environment": env,
+              "wall_s": round(wall, 2),
               "process_wall_s": round(process_wall, 2), "goal_s": 120, "length": length, "steps": ns.steps,
               "examples_per_step": w.examples_per_step, "lora": w.lora, "tiny": ns.tiny,
               "cap_gib": result.cap_gib, "rows": [dataclasses.asdict(r) for r in result.rows], "table": table,
@@ -98,12 +102,7 @@ def main() -> int:
                           "step_seconds": result.best.step_seconds, "tokens_per_s": result.best.tokens_per_s}
                          if result.best else None),
               "tune_yaml": written}
-    out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = (env.get("gpu") or "cpu").replace("NVIDIA ", "").replace(" ", "-").lower()
-    path = out / f"tune-w1-{env['commit']}-{name}{'-tiny' if ns.tiny else ''}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"-> {path}")
+    print(f"appended to {append_result(Path(ns.results), record)}")
     return 0 if result.best else 1
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/multi_gpu.py's step timeline (HIVETUNE_MULTI_TIMELINE) on 2 gloo processes, with CUDA
+"""benchmarks/multi_gpu.py's step timeline (--timeline DIR) on 2 gloo processes, with CUDA
 events replaced by host-clock stand-ins (the probe's bookkeeping, not the GPU's clock)."""
 
 import json
@@ -20,7 +20,7 @@ class Event:  # a CUDA event's record / elapsed_time on the host clock
         return (other.t - self.t) * 1e3
 torch.cuda.Event = Event
 torch.cuda.synchronize = lambda *a, **k: None
-sys.argv = [sys.argv[1], "ddp", "tiny", "--device", "cpu"]
+sys.argv = [sys.argv[1], "ddp", "tiny", "--device", "cpu", "--timeline", sys.argv[2]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
@@ -28,11 +28,10 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def test_ddp_step_timeline_marks_each_step_and_sums_its_parts(tmp_path):
     shim = tmp_path / "shim.py"
     shim.write_text(SHIM)
-    env = {**os.environ, "HIVETUNE_MULTI_TIMELINE": str(tmp_path / "tl"), "PYTHONPATH": str(ROOT / "src"),
-           "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(shim), str(ROOT / "benchmarks" / "multi_gpu.py")],
+                           str(shim), str(ROOT / "benchmarks" / "multi_gpu.py"), str(tmp_path / "tl")],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     for rank in (0, 1):
@@ -56,7 +55,7 @@ def test_ddp_step_timeline_marks_each_step_and_sums_its_parts(tmp_path):
 
 
 def test_capture_profile_reports_each_deferred_capture(tmp_path, monkeypatch):
-    """HIVETUNE_MULTI_CAPTURE_PROFILE: each deferred capture's wall time, whether the GPU's queue
+    """--capture-profile: each deferred capture's wall time, whether the GPU's queue
     outlasted it, and its functions by own time (here a capture that sleeps 50 ms: the sleep
     tops the list); the method is restored after."""
     import importlib.util
@@ -82,9 +81,8 @@ def test_capture_profile_reports_each_deferred_capture(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(graphs.GraphedForwardBackward, "_capture_deferred", capture)
-    monkeypatch.setenv("HIVETUNE_MULTI_CAPTURE_PROFILE", str(tmp_path))
     graphed = object.__new__(graphs.GraphedForwardBackward)
-    with module.capture_profile(1):
+    with module.capture_profile(1, str(tmp_path)):
         graphed._capture_deferred()
         graphed._capture_deferred()
     assert graphs.GraphedForwardBackward._capture_deferred is capture
@@ -98,10 +96,10 @@ def test_capture_profile_reports_each_deferred_capture(tmp_path, monkeypatch):
 
 
 def test_pass_profile_reports_each_pass_and_what_the_first_paid(tmp_path, monkeypatch):
-    """HIVETUNE_MULTI_PASS_PROFILE: each of the first passes (train.forward_backward) under its own
+    """--pass-profile: each of the first passes (train.step.forward_backward) under its own
     cProfile, then the functions by how much more own time the first pass spent than the second
     (here a first pass that sleeps 60 ms more: time.sleep tops that list, ~60 ms); passes beyond
-    the count run unprofiled, and train.forward_backward is restored after."""
+    the count run unprofiled, and train.step.forward_backward is restored after."""
     import importlib.util
     import re
     import time
@@ -122,10 +120,9 @@ def test_pass_profile_reports_each_pass_and_what_the_first_paid(tmp_path, monkey
         return torch.tensor(float(len(calls)))
 
     monkeypatch.setattr(train_module, "forward_backward", forward_backward)
-    monkeypatch.setenv("HIVETUNE_MULTI_PASS_PROFILE", str(tmp_path))
     run = SimpleNamespace(device=torch.device("cpu"))
     batch = SimpleNamespace(input_ids=torch.zeros(1, 96, dtype=torch.long))
-    with module.pass_profile(0, passes=2):
+    with module.pass_profile(0, str(tmp_path), passes=2):
         losses = [train_module.forward_backward(run, batch, k, None).item() for k in range(3)]
     assert losses == [1.0, 2.0, 3.0] and calls == [0, 1, 2]
     assert train_module.forward_backward is forward_backward
