@@ -138,7 +138,7 @@ def epoch_losses(run) -> list[float]:
 
 def run_baseline(cfg: TrainConfig, job: HFJob, device: torch.device) -> dict:
     """HF Trainer + PEFT on the job, with the figures named as hivetune's are."""
-    record = run_hf_job(lambda: pretrained_hf_model(cfg.model, device), job, device)
+    record = run_hf_job(lambda: pretrained_hf_model(cfg.model, device, job.precision), job, device)
     if "seconds" not in record:
         return record
     seconds, steps = max(record["seconds"], 1e-9), record["steps_run"]

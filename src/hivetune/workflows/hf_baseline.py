@@ -68,13 +68,15 @@ def random_hf_model(args: ModelArgs, device: torch.device):
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def pretrained_hf_model(folder: str, device: torch.device):
-    """The user's HF model folder, in fp32 (the job's precision is the Trainer's autocast), SDPA."""
+def pretrained_hf_model(folder: str, device: torch.device, precision: str = "fp32"):
+    """The user's HF model folder, SDPA: in bf16 for a bf16 job (as _train_once casts it), else
+    fp32 (fp16 jobs keep fp32 weights under the Trainer's autocast and loss scaling)."""
     import transformers  # optional dependency: the baseline only
 
     transformers.utils.logging.disable_progress_bar()  # the summary lines stay readable
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                              attn_implementation="sdpa")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"  # renamed in 5
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", **{key: dtype})
     return model.to(device)
 
 
