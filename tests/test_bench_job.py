@@ -145,3 +145,21 @@ def test_train_summary_has_samples_and_steps_per_second(tiny_model_dir, alpaca_f
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps_per_s"] == pytest.approx(3 / result.seconds, rel=1e-3)
     assert summary["samples_per_s"] == pytest.approx(12 / result.seconds, rel=1e-3)
+
+
+def test_a_w4_like_workload_runs_both_sides_on_the_cpu():
+    """W4's path at a tiny size: a Qwen3-shaped random model, the long-tail mix, HF largest batch first."""
+    from hivetune.model.config import qwen3_shape
+    from hivetune.workflows import bench
+    from hivetune.workflows.workloads import LONG_TAIL, Workload
+
+    w = Workload("W4-tiny", qwen3_shape(2100, 64, 128, 2, 4, 2, 32, True), 16, 256, 1.0, 8,
+                 {"r": 4, "alpha": 8, "dropout": 0.05}, lengths=LONG_TAIL, hf_batches=(8, 4, 2))
+    cpu = torch.device("cpu")
+    ours = bench.run_hivetune(w, cpu)
+    lengths = [len(e.ids) for e in w.examples()]
+    assert ours["steps"] == 2 and ours["tokens"] == sum(lengths) and max(lengths) == 256
+    assert 0 < ours["attention_flops_share"] < 1 and ours["mfu"] is None
+    if HAS_PEFT:
+        theirs = bench.run_hf_peft(w, cpu)
+        assert theirs["batches_tried"] == ["8 x 1: ran"] and theirs["steps_run"] == 2
