@@ -202,8 +202,8 @@ def test_gpu_without_bf16():
     assert diagnose(cuda_env(gpus=[v100], arch_list=["sm_70", "sm_80", "sm_90"],
                              attention={"sdpa_efficient": "ok"})) == [Finding(
         "warning", "no-bf16",
-        "GPU 0 (Tesla V100-SXM2-16GB, sm_70) has no bf16: --precision bf16 fails and --precision auto trains in "
-        "fp16 with loss scaling",
+        "GPU 0 (Tesla V100-SXM2-16GB): sm_70 has no bf16 units: --precision bf16 fails and --precision auto "
+        "trains in fp16 with loss scaling",
         "use --precision fp16, or fp32 if fp16 losses overflow to inf / nan")]
 
 

@@ -58,7 +58,7 @@ def test_bf16_asked_of_a_gpu_without_it():
     assert preflight(env, "auto", "auto") == []  # auto picks fp16 there
     [finding] = preflight(env, "auto", "bf16")
     assert (finding.code, finding.message, finding.fix) == (
-        "bf16-unsupported", "precision bf16 was asked for, but GPU 0 (Tesla V100-SXM2-16GB, sm_70) has no bf16",
+        "bf16-unsupported", "precision bf16 was asked for, but GPU 0 (Tesla V100-SXM2-16GB): sm_70 has no bf16 units",
         "use --precision fp16 (with loss scaling) or fp32, or --precision auto")
     assert preflight(env, "cpu", "bf16") == []
 

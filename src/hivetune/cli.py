@@ -87,8 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", action="store_true", help="raw continuation, no chat template")
     gen.add_argument("--device", default="auto")
     gen.add_argument("--precision", default="auto")
-    bench = sub.add_parser("bench", help="time the W1 / W2 workloads (random-init Qwen2.5 shapes)")
-    bench.add_argument("workload", nargs="?", default="W1", help="W1 | W2 | all")
+    bench = sub.add_parser("bench", help="time a workload (W1, W2, W4: random-init shapes) or your own job "
+                                         "(--model DIR --data FILE)")
+    bench.add_argument("workload", nargs="?", default=None, help="W1 (default) | W2 | W4 | all")
+    bench.add_argument("--model", default=None, metavar="DIR", help="your job: an HF model folder (or .gguf)")
+    bench.add_argument("--data", default=None, metavar="FILE", help="your job: its training data")
+    bench.add_argument("--config", default=None, metavar="YAML", help="your job: a training config; --set overrides it")
+    bench.add_argument("--repeat", type=int, default=1, metavar="N",
+                       help="your job: run it N times; the JSON gets each figure's min / median / max")
+    bench.add_argument("--json", default="bench.json", metavar="FILE", help="your job: where the JSON goes")
     bench.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: the full workload)")
     bench.add_argument("--out", default="benchmarks/results",
                        help="folder of the results files (one line appended to <workload>-<device>.jsonl)")
@@ -96,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="training config override, e.g. --set packing=false")
     bench.add_argument("--baseline", default="", choices=["", "hf-peft"],
-                       help="also time HF Trainer + PEFT (the seeds' config) on the same workload")
+                       help="also time HF Trainer + PEFT on the same workload or job")
     bench.add_argument("--baseline-steps", type=int, default=0, metavar="N",
                        help="time N baseline steps (after 2 warm-up steps) and extrapolate (0: the full run)")
     bench.add_argument("--memory-cap", type=float, default=0.0, metavar="GIB",
@@ -213,7 +220,11 @@ def run_bench(ns) -> int:
 
         write_table(Path("BENCHMARKS.md"), Path(ns.out))
         return 0
-    results = bench(ns.workload, ns.max_steps, ns.out, parse_overrides(ns.overrides), ns.baseline, ns.baseline_steps,
+    if ns.model or ns.data or ns.config:
+        return run_bench_job(ns)
+    if ns.repeat != 1:
+        raise UserError("--repeat: applies to your own job (--model DIR --data FILE)")
+    results = bench(ns.workload or "W1", ns.max_steps, ns.out, parse_overrides(ns.overrides), ns.baseline, ns.baseline_steps,
                     memory_cap_gib=ns.memory_cap, commit=ns.commit)
     for name, record in results.items():
         h = record["hivetune"]
@@ -227,9 +238,25 @@ def run_bench(ns) -> int:
                   f"kernel launch {probe['launch_us']:.1f} us, SM clock {probe.get('sm_clock_mhz', '?')} MHz")
         if "baseline" in record:
             b = record["baseline"]
+            if "error" in b:
+                print(f"  {b['name']}: {b['error']}")
+                continue
             ratio = f", hivetune {record['speedup_vs_baseline']}x faster" if "speedup_vs_baseline" in record else ""
             print(f"  {b['name']} ({b['config']}): {b['seconds']:,} s ({b['measured']}), "
                   f"{b['tokens_per_s']:,.0f} tokens/s{ratio}")
+    return 0
+
+
+def run_bench_job(ns) -> int:
+    from hivetune.core.config import load_config, merge, parse_overrides
+    from hivetune.workflows.bench_job import bench_job, print_summary
+
+    if ns.workload:
+        raise UserError(f"bench: give a workload ({ns.workload}) or --model / --data / --config, not both")
+    shortcuts = {k: v for k, v in (("model", ns.model), ("data", ns.data), ("max_steps", ns.max_steps or None))
+                 if v is not None}
+    overrides = merge(shortcuts, parse_overrides(ns.overrides))
+    print_summary(bench_job(load_config(ns.config, overrides), ns.repeat, ns.baseline, ns.json, overrides))
     return 0
 
 

@@ -125,7 +125,7 @@ def test_cpu_run_takes_the_eager_path(tmp_path):
 
 
 @pytest.mark.parametrize("change,reason", [
-    ({"scaler": object()}, "fp16 loss scaling"),
+    ({"scaler": object()}, "fp16 with loss scaling: graphed steps are bf16 only"),
     ({"precision": "fp32"}, "fp32: flash varlen attention needs bf16"),
     ({"packing": False}, "packing is off"),
     ({"gradient_checkpointing": True}, "gradient checkpointing"),

@@ -139,8 +139,8 @@ def _hsa_override_findings(env: Environment) -> list[Finding]:
 
 def _precision_findings(env: Environment) -> list[Finding]:
     out = [Finding("warning", "no-bf16",
-                   f"GPU {g.index} ({g.name}, {g.arch}) has no bf16: --precision bf16 fails and "
-                   f"--precision auto trains in fp16 with loss scaling",
+                   f"GPU {g.index} ({g.name}): {g.bf16_why or g.arch + ' has no bf16 units'}: --precision bf16 "
+                   f"fails and --precision auto trains in fp16 with loss scaling",
                    "use --precision fp16, or fp32 if fp16 losses overflow to inf / nan")
            for g in env.gpus if not g.bf16]
     if not env.gpus and not env.cpu.fast_bf16:

@@ -28,7 +28,8 @@ class GPUInfo:
     name: str
     arch: str  # sm_90, or the gfx name ROCm reports (HSA_OVERRIDE_GFX_VERSION already applied)
     memory_bytes: int
-    bf16: bool
+    bf16: bool  # bf16 units: what --precision auto takes (core.device.auto_gpu_precision)
+    bf16_why: str = ""  # its reason, as train and plan print it
 
 
 @dataclass

@@ -45,7 +45,8 @@ def preflight(env: Environment, device: str = "auto", precision: str = "auto") -
         found.append(Finding("error", "no-gpu", f"device cuda was asked for, but {message}", fix))
     if target == "cuda" and precision == "bf16":
         found += [Finding("error", "bf16-unsupported",
-                          f"precision bf16 was asked for, but GPU {g.index} ({g.name}, {g.arch}) has no bf16",
+                          f"precision bf16 was asked for, but GPU {g.index} ({g.name}): "
+                          f"{g.bf16_why or g.arch + ' has no bf16 units'}",
                           "use --precision fp16 (with loss scaling) or fp32, or --precision auto")
                   for g in env.gpus[:1] if not g.bf16]
     return found

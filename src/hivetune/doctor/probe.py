@@ -15,6 +15,7 @@ import warnings
 
 import torch
 
+from hivetune.core.device import device_auto_precision
 from hivetune.doctor.environment import ENV_VARS, PACKAGES, CPUInfo, Environment, GPUInfo, first_line
 
 
@@ -156,10 +157,10 @@ def _gpus(build: str) -> tuple[list[GPUInfo], str]:
             props = torch.cuda.get_device_properties(i)
             if build == "rocm":
                 arch = getattr(props, "gcnArchName", "") or "gfx?"
-                bf16 = True  # ROCm runs bf16 on every GPU it supports (so says torch.cuda.is_bf16_supported)
             else:
-                arch, bf16 = f"sm_{props.major}{props.minor}", props.major >= 8
-            gpus.append(GPUInfo(i, props.name, arch, props.total_memory, bf16))
+                arch = f"sm_{props.major}{props.minor}"
+            precision, why = device_auto_precision(torch.device("cuda", i))
+            gpus.append(GPUInfo(i, props.name, arch, props.total_memory, precision == "bf16", why))
     except Exception as e:  # a GPU that torch counts but cannot open
         return gpus, first_line(e)
     return gpus, ""

@@ -150,3 +150,11 @@ def qwen25_shape(vocab, hidden, intermediate, layers, heads, kv, tied) -> ModelA
                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                      rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768,
                      tie_word_embeddings=tied, attention_bias=True, model_type="qwen2")
+
+
+def qwen3_shape(vocab, hidden, intermediate, layers, heads, kv, head_dim, tied) -> ModelArgs:
+    """A Qwen3-shaped architecture: q/k RMSNorm on each head, an explicit head_dim, no qkv bias."""
+    return ModelArgs(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                     num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                     head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+                     tie_word_embeddings=tied, qk_norm=True, model_type="qwen3")

@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from hivetune.core.config import TrainConfig
+from hivetune.core.device import resolve_precision
 from hivetune.core.embedded import embedded_model_path
 from hivetune.core.errors import UserError
 from hivetune.model.load import load_args
@@ -118,7 +119,7 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
     budget = memory_gib * GIB
     precision = cfg.precision
     if precision == "auto":
-        precision = "bf16" if device.type != "cuda" or torch.cuda.is_bf16_supported() else "fp16"
+        precision = resolve_precision("auto", device) if device.type == "cuda" else "bf16"
     for ckpt, offload in ((False, False), (False, True), (True, False)):
         mcs = {graphed: memory_config(cfg, precision, ckpt, graphs=graphed) for graphed in (False, True)}
         for b in _divisors_desc(effective):

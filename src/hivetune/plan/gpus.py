@@ -2,7 +2,8 @@
 
 memory_gib is what the device reports (torch.cuda.get_device_properties), a little under the
 marketing GB. fp32 is plain fp32 (no TF32: hivetune does not enable it); for AMD CDNA cards the
-fp32 matrix-core rate. A card without bf16 units lists bf16 = None (auto precision: fp16).
+fp32 matrix-core rate. A card without bf16 units (core.device.bf16_units of its arch) lists
+bf16 = None: --precision auto takes fp16 there.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class GPU:
     fp32_tflops: float
     bandwidth_gbs: float
     vendor: str = "nvidia"
+    arch: str = ""  # sm_XY or gfxNNN: core.device.bf16_units reads it
 
     def tflops(self, precision: str) -> float:
         if precision == "fp32":
@@ -34,25 +36,28 @@ class GPU:
 
 
 GPUS = [
-    GPU("RTX 3090", 23.7, 71.0, 71.0, 35.6, 936),
-    GPU("RTX 4090", 23.6, 165.2, 165.2, 82.6, 1008),
-    GPU("RTX 5090", 31.4, 209.5, 209.5, 104.8, 1792),
-    GPU("Radeon AI PRO R9700", 31.9, 191.0, 191.0, 47.8, 644, "amd"),
-    GPU("RX 7900 XTX", 24.0, 122.8, 122.8, 61.4, 960, "amd"),
-    GPU("MI50", 32.0, None, 26.5, 13.3, 1024, "amd"),
-    GPU("MI100", 32.0, 92.3, 184.6, 46.1, 1229, "amd"),
-    GPU("MI210", 64.0, 181.0, 181.0, 45.3, 1638, "amd"),
-    GPU("MI250", 64.0, 181.0, 181.0, 45.3, 1638, "amd"),  # one GCD: torch sees each as a GPU
-    GPU("MI300X", 192.0, 1307.0, 1307.0, 163.4, 5300, "amd"),
-    GPU("A10", 22.1, 125.0, 125.0, 31.2, 600),
-    GPU("L4", 22.0, 121.0, 121.0, 30.3, 300),
-    GPU("L40S", 44.4, 362.0, 362.0, 91.6, 864),
-    GPU("A100 40GB", 39.4, 312.0, 312.0, 19.5, 1555),
-    GPU("A100 80GB", 79.1, 312.0, 312.0, 19.5, 2039),
-    GPU("H100 SXM", 79.1, 989.0, 989.0, 67.0, 3350),
-    GPU("H100 PCIe", 79.1, 756.0, 756.0, 51.0, 2000),
-    GPU("H200", 139.8, 989.0, 989.0, 67.0, 4800),
-    GPU("B200", 178.4, 2250.0, 2250.0, 75.0, 8000),
+    GPU("RTX 3090", 23.7, 71.0, 71.0, 35.6, 936, arch="sm_86"),
+    GPU("RTX 4090", 23.6, 165.2, 165.2, 82.6, 1008, arch="sm_89"),
+    GPU("RTX 5090", 31.4, 209.5, 209.5, 104.8, 1792, arch="sm_120"),
+    GPU("Radeon AI PRO R9700", 31.9, 191.0, 191.0, 47.8, 644, "amd", arch="gfx1201"),
+    GPU("RX 7900 XTX", 24.0, 122.8, 122.8, 61.4, 960, "amd", arch="gfx1100"),
+    GPU("MI50", 32.0, None, 26.5, 13.3, 1024, "amd", arch="gfx906"),
+    GPU("MI60", 32.0, None, 29.5, 14.7, 1024, "amd", arch="gfx906"),
+    GPU("MI100", 32.0, 92.3, 184.6, 46.1, 1229, "amd", arch="gfx908"),
+    GPU("MI210", 64.0, 181.0, 181.0, 45.3, 1638, "amd", arch="gfx90a"),
+    GPU("MI250", 64.0, 181.0, 181.0, 45.3, 1638, "amd", arch="gfx90a"),  # one GCD: torch sees each as a GPU
+    GPU("MI300X", 192.0, 1307.0, 1307.0, 163.4, 5300, "amd", arch="gfx942"),
+    GPU("T4", 14.6, None, 65.0, 8.1, 320, arch="sm_75"),
+    GPU("V100", 31.7, None, 125.0, 15.7, 900, arch="sm_70"),
+    GPU("A10", 22.1, 125.0, 125.0, 31.2, 600, arch="sm_86"),
+    GPU("L4", 22.0, 121.0, 121.0, 30.3, 300, arch="sm_89"),
+    GPU("L40S", 44.4, 362.0, 362.0, 91.6, 864, arch="sm_89"),
+    GPU("A100 40GB", 39.4, 312.0, 312.0, 19.5, 1555, arch="sm_80"),
+    GPU("A100 80GB", 79.1, 312.0, 312.0, 19.5, 2039, arch="sm_80"),
+    GPU("H100 SXM", 79.1, 989.0, 989.0, 67.0, 3350, arch="sm_90"),
+    GPU("H100 PCIe", 79.1, 756.0, 756.0, 51.0, 2000, arch="sm_90"),
+    GPU("H200", 139.8, 989.0, 989.0, 67.0, 4800, arch="sm_90"),
+    GPU("B200", 178.4, 2250.0, 2250.0, 75.0, 8000, arch="sm_100"),
 ]
 
 

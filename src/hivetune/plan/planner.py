@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from hivetune.core.config import TrainConfig
+from hivetune.core.device import FP16_NO_GRAPHS, auto_gpu_precision, device_auto_precision
 from hivetune.core.embedded import default_train_data, embedded_model_path
 from hivetune.core.errors import UserError
 from hivetune.core.fallbacks import forced
@@ -154,6 +155,16 @@ def resolve_gpu(gpu: str | None, memory_gib: float | None) -> tuple[GPU | None, 
                     "no GPU is present here")
 
 
+def auto_precision(entry: GPU | None, memory_gib: float | None) -> tuple[str, str]:
+    """What train's --precision auto takes on the GPU planned for (core.device.auto_gpu_precision):
+    the named table entry, else this machine's GPU; bf16 where only a size is given."""
+    if entry is not None:
+        return auto_gpu_precision(entry.name, entry.arch)
+    if memory_gib is None and torch.cuda.is_available():
+        return device_auto_precision(torch.device("cuda", 0))
+    return "bf16", "no GPU named: bf16 assumed"
+
+
 def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = None,
          model_args: ModelArgs | None = None) -> Plan:
     """Predict peak memory, the largest micro-batch that fits and the time per epoch.
@@ -167,8 +178,10 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     precision = cfg.precision
     notes = []
     if precision == "auto":
-        precision = "bf16" if entry is None or entry.bf16_tflops else "fp16"
-        notes.append(f"precision auto -> {precision}")
+        precision, why = auto_precision(entry if gpu else None, memory_gib)
+        notes.append(f"precision auto -> {'fp16 with loss scaling' if precision == 'fp16' else precision} ({why})")
+    if precision == "fp16" and getattr(cfg, "cuda_graphs", False):
+        notes.append(f"CUDA graphs off ({FP16_NO_GRAPHS})")
     targets_known = [t for t in cfg.lora.targets if t in ("q_proj", "k_proj", "v_proj", "o_proj",
                                                            "gate_proj", "up_proj", "down_proj")]
     if len(targets_known) != len(cfg.lora.targets):

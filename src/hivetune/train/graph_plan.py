@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from hivetune.core.device import FP16_NO_GRAPHS
 from hivetune.ops.attention import varlen_supported
 from hivetune.parallel.distributed import all_gather_objects
 from hivetune.plan.graph_sizes import BUCKET_TOKENS, grid_keys
@@ -69,7 +70,7 @@ def graphs_unsupported(run, loss_fn) -> str | None:
     if getattr(run, "strategy", "none") == "fsdp":
         return "FSDP sharding"
     if run.scaler is not None:
-        return "fp16 loss scaling"
+        return FP16_NO_GRAPHS
     if run.precision not in ("bf16", "fp16"):
         return f"{run.precision}: flash varlen attention needs bf16"
     if not run.cfg.packing:

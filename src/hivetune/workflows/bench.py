@@ -1,4 +1,4 @@
-"""`hivetune bench`: time a workload (W1, W2: hivetune.workflows.workloads) with hivetune's training
+"""`hivetune bench`: time a workload (W1, W2, W4: hivetune.workflows.workloads) with hivetune's training
 loop, optionally HF Trainer + PEFT on the same work in the same process, and append the figures
 as one line to benchmarks/results/<workload>-<device>.jsonl (hivetune.workflows.bench_results).
 
@@ -27,21 +27,32 @@ from hivetune.core.device import DTYPES, cap_memory
 from hivetune.core.errors import UserError
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.plan.gpus import gpu_for_device_name
+from hivetune.plan.timing import flops_per_token
 from hivetune.ops import prewarm
 from hivetune.train import replay as graphs
 from hivetune.train import loop as train_loop
 from hivetune.train.loop import fit
 from hivetune.train.setup import assemble
 from hivetune.workflows.bench_results import append_result, device_kind, setting_text, write_table
-from hivetune.workflows.workloads import WORKLOADS, Workload, random_model, workload_examples
+from hivetune.workflows.hf_baseline import baseline_missing, random_hf_model, run_hf_job, workload_job
+from hivetune.workflows.workloads import WORKLOADS, Workload, random_model
 
 
-def peak_tflops(device) -> float | None:
-    """The GPU's dense bf16 TFLOP/s from hivetune.plan.gpus (for MFU); None off CUDA or unknown."""
+def peak_tflops(device, precision: str = "bf16") -> float | None:
+    """The GPU's dense TFLOP/s at this precision from hivetune.plan.gpus (for MFU); None off CUDA
+    or on a GPU the table does not know."""
     if device.type != "cuda":
         return None
     gpu = gpu_for_device_name(torch.cuda.get_device_name(device))
-    return gpu.bf16_tflops if gpu else None
+    return gpu.tflops(precision) if gpu else None
+
+
+def train_flops(args, lengths) -> tuple[float, float]:
+    """(matmul FLOPs by the 4N rule, attention FLOPs) of LoRA training on examples of these
+    lengths: attention adds 6 x layers x heads x head_dim x L^2 an example of L tokens (causal
+    forward 2 q L per token and layer, three times that with backward: plan.timing)."""
+    dense = 4 * args.linear_weight_count
+    return dense * sum(lengths), sum(n * (flops_per_token(args, n, False) - dense) for n in lengths)
 
 
 def git_commit(commit: str = "") -> str:
@@ -145,7 +156,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
     caching allocator may hold at most this much from assembly on (as on a card of that size;
     set after the model is built: W2's random init runs in fp32)."""
     prewarm.prewarm(device)  # overlaps building the data and the model, as in train's setup
-    examples = TokenizedExamples(workload_examples(w.n_examples, w.args.vocab_size, w.cap))
+    examples = TokenizedExamples(w.examples())
     values = {"model": "random", "data": "generator", "precision": "bf16" if device.type == "cuda" else "fp32",
               "device": device.type, "epochs": w.epochs, "max_steps": max_steps,
               "batch_size": w.micro_batch or w.examples_per_step,
@@ -181,7 +192,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
         if capped:  # the next workload of `bench all` runs uncapped unless capped itself
             cap_memory(device, 0)
     tokens = sum(examples.lengths[i] for step in run.steps for i in step)
-    flops_per_token = 4 * w.args.linear_weight_count
+    dense, attention = train_flops(w.args, [examples.lengths[i] for step in run.steps for i in step])
     tps = tokens / seconds
     peak = peak_tflops(device)
     return {
@@ -189,7 +200,10 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
         "micro_batch": f"{cfg.batch_size} examples x {cfg.grad_accum}",
         "tokens_per_s": round(tps, 1), "samples_per_s": round(len(run.steps) * w.examples_per_step / seconds, 2),
         "steps_per_s": round(len(run.steps) / seconds, 3),
-        "mfu": round(tps * flops_per_token / (peak * 1e12), 4) if peak else None,
+        "mfu": round(dense / seconds / (peak * 1e12), 4) if peak else None,
+        # attention's FLOPs beside the 4N rule's (W4's long examples): their share, and MFU with them
+        "attention_flops_share": round(attention / (dense + attention), 4),
+        "mfu_with_attention": round((dense + attention) / seconds / (peak * 1e12), 4) if peak else None,
         "peak_memory_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None,
         "peak_memory_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 3) if device.type == "cuda" else None,
         "final_loss": result.final_loss, "losses_logged": losses,
@@ -246,90 +260,12 @@ def allocator_counts(device: torch.device) -> dict[str, int]:
 
 
 def run_hf_peft(w: Workload, device: torch.device, timed_steps: int = 0, warmup_steps: int = 2) -> dict:
-    """HF Trainer + PEFT with the seeds' config (batch 2, gradient accumulation to the workload's
-    examples per step, bf16 on GPUs, SDPA attention, AdamW lr 2e-4, cosine) on the same model
-    shape and examples. timed_steps > 0: run warmup_steps + timed_steps optimizer steps, time the
-    last timed_steps and extrapolate to the workload's step count (labelled in the result)."""
-    # optional dependencies (hivetune[dev]), loaded only for the baseline
-    import transformers
-    from peft import LoraConfig, get_peft_model
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    examples = workload_examples(w.n_examples, w.args.vocab_size, w.cap)
-    features = [{"input_ids": e.ids, "labels": [t if m else -100 for t, m in zip(e.ids, e.mask)]} for e in examples]
-    total_steps = max(1, int(w.epochs * w.n_examples) // w.examples_per_step)  # hivetune's plan
-    a = w.args
-    config = transformers.Qwen2Config(
-        vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-        num_hidden_layers=a.num_hidden_layers, num_attention_heads=a.num_attention_heads,
-        num_key_value_heads=a.num_key_value_heads, rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
-        max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings)
-    config._attn_implementation = "sdpa"
-    half = device.type == "cuda"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.Qwen2ForCausalLM(config)
-    if half:
-        model = model.to(torch.bfloat16)
-    model = get_peft_model(model, LoraConfig(r=w.lora["r"], lora_alpha=w.lora["alpha"], lora_dropout=w.lora["dropout"],
-                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                             "up_proj", "down_proj"], task_type="CAUSAL_LM"))
-
-    def collate(batch):
-        width = max(len(f["input_ids"]) for f in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        labels = torch.full((len(batch), width), -100, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, f in enumerate(batch):
-            n = len(f["input_ids"])
-            ids[row, :n] = torch.tensor(f["input_ids"])
-            labels[row, :n] = torch.tensor(f["labels"])
-            mask[row, :n] = 1
-        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
-
-    stamps: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            stamps.append(time.perf_counter())
-
-    max_steps = warmup_steps + timed_steps if timed_steps else -1
-    with tempfile.TemporaryDirectory() as tmp:
-        args = TrainingArguments(
-            output_dir=tmp, per_device_train_batch_size=2, gradient_accumulation_steps=w.examples_per_step // 2,
-            num_train_epochs=w.epochs, max_steps=max_steps, learning_rate=2e-4, lr_scheduler_type="cosine",
-            warmup_steps=max(1, round(0.03 * total_steps)), bf16=half, use_cpu=not half, logging_steps=10**9,
-            save_strategy="no", report_to=[], disable_tqdm=True, remove_unused_columns=False, seed=0,
-            dataloader_num_workers=0)
-        trainer = Trainer(model=model, args=args, train_dataset=features, data_collator=collate,
-                          callbacks=[Clock()])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
-        output = trainer.train()
-        seconds = time.perf_counter() - t0
-    steps_done = len(stamps)
-    mean_tokens = sum(len(e.ids) for e in examples) / len(examples)
-    optim = getattr(args.optim, "value", args.optim)
-    record = {"config": f"batch 2 x accum {w.examples_per_step // 2}, {'bf16' if half else 'fp32'}, sdpa, {optim}",
-              "steps_run": steps_done, "train_loss": round(output.training_loss, 6),
-              "peak_memory_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
-              if device.type == "cuda" else None}
-    if timed_steps:
-        timed = stamps[-1] - stamps[warmup_steps - 1] if warmup_steps else stamps[-1] - t0
-        per_step = timed / timed_steps
-        record.update(measured="extrapolated", timed_steps=timed_steps, seconds_per_step=round(per_step, 4),
-                      seconds=round(per_step * total_steps, 1), extrapolated_to_steps=total_steps,
-                      tokens_per_s=round(w.examples_per_step * mean_tokens / per_step, 1),
-                      tokens_per_s_note="steps/s x examples per step x mean example length")
-    else:
-        record.update(measured="full", seconds=round(seconds, 3), seconds_per_step=round(seconds / steps_done, 4),
-                      tokens_per_s=round(w.examples_per_step * steps_done * mean_tokens / seconds, 1))
-    del trainer, model
-    return record
+    """HF Trainer + PEFT on the same model shape and examples (hf_baseline.workload_job: bf16 on
+    GPUs, SDPA, AdamW lr 2e-4, cosine; the largest of w.hf_batches that fits, else the seeds'
+    batch 2). timed_steps > 0: warmup_steps + timed_steps optimizer steps, the last timed_steps
+    timed and extrapolated to the workload's step count (labelled in the result)."""
+    return run_hf_job(lambda: random_hf_model(w.args, device), workload_job(w, device), device, timed_steps,
+                      warmup_steps)
 
 
 BASELINES = ("hf-peft",)
@@ -348,6 +284,8 @@ def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "benchmarks/r
             raise UserError(f"bench: unknown workload {name!r} ({', '.join(WORKLOADS)}, all)")
     if baseline and baseline not in BASELINES:
         raise UserError(f"--baseline: unknown baseline {baseline!r} ({', '.join(BASELINES)})")
+    if baseline and baseline_missing():
+        raise UserError(baseline_missing())
     if baseline_steps < 0:
         raise UserError(f"--baseline-steps: must be >= 0, got {baseline_steps}")
     if memory_cap_gib < 0:
@@ -379,7 +317,7 @@ def measure(w: Workload, device: torch.device, max_steps: int, overrides: dict |
     if baseline:
         _release_memory(device)
         record["baseline"] = {"name": baseline, **run_hf_peft(w, device, baseline_steps)}
-        if not max_steps:  # the same work on both sides: the full workload
+        if not max_steps and "seconds" in record["baseline"]:  # the same work on both sides: the full workload
             record["speedup_vs_baseline"] = round(record["baseline"]["seconds"] / record["hivetune"]["seconds"], 2)
     _release_memory(device)
     return record

@@ -40,6 +40,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     summary = {
         "adapter": str(result.adapter), "steps": result.steps, "final_loss": result.final_loss,
         "tokens_per_s": round(result.tokens_per_s, 1), "train_seconds": round(result.seconds, 2),
+        **step_rates(run, result),
         "peak_memory_bytes": result.peak_memory_bytes, "device": str(run.device),
         "precision": run.precision, "examples": len(run.data), "data_format": run.data.format,
         "samples": result.samples,
@@ -49,6 +50,13 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     }
     atomic_write_bytes(run.folder / "summary.json", json.dumps(summary, indent=2).encode())
     return result
+
+
+def step_rates(run: Run, result: TrainResult) -> dict:
+    """samples/s and steps/s over the training loop's seconds (a resumed run's: all its parts)."""
+    seconds = max(result.seconds, 1e-9)
+    samples = sum(len(step) for step in run.steps[:result.steps])
+    return {"samples_per_s": round(samples / seconds, 3), "steps_per_s": round(result.steps / seconds, 4)}
 
 
 def answer_heldout(run: Run, n: int, max_new_tokens: int) -> list[dict]:

@@ -1,5 +1,5 @@
-"""The benchmark workloads W1 and W2 (benchmarks/README.md): random-init Qwen2.5 shapes and
-generator data, so that they need no model hub and time the same work on any machine.
+"""The benchmark workloads W1, W2 and W4 (benchmarks/README.md): random-init Qwen2.5 / Qwen3
+shapes and generator data, so that they need no model hub and time the same work on any machine.
 
 Throughput does not depend on the values of the weights; the model gets HF's initialisation
 so that its losses start near ln(vocab), as a real run's do.
@@ -13,8 +13,24 @@ from dataclasses import dataclass
 import torch
 
 from hivetune.data.formats import Encoded
-from hivetune.model.config import ModelArgs, qwen25_shape
+from hivetune.model.config import ModelArgs, qwen3_shape, qwen25_shape
 from hivetune.model.decoder import CausalLM
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """The generator's length mix: p = randint(*prompt) prompt tokens, then
+    r = int(min(response_max, max(response_min, lognormvariate(mu, sigma)))) response tokens."""
+
+    prompt: tuple[int, int] = (16, 96)
+    mu: float = 4.8
+    sigma: float = 0.6
+    response_min: int = 8
+    response_max: int = 400
+
+
+SHORT = Lengths()  # W1, W2
+LONG_TAIL = Lengths((32, 1024), 6.0, 0.8, 16, 3072)  # W4
 
 
 @dataclass
@@ -29,6 +45,13 @@ class Workload:
     # examples per forward / backward (0: all of the step's), the rest by accumulation; the
     # optimizer still sees examples_per_step per step.
     micro_batch: int = 0
+    lengths: Lengths = SHORT
+    # HF baseline: micro-batches tried largest first, the next on out-of-memory (grad_accum makes
+    # up examples_per_step); empty: the seeds' config, batch 2
+    hf_batches: tuple[int, ...] = ()
+
+    def examples(self) -> list[Encoded]:
+        return workload_examples(self.n_examples, self.args.vocab_size, self.cap, lengths=self.lengths)
 
 
 WORKLOADS = {
@@ -38,17 +61,21 @@ WORKLOADS = {
     # Qwen2.5-7B shape, LoRA r 32, 1 epoch of 1,500 examples capped at 256 tokens, 16 a step
     "W2": Workload("W2", qwen25_shape(152064, 3584, 18944, 28, 28, 4, False), 1500, 256, 1.0, 16,
                    {"r": 32, "alpha": 64, "dropout": 0.05}),
+    # Qwen3-1.7B shape (head_dim 128, q/k norm), LoRA r 16, 1 epoch of 800 long-tail examples
+    # capped at 4096 tokens (831,370 tokens, mean 1,039, max 4,023), 8 a step
+    "W4": Workload("W4", qwen3_shape(151936, 2048, 6144, 28, 16, 8, 128, True), 800, 4096, 1.0, 8,
+                   {"r": 16, "alpha": 32, "dropout": 0.05}, lengths=LONG_TAIL, hf_batches=(8, 4, 2)),
 }
 
 
-def workload_examples(n: int, vocab: int, cap: int = 0, seed: int = 0) -> list[Encoded]:
+def workload_examples(n: int, vocab: int, cap: int = 0, seed: int = 0, lengths: Lengths = SHORT) -> list[Encoded]:
     """The workloads' generator, call for call: p prompt tokens (masked), then r response tokens.
     W1: 298,259 tokens (213,895 of them response tokens), mean 198.8, max 496."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        p = rng.randint(16, 96)
-        r = int(min(400, max(8, rng.lognormvariate(4.8, 0.6))))
+        p = rng.randint(*lengths.prompt)
+        r = int(min(lengths.response_max, max(lengths.response_min, rng.lognormvariate(lengths.mu, lengths.sigma))))
         ids = [rng.randrange(1000, vocab - 1000) for _ in range(p + r)]
         mask = [False] * p + [True] * r
         if cap:
