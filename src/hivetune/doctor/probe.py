@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import importlib.metadata
 import os
 import re
 import shutil
@@ -16,6 +15,7 @@ import warnings
 import torch
 
 from hivetune.core.device import device_auto_precision
+from hivetune.core.versions import installed_version
 from hivetune.doctor.environment import ENV_VARS, PACKAGES, CPUInfo, Environment, GPUInfo, first_line
 
 
@@ -35,7 +35,7 @@ def gather_environment(selftest: bool = True, triton: bool = True) -> Environmen
         arch_list=_quiet(torch.cuda.get_arch_list) or [],
         cpu=CPUInfo(_cpu_model(), _usable_cores(), _quiet(torch.backends.cpu.get_cpu_capability) or "",
                     cpu_has_fast_bf16()),
-        packages={name: _dist_version(name) for name in PACKAGES},
+        packages={name: installed_version(name) for name in PACKAGES},
         torch_has_int1=hasattr(torch, "int1"),
         env_vars={k: os.environ.get(k) for k in ENV_VARS},
     )
@@ -76,13 +76,6 @@ def _read(path: str) -> str | None:
         with open(path) as f:
             return f.read().strip() or None
     except OSError:
-        return None
-
-
-def _dist_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
         return None
 
 

@@ -25,6 +25,7 @@ import torch
 from hivetune.core.config import load_config
 from hivetune.core.device import DTYPES, cap_memory
 from hivetune.core.errors import UserError
+from hivetune.core.versions import installed_version
 from hivetune.data.dataset import TokenizedExamples
 from hivetune.plan.gpus import gpu_for_device_name
 from hivetune.plan.timing import flops_per_token
@@ -99,10 +100,7 @@ def environment(device, commit: str = "") -> dict:
     else:
         env["gpu"] = None
     for name in ("transformers", "peft"):
-        try:
-            env[name] = __import__(name).__version__
-        except ImportError:
-            env[name] = None
+        env[name] = installed_version(name)
     return env
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hivetune.core.errors import UserError
+from hivetune.core.versions import installed_version
 
 REPORT_HTML = "report.html"
 GIB = 2**30
@@ -233,10 +234,8 @@ def environment(device: str = "") -> dict:
 
     env = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__}
     for name in ("transformers", "peft", "numpy"):
-        try:
-            env[name] = __import__(name).__version__
-        except Exception:  # not installed, or broken: the report is no place to fail on it
-            pass
+        if (version := installed_version(name)) is not None:
+            env[name] = version
     from hivetune import __version__
     env["hivetune"] = __version__
     commit = _git_commit()
