@@ -38,7 +38,7 @@ def hivetune_run(steps: int, batch: int, out: Path) -> tuple[object, dict]:
     cfg = load_config(None, {"model": str(embedded_model_path()), "data": str(default_train_data()),
                              "output_dir": str(out), "precision": "fp32", "device": "cpu", "max_steps": steps,
                              "batch_size": batch, "lr": 1e-3, "lora": {"r": 16, "alpha": 32, "dropout": 0.0},
-                             "eval_prompts": 0, "max_length": 512, "warmup_steps": 1})
+                             "eval_prompts": 0, "max_length": 512, "warmup_steps": 1, "save_every_minutes": 0})
     run = setup(cfg)
     fit(run, progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

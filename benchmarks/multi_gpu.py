@@ -454,7 +454,7 @@ def train_once(mode: str, workload: str, device_name: str = "cuda", settings: li
         "model": "random", "data": "generator", "precision": "bf16" if device.type == "cuda" else "fp32",
         "device": device.type, "epochs": 1.0,
         "max_steps": max_steps, "batch_size": per_step // parallel.world, "lr": 2e-4, "lora": lora,
-        "eval_prompts": 0, "max_length": 4096, "log_every": 10,
+        "eval_prompts": 0, "max_length": 4096, "log_every": 10, "save_every_minutes": 0,
         "distributed": "fsdp" if mode == "fsdp" else "ddp", **extra})
     model = random_model_bf16(args, device) if device.type == "cuda" else random_model(args, device, torch.float32)
     n_params = sum(p.numel() for p in model.parameters())

@@ -142,7 +142,7 @@ def run_point(p: dict) -> dict:
     lora = {"r": p["r"], "alpha": 2 * p["r"], "dropout": p["dropout"]}
     if p["targets"]:
         lora["targets"] = p["targets"]
-    cfg = load_config(None, {"cuda_graphs": p["cuda_graphs"], "attention": p.get("attention", "auto"), "model": "random", "data": "generator", "precision": p["precision"], "device": device.type,
+    cfg = load_config(None, {"cuda_graphs": p["cuda_graphs"], "save_every_minutes": 0, "attention": p.get("attention", "auto"), "model": "random", "data": "generator", "precision": p["precision"], "device": device.type,
                              "batch_size": n, "grad_accum": 1, "max_steps": steps, "max_length": length,
                              "lora": lora, "gradient_checkpointing": p["gradient_checkpointing"],
                              "eval_prompts": 0, "log_every": 1, "lr": 1e-4})

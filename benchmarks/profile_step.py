@@ -67,7 +67,7 @@ def main() -> None:
     values = {"model": "random", "data": "generator", "precision": "bf16", "device": "cuda",
               "max_steps": opts.steps, "batch_size": w.micro_batch or w.examples_per_step,
               "grad_accum": w.examples_per_step // (w.micro_batch or w.examples_per_step), "lora": w.lora, "eval_prompts": 0,
-              "max_length": 4096, "log_every": 1000}
+              "max_length": 4096, "log_every": 1000, "save_every_minutes": 0}
     values.update(parse_overrides(opts.overrides))
     cfg = load_config(None, values)
     args = w.args

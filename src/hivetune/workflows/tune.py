@@ -151,7 +151,7 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
         for ckpt in (False, True):
             for b in sorted(sizes):
                 values = {**to_dict(cfg), "batch_size": b, "grad_accum": effective // b, "gradient_checkpointing": ckpt,
-                          "max_steps": steps, "eval_prompts": 0, "save_every": 0, "log_every": 1,
+                          "max_steps": steps, "eval_prompts": 0, "save_every": 0, "save_every_minutes": 0, "log_every": 1,
                           "output_dir": "", "device": device.type, "precision": precision}
                 c = load_config(None, values)
                 mc, inputs = _candidate_memory(c, args, precision, ckpt, device.type == "cuda", b * length,
