@@ -185,19 +185,28 @@ def _step_of(folder: Path) -> int:
     return int(folder.name[5:])
 
 
-def incomplete(folder: Path) -> str:
-    """Why `folder` cannot be a loadable checkpoint, from its manifest and file sizes alone
-    (verify_checkpoint hashes every file too, before a load); "" when it may be."""
+def read_manifest(folder: Path) -> tuple[dict, str]:
+    """A checkpoint's manifest and "", or {} and why it cannot be used: missing (it is written
+    last, so the checkpoint is incomplete), unreadable, or not listing the checkpoint's files."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except FileNotFoundError:
-        return "no manifest.json"
+        return {}, "no manifest.json (written last, so the checkpoint is incomplete)"
     except (OSError, ValueError) as e:
-        return f"unreadable manifest.json ({e})"
+        return {}, f"unreadable manifest.json ({e})"
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or STATE not in files or ADAPTER_WEIGHTS not in files:
-        return "manifest.json does not list the checkpoint's files"
-    for name, expected in files.items():
+        return {}, "manifest.json does not list the checkpoint's files"
+    return manifest, ""
+
+
+def incomplete(folder: Path) -> str:
+    """Why `folder` cannot be a loadable checkpoint, from its manifest and file sizes alone
+    (verify_checkpoint hashes every file too, before a load); "" when it may be."""
+    manifest, why = read_manifest(folder)
+    if why:
+        return why
+    for name, expected in manifest["files"].items():
         path = folder / str(name)
         if not isinstance(expected, dict) or not path.is_file() or path.stat().st_size != expected.get("bytes"):
             return f"{name} is missing or of another size"
@@ -214,18 +223,12 @@ def remove_leftovers(root: Path) -> None:
 
 def verify_checkpoint(folder: Path) -> str:
     """Why `folder` must not be loaded, or "" when its manifest and every checksum match."""
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except FileNotFoundError:
-        return "no manifest.json (written last, so the checkpoint is incomplete)"
-    except (OSError, ValueError) as e:
-        return f"unreadable manifest.json ({e})"
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or STATE not in files or ADAPTER_WEIGHTS not in files:
-        return "manifest.json does not list the checkpoint's files"
+    manifest, why = read_manifest(folder)
+    if why:
+        return why
     if manifest.get("step") != int(folder.name[5:]):
         return f"manifest.json names step {manifest.get('step')}"
-    for name, expected in files.items():
+    for name, expected in manifest["files"].items():
         try:
             path = confined(folder, name, "manifest.json names")
         except UserError as e:
