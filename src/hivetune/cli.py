@@ -14,7 +14,7 @@ from hivetune.core.errors import UserError
 
 # Flags of `train` that are shortcuts for config keys: flag -> (config key, argparse kwargs).
 TRAIN_FLAGS = {
-    "--model": ("model", {"metavar": "PATH", "help": "HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)"}),
+    "--model": ("model", {"metavar": "PATH", "help": "HF folder, .gguf or Hub ORG/NAME[@REV] (default: embedded SmolLM2-135M-Instruct)"}),
     "--data": ("data", {"metavar": "FILE", "help": "JSONL/JSON training data (default: the shipped ops dataset)"}),
     "--val-data": ("val_data", {"metavar": "FILE", "help": "held-out data: validation loss and the end-of-run A/B"}),
     "--val-split": ("val_split", {"type": float, "metavar": "FRACTION",

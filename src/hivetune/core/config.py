@@ -55,7 +55,9 @@ class LoRAConfig:
 @dataclass
 class TrainConfig:
     model: str = ""
-    """HF model folder (config.json + safetensors) or a .gguf file; empty: the embedded SmolLM2-135M-Instruct."""
+    """HF model folder (config.json + safetensors), a .gguf file, or a Hugging Face Hub id ORG/NAME[@REVISION]
+    (from the Hub's cache, fetched when online; a local path of that name wins); empty: the embedded
+    SmolLM2-135M-Instruct."""
     data: str = ""
     """Training JSONL / JSON file; empty: the shipped Linux / GPU ops dataset."""
     val_data: str = ""

@@ -131,12 +131,10 @@ def exact_key(record: dict, fmt: str) -> int:
 # ---- token lengths ---------------------------------------------------------------------------
 
 def resolve_model(model: str | None) -> str:
-    """The --model value, or the embedded SmolLM2 GGUF when none is given."""
-    if model:
-        return str(model)
-    from hivetune.core.embedded import embedded_model_path
+    """The --model value's local path (a Hub id's snapshot), or the embedded SmolLM2 GGUF when none is given."""
+    from hivetune.core.hub import model_path
 
-    return str(embedded_model_path())
+    return str(model_path(model))
 
 
 def _text_and_spans(record: dict, fmt: str, tokenizer) -> tuple[str, list[tuple[int, int]]]:

@@ -12,6 +12,7 @@ import torch
 from hivetune.checkpoint import capture_rng, existing_run, save_checkpoint
 from hivetune.core.config import TrainConfig
 from hivetune.core.fileio import check_writable, hold_run_lock, write_folder_atomically
+from hivetune.core.hub import base_model_name
 from hivetune.core.metrics import MetricsSink
 from hivetune.data.dataset import DatasetIndex, TokenizedExamples
 from hivetune.model.decoder import CausalLM
@@ -114,6 +115,7 @@ def save_adapter_all_ranks(run: Run, folder: Path) -> None:
     between them would leave new weights beside an old config (fileio.write_folder_atomically)."""
     tensors = lora_state_dict(run.model)  # a collective under FSDP: all ranks call it
     if run.parallel.is_main:
-        write_folder_atomically(folder, lambda tmp: save_adapter(run.model, run.spec, tmp, str(run.model_path),
+        base = base_model_name(run.cfg.model, run.model_path)
+        write_folder_atomically(folder, lambda tmp: save_adapter(run.model, run.spec, tmp, base,
                                                                  tensors=tensors))
     distributed.barrier(run.parallel)

@@ -14,7 +14,8 @@ import torch
 from hivetune.checkpoint import restore_rng, resume_point, resume_run
 from hivetune.core.config import TrainConfig, save_config, step_order
 from hivetune.core.device import DTYPES, resolve_device, resolve_precision, set_threads
-from hivetune.core.embedded import default_heldout_data, default_train_data, embedded_model_path
+from hivetune.core.embedded import default_heldout_data, default_train_data
+from hivetune.core.hub import model_path as hub_model_path
 from hivetune.core.errors import UserError
 from hivetune.ops.adamw import adamw
 from hivetune.ops.lora_group import fused_lora_usable
@@ -54,7 +55,7 @@ def setup(cfg: TrainConfig) -> Run:
         check_stack(cfg.device, cfg.precision)  # the doctor's quick checks: a known-bad stack stops here
     if cfg.tensorboard:
         require_tensorboard()  # a missing package stops here, before any weight is read
-    model_path = Path(cfg.model) if cfg.model else embedded_model_path()
+    model_path = hub_model_path(cfg.model)  # a local path, a Hub id's snapshot, or the embedded model
     data_path = Path(cfg.data) if cfg.data else default_train_data()
     val_path = Path(cfg.val_data) if cfg.val_data else (default_heldout_data() if not cfg.data else None)
     if val_path is not None and not val_path.exists():

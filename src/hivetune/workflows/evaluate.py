@@ -343,20 +343,18 @@ def run_max_new_tokens(adapter_folder: Path) -> int:
 
 def base_model_path(model: str, adapter_folder: Path) -> Path:
     """--model, else the base the adapter names (base_model_name_or_path), else the embedded model."""
-    from hivetune.core.embedded import embedded_model_path
+    from hivetune.core.hub import model_path, split_hub_id
 
     if model:
-        return Path(model)
+        return model_path(model)
     config = adapter_folder / "adapter_config.json"
     try:
         named = json.loads(config.read_text()).get("base_model_name_or_path")
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"{config}: unreadable adapter config ({e})") from None
-    if not named:
-        return embedded_model_path()
-    if not Path(named).exists():
+    if named and not Path(named).exists() and split_hub_id(named) is None:
         raise UserError(f"{config}: base model {named} not found; pass --model PATH")
-    return Path(named)
+    return model_path(named)
 
 
 def evaluate(model: str = "", adapter: str = "", data: str = "", max_new_tokens: int = 0, limit: int = 0,
