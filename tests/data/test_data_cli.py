@@ -143,7 +143,7 @@ def test_validate_lists_20_per_kind_and_counts_all(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["missing.jsonl"], "missing.jsonl: data file not found"),
-    (["."], ".: is a directory, expected a JSONL or JSON file"),
+    (["."], "empty.jsonl: data file is empty"),  # a folder: each of its data files
     (["empty.jsonl"], "empty.jsonl: data file is empty"),
     (["ok.jsonl", "--format", "yaml"], "--format: expected auto, alpaca, chat, text; got 'yaml'"),
     (["ok.jsonl", "--max-length", "0"], "--max-length: must be > 0, got 0"),

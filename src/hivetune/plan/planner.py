@@ -21,6 +21,7 @@ from hivetune.core.errors import UserError
 from hivetune.core.fallbacks import forced
 from hivetune.core.fileio import atomic_write_with
 from hivetune.data.dataset import index_dataset
+from hivetune.data.sources import train_source
 from hivetune.model.config import ModelArgs
 from hivetune.model.load import load_args
 from hivetune.model.tokenizer import load_tokenizer
@@ -135,7 +136,7 @@ def data_lengths(cfg: TrainConfig, model_path: Path) -> tuple[list[int], list[in
     except Exception as e:
         raise UserError(f"--data: reading token lengths needs the model's tokenizer ({model_path}: {e}); "
                         f"give an HF folder or GGUF as --model, or leave out --data") from None
-    index = index_dataset(cfg.data, cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
+    index = index_dataset(train_source(cfg), cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
     return index.lengths, index.n_targets
 
 

@@ -15,6 +15,7 @@ from hivetune.core.fileio import check_writable, hold_run_lock, write_folder_ato
 from hivetune.core.hub import base_model_name
 from hivetune.core.metrics import MetricsSink
 from hivetune.data.dataset import DatasetIndex, TokenizedExamples
+from hivetune.data.sources import DataSource
 from hivetune.model.decoder import CausalLM
 from hivetune.model.lora import LoRASpec, lora_state_dict, save_adapter
 from hivetune.parallel import distributed
@@ -37,7 +38,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler | None
-    val_path: Path | None = None
+    val_path: Path | DataSource | None = None
     val: tuple | None = None  # (dataset, example ids) for validation loss, or None
     parallel: distributed.Dist = field(default_factory=distributed.Dist)  # this rank under torchrun
     strategy: str = "none"  # none (one process), ddp or fsdp

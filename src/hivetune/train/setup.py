@@ -14,7 +14,7 @@ import torch
 from hivetune.checkpoint import restore_rng, resume_point, resume_run
 from hivetune.core.config import TrainConfig, save_config, step_order
 from hivetune.core.device import DTYPES, resolve_device, resolve_precision, set_threads
-from hivetune.core.embedded import default_heldout_data, default_train_data
+from hivetune.core.embedded import default_heldout_data
 from hivetune.core.hub import model_path as hub_model_path
 from hivetune.core.errors import UserError
 from hivetune.ops.adamw import adamw
@@ -24,6 +24,7 @@ from hivetune.ops.switches import configure_ops
 from hivetune.core.fileio import create_run_folder, hold_run_lock
 from hivetune.core.metrics import require_tensorboard
 from hivetune.data.dataset import index_dataset, plan_steps
+from hivetune.data.sources import held_out_source, source_exists, train_source
 from hivetune.doctor.preflight import check_stack
 from hivetune.model.decoder import CausalLM
 from hivetune.model.load import load_args, load_model
@@ -56,9 +57,10 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.tensorboard:
         require_tensorboard()  # a missing package stops here, before any weight is read
     model_path = hub_model_path(cfg.model)  # a local path, a Hub id's snapshot, or the embedded model
-    data_path = Path(cfg.data) if cfg.data else default_train_data()
-    val_path = Path(cfg.val_data) if cfg.val_data else (default_heldout_data() if not cfg.data else None)
-    if val_path is not None and not val_path.exists():
+    data_path = train_source(cfg)  # a file, folder or Hub dataset, with data_columns / split / config
+    val_path = held_out_source(cfg.val_data, cfg) if cfg.val_data else (
+        default_heldout_data() if not cfg.data else None)
+    if val_path is not None and not source_exists(val_path):
         raise UserError(f"val_data: {val_path} not found")
     folder = distributed.on_main(parallel, new_run_folder, cfg)  # rank 0 names (and locks) it
     resuming = (folder / "config.yaml").is_file()

@@ -28,6 +28,7 @@ import torch
 
 from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, Encoded, alpaca_messages, checked_records,
                                    encode_record, render_chat)
+from hivetune.data.sources import held_out_source
 from hivetune.core.errors import UserError
 from hivetune.workflows.generate import greedy_ids, resolve_adapter_folder
 from hivetune.model.decoder import CausalLM
@@ -379,7 +380,7 @@ def evaluate(model: str = "", adapter: str = "", data: str = "", max_new_tokens:
     adapter_folder = resolve_adapter_folder(adapter)
     max_new_tokens = max_new_tokens or run_max_new_tokens(adapter_folder)
     model_path = base_model_path(model, adapter_folder)
-    data_path = Path(data) if data else default_heldout_data()
+    data_path = held_out_source(data) if data else default_heldout_data()  # a file, folder or Hub dataset
     out_dir = Path(out) if out else default_out_dir(adapter, adapter_folder)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out: {out_dir} is a file, expected a folder")
