@@ -44,6 +44,7 @@ TRAIN_FLAGS = {
     "--lora-dropout": ("lora.dropout", {"type": float}),
     "--lora-targets": ("lora.targets", {"metavar": "NAMES", "help": "comma-separated, e.g. q_proj,v_proj"}),
     "--save-every": ("save_every", {"type": int, "metavar": "STEPS"}),
+    "--report-to": ("report_to", {"metavar": "NAMES", "help": "also log to tensorboard,mlflow,wandb (comma-separated)"}),
     "--threads": ("threads", {"type": int}),
 }
 TRAIN_SWITCHES = {

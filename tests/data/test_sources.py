@@ -18,6 +18,7 @@ from hivetune.data.sources import DataSource, data_parts
 from hivetune.model.tokenizer import load_tokenizer
 
 RECORDS = ops_records(10)
+NO_PYARROW = "pyarrow not installed (a dependency: pip install pyarrow)"
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def own_cache(tmp_path, monkeypatch):
 
 
 def write_parquet(path, records, row_group_size=4):
-    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow not installed (pip install 'hivetune[data]')")
+    pq = pytest.importorskip("pyarrow.parquet", reason=NO_PYARROW)
     import pyarrow as pa
 
     pq.write_table(pa.Table.from_pylist(records), path, row_group_size=row_group_size)
@@ -113,7 +114,7 @@ def test_sharegpt_is_read_as_chat(tok, tmp_path):
 ])
 def test_bad_files_are_one_line(name, content, message, tok, tmp_path):
     if name.endswith(".parquet"):
-        pytest.importorskip("pyarrow", reason="pyarrow not installed (pip install 'hivetune[data]')")
+        pytest.importorskip("pyarrow", reason=NO_PYARROW)
     path = tmp_path / name
     path.write_bytes(b"\x1f\x8b not gzip" if content is None else content.encode())
     with pytest.raises(UserError) as e:
@@ -148,7 +149,7 @@ configs:
 
 @pytest.fixture
 def hub_dataset(hub_cache, tmp_path):
-    pytest.importorskip("datasets", reason="datasets not installed (pip install 'hivetune[data]')")
+    pytest.importorskip("datasets", reason="datasets not installed (a dependency: pip install datasets)")
     repo = tmp_path / "repo"
     (repo / "data").mkdir(parents=True)
     (repo / "renamed").mkdir()

@@ -178,6 +178,9 @@ class TrainConfig:
     tensorboard: bool = False
     """Also write the metrics as TensorBoard event files in RUN/tensorboard/ (needs the
     tensorboard package: pip install 'hivetune[tensorboard]')."""
+    report_to: list[str] = field(default_factory=list)
+    """Also send metrics.jsonl's records to these trackers: tensorboard, mlflow (MLFLOW_TRACKING_URI,
+    MLFLOW_EXPERIMENT_NAME), wandb (WANDB_PROJECT, WANDB_MODE); pip install 'hivetune[trackers]'."""
     save_every: int = 0
     """Checkpoint (adapter, optimizer, RNG...) every this many optimizer steps and at the end,
     in checkpoints/step-N/; 0: only the final adapter (and a checkpoint on SIGINT / SIGTERM)."""
@@ -498,6 +501,9 @@ def validate(cfg: TrainConfig) -> list[str]:
         errors.append(f"weight_decay: must be >= 0, got {cfg.weight_decay}")
     if cfg.warmup_steps < -1:
         errors.append(f"warmup_steps: must be >= 0 (or -1 for 3%), got {cfg.warmup_steps}")
+    for name in cfg.report_to:
+        if name not in ("tensorboard", "mlflow", "wandb"):
+            errors.append(f"report_to: {name!r} is not one of tensorboard, mlflow, wandb")
     for name in cfg.data_columns:
         if name not in COLUMN_FIELDS:
             errors.append(f"data_columns.{name}: not a field hivetune reads ({', '.join(COLUMN_FIELDS)})")

@@ -159,7 +159,7 @@ def parquet_into(path: Path, out) -> None:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise UserError(f"{path}: reading parquet needs pyarrow (pip install 'hivetune[data]')") from None
+        raise UserError(f"{path}: reading parquet needs pyarrow, a hivetune dependency: pip install pyarrow") from None
     try:
         reader = pq.ParquetFile(path)
         for group in range(reader.num_row_groups):
@@ -222,7 +222,7 @@ def stream_dataset(folder: Path, config: str, split: str, what: str):
     try:
         import datasets
     except ImportError:
-        raise UserError(f"{what}: Hub datasets need the datasets package (pip install 'hivetune[data]')") from None
+        raise UserError(f"{what}: Hub datasets need datasets, a hivetune dependency: pip install datasets") from None
     try:
         stream = datasets.load_dataset(str(folder), name=config or None, split=split, streaming=True)
         yield from stream

@@ -23,6 +23,7 @@ from hivetune.ops.prewarm import prewarm
 from hivetune.ops.switches import configure_ops
 from hivetune.core.fileio import create_run_folder, hold_run_lock
 from hivetune.core.metrics import require_tensorboard
+from hivetune.core.trackers import require_tracker
 from hivetune.data.dataset import index_dataset, plan_steps
 from hivetune.data.sources import held_out_source, source_exists, train_source
 from hivetune.doctor.preflight import check_stack
@@ -54,8 +55,10 @@ def setup(cfg: TrainConfig) -> Run:
     parallel = distributed.init(cfg.device)
     if not cfg.skip_doctor:
         check_stack(cfg.device, cfg.precision)  # the doctor's quick checks: a known-bad stack stops here
-    if cfg.tensorboard:
+    if cfg.tensorboard or "tensorboard" in cfg.report_to:
         require_tensorboard()  # a missing package stops here, before any weight is read
+    for name in set(cfg.report_to) - {"tensorboard"}:
+        require_tracker(name)
     model_path = hub_model_path(cfg.model)  # a local path, a Hub id's snapshot, or the embedded model
     data_path = train_source(cfg)  # a file, folder or Hub dataset, with data_columns / split / config
     val_path = held_out_source(cfg.val_data, cfg) if cfg.val_data else (
