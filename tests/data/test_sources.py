@@ -192,3 +192,24 @@ def test_cli_trains_on_a_hub_dataset_with_mapped_columns(hub_dataset, tiny_model
     capsys.readouterr()
     assert main(["data", "validate", "tiny-org/ops", "--data-config", "renamed", "--columns", "instruction=q,output=a"]) == 0
     assert capsys.readouterr().out.startswith("tiny-org/ops: 4 records, format alpaca")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data", "{bad_csv}"], "{bad_csv}: row 2: 1 values for 2 columns (instruction, output)"),
+    (["--data", "{csv}", "--set", "data.columns.outptu=answer"],
+     "data_columns.outptu: not a field hivetune reads (instruction, input, output, messages, text, conversations)"),
+    (["--data", "{csv}", "--set", "data.columns.output=answer"],
+     "{csv}: row 1: no column 'answer' (data_columns.output); the record has 'instruction', 'output'"),
+    (["--data", "{csv}", "--data-split", "test"],
+     "{csv}: data_split and data_config choose within a Hub dataset or a folder of one"),
+    (["--data", "{csv}", "--report-to", "comet"], "report_to: 'comet' is not one of tensorboard, mlflow, wandb"),
+])
+def test_cli_bad_input_is_one_line_exit_2_nothing_written(args, message, tiny_model_dir, tmp_path, capsys):
+    paths = {"csv": tmp_path / "ok.csv", "bad_csv": tmp_path / "bad.csv"}
+    paths["csv"].write_text("instruction,output\nHow?,Like this.\n")
+    paths["bad_csv"].write_text("instruction,output\nHow?,Like this.\nWhy?\n")
+    out = tmp_path / "run"
+    args = [a.format(**paths) for a in args]
+    assert main(["train", "--model", str(tiny_model_dir), "--output", str(out), "--device", "cpu", *args]) == 2
+    assert capsys.readouterr().err == f"hivetune: error: {message.format(**paths)}\n"
+    assert not out.exists()

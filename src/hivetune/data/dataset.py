@@ -55,7 +55,7 @@ def index_dataset(path: str | Path | DataSource, fmt: str, tokenizer, max_length
     keep = sum(part.path.stat().st_size for part in parts) < keep_records_below
     index = DatasetIndex(Path(source.spec), "" if fmt == "auto" else fmt, [], [], [], [],
                          encoding=(tokenizer, max_length, train_on_inputs), parts=parts, columns=source.columns)
-    for number, where, line, offset, record, chosen in checked_source(source, fmt):
+    for number, where, line, offset, record, chosen in checked_source(source, fmt, parts=parts):
         index.format = chosen
         try:
             enc = encode_record(record, chosen, tokenizer, max_length, train_on_inputs)

@@ -182,10 +182,11 @@ def iter_records(path: str | Path, columns: dict | None = None, part: Part | Non
             yield lineno, start, map_record(record, columns, part.where(lineno))
 
 
-def iter_source(source: str | Path | DataSource):
-    """Yield (part number, where, line, offset, record) over every part of a data source."""
+def iter_source(source: str | Path | DataSource, parts: list[Part] | None = None):
+    """Yield (part number, where, line, offset, record) over every part of a data source (`parts`:
+    its data_parts, when the caller has them already)."""
     source = as_source(source)
-    for number, part in enumerate(data_parts(source)):
+    for number, part in enumerate(data_parts(source) if parts is None else parts):
         for line, offset, record in iter_records(part.path, source.columns, part):
             yield number, part.where(line, array=offset is None), line, offset, record
 
@@ -227,13 +228,14 @@ def checked_records(source: str | Path | DataSource, fmt: str = "auto", setting:
         yield where, line, offset, record, chosen
 
 
-def checked_source(source: str | Path | DataSource, fmt: str = "auto", setting: str | None = "format"):
+def checked_source(source: str | Path | DataSource, fmt: str = "auto", setting: str | None = "format",
+                   parts: list[Part] | None = None):
     """Yield (part number, where, line, offset, record, format) for each record of a data source,
     each checked against `fmt`, or with "auto" against the format of the first record; every
     error names file:line. `setting`: the option a user sets the format with, named in the
     message when the first record's format cannot be told (None: the caller has none)."""
     chosen = None if fmt == "auto" else fmt
-    for number, where, line, offset, record in iter_source(source):
+    for number, where, line, offset, record in iter_source(source, parts):
         if chosen is None:
             chosen = detect_format(record)
             if chosen is None:

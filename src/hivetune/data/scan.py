@@ -40,7 +40,7 @@ class Line:
     unit: str = "line"  # what `number` counts: line, item (a JSON array), row (parquet, CSV, a Hub dataset)
 
 
-def stream_lines(path: str | Path | DataSource, what: str = "data file"):
+def stream_lines(path: str | Path | DataSource, what: str = "data file", parts: list[Part] | None = None):
     """Yield a Line per non-blank line of every part of a data source (data.sources), each record
     mapped as training maps it (formats.map_record); bad lines carry an error instead of stopping
     the scan.
@@ -49,7 +49,7 @@ def stream_lines(path: str | Path | DataSource, what: str = "data file"):
     JSON array, a file that cannot be converted.
     """
     source = as_source(path)
-    for part in data_parts(source, what):
+    for part in data_parts(source, what) if parts is None else parts:
         for line in _part_lines(part, what):
             line.where = part.where(line.number, array=line.raw is None)
             line.unit = "item" if line.raw is None else part.unit

@@ -95,8 +95,9 @@ def validate_file(path: str | Path | DataSource, model: str | None = None, max_l
     near = NearDuplicateIndex()
     pending: list[tuple[int, dict]] = []  # records waiting to be tokenised
 
-    several = len(data_parts(source)) > 1
-    for line in stream_lines(source):
+    parts = data_parts(source)
+    several = len(parts) > 1
+    for line in stream_lines(source, parts=parts):
         report.records += 1
         number = report.records if several else line.number  # what duplicates are named by
         report.unit = "record" if several else line.unit
