@@ -92,3 +92,13 @@ def test_adapter_names_the_hub_id(cached_model, tmp_path, capsys):
     assert main(["data", "stats", str(data), "--model", REPO]) == 0
     assert main(["export", str(out), "--format", "merged", "--out", str(tmp_path / "merged")]) == 0
     assert (tmp_path / "merged" / "config.json").is_file()
+    assert main(["eval", "--adapter", str(out), "--data", str(data), "--limit", "1", "--max-new-tokens", "2",
+                 "--precision", "fp32", "--device", "cpu"]) == 0  # the base from the adapter's Hub id
+    assert json.loads((out / "eval" / "eval.json").read_text())["model"] == str(cached_model)
+
+
+def test_chat_takes_a_hub_id(cached_model, monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--model", REPO, "--max-new-tokens", "2", "--precision", "fp32", "--device", "cpu"]) == 0
