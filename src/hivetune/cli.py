@@ -14,7 +14,8 @@ from hivetune.core.errors import UserError
 
 # Flags of `train` that are shortcuts for config keys: flag -> (config key, argparse kwargs).
 TRAIN_FLAGS = {
-    "--model": ("model", {"metavar": "PATH", "help": "HF folder, .gguf or Hub ORG/NAME[@REV] (default: embedded SmolLM2-135M-Instruct)"}),
+    "--model": ("model", {"metavar": "PATH", "help": "HF folder, .gguf or Hub ORG/NAME[@REV] "
+                                                    "(default: embedded SmolLM2-135M-Instruct)"}),
     "--data": ("data", {"metavar": "FILE", "help": "JSONL(.gz) / JSON / parquet / CSV file, a folder of them, or a Hub "
                                                   "dataset ORG/NAME (default: the shipped ops dataset)"}),
     "--data-split": ("data_split", {"metavar": "SPLIT", "help": "a Hub dataset's split (default: train)"}),
@@ -44,7 +45,8 @@ TRAIN_FLAGS = {
     "--lora-dropout": ("lora.dropout", {"type": float}),
     "--lora-targets": ("lora.targets", {"metavar": "NAMES", "help": "comma-separated, e.g. q_proj,v_proj"}),
     "--save-every": ("save_every", {"type": int, "metavar": "STEPS"}),
-    "--report-to": ("report_to", {"metavar": "NAMES", "help": "also log to tensorboard,mlflow,wandb (comma-separated)"}),
+    "--report-to": ("report_to", {"metavar": "NAMES", "help": "also log to tensorboard, mlflow, wandb "
+                                                             "(comma-separated)"}),
     "--threads": ("threads", {"type": int}),
 }
 TRAIN_SWITCHES = {

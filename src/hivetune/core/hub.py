@@ -73,8 +73,9 @@ def hub_snapshot(repo: str, revision: str | None, repo_type: str = "model", patt
         folder = snapshot_download(repo, revision=revision, repo_type=repo_type, cache_dir=hub_cache_dir(),
                                    allow_patterns=patterns, local_files_only=offline)
     except GatedRepoError:
-        raise UserError(f"{label}: gated {kind} on the Hugging Face Hub; accept its terms at "
-                        f"https://huggingface.co/{_page(repo, repo_type)} and log in (hf auth login or HF_TOKEN)") from None
+        page = f"https://huggingface.co/{'datasets/' if kind == 'dataset' else ''}{repo}"
+        raise UserError(f"{label}: gated {kind} on the Hugging Face Hub; accept its terms at {page} "
+                        "and log in (hf auth login or HF_TOKEN)") from None
     except RepositoryNotFoundError:
         raise UserError(f"{label}: no such {kind} on the Hugging Face Hub (a typo, or private: log in with "
                         "hf auth login); a local path is used when it exists") from None
@@ -91,10 +92,6 @@ def hub_snapshot(repo: str, revision: str | None, repo_type: str = "model", patt
         raise UserError(f"{label}: the Hugging Face Hub failed ({type(e).__name__}: "
                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
     return Path(folder)
-
-
-def _page(repo: str, repo_type: str) -> str:
-    return f"datasets/{repo}" if repo_type == "dataset" else repo
 
 
 def base_model_name(name: str, path: Path) -> str:
