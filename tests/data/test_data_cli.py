@@ -121,7 +121,8 @@ def test_validate_unknown_format_line_is_a_schema_error(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x"}, alpaca("How do I list the block devices here?")])
     report = validate_file(path)
     assert report.listed["schema"] == [f"{path}:1: cannot tell the format (expected 'messages', 'instruction'+"
-                                       "'output' or 'text'); set --format to one of alpaca, chat, text"]
+                                       "'output' or 'text'); set --format to one of alpaca, chat, text, or name "
+                                       "the record's columns ('prompt') with --columns"]
     assert report.format == "alpaca" and report.problems == 1
 
 

@@ -238,7 +238,8 @@ ERRORS = {
     "many_blank_lines": ("\n" * 70_000 + " \n", "{p}: data file is empty"),
     "undetectable": ('{"prompt": "a", "completion": "b"}\n',
                      "{p}:1: cannot tell the format (expected 'messages', 'instruction'+'output' or 'text'); "
-                     "set format to one of alpaca, chat, text"),
+                     "set format to one of alpaca, chat, text, or name the record's columns ('prompt', 'completion') "
+                     "with data_columns"),
     "mixed_formats": (f'{OK}\n{{"text": "plain"}}\n', "{p}:2: missing field 'instruction' for alpaca format"),
 }
 

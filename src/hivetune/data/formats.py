@@ -199,11 +199,17 @@ def map_record(record: dict, columns: dict | None, where: str) -> dict:
         for ours, theirs in columns.items():
             if theirs not in record:
                 raise UserError(f"{where}: no column {theirs!r} (data_columns.{ours}); "
-                                f"the record has {', '.join(map(repr, record)) or 'no fields'}")
+                                f"the record has {field_names(record) or 'no fields'}")
             record[ours] = record.pop(theirs)
     if "conversations" in record and "messages" not in record:
         record = {**record, "messages": sharegpt_messages(record["conversations"], where)}
     return record
+
+
+def field_names(record: dict, most: int = 8) -> str:
+    """"'a', 'b', 'c'": a record's first field names, for messages (a table may have hundreds)."""
+    names = ", ".join(repr(k) for k in list(record)[:most])
+    return names + (f", ... ({len(record)} in all)" if len(record) > most else "")
 
 
 def sharegpt_messages(turns, where: str) -> list[dict]:
@@ -239,7 +245,8 @@ def checked_source(source: str | Path | DataSource, fmt: str = "auto", setting: 
         if chosen is None:
             chosen = detect_format(record)
             if chosen is None:
-                advice = f"; set {setting} to one of {', '.join(FORMAT_NAMES)}" if setting else ""
+                advice = (f"; set {setting} to one of {', '.join(FORMAT_NAMES)}, or name the record's columns "
+                          f"({field_names(record)}) with data_columns" if setting else "")
                 raise UserError(f"{where}: cannot tell the format (expected 'messages', 'instruction'+'output' "
                                 f"or 'text'){advice}")
         check_record(record, chosen, where)

@@ -104,7 +104,7 @@ def data_stats(path: str | Path | DataSource, model: str | None = None, max_leng
         if not stats.format:
             stats.format = detect_format(line.record) or ""
             if not stats.format:
-                raise UserError(f"{where}: cannot tell the format; set --format")
+                raise UserError(f"{where}: cannot tell the format; set --format, or name its columns with --columns")
         check_record(line.record, stats.format, where)
         batch.append(line.record)
         if len(batch) >= TOKENIZE_BATCH:

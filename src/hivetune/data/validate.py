@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hivetune.data.dedupe import WINDOW, FirstSeen, NearDuplicateIndex
-from hivetune.data.formats import FORMAT_NAMES, check_record, detect_format, starts_with_bom
+from hivetune.data.formats import FORMAT_NAMES, check_record, detect_format, field_names, starts_with_bom
 from hivetune.data.scan import (DEFAULT_MAX_LENGTH, TOKENIZE_BATCH, Line, check_format_name, empty_fields,
                                 exact_key, prompt_text, resolve_model, stream_lines, token_lengths)
 from hivetune.data.sources import DataSource, as_source, data_parts
@@ -110,7 +110,8 @@ def validate_file(path: str | Path | DataSource, model: str | None = None, max_l
             report.format = detect_format(record)
             if report.format is None:
                 report.add("schema", line, "cannot tell the format (expected 'messages', "
-                           f"'instruction'+'output' or 'text'); set --format to one of {', '.join(FORMAT_NAMES)}")
+                           f"'instruction'+'output' or 'text'); set --format to one of {', '.join(FORMAT_NAMES)}, "
+                           f"or name the record's columns ({field_names(record)}) with --columns")
                 continue
         try:
             check_record(record, report.format, where)
