@@ -102,3 +102,15 @@ def test_chat_takes_a_hub_id(cached_model, monkeypatch, capsys):
 
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
     assert main(["chat", "--model", REPO, "--max-new-tokens", "2", "--precision", "fp32", "--device", "cpu"]) == 0
+
+
+def test_tune_and_bench_take_a_hub_id(cached_model, tmp_path, monkeypatch, capsys):
+    from conftest import ops_records, write_jsonl
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["tune", "--model", REPO, "--device", "cpu", "--precision", "fp32", "--batch-size", "2",
+                 "--batch-sizes", "1,2", "--steps", "2", "--length", "16", "--out", "tune.yaml"]) == 0
+    data = write_jsonl(tmp_path / "train.jsonl", ops_records(8))
+    assert main(["bench", "--model", REPO, "--data", str(data), "--max-steps", "1", "--json", "bench.json",
+                 "--set", "device=cpu", "--set", "precision=fp32", "--set", "batch_size=4"]) == 0
+    assert json.loads((tmp_path / "bench.json").read_text())["model"] == REPO
