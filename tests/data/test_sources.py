@@ -213,3 +213,14 @@ def test_cli_bad_input_is_one_line_exit_2_nothing_written(args, message, tiny_mo
     assert main(["train", "--model", str(tiny_model_dir), "--output", str(out), "--device", "cpu", *args]) == 2
     assert capsys.readouterr().err == f"hivetune: error: {message.format(**paths)}\n"
     assert not out.exists()
+
+
+def test_a_hub_dataset_as_val_data_reads_its_test_split(hub_dataset, tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(tiny_model_dir), "--data", "tiny-org/ops", "--val-data", "tiny-org/ops",
+                 "--output", str(out), "--max-steps", "1", "--batch-size", "4", "--precision", "fp32",
+                 "--device", "cpu", "--quiet", "--set", "eval_prompts=0"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    [val] = [r for r in records if "val_loss" in r]
+    tok = load_tokenizer(str(tiny_model_dir))
+    assert val["val_tokens"] == sum(e.n_targets for e in direct(tok, RECORDS[8:]))
