@@ -275,7 +275,7 @@ def test_explicit_format_that_does_not_fit(tok, alpaca_file):
 def test_directory_and_missing_file(tok, tmp_path):
     with pytest.raises(UserError) as e:
         index_dataset(tmp_path, "auto", tok, 1024, False)
-    assert str(e.value) == f"{tmp_path}: no data files in this folder (.jsonl, .jsonl.gz, .json, .parquet, .csv)"
+    assert str(e.value) == f"{tmp_path}: no data files in this folder (.jsonl, .jsonl.gz, .json, .json.gz, .parquet, .csv)"
     with pytest.raises(UserError) as e:
         index_dataset(tmp_path / "nope.jsonl", "auto", tok, 1024, False)
     assert str(e.value) == f"{tmp_path / 'nope.jsonl'}: data file not found"

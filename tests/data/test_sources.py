@@ -58,10 +58,12 @@ def examples(index, tok):
 def test_gz_parquet_csv_index_as_the_jsonl_does(tok, tmp_path):
     gz = tmp_path / "d.jsonl.gz"
     gz.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in RECORDS).encode()))
-    sources = [gz, write_parquet(tmp_path / "d.parquet", RECORDS), write_csv(tmp_path / "d.csv", RECORDS)]
+    array_gz = tmp_path / "d.json.gz"
+    array_gz.write_bytes(gzip.compress(json.dumps(RECORDS, indent=1).encode()))
+    sources = [gz, array_gz, write_parquet(tmp_path / "d.parquet", RECORDS), write_csv(tmp_path / "d.csv", RECORDS)]
     for path in sources:
         index = index_dataset(path, "auto", tok, 1024, False, keep_records_below=0)  # re-read by offset
-        assert index.format == "alpaca" and not index.records
+        assert index.format == "alpaca" and bool(index.records) == (path == array_gz)  # an array is held whole
         assert examples(index, tok) == direct(tok, RECORDS)
 
 
@@ -224,3 +226,9 @@ def test_a_hub_dataset_as_val_data_reads_its_test_split(hub_dataset, tiny_model_
     [val] = [r for r in records if "val_loss" in r]
     tok = load_tokenizer(str(tiny_model_dir))
     assert val["val_tokens"] == sum(e.n_targets for e in direct(tok, RECORDS[8:]))
+
+
+def test_a_csv_field_may_hold_a_document(tok, tmp_path):
+    long = {"instruction": "Summarise.", "input": "", "output": "word " * 40_000}  # 200,000 characters
+    index = index_dataset(write_csv(tmp_path / "long.csv", [long]), "auto", tok, 64, False)
+    assert index.truncated == 1 and index.lengths == [64]

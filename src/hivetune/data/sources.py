@@ -5,7 +5,7 @@ trains with a few integers a record in memory. A source becomes a list of ``Part
 those readers take:
 
 - ``.jsonl`` and ``.json`` (a JSON array: parsed whole, as before): the file itself;
-- ``.jsonl.gz``: decompressed, line for line, into a JSONL copy in the cache;
+- ``.jsonl.gz`` / ``.json.gz``: decompressed, line for line, into a copy in the cache;
 - ``.parquet``: streamed one record batch of a row group at a time (pyarrow) into a JSONL copy;
 - ``.csv``: streamed row by row (the csv module, a header row naming the columns) into a copy;
 - a folder: its files of those kinds, sorted by path (subfolders included);
@@ -23,6 +23,7 @@ import gzip
 import hashlib
 import json
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from hivetune.core.errors import UserError
 from hivetune.core.fileio import cache_dir, file_cache_folder
 from hivetune.core.hub import hub_snapshot, split_hub_id
 
-SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet", ".csv")
+SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet", ".csv")
 PARQUET_BATCH_ROWS = 1024  # rows per record batch read from a row group: memory stays ~1k rows
 
 
@@ -100,7 +101,7 @@ def data_suffix(path: Path) -> str:
 
 def file_part(path: Path, what: str = "data file") -> Part:
     suffix = data_suffix(path)
-    if suffix == ".jsonl.gz":
+    if suffix in (".jsonl.gz", ".json.gz"):
         return Part(converted(path, "gz", lambda out: gunzip_into(path, out)), str(path))
     if suffix == ".parquet":
         return Part(converted(path, "parquet", lambda out: parquet_into(path, out)), str(path), "row")
@@ -143,9 +144,7 @@ def gunzip_into(path: Path, out) -> None:
         with gzip.open(path, "rb") as f:
             while chunk := f.read(1 << 20):
                 out.write(chunk)
-    except (gzip.BadGzipFile, EOFError, OSError) as e:
-        if isinstance(e, OSError) and not isinstance(e, gzip.BadGzipFile) and e.errno is not None:
-            raise
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:  # not gzip, cut short, corrupt
         raise UserError(f"{path}: not a readable gzip file ({e or type(e).__name__})") from None
 
 
@@ -175,6 +174,7 @@ def parquet_into(path: Path, out) -> None:
 def csv_into(path: Path, out) -> None:
     import csv
 
+    csv.field_size_limit(2**31 - 1)  # a text field of a training table may hold a whole document (default: 128 KiB)
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
             rows = csv.reader(f)
