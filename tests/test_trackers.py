@@ -120,9 +120,8 @@ def test_a_missing_tracker_is_one_line(tiny_model_dir, tmp_path, monkeypatch, ca
     out = tmp_path / "run"
     assert main(["train", "--model", str(tiny_model_dir), "--output", str(out), "--report-to", "mlflow",
                  "--device", "cpu"]) == 2
-    assert capsys.readouterr().err == ("hivetune: error: report_to: mlflow needs the mlflow-skinny package, which "
-                                       "is not installed: pip install 'hivetune[trackers]' (or pip install "
-                                       "mlflow-skinny)\n")
+    assert capsys.readouterr().err == ("hivetune: error: report_to: mlflow needs the mlflow package, which is not "
+                                       "installed: pip install 'hivetune[trackers]' (or pip install mlflow)\n")
     assert not out.exists()
 
 
