@@ -87,11 +87,11 @@ def data_parts(source: str | Path | DataSource, what: str = "data file") -> list
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
             raise UserError(f"{path}: no data files in this folder ({', '.join(SUFFIXES)})")
-        return [file_part(p, what) for p in files]
+        return [file_part(p) for p in files]
     if not path.exists():
         hint = " (a Hub dataset id is ORG/NAME)" if "/" not in source.spec and not path.suffix else ""
         raise UserError(f"{path}: {what} not found{hint}")
-    return [file_part(path, what)]
+    return [file_part(path)]
 
 
 def data_suffix(path: Path) -> str:
@@ -99,7 +99,7 @@ def data_suffix(path: Path) -> str:
     return next((s for s in sorted(SUFFIXES, key=len, reverse=True) if name.endswith(s)), "")
 
 
-def file_part(path: Path, what: str = "data file") -> Part:
+def file_part(path: Path) -> Part:
     suffix = data_suffix(path)
     if suffix in (".jsonl.gz", ".json.gz"):
         return Part(converted(path, "gz", lambda out: gunzip_into(path, out)), str(path))
