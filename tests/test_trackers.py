@@ -146,3 +146,18 @@ def test_cli_train_reports_every_metrics_line(mlflow_store, tiny_model_dir, tmp_
     assert [step for step, _ in history["train/loss"]] == [r["step"] for r in lines if r.get("loss") is not None]
     assert [v for _, v in history["train/loss"]] == pytest.approx([r["loss"] for r in lines if r.get("loss") is not None])
     assert params["report_to"] == '["mlflow"]'
+
+
+def test_a_tracker_that_does_not_start_leaves_no_run_folder(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("mlflow", reason="mlflow not installed (pip install 'hivetune[trackers]')")
+    from conftest import ops_records, write_jsonl
+    from hivetune.cli import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://x")
+    data = write_jsonl(tmp_path / "train.jsonl", ops_records(8))
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(tiny_model_dir), "--data", str(data), "--output", str(out),
+                 "--report-to", "mlflow", "--device", "cpu", "--precision", "fp32", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hivetune: error: report_to: mlflow did not start (") and err.count("\n") == 1
+    assert not out.exists()

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 from hivetune.core.errors import UserError
-from hivetune.core.trackers import open_trackers
+from hivetune.core.trackers import open_trackers, save_tracker_ids
 
 TENSORBOARD_DIR = "tensorboard"
 
@@ -52,9 +52,15 @@ class MetricsSink:
             sink.write({"step": 1, "loss": 2.5, ...})
     """
 
-    def __init__(self, folder: Path, tensorboard: bool = False, report_to: list[str] = (), config: dict | None = None):
+    def __init__(self, folder: Path, tensorboard: bool = False, report_to: list[str] = (), config: dict | None = None,
+                 trackers: dict | None = None):
+        """`trackers`: those report_to names, opened already (core.trackers.open_trackers); None:
+        opened here."""
         writer_cls = require_tensorboard() if tensorboard or "tensorboard" in report_to else None
-        self.trackers = open_trackers(list(report_to), Path(folder), config or {})
+        if trackers is None:
+            trackers = open_trackers(list(report_to), Path(folder), config or {})
+        save_tracker_ids(Path(folder), trackers)
+        self.trackers = list(trackers.values())
         self.path = Path(folder) / "metrics.jsonl"
         self.file = open(self.path, "a")
         self.tensorboard = None

@@ -101,28 +101,37 @@ class WandbTracker:
         self.run.finish(exit_code=1 if failed else 0)
 
 
-def open_trackers(names: list[str], folder: Path, config: dict) -> list:
-    """The MLflow / W&B trackers named in `names` (TensorBoard is MetricsSink's own), each resuming
-    the tracker run this folder logged to before."""
-    folder = Path(folder)
-    ids_path = folder / IDS_FILE
+def tracker_ids(folder: Path) -> dict[str, str]:
+    """The tracker runs this run folder logged to before (RUN/trackers.json), by tracker name."""
+    path = Path(folder) / IDS_FILE
     try:
-        ids = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
+        ids = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, json.JSONDecodeError):
-        ids = {}
-    trackers = []
+        return {}
+    return ids if isinstance(ids, dict) else {}
+
+
+def open_trackers(names: list[str], folder: Path, config: dict) -> dict:
+    """The MLflow / W&B trackers named in `names` by name (TensorBoard is MetricsSink's own), each
+    resuming the tracker run this folder logged to before. Train setup opens them before it
+    creates the run folder, so a tracker that does not start leaves nothing behind."""
+    folder, ids, trackers = Path(folder), tracker_ids(folder), {}
     for name in names:
         if name in ("mlflow", "wandb"):
             require_tracker(name)
             cls = MLflowTracker if name == "mlflow" else WandbTracker
             try:
-                trackers.append(cls(folder, config, ids.get(name, "")))
+                trackers[name] = cls(folder, config, ids.get(name, ""))
             except Exception as e:  # the client's own errors (a refused URI, no login): one line
-                for tracker in trackers:
+                for tracker in trackers.values():
                     tracker.close(failed=True)
                 text = str(e).strip().split(". ")[0].splitlines()[0] if str(e).strip() else ""
                 raise UserError(f"report_to: {name} did not start ({type(e).__name__}: {text})") from None
-            ids[name] = trackers[-1].run_id
-    if trackers:
-        atomic_write_bytes(ids_path, json.dumps(ids).encode())
     return trackers
+
+
+def save_tracker_ids(folder: Path, trackers: dict) -> None:
+    """RUN/trackers.json: the tracker runs a resumed run goes on in."""
+    if trackers:
+        ids = {**tracker_ids(folder), **{name: t.run_id for name, t in trackers.items()}}
+        atomic_write_bytes(Path(folder) / IDS_FILE, json.dumps(ids).encode())

@@ -74,8 +74,9 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
         join_prewarm()  # the first step's Triton launches would otherwise redo its work beside it
 
     step = done = run.start_step  # resumed from a checkpoint of the last step: no step runs
-    run.sink = MetricsSink(run.folder, tensorboard=cfg.tensorboard, report_to=cfg.report_to,
-                           config=to_dict(cfg)) if parallel.is_main else None
+    run.sink = MetricsSink(run.folder, tensorboard=cfg.tensorboard, report_to=cfg.report_to, config=to_dict(cfg),
+                           trackers=run.trackers) if parallel.is_main else None
+    run.trackers = None  # the sink closes them; a second fit of this run opens its own
     # CUDA with fused AdamW: a non-finite step is skipped by the optimizer kernel itself (its
     # found_inf input), so no step waits for the GPU; the host reads what happened in batches.
     ledger = StepLedger(deferred=defer_steps(run), started=t_start)

@@ -44,6 +44,7 @@ class Run:
     strategy: str = "none"  # none (one process), ddp or fsdp
     module: torch.nn.Module | None = None  # what forward is called on: the model, or DDP around it
     sink: MetricsSink | None = None  # metrics.jsonl (+ TensorBoard) while fit runs, on rank 0
+    trackers: dict | None = None  # report_to's MLflow / W&B runs, opened by setup on rank 0 (None: not yet)
     train_examples: int = 0  # examples the step plan draws from (the data minus a val_split)
     notes: list[str] = field(default_factory=list)
     start_step: int = 0  # > 0 when resumed from a checkpoint: the step plan's position

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from hivetune.checkpoint import restore_rng, resume_point, resume_run
-from hivetune.core.config import TrainConfig, save_config, step_order
+from hivetune.core.config import TrainConfig, save_config, step_order, to_dict
 from hivetune.core.device import DTYPES, resolve_device, resolve_precision, set_threads
 from hivetune.core.embedded import default_heldout_data
 from hivetune.core.hub import model_path as hub_model_path
@@ -23,7 +23,7 @@ from hivetune.ops.prewarm import prewarm
 from hivetune.ops.switches import configure_ops
 from hivetune.core.fileio import create_run_folder, hold_run_lock
 from hivetune.core.metrics import require_tensorboard
-from hivetune.core.trackers import require_tracker
+from hivetune.core.trackers import open_trackers, require_tracker
 from hivetune.data.dataset import index_dataset, plan_steps
 from hivetune.data.sources import held_out_source, source_exists, train_source
 from hivetune.doctor.preflight import check_stack
@@ -172,6 +172,8 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
         optimizer, lr_lambda(cfg.schedule, warmup, len(steps), cfg.min_lr_ratio))
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
+    # report_to's trackers start before the folder exists: one that does not start leaves nothing
+    trackers = open_trackers(cfg.report_to, folder, to_dict(cfg)) if parallel.is_main else {}
     if parallel.is_main:
         create_run_folder(folder)  # its marker first: the folder is hivetune's
         if not (folder / "config.yaml").exists():  # a resumed run's stays as written: checkpoints hash it
@@ -181,7 +183,8 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
         torch.manual_seed(cfg.seed + 1_000_003 * parallel.rank)  # each rank its own dropout masks
     run = Run(cfg, folder, model_path, device, precision, tokenizer, data, model, spec, steps,
               optimizer, scheduler, scaler, val=(data, val_ids) if val_ids else None,
-              train_examples=len(train_ids), parallel=parallel, strategy=strategy, module=module)
+              train_examples=len(train_ids), parallel=parallel, strategy=strategy, module=module,
+              trackers=trackers)
     planned_memory(run)
     return run
 
