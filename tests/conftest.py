@@ -133,3 +133,30 @@ def pytest_collection_modifyitems(config, items):
     H100, where the calibration then read 0.70 and 0.90 GiB for 4 and 8 examples instead of 0.89
     and 1.78; test_auto_offload runs out of memory after test_cuda_blas)."""
     items.sort(key=lambda item: 0 if item.path.name in FIRST else 1)  # stable: the rest keep their order
+
+
+def hub_cache_repo(cache: Path, repo: str, source: Path, repo_type: str = "model",
+                   commit: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+    """`source`'s files as the Hub cache holds a repo: {models,datasets}--ORG--NAME/snapshots/
+    <commit>/... and refs/main naming the commit (what huggingface_hub writes on download).
+    Returns the snapshot folder."""
+    import shutil
+
+    root = cache / f"{repo_type}s--{repo.replace('/', '--')}"
+    snapshot = root / "snapshots" / commit
+    shutil.copytree(source, snapshot)
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch) -> Path:
+    """An empty Hub cache under a tmp HF_HOME, offline: nothing can reach the network."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    return cache

@@ -41,6 +41,7 @@ import torch
 
 from hivetune.core.config import load_config, load_run_config, to_dict
 from hivetune.core.errors import UserError
+from hivetune.core.hub import base_model_name
 from hivetune.core.fileio import (LOCK_NAME, RUN_FORMAT, RUN_MARKER, atomic_write_bytes, confined,
                                   disk_error_message, fsync_dir, is_disk_error, pause_for_tests, recover_folder,
                                   run_marker_format, write_run_marker)
@@ -129,7 +130,8 @@ def _write_checkpoint(run, step: int, counters: dict, root: Path, tmp: Path, gat
     root.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_adapter(run.model, run.spec, tmp, str(run.model_path), tensors=tensors)  # each file fsynced
+    base = base_model_name(run.cfg.model, run.model_path)
+    save_adapter(run.model, run.spec, tmp, base, tensors=tensors)  # each file fsynced
     pause_for_tests()
     state = {
         "format": FORMAT, "step": step, "plan_length": len(run.steps), "plan_sha256": plan_hash(run.steps),

@@ -14,8 +14,12 @@ from hivetune.core.errors import UserError
 
 # Flags of `train` that are shortcuts for config keys: flag -> (config key, argparse kwargs).
 TRAIN_FLAGS = {
-    "--model": ("model", {"metavar": "PATH", "help": "HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)"}),
-    "--data": ("data", {"metavar": "FILE", "help": "JSONL/JSON training data (default: the shipped ops dataset)"}),
+    "--model": ("model", {"metavar": "PATH", "help": "HF folder, .gguf or Hub ORG/NAME[@REV] "
+                                                    "(default: embedded SmolLM2-135M-Instruct)"}),
+    "--data": ("data", {"metavar": "FILE", "help": "JSONL(.gz) / JSON / parquet / CSV file, a folder of them, or a Hub "
+                                                  "dataset ORG/NAME (default: the shipped ops dataset)"}),
+    "--data-split": ("data_split", {"metavar": "SPLIT", "help": "a Hub dataset's split (default: train)"}),
+    "--data-config": ("data_config", {"metavar": "NAME", "help": "a Hub dataset's configuration"}),
     "--val-data": ("val_data", {"metavar": "FILE", "help": "held-out data: validation loss and the end-of-run A/B"}),
     "--val-split": ("val_split", {"type": float, "metavar": "FRACTION",
                                   "help": "hold out this fraction of --data for validation loss"}),
@@ -41,6 +45,8 @@ TRAIN_FLAGS = {
     "--lora-dropout": ("lora.dropout", {"type": float}),
     "--lora-targets": ("lora.targets", {"metavar": "NAMES", "help": "comma-separated, e.g. q_proj,v_proj"}),
     "--save-every": ("save_every", {"type": int, "metavar": "STEPS"}),
+    "--report-to": ("report_to", {"metavar": "NAMES", "help": "also log to tensorboard, mlflow, wandb "
+                                                             "(comma-separated)"}),
     "--threads": ("threads", {"type": int}),
 }
 TRAIN_SWITCHES = {
@@ -283,12 +289,14 @@ def add_data_parser(sub) -> None:
                                "the embedded model)")
     validate.add_argument("--max-length", type=int, default=None, help="token limit (default 1024)")
     validate.add_argument("--format", default="auto", help="alpaca | chat | text | auto")
+    add_source_flags(validate)
     stats = dsub.add_parser("stats", help="token length percentiles, histogram, padding vs packing")
     stats.add_argument("file", metavar="FILE")
     stats.add_argument("--model", default="", metavar="PATH", help="tokenizer to count with (default: embedded model)")
     stats.add_argument("--max-length", type=int, default=None, help="training max_length (default 1024)")
     stats.add_argument("--png", default=None, metavar="OUT.png", help="also draw the histograms (needs matplotlib)")
     stats.add_argument("--format", default="auto", help="alpaca | chat | text | auto")
+    add_source_flags(stats)
     split = dsub.add_parser("split", help="deterministic train / held-out split, stratified by category")
     split.add_argument("file", metavar="FILE")
     split.add_argument("--heldout", type=float, default=0.1, help="fraction in (0, 1), or a count (default 0.1)")
@@ -303,6 +311,29 @@ def add_data_parser(sub) -> None:
     collect.add_argument("--format", default="auto", help="chat | alpaca | auto (FILE's format; chat for a new file)")
 
 
+def add_source_flags(parser) -> None:
+    """FILE as any data source: --data-split / --data-config of a Hub dataset, --columns."""
+    parser.add_argument("--data-split", default="", metavar="SPLIT", help="a Hub dataset's split (default: train)")
+    parser.add_argument("--data-config", default="", metavar="NAME", help="a Hub dataset's configuration")
+    parser.add_argument("--columns", default="", metavar="FIELD=COLUMN,...",
+                        help="the data's column for each field read, e.g. output=answer")
+
+
+def data_source(ns):
+    """The DataSource of `data validate` / `data stats`' FILE and source flags."""
+    from hivetune.core.config import COLUMN_FIELDS
+    from hivetune.data.sources import DataSource
+
+    columns = {}
+    for pair in filter(None, (p.strip() for p in ns.columns.split(","))):
+        field_name, _, column = pair.partition("=")
+        if not column or field_name not in COLUMN_FIELDS:
+            raise UserError(f"--columns: expected FIELD=COLUMN with FIELD one of {', '.join(COLUMN_FIELDS)}, "
+                            f"got {pair!r}")
+        columns[field_name] = column
+    return DataSource(ns.file, columns, ns.data_split, ns.data_config)
+
+
 def run_data(ns) -> int:
     command = ns.data_command
     if command is None:
@@ -315,13 +346,13 @@ def run_data(ns) -> int:
     if command == "validate":
         from hivetune.data.validate import format_report, validate_file
 
-        report = validate_file(ns.file, ns.model, ns.max_length, ns.format)
+        report = validate_file(data_source(ns), ns.model, ns.max_length, ns.format)
         print(format_report(report))
         return report.exit_code
     if command == "stats":
         from hivetune.data.stats import data_stats, format_stats
 
-        print(format_stats(data_stats(ns.file, ns.model, ns.max_length, ns.png, ns.format)))
+        print(format_stats(data_stats(data_source(ns), ns.model, ns.max_length, ns.png, ns.format)))
         return 0
     if command == "split":
         from hivetune.data.split import format_split, split_file
@@ -342,7 +373,8 @@ def add_eval_parser(sub) -> None:
     ev.add_argument("--adapter", required=True, metavar="RUN", help="run folder or adapter folder")
     ev.add_argument("--model", default="", metavar="PATH",
                     help="base model (default: the one the adapter names, else the embedded model)")
-    ev.add_argument("--data", default="", metavar="FILE", help="alpaca / chat JSONL (default: the shipped held-out set)")
+    ev.add_argument("--data", default="", metavar="FILE", help="alpaca / chat data: a file, folder or Hub dataset "
+                                                                "(its test split; default: the shipped held-out set)")
     ev.add_argument("--max-new-tokens", type=int, default=0,
                     help="most tokens per answer (default: the run's max_new_tokens, else 96)")
     ev.add_argument("--limit", type=int, default=0, metavar="K", help="first K examples only (0: all)")

@@ -121,7 +121,8 @@ def test_validate_unknown_format_line_is_a_schema_error(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x"}, alpaca("How do I list the block devices here?")])
     report = validate_file(path)
     assert report.listed["schema"] == [f"{path}:1: cannot tell the format (expected 'messages', 'instruction'+"
-                                       "'output' or 'text'); set --format to one of alpaca, chat, text"]
+                                       "'output' or 'text'); set --format to one of alpaca, chat, text, or name "
+                                       "the record's columns ('prompt') with --columns"]
     assert report.format == "alpaca" and report.problems == 1
 
 
@@ -143,7 +144,7 @@ def test_validate_lists_20_per_kind_and_counts_all(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["missing.jsonl"], "missing.jsonl: data file not found"),
-    (["."], ".: is a directory, expected a JSONL or JSON file"),
+    (["."], "empty.jsonl: data file is empty"),  # a folder: each of its data files
     (["empty.jsonl"], "empty.jsonl: data file is empty"),
     (["ok.jsonl", "--format", "yaml"], "--format: expected auto, alpaca, chat, text; got 'yaml'"),
     (["ok.jsonl", "--max-length", "0"], "--max-length: must be > 0, got 0"),

@@ -238,7 +238,8 @@ ERRORS = {
     "many_blank_lines": ("\n" * 70_000 + " \n", "{p}: data file is empty"),
     "undetectable": ('{"prompt": "a", "completion": "b"}\n',
                      "{p}:1: cannot tell the format (expected 'messages', 'instruction'+'output' or 'text'); "
-                     "set format to one of alpaca, chat, text"),
+                     "set format to one of alpaca, chat, text, or name the record's columns ('prompt', 'completion') "
+                     "with data_columns"),
     "mixed_formats": (f'{OK}\n{{"text": "plain"}}\n', "{p}:2: missing field 'instruction' for alpaca format"),
 }
 
@@ -274,7 +275,7 @@ def test_explicit_format_that_does_not_fit(tok, alpaca_file):
 def test_directory_and_missing_file(tok, tmp_path):
     with pytest.raises(UserError) as e:
         index_dataset(tmp_path, "auto", tok, 1024, False)
-    assert str(e.value) == f"{tmp_path}: is a directory, expected a JSONL or JSON file"
+    assert str(e.value) == f"{tmp_path}: no data files in this folder (.jsonl, .jsonl.gz, .json, .json.gz, .parquet, .csv)"
     with pytest.raises(UserError) as e:
         index_dataset(tmp_path / "nope.jsonl", "auto", tok, 1024, False)
     assert str(e.value) == f"{tmp_path / 'nope.jsonl'}: data file not found"

@@ -55,11 +55,25 @@ class LoRAConfig:
 @dataclass
 class TrainConfig:
     model: str = ""
-    """HF model folder (config.json + safetensors) or a .gguf file; empty: the embedded SmolLM2-135M-Instruct."""
+    """HF model folder (config.json + safetensors), a .gguf file, or a Hugging Face Hub id ORG/NAME[@REVISION]
+    (from the Hub's cache, fetched when online; a local path of that name wins); empty: the embedded
+    SmolLM2-135M-Instruct."""
     data: str = ""
-    """Training JSONL / JSON file; empty: the shipped Linux / GPU ops dataset."""
+    """Training data: a JSONL, JSONL.gz, JSON array, parquet or CSV file, a folder of these, or a Hugging
+    Face Hub dataset id ORG/NAME[@REVISION] (read through the datasets library); empty: the shipped
+    Linux / GPU ops dataset. In YAML also a mapping {path, columns, split, config} of this key and the
+    three below (--set data.columns.output=answer)."""
+    data_columns: dict[str, str] = field(default_factory=dict)
+    """The data's column for a field hivetune reads (instruction, input, output, messages, text,
+    conversations), e.g. {output: answer}; applied to data and val_data."""
+    data_split: str = ""
+    """The split of a Hub dataset (or of a dataset folder in the Hub's layout) to train on; empty: train.
+    A Hub dataset as val_data reads its test split."""
+    data_config: str = ""
+    """The configuration (subset) of a Hub dataset; empty: its default."""
     val_data: str = ""
-    """Held-out file for the end-of-run A/B; empty with the default data: the shipped held-out split."""
+    """Held-out data for the end-of-run A/B (a file or source as for data); empty with the default
+    data: the shipped held-out split."""
     val_split: float = 0.0
     """Fraction of the training data held out (deterministically, by seed) for validation loss; 0: none."""
     eval_every: int = 0
@@ -164,6 +178,9 @@ class TrainConfig:
     tensorboard: bool = False
     """Also write the metrics as TensorBoard event files in RUN/tensorboard/ (needs the
     tensorboard package: pip install 'hivetune[tensorboard]')."""
+    report_to: list[str] = field(default_factory=list)
+    """Also send metrics.jsonl's records to these trackers: tensorboard, mlflow (MLFLOW_TRACKING_URI,
+    MLFLOW_EXPERIMENT_NAME), wandb (WANDB_PROJECT, WANDB_MODE); pip install 'hivetune[trackers]'."""
     save_every: int = 0
     """Checkpoint (adapter, optimizer, RNG...) every this many optimizer steps and at the end,
     in checkpoints/step-N/; 0: only the final adapter (and a checkpoint on SIGINT / SIGTERM)."""
@@ -217,6 +234,11 @@ def field_doc(cls, name: str) -> str:
 def _coerce(value, typ, key: str, errors: list[str]):
     """Convert a YAML / CLI value to the field's type; record an error instead of raising."""
     origin = typing.get_origin(typ)
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(v, (str, int, float)) for v in value.values()):
+            errors.append(f"{key}: expected a mapping of field: column, got {value!r}")
+            return None
+        return {str(k): str(v) for k, v in value.items()}
     if origin is list:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
@@ -283,7 +305,26 @@ def _suggest(obj, key: str, prefix: str) -> str:
     return spots[close[0]] if close else ""
 
 
+# `data` as a YAML mapping: its keys -> the flat config keys they stand for.
+DATA_SECTION = {"path": "data", "columns": "data_columns", "split": "data_split", "config": "data_config"}
+COLUMN_FIELDS = ("instruction", "input", "output", "messages", "text", "conversations")
+
+
+def _fold_data_section(values: dict, errors: list[str]) -> dict:
+    """{data: {path, columns, split, config}} -> {data, data_columns, data_split, data_config}."""
+    section, values = values["data"], dict(values)
+    del values["data"]
+    for key, value in section.items():
+        if key not in DATA_SECTION:
+            errors.append(f"data.{key}: unknown key (expected {', '.join(DATA_SECTION)})")
+        else:
+            values[DATA_SECTION[key]] = value
+    return values
+
+
 def _apply(obj, values: dict, prefix: str, errors: list[str]) -> None:
+    if not prefix and isinstance(values.get("data"), dict):
+        values = _fold_data_section(values, errors)
     hints = typing.get_type_hints(type(obj))
     names = [f.name for f in dataclasses.fields(obj)]
     for key, value in values.items():
@@ -331,6 +372,10 @@ def parse_overrides(pairs: list[str]) -> dict:
 def merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for k, v in extra.items():
+        if k == "data" and k in out and isinstance(v, dict) != isinstance(out[k], dict):
+            # a path (--data FILE) meets the data section (--set data.columns.output=x): it is the path
+            v = v if isinstance(v, dict) else {"path": v}
+            out[k] = out[k] if isinstance(out[k], dict) else {"path": out[k]}
         if isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = merge(out[k], v)
         else:
@@ -456,6 +501,12 @@ def validate(cfg: TrainConfig) -> list[str]:
         errors.append(f"weight_decay: must be >= 0, got {cfg.weight_decay}")
     if cfg.warmup_steps < -1:
         errors.append(f"warmup_steps: must be >= 0 (or -1 for 3%), got {cfg.warmup_steps}")
+    for name in cfg.report_to:
+        if name not in ("tensorboard", "mlflow", "wandb"):
+            errors.append(f"report_to: {name!r} is not one of tensorboard, mlflow, wandb")
+    for name in cfg.data_columns:
+        if name not in COLUMN_FIELDS:
+            errors.append(f"data_columns.{name}: not a field hivetune reads ({', '.join(COLUMN_FIELDS)})")
     if cfg.device == "cpu" and cfg.precision == "fp16":
         errors.append("precision: fp16 needs a GPU; use bf16 or fp32 with device cpu")
     return errors

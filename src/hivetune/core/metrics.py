@@ -1,5 +1,6 @@
 """Where training metrics go: one JSON line per record in RUN/metrics.jsonl, and, with
-``tensorboard=True``, the same numbers as TensorBoard scalars in RUN/tensorboard/.
+``tensorboard`` (or ``report_to`` naming it), the same numbers as TensorBoard scalars in
+RUN/tensorboard/; with ``report_to`` naming mlflow or wandb, to those too (core.trackers).
 
 Records are the loop's own dicts: per-step ones (``step``, ``loss``, ``lr``, ``grad_norm``,
 ``tokens_per_s``...) become ``train/<key>``; validation ones (``step``, ``val_loss``,
@@ -14,6 +15,7 @@ import math
 from pathlib import Path
 
 from hivetune.core.errors import UserError
+from hivetune.core.trackers import open_trackers, save_tracker_ids
 
 TENSORBOARD_DIR = "tensorboard"
 
@@ -50,8 +52,15 @@ class MetricsSink:
             sink.write({"step": 1, "loss": 2.5, ...})
     """
 
-    def __init__(self, folder: Path, tensorboard: bool = False):
-        writer_cls = require_tensorboard() if tensorboard else None
+    def __init__(self, folder: Path, tensorboard: bool = False, report_to: list[str] = (), config: dict | None = None,
+                 trackers: dict | None = None):
+        """`trackers`: those report_to names, opened already (core.trackers.open_trackers); None:
+        opened here."""
+        writer_cls = require_tensorboard() if tensorboard or "tensorboard" in report_to else None
+        if trackers is None:
+            trackers = open_trackers(list(report_to), Path(folder), config or {})
+        save_tracker_ids(Path(folder), trackers)
+        self.trackers = list(trackers.values())
         self.path = Path(folder) / "metrics.jsonl"
         self.file = open(self.path, "a")
         self.tensorboard = None
@@ -61,24 +70,29 @@ class MetricsSink:
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        tags = scalar_tags(record) if self.tensorboard is not None or self.trackers else []
         if self.tensorboard is not None:
-            for tag, value in scalar_tags(record):
+            for tag, value in tags:
                 self.tensorboard.add_scalar(tag, value, global_step=record["step"])
             self.tensorboard.flush()
+        for tracker in self.trackers:
+            tracker.log(record["step"], tags)
 
     def reopen(self) -> None:
         """After metrics.jsonl was rewritten in place (a rollback cuts it back): append to the new file."""
         self.file.close()
         self.file = open(self.path, "a")
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        for tracker in self.trackers:
+            tracker.close(failed)
 
     def __enter__(self) -> "MetricsSink":
         return self
 
-    def __exit__(self, *exc) -> bool:
-        self.close()
+    def __exit__(self, kind, *exc) -> bool:
+        self.close(failed=kind is not None)
         return False

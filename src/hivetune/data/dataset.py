@@ -1,8 +1,9 @@
 """A dataset index that keeps only where each record lives and its lengths, not its tokens.
 
-``index_dataset`` reads the file once, checks and tokenises every record to learn its length
-and target count (for step planning and loss normalisation), and drops the tokens. Batches
-re-read and re-tokenise their records on the fly, so RAM holds a few integers per example.
+``index_dataset`` reads the source once (a file, a folder, a Hub dataset: ``data.sources``, each
+part JSONL or a JSON array), checks and tokenises every record to learn its length and target
+count (for step planning and loss normalisation), and drops the tokens. Batches re-read (by byte
+offset) and re-tokenise their records on the fly, so RAM holds a few integers per example.
 """
 
 from __future__ import annotations
@@ -12,21 +13,25 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hivetune.data.formats import Encoded, checked_records, encode_record, read_line_at
 from hivetune.core.errors import UserError
+from hivetune.data.formats import Encoded, checked_source, encode_record, read_line_at
+from hivetune.data.sources import DataSource, Part, as_source, data_parts
 
 
 @dataclass
 class DatasetIndex:
-    path: Path
+    path: Path  # the source as given (a file, a folder, a Hub dataset id)
     format: str
-    lines: list[int]  # line number (or array item) of each kept record
+    lines: list[int]  # line number (or array item, or row) of each kept record in its part
     offsets: list[int | None]  # byte offset of each kept JSONL line (None for JSON arrays)
     lengths: list[int]  # tokens after truncation
     n_targets: list[int]  # loss tokens after truncation
     truncated: int = 0  # records cut to max_length
     skipped_no_target: int = 0  # records left with no loss token after truncation
-    records: dict = field(default_factory=dict, repr=False)  # line -> record, for small files
+    records: dict = field(default_factory=dict, repr=False)  # example -> record, for small files
+    parts: list[Part] = field(default_factory=list, repr=False)  # the source's JSONL / JSON files
+    part_of: list[int] = field(default_factory=list, repr=False)  # each kept record's part (several parts only)
+    columns: dict = field(default_factory=dict, repr=False)  # data_columns, applied again on re-reads
     encoding: tuple = field(default=(None, 0, False), repr=False)  # (tokenizer, max_length, train_on_inputs)
 
     def __len__(self) -> int:
@@ -42,14 +47,15 @@ class DatasetIndex:
         return sum(self.lengths)
 
 
-def index_dataset(path: str | Path, fmt: str, tokenizer, max_length: int, train_on_inputs: bool,
+def index_dataset(path: str | Path | DataSource, fmt: str, tokenizer, max_length: int, train_on_inputs: bool,
                   keep_records_below: int = 64 << 20) -> DatasetIndex:
-    """Check and measure every record; keep the records in RAM only for files under 64 MiB."""
-    path = Path(path)
-    keep = path.is_file() and path.stat().st_size < keep_records_below
-    index = DatasetIndex(path, "" if fmt == "auto" else fmt, [], [], [], [],
-                         encoding=(tokenizer, max_length, train_on_inputs))
-    for where, line, offset, record, chosen in checked_records(path, fmt):
+    """Check and measure every record; keep the records in RAM only for sources under 64 MiB."""
+    source = as_source(path)
+    parts = data_parts(source)
+    keep = sum(part.path.stat().st_size for part in parts) < keep_records_below
+    index = DatasetIndex(Path(source.spec), "" if fmt == "auto" else fmt, [], [], [], [],
+                         encoding=(tokenizer, max_length, train_on_inputs), parts=parts, columns=source.columns)
+    for number, where, line, offset, record, chosen in checked_source(source, fmt, parts=parts):
         index.format = chosen
         try:
             enc = encode_record(record, chosen, tokenizer, max_length, train_on_inputs)
@@ -59,22 +65,24 @@ def index_dataset(path: str | Path, fmt: str, tokenizer, max_length: int, train_
             index.skipped_no_target += 1
             continue
         index.truncated += enc.truncated
+        if keep or offset is None:
+            index.records[len(index.lines)] = record
         index.lines.append(line)
         index.offsets.append(offset)
         index.lengths.append(len(enc.ids))
         index.n_targets.append(enc.n_targets)
-        if keep or offset is None:
-            index.records[line] = record
+        if len(parts) > 1:
+            index.part_of.append(number)
     if not index.lines:
-        raise UserError(f"{path}: no record has a response token to learn from within max_length={max_length}")
+        raise UserError(f"{source}: no record has a response token to learn from within max_length={max_length}")
     return index
 
 
 def read_record(index: DatasetIndex, i: int) -> dict:
-    line = index.lines[i]
-    if line in index.records:
-        return index.records[line]
-    return read_line_at(index.path, line, index.offsets[i])
+    if i in index.records:
+        return index.records[i]
+    part = index.parts[index.part_of[i] if index.part_of else 0]
+    return read_line_at(part.path, index.lines[i], index.offsets[i], index.columns, part)
 
 
 def load_example(index: DatasetIndex, i: int, tokenizer, max_length: int, train_on_inputs: bool) -> Encoded:

@@ -1,7 +1,10 @@
 """Read alpaca / chat / text records and turn them into token ids with a loss mask.
 
-Records stream from JSONL (one object per line) or a JSON array file. Every problem is reported
-as ``file:line: what is wrong`` (a UserError), so the user can jump to it.
+Records stream from JSONL (one object per line) or a JSON array file; parquet, CSV, JSONL.gz,
+folders and Hub datasets arrive as JSONL parts (``data.sources``). A record is mapped as it is
+read: renamed columns (``data_columns``), a ShareGPT conversation (``conversations`` of
+``from`` / ``value``) as chat messages. Every problem is reported as ``file:line: what is wrong``
+(a UserError), so the user can jump to it.
 """
 
 from __future__ import annotations
@@ -11,8 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hivetune.core.errors import UserError
+from hivetune.data.sources import DataSource, Part, as_source, data_parts
 
 ROLES = ("system", "user", "assistant")
+# ShareGPT's speaker names (`from`) -> chat roles.
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                  "assistant": "assistant", "model": "assistant", "chatgpt": "assistant", "bard": "assistant"}
 FORMAT_NAMES = ("alpaca", "chat", "text")
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
@@ -154,12 +161,15 @@ def _json_error(e: json.JSONDecodeError) -> str:
     return f"{e.msg.removesuffix(' at')} at column {e.colno}"
 
 
-def iter_records(path: str | Path):
-    """Yield (line_number, byte_offset, record) from JSONL, or (item, None, record) from a JSON array."""
+def iter_records(path: str | Path, columns: dict | None = None, part: Part | None = None):
+    """Yield (line_number, byte_offset, record) from JSONL, or (item, None, record) from a JSON
+    array; each record mapped (map_record). `part` names the file in messages (default: `path`)."""
     path = Path(path)
+    part = part or Part(path, str(path))
     with open_data_file(path) as f:
         if is_json_array(f, path):
-            yield from _iter_json_array(path, f.read())
+            for item, _, record in _iter_json_array(path, f.read()):
+                yield item, None, map_record(record, columns, part.where(item, array=True))
             return
         offset = 0
         for lineno, raw in enumerate(f, start=1):
@@ -168,27 +178,79 @@ def iter_records(path: str | Path):
                 continue
             record, error = parse_jsonl_line(raw)
             if error:
-                raise UserError(f"{path}:{lineno}: {error}")
-            yield lineno, start, record
+                raise UserError(f"{part.where(lineno)}: {error}")
+            yield lineno, start, map_record(record, columns, part.where(lineno))
 
 
-def checked_records(path: str | Path, fmt: str = "auto", setting: str | None = "format"):
-    """Yield (where, line, offset, record, format) for each record of a data file (iter_records),
+def iter_source(source: str | Path | DataSource, parts: list[Part] | None = None):
+    """Yield (part number, where, line, offset, record) over every part of a data source (`parts`:
+    its data_parts, when the caller has them already)."""
+    source = as_source(source)
+    for number, part in enumerate(data_parts(source) if parts is None else parts):
+        for line, offset, record in iter_records(part.path, source.columns, part):
+            yield number, part.where(line, array=offset is None), line, offset, record
+
+
+def map_record(record: dict, columns: dict | None, where: str) -> dict:
+    """The record with the data's columns renamed to ours (columns: ours -> theirs) and a ShareGPT
+    conversation as chat `messages`; a column named but absent is an error naming it."""
+    if columns:
+        record = dict(record)
+        for ours, theirs in columns.items():
+            if theirs not in record:
+                raise UserError(f"{where}: no column {theirs!r} (data_columns.{ours}); "
+                                f"the record has {field_names(record) or 'no fields'}")
+            record[ours] = record.pop(theirs)
+    if "conversations" in record and "messages" not in record:
+        record = {**record, "messages": sharegpt_messages(record["conversations"], where)}
+    return record
+
+
+def field_names(record: dict, most: int = 8) -> str:
+    """"'a', 'b', 'c'": a record's first field names, for messages (a table may have hundreds)."""
+    names = ", ".join(repr(k) for k in list(record)[:most])
+    return names + (f", ... ({len(record)} in all)" if len(record) > most else "")
+
+
+def sharegpt_messages(turns, where: str) -> list[dict]:
+    """ShareGPT turns ({"from": "human" | "gpt" | "system", "value": text}) as chat messages."""
+    if not isinstance(turns, list) or not turns:
+        raise UserError(f"{where}: field 'conversations' must be a non-empty list")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+            raise UserError(f"{where}: conversations[{i}] must be an object with from and value")
+        role = SHAREGPT_ROLES.get(turn["from"]) if isinstance(turn["from"], str) else None
+        if role is None:
+            raise UserError(f"{where}: conversations[{i}] has unknown from {turn['from']!r} "
+                            f"(expected {', '.join(SHAREGPT_ROLES)})")
+        messages.append({"role": role, "content": turn["value"]})
+    return messages
+
+
+def checked_records(source: str | Path | DataSource, fmt: str = "auto", setting: str | None = "format"):
+    """Yield (where, line, offset, record, format) for each record of a data source (iter_source)."""
+    for _, where, line, offset, record, chosen in checked_source(source, fmt, setting):
+        yield where, line, offset, record, chosen
+
+
+def checked_source(source: str | Path | DataSource, fmt: str = "auto", setting: str | None = "format",
+                   parts: list[Part] | None = None):
+    """Yield (part number, where, line, offset, record, format) for each record of a data source,
     each checked against `fmt`, or with "auto" against the format of the first record; every
     error names file:line. `setting`: the option a user sets the format with, named in the
     message when the first record's format cannot be told (None: the caller has none)."""
-    path = Path(path)
     chosen = None if fmt == "auto" else fmt
-    for line, offset, record in iter_records(path):
-        where = f"{path}:{line}" if offset is not None else f"{path}: item {line}"  # None: a JSON array's
+    for number, where, line, offset, record in iter_source(source, parts):
         if chosen is None:
             chosen = detect_format(record)
             if chosen is None:
-                advice = f"; set {setting} to one of {', '.join(FORMAT_NAMES)}" if setting else ""
+                advice = (f"; set {setting} to one of {', '.join(FORMAT_NAMES)}, or name the record's columns "
+                          f"({field_names(record)}) with data_columns" if setting else "")
                 raise UserError(f"{where}: cannot tell the format (expected 'messages', 'instruction'+'output' "
                                 f"or 'text'){advice}")
         check_record(record, chosen, where)
-        yield where, line, offset, record, chosen
+        yield number, where, line, offset, record, chosen
 
 
 def decode_json_file(path: Path, raw: bytes):
@@ -216,8 +278,11 @@ def _iter_json_array(path: Path, raw: bytes):
         yield i, None, record
 
 
-def read_line_at(path: Path, lineno: int, offset: int) -> dict:
-    """Re-read one JSONL record by byte offset (checked again: the file may have changed)."""
+def read_line_at(path: Path, lineno: int, offset: int, columns: dict | None = None,
+                 part: Part | None = None) -> dict:
+    """Re-read one JSONL record by byte offset (checked again: the file may have changed), mapped
+    as when it was indexed (map_record)."""
+    where = (part or Part(path, str(path))).where(lineno)
     try:
         with open(path, "rb") as f:
             f.seek(offset)
@@ -225,15 +290,15 @@ def read_line_at(path: Path, lineno: int, offset: int) -> dict:
     except FileNotFoundError:
         raise UserError(f"{path}: data file disappeared during the run") from None
     except OSError as e:
-        raise UserError(f"{path}:{lineno}: record changed during the run ({e})") from None
+        raise UserError(f"{where}: record changed during the run ({e})") from None
     record, error = parse_jsonl_line(raw)
     if error:
-        raise UserError(f"{path}:{lineno}: record changed during the run ({error})")
-    return record
+        raise UserError(f"{where}: record changed during the run ({error})")
+    return map_record(record, columns, where)
 
 
 def detect_format(record: dict) -> str | None:
-    if "messages" in record:
+    if "messages" in record or "conversations" in record:  # ShareGPT's is mapped to messages when read
         return "chat"
     if "instruction" in record and "output" in record:
         return "alpaca"

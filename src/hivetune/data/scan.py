@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, BOM, FORMAT_NAMES, chat_spans, decode_json_file,
-                                   encode_record, is_json_array, json_type, open_data_file,
+                                   encode_record, is_json_array, json_type, map_record, open_data_file,
                                    parse_jsonl_line)
+from hivetune.data.sources import DataSource, Part, as_source, data_parts
 from hivetune.core.errors import UserError
 
 # Records tokenised per call of the Rust tokenizer (it spreads a batch over the cores).
@@ -31,22 +32,39 @@ _SPACE = re.compile(r"\s+")
 class Line:
     """One non-blank line of a JSONL file (or one item of a JSON array)."""
 
-    number: int  # line number, or item number in a JSON array
+    number: int  # line number, or item number in a JSON array (or row, in a converted part)
     raw: bytes | None  # the line as read (None for JSON array items)
     record: dict | None  # None when the line is not a JSON object
     error: str | None = None  # what is wrong with it, without the file:line prefix
+    where: str = ""  # file:line (file: item N, file: row N) as messages name it
+    unit: str = "line"  # what `number` counts: line, item (a JSON array), row (parquet, CSV, a Hub dataset)
 
 
-def stream_lines(path: str | Path, what: str = "data file"):
-    """Yield a Line per non-blank line; bad lines carry an error instead of stopping the scan.
+def stream_lines(path: str | Path | DataSource, what: str = "data file", parts: list[Part] | None = None):
+    """Yield a Line per non-blank line of every part of a data source (data.sources), each record
+    mapped as training maps it (formats.map_record); bad lines carry an error instead of stopping
+    the scan.
 
-    Raises UserError only when the file as a whole is unusable: missing, a directory, empty, or
-    an unparseable JSON array.
+    Raises UserError only when the source as a whole is unusable: missing, empty, an unparseable
+    JSON array, a file that cannot be converted.
     """
-    path = Path(path)
-    with open_data_file(path, what) as f:
-        if is_json_array(f, path, what):
-            yield from _array_lines(path, f.read())
+    source = as_source(path)
+    for part in data_parts(source, what) if parts is None else parts:
+        for line in _part_lines(part, what):
+            line.where = part.where(line.number, array=line.raw is None)
+            line.unit = "item" if line.raw is None else part.unit
+            if line.record is not None:
+                try:
+                    line.record = map_record(line.record, source.columns, line.where)
+                except UserError as e:
+                    line.record, line.error = None, str(e).removeprefix(f"{line.where}: ")
+            yield line
+
+
+def _part_lines(part: Part, what: str):
+    with open_data_file(part.path, what) as f:
+        if is_json_array(f, part.path, what):
+            yield from _array_lines(part.path, f.read())
             return
         for number, raw in enumerate(f, start=1):
             if raw.strip():
@@ -131,12 +149,10 @@ def exact_key(record: dict, fmt: str) -> int:
 # ---- token lengths ---------------------------------------------------------------------------
 
 def resolve_model(model: str | None) -> str:
-    """The --model value, or the embedded SmolLM2 GGUF when none is given."""
-    if model:
-        return str(model)
-    from hivetune.core.embedded import embedded_model_path
+    """The --model value's local path (a Hub id's snapshot), or the embedded SmolLM2 GGUF when none is given."""
+    from hivetune.core.hub import model_path
 
-    return str(embedded_model_path())
+    return str(model_path(model))
 
 
 def _text_and_spans(record: dict, fmt: str, tokenizer) -> tuple[str, list[tuple[int, int]]]:

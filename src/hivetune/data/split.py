@@ -24,6 +24,7 @@ from pathlib import Path
 
 from hivetune.data.scan import check_output_path, stream_lines
 from hivetune.core.errors import UserError
+from hivetune.data.sources import DataSource, as_source
 from hivetune.core.fileio import atomic_write_with
 
 UNCATEGORISED = "(none)"
@@ -78,9 +79,10 @@ def stratified_quotas(counts: dict[str, int], total: int) -> dict[str, int]:
     return quotas
 
 
-def split_file(path: str | Path, heldout: float, seed: int, out_train: str | Path, out_heldout: str | Path,
+def split_file(path: str | Path | DataSource, heldout: float, seed: int, out_train: str | Path, out_heldout: str | Path,
                force: bool = False) -> SplitResult:
-    path = Path(path)
+    source = as_source(path)
+    path = Path(source.spec)
     train_path = check_output_path(out_train, force, "--out-train")
     heldout_path = check_output_path(out_heldout, force, "--out-heldout")
     if train_path.resolve() == heldout_path.resolve():
@@ -89,9 +91,9 @@ def split_file(path: str | Path, heldout: float, seed: int, out_train: str | Pat
         raise UserError(f"{path}: the input cannot also be an output")
 
     counts: Counter[str] = Counter()
-    for line in stream_lines(path):
+    for line in stream_lines(source):
         if line.error:
-            raise UserError(f"{path}:{line.number}: {line.error}")
+            raise UserError(f"{line.where}: {line.error}")
         counts[category_of(line.record)] += 1
     quotas = stratified_quotas(counts, heldout_total(heldout, sum(counts.values())))
     rng = random.Random(seed)
@@ -103,9 +105,9 @@ def split_file(path: str | Path, heldout: float, seed: int, out_train: str | Pat
 
     def write_both(train_tmp: Path, heldout_tmp: Path) -> None:
         with open(train_tmp, "wb") as train_f, open(heldout_tmp, "wb") as heldout_f:
-            for line in stream_lines(path):
+            for line in stream_lines(source):
                 if line.error:  # the file changed since the first pass
-                    raise UserError(f"{path}:{line.number}: {line.error}")
+                    raise UserError(f"{line.where}: {line.error}")
                 category = category_of(line.record)
                 position = seen[category]
                 seen[category] += 1

@@ -25,6 +25,7 @@ from hivetune.data.formats import check_record, detect_format
 from hivetune.data.scan import (DEFAULT_MAX_LENGTH, TOKENIZE_BATCH, check_format_name, resolve_model, stream_lines,
                                 token_lengths)
 from hivetune.core.errors import UserError
+from hivetune.data.sources import DataSource, as_source
 
 PERCENTILES = (50, 90, 95, 99)
 PAD_BATCH = 8
@@ -77,13 +78,14 @@ def percentile(counts: Counter, q: float) -> int:
     return max(counts)
 
 
-def data_stats(path: str | Path, model: str | None = None, max_length: int | None = None,
+def data_stats(path: str | Path | DataSource, model: str | None = None, max_length: int | None = None,
                png: str | Path | None = None, fmt: str = "auto") -> LengthStats:
     """Measure every record of `path` (stopping at the first bad one: run `data validate` for a
     full list) and write the PNG histogram if asked. Raises UserError on bad input."""
     from hivetune.model.tokenizer import load_tokenizer
 
-    path = Path(path)
+    source = as_source(path)
+    path = Path(source.spec)
     chosen = check_format_name(fmt)
     max_length = DEFAULT_MAX_LENGTH if max_length is None else max_length
     if max_length <= 0:
@@ -95,14 +97,14 @@ def data_stats(path: str | Path, model: str | None = None, max_length: int | Non
     stats = LengthStats(path, chosen or "", model, max_length)
     batch: list[dict] = []
     window: list[int] = []  # truncated lengths of the current padding batch
-    for line in stream_lines(path):
-        where = f"{path}:{line.number}"
+    for line in stream_lines(source):
+        where = line.where
         if line.error:
             raise UserError(f"{where}: {line.error}")
         if not stats.format:
             stats.format = detect_format(line.record) or ""
             if not stats.format:
-                raise UserError(f"{where}: cannot tell the format; set --format")
+                raise UserError(f"{where}: cannot tell the format; set --format, or name its columns with --columns")
         check_record(line.record, stats.format, where)
         batch.append(line.record)
         if len(batch) >= TOKENIZE_BATCH:

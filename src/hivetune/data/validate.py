@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hivetune.data.dedupe import WINDOW, FirstSeen, NearDuplicateIndex
-from hivetune.data.formats import FORMAT_NAMES, check_record, detect_format, starts_with_bom
-from hivetune.data.scan import (DEFAULT_MAX_LENGTH, TOKENIZE_BATCH, check_format_name, empty_fields, exact_key,
-                                prompt_text, resolve_model, stream_lines, token_lengths)
+from hivetune.data.formats import FORMAT_NAMES, check_record, detect_format, field_names, starts_with_bom
+from hivetune.data.scan import (DEFAULT_MAX_LENGTH, TOKENIZE_BATCH, Line, check_format_name, empty_fields,
+                                exact_key, prompt_text, resolve_model, stream_lines, token_lengths)
+from hivetune.data.sources import DataSource, as_source, data_parts
 from hivetune.data.synth import NEAR_DUPLICATE_THRESHOLD
 from hivetune.core.errors import UserError
 
@@ -49,7 +50,7 @@ class ValidationReport:
     listed: dict[str, list[str]] = field(default_factory=lambda: {k: [] for k in KINDS})
     model: str | None = None  # tokenizer used for the length check, None when not checked
     max_length: int | None = None
-    array: bool = False  # a JSON array: records are items, not lines
+    unit: str = "line"  # what at() numbers: line, item (a JSON array), row, record (several files)
     bom: bool = False  # the file starts with a UTF-8 byte-order mark (skipped)
 
     @property
@@ -61,21 +62,22 @@ class ValidationReport:
         return 1 if self.problems else 0
 
     def at(self, number: int) -> str:
-        """'item 4' in a JSON array, 'line 4' in JSONL."""
-        return f"{'item' if self.array else 'line'} {number}"
+        """'item 4' in a JSON array, 'line 4' in JSONL, 'row 4' in parquet / CSV, 'record 4' (counted
+        over all files) in a folder."""
+        return f"{self.unit} {number}"
 
-    def add(self, kind: str, line: int, message: str) -> None:
+    def add(self, kind: str, line: Line, message: str) -> None:
         self.counts[kind] += 1
         if len(self.listed[kind]) < LISTED_PER_KIND:
-            where = f"{self.path}: item {line}" if self.array else f"{self.path}:{line}"
-            self.listed[kind].append(f"{where}: {message.removeprefix(f'item {line}: ')}")
+            self.listed[kind].append(f"{line.where}: {message.removeprefix(f'item {line.number}: ')}")
 
 
-def validate_file(path: str | Path, model: str | None = None, max_length: int | None = None,
+def validate_file(path: str | Path | DataSource, model: str | None = None, max_length: int | None = None,
                   fmt: str = "auto") -> ValidationReport:
     """Check every record of `path`; the length check runs when `model` or `max_length` is given
     (the other defaults to the embedded model / 1024). Raises UserError for unusable input."""
-    path = Path(path)
+    source = as_source(path)
+    path = Path(source.spec)
     chosen = check_format_name(fmt)
     tokenizer = None
     if model or max_length is not None:
@@ -93,42 +95,46 @@ def validate_file(path: str | Path, model: str | None = None, max_length: int | 
     near = NearDuplicateIndex()
     pending: list[tuple[int, dict]] = []  # records waiting to be tokenised
 
-    for line in stream_lines(path):
+    parts = data_parts(source)
+    several = len(parts) > 1
+    for line in stream_lines(source, parts=parts):
         report.records += 1
-        report.array = line.raw is None
-        where = f"{path}:{line.number}"
+        number = report.records if several else line.number  # what duplicates are named by
+        report.unit = "record" if several else line.unit
+        where = line.where
         if line.error:
-            report.add("schema", line.number, line.error)
+            report.add("schema", line, line.error)
             continue
         record = line.record
         if report.format is None:
             report.format = detect_format(record)
             if report.format is None:
-                report.add("schema", line.number, "cannot tell the format (expected 'messages', "
-                           f"'instruction'+'output' or 'text'); set --format to one of {', '.join(FORMAT_NAMES)}")
+                report.add("schema", line, "cannot tell the format (expected 'messages', "
+                           f"'instruction'+'output' or 'text'); set --format to one of {', '.join(FORMAT_NAMES)}, "
+                           f"or name the record's columns ({field_names(record)}) with --columns")
                 continue
         try:
             check_record(record, report.format, where)
         except UserError as e:
             empty = empty_fields(record, report.format)
             if empty:
-                report.add("empty", line.number, f"empty {', '.join(empty)}")
+                report.add("empty", line, f"empty {', '.join(empty)}")
             else:
-                report.add("schema", line.number, str(e).removeprefix(f"{where}: "))
+                report.add("schema", line, str(e).removeprefix(f"{where}: "))
             continue
         empty = empty_fields(record, report.format)
         if empty:
-            report.add("empty", line.number, f"empty {', '.join(empty)}")
+            report.add("empty", line, f"empty {', '.join(empty)}")
             continue
-        earlier = seen.add(exact_key(record, report.format), line.number)
+        earlier = seen.add(exact_key(record, report.format), number)
         if earlier is not None:
-            report.add("duplicate", line.number, f"duplicate of {report.at(earlier)}")
-        match = near.check_and_add(prompt_text(record, report.format), line.number)
+            report.add("duplicate", line, f"duplicate of {report.at(earlier)}")
+        match = near.check_and_add(prompt_text(record, report.format), number)
         if match is not None and earlier is None:
-            report.add("near_duplicate", line.number,
+            report.add("near_duplicate", line,
                        f"prompt is a near duplicate of {report.at(match[0])}'s (similarity {match[1]:.2f})")
         if tokenizer is not None:
-            pending.append((line.number, record))
+            pending.append((line, record))
             if len(pending) >= TOKENIZE_BATCH:
                 _check_lengths(report, pending, tokenizer)
     if tokenizer is not None and pending:
@@ -136,11 +142,11 @@ def validate_file(path: str | Path, model: str | None = None, max_length: int | 
     return report
 
 
-def _check_lengths(report: ValidationReport, pending: list[tuple[int, dict]], tokenizer) -> None:
+def _check_lengths(report: ValidationReport, pending: list[tuple[Line, dict]], tokenizer) -> None:
     lengths = token_lengths([record for _, record in pending], report.format, tokenizer)
-    for (number, _), (prompt, response) in zip(pending, lengths):
+    for (line, _), (prompt, response) in zip(pending, lengths):
         if prompt + response > report.max_length:
-            report.add("too_long", number, f"{prompt + response} tokens ({prompt} prompt + {response} response) "
+            report.add("too_long", line, f"{prompt + response} tokens ({prompt} prompt + {response} response) "
                                            f"> max_length {report.max_length}")
     pending.clear()
 

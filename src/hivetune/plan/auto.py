@@ -10,7 +10,7 @@ import yaml
 
 from hivetune.core.config import TrainConfig
 from hivetune.core.device import resolve_precision
-from hivetune.core.embedded import embedded_model_path
+from hivetune.core.hub import model_path as hub_model_path
 from hivetune.core.errors import UserError
 from hivetune.model.load import load_args
 from hivetune.plan.gpus import device_memory_bytes
@@ -113,7 +113,7 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
     device = torch.device(device) if not isinstance(device, torch.device) else device
     if device.type != "cuda" and memory_gib is None:
         return cfg, "auto: CPU run, config unchanged (the planner sizes GPU memory)"
-    args = load_args(Path(cfg.model) if cfg.model else embedded_model_path())
+    args = load_args(hub_model_path(cfg.model))
     if memory_gib is None:  # what this process may hold: a per-process cap, other processes' share
         memory_gib = device_memory_bytes(device) / GIB
     budget = memory_gib * GIB

@@ -15,11 +15,13 @@ import torch
 
 from hivetune.core.config import TrainConfig
 from hivetune.core.device import FP16_NO_GRAPHS, auto_gpu_precision, device_auto_precision
-from hivetune.core.embedded import default_train_data, embedded_model_path
+from hivetune.core.embedded import default_train_data
+from hivetune.core.hub import model_path as hub_model_path
 from hivetune.core.errors import UserError
 from hivetune.core.fallbacks import forced
 from hivetune.core.fileio import atomic_write_with
 from hivetune.data.dataset import index_dataset
+from hivetune.data.sources import train_source
 from hivetune.model.config import ModelArgs
 from hivetune.model.load import load_args
 from hivetune.model.tokenizer import load_tokenizer
@@ -134,7 +136,7 @@ def data_lengths(cfg: TrainConfig, model_path: Path) -> tuple[list[int], list[in
     except Exception as e:
         raise UserError(f"--data: reading token lengths needs the model's tokenizer ({model_path}: {e}); "
                         f"give an HF folder or GGUF as --model, or leave out --data") from None
-    index = index_dataset(cfg.data, cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
+    index = index_dataset(train_source(cfg), cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
     return index.lengths, index.n_targets
 
 
@@ -172,7 +174,7 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     `cfg` is a training config (model, data, batch_size, grad_accum, max_length, precision,
     gradient_checkpointing, lora.*, packing, fused_loss); `model_args` skips reading cfg.model.
     """
-    model_path = Path(cfg.model) if cfg.model else embedded_model_path()
+    model_path = hub_model_path(cfg.model)
     args = model_args or load_args(model_path)
     entry, mem_gib, label = resolve_gpu(gpu, memory_gib)
     precision = cfg.precision

@@ -17,6 +17,7 @@ import torch
 
 from hivetune.checkpoint import (SaveOnError, SaveSchedule, checkpoint_folders, load_checkpoint, load_lora_weights,
                                  newest_valid_checkpoint, run_totals, truncate_metrics, with_totals)
+from hivetune.core.config import to_dict
 from hivetune.core.device import peak_memory_bytes
 from hivetune.core.errors import UserError
 from hivetune.core.collector import quiet_gc
@@ -73,7 +74,9 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
         join_prewarm()  # the first step's Triton launches would otherwise redo its work beside it
 
     step = done = run.start_step  # resumed from a checkpoint of the last step: no step runs
-    run.sink = MetricsSink(run.folder, tensorboard=cfg.tensorboard) if parallel.is_main else None
+    run.sink = MetricsSink(run.folder, tensorboard=cfg.tensorboard, report_to=cfg.report_to, config=to_dict(cfg),
+                           trackers=run.trackers) if parallel.is_main else None
+    run.trackers = None  # the sink closes them; a second fit of this run opens its own
     # CUDA with fused AdamW: a non-finite step is skipped by the optimizer kernel itself (its
     # found_inf input), so no step waits for the GPU; the host reads what happened in batches.
     ledger = StepLedger(deferred=defer_steps(run), started=t_start)

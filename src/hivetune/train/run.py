@@ -12,8 +12,10 @@ import torch
 from hivetune.checkpoint import capture_rng, existing_run, save_checkpoint
 from hivetune.core.config import TrainConfig
 from hivetune.core.fileio import check_writable, hold_run_lock, write_folder_atomically
+from hivetune.core.hub import base_model_name
 from hivetune.core.metrics import MetricsSink
 from hivetune.data.dataset import DatasetIndex, TokenizedExamples
+from hivetune.data.sources import DataSource
 from hivetune.model.decoder import CausalLM
 from hivetune.model.lora import LoRASpec, lora_state_dict, save_adapter
 from hivetune.parallel import distributed
@@ -36,12 +38,13 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler | None
-    val_path: Path | None = None
+    val_path: Path | DataSource | None = None
     val: tuple | None = None  # (dataset, example ids) for validation loss, or None
     parallel: distributed.Dist = field(default_factory=distributed.Dist)  # this rank under torchrun
     strategy: str = "none"  # none (one process), ddp or fsdp
     module: torch.nn.Module | None = None  # what forward is called on: the model, or DDP around it
     sink: MetricsSink | None = None  # metrics.jsonl (+ TensorBoard) while fit runs, on rank 0
+    trackers: dict | None = None  # report_to's MLflow / W&B runs, opened by setup on rank 0 (None: not yet)
     train_examples: int = 0  # examples the step plan draws from (the data minus a val_split)
     notes: list[str] = field(default_factory=list)
     start_step: int = 0  # > 0 when resumed from a checkpoint: the step plan's position
@@ -114,6 +117,7 @@ def save_adapter_all_ranks(run: Run, folder: Path) -> None:
     between them would leave new weights beside an old config (fileio.write_folder_atomically)."""
     tensors = lora_state_dict(run.model)  # a collective under FSDP: all ranks call it
     if run.parallel.is_main:
-        write_folder_atomically(folder, lambda tmp: save_adapter(run.model, run.spec, tmp, str(run.model_path),
+        base = base_model_name(run.cfg.model, run.model_path)
+        write_folder_atomically(folder, lambda tmp: save_adapter(run.model, run.spec, tmp, base,
                                                                  tensors=tensors))
     distributed.barrier(run.parallel)

@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from hivetune.checkpoint import restore_rng, resume_point, resume_run
-from hivetune.core.config import TrainConfig, save_config, step_order
+from hivetune.core.config import TrainConfig, save_config, step_order, to_dict
 from hivetune.core.device import DTYPES, resolve_device, resolve_precision, set_threads
-from hivetune.core.embedded import default_heldout_data, default_train_data, embedded_model_path
+from hivetune.core.embedded import default_heldout_data
+from hivetune.core.hub import model_path as hub_model_path
 from hivetune.core.errors import UserError
 from hivetune.ops.adamw import adamw
 from hivetune.ops.lora_group import fused_lora_usable
@@ -22,7 +23,9 @@ from hivetune.ops.prewarm import prewarm
 from hivetune.ops.switches import configure_ops
 from hivetune.core.fileio import create_run_folder, hold_run_lock
 from hivetune.core.metrics import require_tensorboard
+from hivetune.core.trackers import open_trackers, require_tracker
 from hivetune.data.dataset import index_dataset, plan_steps
+from hivetune.data.sources import held_out_source, source_exists, train_source
 from hivetune.doctor.preflight import check_stack
 from hivetune.model.decoder import CausalLM
 from hivetune.model.load import load_args, load_model
@@ -52,12 +55,15 @@ def setup(cfg: TrainConfig) -> Run:
     parallel = distributed.init(cfg.device)
     if not cfg.skip_doctor:
         check_stack(cfg.device, cfg.precision)  # the doctor's quick checks: a known-bad stack stops here
-    if cfg.tensorboard:
+    if cfg.tensorboard or "tensorboard" in cfg.report_to:
         require_tensorboard()  # a missing package stops here, before any weight is read
-    model_path = Path(cfg.model) if cfg.model else embedded_model_path()
-    data_path = Path(cfg.data) if cfg.data else default_train_data()
-    val_path = Path(cfg.val_data) if cfg.val_data else (default_heldout_data() if not cfg.data else None)
-    if val_path is not None and not val_path.exists():
+    for name in set(cfg.report_to) - {"tensorboard"}:
+        require_tracker(name)
+    model_path = hub_model_path(cfg.model)  # a local path, a Hub id's snapshot, or the embedded model
+    data_path = train_source(cfg)  # a file, folder or Hub dataset, with data_columns / split / config
+    val_path = held_out_source(cfg.val_data, cfg) if cfg.val_data else (
+        default_heldout_data() if not cfg.data else None)
+    if val_path is not None and not source_exists(val_path):
         raise UserError(f"val_data: {val_path} not found")
     folder = distributed.on_main(parallel, new_run_folder, cfg)  # rank 0 names (and locks) it
     resuming = (folder / "config.yaml").is_file()
@@ -166,6 +172,8 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
         optimizer, lr_lambda(cfg.schedule, warmup, len(steps), cfg.min_lr_ratio))
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
+    # report_to's trackers start before the folder exists: one that does not start leaves nothing
+    trackers = open_trackers(cfg.report_to, folder, to_dict(cfg)) if parallel.is_main else {}
     if parallel.is_main:
         create_run_folder(folder)  # its marker first: the folder is hivetune's
         if not (folder / "config.yaml").exists():  # a resumed run's stays as written: checkpoints hash it
@@ -175,7 +183,8 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
         torch.manual_seed(cfg.seed + 1_000_003 * parallel.rank)  # each rank its own dropout masks
     run = Run(cfg, folder, model_path, device, precision, tokenizer, data, model, spec, steps,
               optimizer, scheduler, scaler, val=(data, val_ids) if val_ids else None,
-              train_examples=len(train_ids), parallel=parallel, strategy=strategy, module=module)
+              train_examples=len(train_ids), parallel=parallel, strategy=strategy, module=module,
+              trackers=trackers)
     planned_memory(run)
     return run
 

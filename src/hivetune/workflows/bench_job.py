@@ -25,6 +25,7 @@ from hivetune.core.config import TrainConfig
 from hivetune.core.device import resolve_device
 from hivetune.core.errors import UserError
 from hivetune.core.fileio import atomic_write_bytes, release_run_locks
+from hivetune.core.hub import model_path, split_hub_id
 from hivetune.doctor.probe import gather_environment
 from hivetune.train.loop import fit
 from hivetune.train.setup import setup
@@ -40,9 +41,9 @@ def check_job(cfg: TrainConfig, repeat: int, baseline: str) -> None:
     """One-line errors for input the job cannot run (the CLI exits 2 on them)."""
     if not cfg.model or not cfg.data:
         raise UserError("bench: a job needs --model DIR and --data FILE (or both in --config)")
-    if not Path(cfg.model).exists():
+    if not model_path(cfg.model).exists():
         raise UserError(f"--model: {cfg.model} not found")
-    if not Path(cfg.data).is_file():
+    if not Path(cfg.data).exists() and split_hub_id(cfg.data) is None:
         raise UserError(f"--data: {cfg.data} not found")
     if repeat < 1:
         raise UserError(f"--repeat: must be >= 1, got {repeat}")
@@ -50,7 +51,7 @@ def check_job(cfg: TrainConfig, repeat: int, baseline: str) -> None:
         raise UserError(f"--baseline: unknown baseline {baseline!r} ({', '.join(BASELINES)})")
     if baseline and baseline_missing():
         raise UserError(baseline_missing())
-    if baseline and not Path(cfg.model).is_dir():
+    if baseline and not model_path(cfg.model).is_dir():
         raise UserError(f"--baseline {baseline} loads an HF model folder; {cfg.model} is a file")
 
 
@@ -138,7 +139,7 @@ def epoch_losses(run) -> list[float]:
 
 def run_baseline(cfg: TrainConfig, job: HFJob, device: torch.device) -> dict:
     """HF Trainer + PEFT on the job, with the figures named as hivetune's are."""
-    record = run_hf_job(lambda: pretrained_hf_model(cfg.model, device, job.precision), job, device)
+    record = run_hf_job(lambda: pretrained_hf_model(str(model_path(cfg.model)), device, job.precision), job, device)
     if "seconds" not in record:
         return record
     seconds, steps = max(record["seconds"], 1e-9), record["steps_run"]

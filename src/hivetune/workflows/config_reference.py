@@ -31,7 +31,7 @@ def _shown(value: object) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, list):
-        return ",".join(map(str, value))
+        return ",".join(map(str, value)) or "[]"
     return repr(value)
 
 

@@ -28,6 +28,7 @@ import torch
 
 from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, Encoded, alpaca_messages, checked_records,
                                    encode_record, render_chat)
+from hivetune.data.sources import held_out_source
 from hivetune.core.errors import UserError
 from hivetune.workflows.generate import greedy_ids, resolve_adapter_folder
 from hivetune.model.decoder import CausalLM
@@ -343,20 +344,18 @@ def run_max_new_tokens(adapter_folder: Path) -> int:
 
 def base_model_path(model: str, adapter_folder: Path) -> Path:
     """--model, else the base the adapter names (base_model_name_or_path), else the embedded model."""
-    from hivetune.core.embedded import embedded_model_path
+    from hivetune.core.hub import model_path, split_hub_id
 
     if model:
-        return Path(model)
+        return model_path(model)
     config = adapter_folder / "adapter_config.json"
     try:
         named = json.loads(config.read_text()).get("base_model_name_or_path")
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"{config}: unreadable adapter config ({e})") from None
-    if not named:
-        return embedded_model_path()
-    if not Path(named).exists():
+    if named and not Path(named).exists() and split_hub_id(named) is None:
         raise UserError(f"{config}: base model {named} not found; pass --model PATH")
-    return Path(named)
+    return model_path(named)
 
 
 def evaluate(model: str = "", adapter: str = "", data: str = "", max_new_tokens: int = 0, limit: int = 0,
@@ -381,7 +380,7 @@ def evaluate(model: str = "", adapter: str = "", data: str = "", max_new_tokens:
     adapter_folder = resolve_adapter_folder(adapter)
     max_new_tokens = max_new_tokens or run_max_new_tokens(adapter_folder)
     model_path = base_model_path(model, adapter_folder)
-    data_path = Path(data) if data else default_heldout_data()
+    data_path = held_out_source(data) if data else default_heldout_data()  # a file, folder or Hub dataset
     out_dir = Path(out) if out else default_out_dir(adapter, adapter_folder)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out: {out_dir} is a file, expected a folder")

@@ -114,17 +114,15 @@ def finished_adapter(run: Path) -> Path:
 
 
 def base_model_path(adapter: Path, model: str) -> Path:
-    from hivetune.core.embedded import embedded_model_path
+    from hivetune.core.hub import model_path, split_hub_id
 
     if model:
-        return Path(model)
+        return model_path(model)
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     named = cfg.get("base_model_name_or_path") or ""
-    if not named:
-        return embedded_model_path()
-    if not Path(named).exists():
+    if named and not Path(named).exists() and split_hub_id(named) is None:
         raise UserError(f"{adapter}/adapter_config.json: base model {named} not found; pass --model PATH")
-    return Path(named)
+    return model_path(named)
 
 
 def estimate_bytes(format: str, dtype: str | None, args, adapter: Path) -> int:

@@ -123,12 +123,12 @@ def load_for_generation(model: str = "", adapter: str = "", device: str = "auto"
     """(model, tokenizer) in eval mode: an HF folder or .gguf (default: embedded), adapter optional
     (a run folder or an adapter folder). `hivetune generate` and `hivetune chat` load with it."""
     from hivetune.core.device import DTYPES, resolve_device, resolve_precision
-    from hivetune.core.embedded import embedded_model_path
+    from hivetune.core.hub import model_path as hub_model_path
     from hivetune.model.load import load_model
     from hivetune.model.lora import load_adapter
     from hivetune.model.tokenizer import load_tokenizer
 
-    model_path = Path(model) if model else embedded_model_path()
+    model_path = hub_model_path(model)
     dev = resolve_device(device)
     dtype = DTYPES[resolve_precision(precision, dev)]
     adapter_folder = resolve_adapter_folder(adapter) if adapter else None

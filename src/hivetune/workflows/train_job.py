@@ -8,7 +8,7 @@ import sys
 from hivetune.core.config import TrainConfig
 from hivetune.core.errors import UserError
 from hivetune.core.fileio import atomic_write_bytes
-from hivetune.data.formats import alpaca_messages, check_record, detect_format, iter_records
+from hivetune.data.formats import alpaca_messages, check_record, detect_format, iter_source
 from hivetune.model.lora import lora_enabled
 from hivetune.parallel import distributed
 from hivetune.train.loop import fit
@@ -64,9 +64,9 @@ def answer_heldout(run: Run, n: int, max_new_tokens: int) -> list[dict]:
     if run.val_path is None or n == 0:
         return []
     questions = []
-    for line, _, record in iter_records(run.val_path):
+    for _, where, _, _, record in iter_source(run.val_path):
         fmt = detect_format(record)
-        check_record(record, fmt or "?", f"{run.val_path}:{line}")
+        check_record(record, fmt or "?", where)
         if fmt == "alpaca":
             messages = alpaca_messages(record)
         elif fmt == "chat":

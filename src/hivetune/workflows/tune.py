@@ -114,7 +114,7 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
     """Measure the candidates and write the fastest that fits the cap to `out` (None: no file)."""
     from hivetune.core.config import load_config, to_dict
     from hivetune.core.device import resolve_device, resolve_precision, set_threads
-    from hivetune.core.embedded import embedded_model_path
+    from hivetune.core.hub import model_path as hub_model_path
     from hivetune.core.fileio import atomic_write_bytes
     from hivetune.model.load import load_args
     from hivetune.plan.memory import GIB, breakdown
@@ -127,7 +127,7 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
     set_threads(cfg.threads)
     device = resolve_device(cfg.device)
     precision = resolve_precision(cfg.precision, device)
-    args = load_args(Path(cfg.model) if cfg.model else embedded_model_path())
+    args = load_args(hub_model_path(cfg.model))
     length = length or cfg.max_length
     if length > cfg.max_length or length < 2:
         raise UserError(f"--length: must be in [2, max_length={cfg.max_length}], got {length}")
