@@ -27,6 +27,7 @@ from hivetune.doctor.preflight import check_stack
 from hivetune.model.decoder import CausalLM
 from hivetune.model.load import load_args, load_model
 from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_parameters
+from hivetune.model.quant import is_quantized
 from hivetune.model.tokenizer import load_tokenizer
 from hivetune.ops import blas
 from hivetune.ops.attention import varlen_supported
@@ -77,7 +78,7 @@ def setup(cfg: TrainConfig) -> Run:
     data = index_dataset(data_path, cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
 
     # fp16 / bf16 runs keep the frozen base in half precision; only LoRA is fp32.
-    model = load_model(model_path, dtype=DTYPES[precision], device=device)
+    model = load_model(model_path, dtype=DTYPES[precision], device=device, base_quant=cfg.base_quant)
     run = assemble(cfg, model, data, tokenizer, device, precision, folder, model_path, parallel)
     if parallel.is_main:
         hold_run_lock(folder)  # a new folder: locked as soon as it exists
@@ -137,8 +138,16 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     strategy, module = "none", model
     if parallel.enabled:
         base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+        base_bytes += sum(b.numel() * b.element_size() for b in model.buffers())  # a quantized base's
         strategy = distributed.choose_strategy(cfg.distributed, base_bytes, device, cfg, model.args)
-    if strategy != "fsdp" and fused_lora_usable():  # FSDP shards each weight: it keeps them apart
+    quantized = is_quantized(model)
+    if quantized and strategy == "fsdp":
+        raise UserError(f"distributed: fsdp does not shard a quantized base (base_quant {cfg.base_quant}: its "
+                        f"weights are buffers of packed blocks); use ddp, or base_quant none")
+    if quantized and fused_lora_usable():
+        print(f"hivetune: base_quant {cfg.base_quant}: q/k/v and gate/up run layer by layer (the joined "
+              f"LoRA groups read one dense weight)", file=sys.stderr)
+    elif strategy != "fsdp" and fused_lora_usable():  # FSDP shards each weight: it keeps them apart
         fuse_projections(model, wide=wide_groups(model, cfg, data, device, strategy))
     if cfg.host_embeddings and device.type == "cuda":
         if strategy == "fsdp":
