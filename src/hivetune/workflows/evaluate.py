@@ -417,9 +417,14 @@ def merged_lora(net: CausalLM):
     put back on exit. One matmul per layer instead of three: on the 2-core CPU, SmolLM2 with
     r 16 on all seven projections generated at about half the speed of the base model unmerged.
     Written in place: after lora.fuse_projections (training) q/k/v and gate/up's weights are row
-    views of one joined tensor, which the forward reads; a new tensor would bypass it."""
+    views of one joined tensor, which the forward reads; a new tensor would bypass it. A
+    quantized base (model.quant) is left as it is, LoRA switched on."""
     from hivetune.model.lora import lora_enabled, lora_modules
+    from hivetune.model.quant import is_quantized
 
+    if is_quantized(net):  # packed weights cannot take the update: LoRA runs beside them
+        yield net
+        return
     modules = [m for _, m in lora_modules(net)]
     originals = [m.base_layer.weight.detach().clone() for m in modules]
     with torch.no_grad():
