@@ -1,0 +1,97 @@
+"""Training on a quantized base (base_quant nf4 / int8) on the tiny model, CPU fp32: the run
+trains, checkpoints and resumes bit for bit; the adapter is PEFT's as on a dense base; a merged
+export takes the dequantized base, with one line saying so."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ops_records, write_jsonl
+from hivetune.model.load import load_model
+from hivetune.model.lora import load_adapter
+from hivetune.model.quant import QuantLinear, dequantize_model, is_quantized
+from hivetune.train.loop import TrainingStopped, fit
+from hivetune.train.setup import setup
+from hivetune.workflows.export import export
+from test_resume import assert_bitwise_equal, metric_rows, run_cfg, same_numbers
+
+QUANTS = ["nf4", "int8"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("data") / "train.jsonl", ops_records(24))
+
+
+@pytest.fixture(scope="module", params=QUANTS)
+def reference(request, tiny_model_dir, data, tmp_path_factory):
+    """6 steps on a quantized base, never interrupted: (quant, adapter tensors, metrics, folder)."""
+    from hivetune.model.lora import lora_state_dict
+
+    out = tmp_path_factory.mktemp(f"ref-{request.param}") / "run"
+    run = setup(run_cfg(tiny_model_dir, data, out, base_quant=request.param))
+    assert is_quantized(run.model) and getattr(run.model, "lora_casts", None) is None  # layer by layer
+    fit(run, progress=False)
+    return request.param, lora_state_dict(run.model), metric_rows(out), out
+
+
+def test_quantized_run_trains_and_differs_from_dense(reference, tiny_model_dir, data, tmp_path):
+    quant, tensors, rows, _ = reference
+    losses = [r["loss"] for r in rows]
+    assert len(losses) == 6 and all(l == l for l in losses) and losses[-1] < losses[0]
+    assert any(t.abs().sum() > 0 for k, t in tensors.items() if "lora_B" in k)
+    dense = setup(run_cfg(tiny_model_dir, data, tmp_path / "dense"))
+    fit(dense, progress=False)
+    dense_losses = [r["loss"] for r in metric_rows(tmp_path / "dense")]
+    assert dense_losses != losses  # the base differs by its quantization error
+    assert abs(dense_losses[0] - losses[0]) < 0.05 * dense_losses[0]
+
+
+def test_quantized_run_resumes_bit_for_bit(reference, tiny_model_dir, data, tmp_path):
+    from hivetune.model.lora import lora_state_dict
+
+    quant, tensors, rows, _ = reference
+    out = tmp_path / "run"
+    run = setup(run_cfg(tiny_model_dir, data, out, base_quant=quant))
+    with pytest.raises(TrainingStopped):
+        fit(run, progress=False, stop_after=3)
+    resumed = setup(run_cfg(tiny_model_dir, data, out, base_quant=quant))
+    assert resumed.start_step == 2
+    fit(resumed, progress=False)
+    assert_bitwise_equal(lora_state_dict(resumed.model), tensors)
+    assert same_numbers(metric_rows(out)) == same_numbers(rows)
+
+
+def test_adapter_is_peft_format_and_loads_on_the_quantized_base(reference, tiny_model_dir, tmp_path):
+    quant, tensors, _, out = reference
+    cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["base_model_name_or_path"] == str(tiny_model_dir)
+    on_disk = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert_bitwise_equal(on_disk, tensors)
+    assert export(out, "adapter", tmp_path / "peft").files == ["README.md", "adapter_config.json",
+                                                              "adapter_model.safetensors"]
+    assert (tmp_path / "peft" / "adapter_model.safetensors").read_bytes() == \
+        (out / "adapter" / "adapter_model.safetensors").read_bytes()
+
+
+def test_merged_export_uses_the_dequantized_base(reference, tiny_model_dir, tmp_path, capsys):
+    quant, _, _, out = reference
+    export(out, "merged", tmp_path / "merged")
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        f"hivetune: export: the run trained on a {quant} base: the update is merged into its dequantized "
+        f"weights; merging into a quantized base changes the weights (the adapter on the {quant} base keeps them)")
+    merged = load_model(tmp_path / "merged")
+    trained = load_model(tiny_model_dir, base_quant=quant)
+    load_adapter(trained, out / "adapter")
+    assert isinstance(trained.model.layers[0].self_attn.q_proj.base_layer, QuantLinear)
+    ids = torch.randint(3, 384, (2, 17), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = trained.logits(trained(ids))
+        torch.testing.assert_close(merged.logits(merged(ids)), want, rtol=0, atol=1e-4)
+        dequantize_model(trained)
+        torch.testing.assert_close(trained.logits(trained(ids)), want, rtol=0, atol=1e-5)
