@@ -95,3 +95,27 @@ def test_merged_export_uses_the_dequantized_base(reference, tiny_model_dir, tmp_
         torch.testing.assert_close(merged.logits(merged(ids)), want, rtol=0, atol=1e-4)
         dequantize_model(trained)
         torch.testing.assert_close(trained.logits(trained(ids)), want, rtol=0, atol=1e-5)
+
+
+def test_plan_counts_quantized_bytes_and_the_workspace(tiny_model_dir):
+    from hivetune.core.config import load_config
+    from hivetune.model.quant import linear_shapes, nf4_bytes
+    from hivetune.plan.memory import GIB
+    from hivetune.plan.planner import plan
+    from hivetune.workflows.workloads import qwen25_shape
+
+    args = qwen25_shape(152064, 3584, 18944, 28, 28, 4, False)  # W2's shape
+    parts = {}
+    for quant in ("none", "nf4", "int8"):
+        cfg = load_config(None, {"model": str(tiny_model_dir), "base_quant": quant, "precision": "bf16"})
+        parts[quant] = plan(cfg, gpu="H200", model_args=args).parts_gib
+    linears = [o * i for o, i in linear_shapes(args)]
+    dense = 28 * sum(linears) * 2
+    assert parts["nf4"]["base weights"] * GIB == pytest.approx(
+        parts["none"]["base weights"] * GIB - dense + 28 * sum(nf4_bytes(n) for n in linears), abs=1)
+    assert parts["int8"]["base weights"] * GIB == pytest.approx(
+        parts["none"]["base weights"] * GIB - dense + 28 * sum(n + 4 * o for n, (o, _) in zip(linears, linear_shapes(args))),
+        abs=1)
+    assert parts["nf4"]["dequantization workspace"] * GIB == (4 + 2) * 18944 * 3584
+    assert "dequantization workspace" not in parts["none"]
+    assert 5.0 < parts["nf4"]["base weights"] < 5.3  # 7.6B: 3.1 GiB of NF4 linears + 2 GiB of embeddings

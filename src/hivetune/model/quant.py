@@ -161,11 +161,11 @@ def linear_shapes(args: ModelArgs) -> list[tuple[int, int]]:
     return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
 
 
-def quantized_weight_bytes(args: ModelArgs, base_quant: str, gguf_bytes: dict[str, int] | None = None) -> int:
-    """Bytes of every decoder layer's linear weights as base_quant stores them (nf4, int8; keep:
-    `gguf_bytes`, the file's bytes per HF tensor name, from gguf_linear_bytes)."""
+def quantized_weight_bytes(args: ModelArgs, base_quant: str, kept_bytes: int = 0) -> int:
+    """Bytes of every decoder layer's linear weights as base_quant stores them (keep:
+    `kept_bytes`, what the GGUF's blocks of those weights take)."""
     if base_quant == "keep":
-        return sum((gguf_bytes or {}).values())
+        return kept_bytes
     per_layer = sum(nf4_bytes(o * i) if base_quant == "nf4" else o * i + 4 * o for o, i in linear_shapes(args))
     return args.num_hidden_layers * per_layer
 
