@@ -127,6 +127,36 @@ def test_quantize_on_load(tiny_model_dir, quant):
         torch.testing.assert_close(model(ids), hidden, rtol=0, atol=TOL)
 
 
+@pytest.mark.parametrize("quant", ["nf4", "int8"])
+def test_decoder_layer_forward_and_input_grad_equal_dequantized(tiny_model_dir, quant):
+    """A whole decoder layer with LoRA (B nonzero) on its quantized base against the same layer
+    on the dequantized weights."""
+    from hivetune.model.decoder import rope_cos_sin
+
+    models = []
+    for _ in range(2):
+        model = load_model(tiny_model_dir, base_quant=quant)
+        torch.manual_seed(0)
+        apply_lora(model, LoRASpec(r=4, alpha=8, dropout=0.0))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(n)))
+        models.append(model)
+    assert dequantize_model(models[1]) == 14
+    x = torch.randn(2, 13, 64)
+    cos, sin = rope_cos_sin(models[0].inv_freq, torch.arange(13)[None].expand(2, -1), torch.float32)
+    outs, grads = [], []
+    for model in models:
+        xi = x.clone().requires_grad_(True)
+        y = model.model.layers[1](xi, cos, sin)
+        y.square().sum().backward()
+        outs.append(y.detach())
+        grads.append(xi.grad)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=TOL)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=TOL)
+
+
 def test_quantized_base_takes_lora_on_every_target(tiny_model_dir):
     model = load_model(tiny_model_dir, base_quant="nf4")
     wrapped = apply_lora(model, LoRASpec(r=4, alpha=8, dropout=0.0))
