@@ -4,11 +4,13 @@ GGUF blocks against the `gguf` package's dequantization, bit for bit."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
-from hivetune.ops import gguf_blocks, int8, nf4
+from hivetune.ops import gguf_blocks, int8, nf4, triton_util
 
 SHAPES = [(128, 256), (96, 320), (7, 192), (3, 64)]
 
@@ -66,7 +68,8 @@ def test_nf4_equals_plain_reference(shape):
     assert torch.equal(q.q_absmax, q8)
     assert torch.equal(q.absmax2, absmax2) and torch.equal(q.offset, offset)
     assert torch.equal(nf4.dequantize(q), values)
-    assert torch.equal(nf4.dequantize(q, torch.bfloat16), values.bfloat16())
+    assert torch.equal(nf4.dequantize_reference(q.packed, q.q_absmax, q.absmax2, q.offset, shape, torch.bfloat16),
+                       values.bfloat16())
 
 
 def test_nf4_levels_round_trip_exactly():
@@ -109,8 +112,30 @@ def test_nf4_equals_bitsandbytes(shape):
     ours = nf4.dequantize_parts(qb.view(-1), state.absmax, state.state2.absmax, state.offset, shape)
     assert torch.equal(ours, F.dequantize_4bit(qb, state))
     qh, sh = F.quantize_4bit(w.bfloat16(), blocksize=64, compress_statistics=True, quant_type="nf4")
-    assert torch.equal(nf4.dequantize_parts(qh.view(-1), sh.absmax, sh.state2.absmax, sh.offset, shape,
-                                            torch.bfloat16), F.dequantize_4bit(qh, sh))
+    assert torch.equal(nf4.dequantize_reference(qh.view(-1), sh.absmax, sh.state2.absmax, sh.offset, shape,
+                                                torch.bfloat16), F.dequantize_4bit(qh, sh))
+
+
+RUNS_TRITON = triton_util.triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@pytest.mark.skipif(not RUNS_TRITON, reason="needs Triton on a GPU (or TRITON_INTERPRET=1 with Triton installed)")
+@pytest.mark.parametrize("shape", SHAPES + [(3, 2064)])
+def test_nf4_triton_dequant_equals_reference(shape):
+    """fp32 bit for bit; bf16 / fp16 bit for bit on a GPU, within one step of the format under the
+    interpreter (it converts by truncation, the GPU rounds to nearest as torch does)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(sum(shape))
+    q = nf4.quantize(torch.randn(shape, device=device) * 0.02)
+    parts = (q.packed, q.q_absmax, q.absmax2, q.offset, shape)
+    assert torch.equal(nf4.dequantize_triton(*parts, torch.float32), nf4.dequantize_reference(*parts))
+    for dtype in (torch.bfloat16, torch.float16):
+        fast, ref = nf4.dequantize_parts(*parts, dtype), nf4.dequantize_reference(*parts, dtype)
+        if device == "cuda":
+            assert torch.equal(fast, ref)
+        else:
+            step = torch.finfo(dtype).eps * ref.float().abs()
+            assert ((fast.float() - ref.float()).abs() <= step).all()
 
 
 def test_nf4_odd_count_is_refused():

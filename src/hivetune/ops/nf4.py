@@ -15,8 +15,10 @@ All arithmetic is fp32 (products, then one cast to the compute dtype), so a dequ
 equals bitsandbytes' dequantize_4bit bit for bit (tests/ops/test_quant_formats.py). Storage:
 0.5 byte a weight + 1 byte a 64-block + 8 bytes a 256 x 64 block: ~4.13 bits a weight.
 
-The reference here is plain PyTorch (any device): `dequantize` makes the whole [out, in] weight,
-which the frozen linear (ops.quant_linear) does one layer at a time.
+`dequantize_parts` makes the whole [out, in] weight, which the frozen linear (ops.quant_linear)
+does one layer at a time: on a GPU in bf16 / fp16 with Triton (ops.triton_util.fused_ok) one
+kernel reads the packed bytes and scales and writes the weight (`_dequant_kernel`); elsewhere the
+plain PyTorch reference, `dequantize_reference`, whose intermediates take ~12 bytes a weight.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from hivetune.ops.triton_util import fused_ok, triton
+
+if triton is not None:
+    import triton.language as tl
 
 BLOCK = 64  # weights per absmax
 DQ_BLOCK = 256  # absmax values per second-level scale
@@ -121,7 +128,15 @@ def dequantize(q: NF4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor
 
 
 def dequantize_parts(packed, q_absmax, absmax2, offset, shape, dtype=torch.float32) -> torch.Tensor:
-    """dequantize() from the stored tensors (a module's buffers)."""
+    """dequantize() from the stored tensors (a module's buffers): the Triton kernel where
+    fused_ok takes the output dtype on this device, else the PyTorch reference."""
+    if dtype in (torch.bfloat16, torch.float16) and fused_ok(packed.new_empty(0, dtype=dtype)):
+        return dequantize_triton(packed, q_absmax, absmax2, offset, shape, dtype)
+    return dequantize_reference(packed, q_absmax, absmax2, offset, shape, dtype)
+
+
+def dequantize_reference(packed, q_absmax, absmax2, offset, shape, dtype=torch.float32) -> torch.Tensor:
+    """The plain PyTorch dequantization, any device and dtype."""
     n = packed.numel() * 2
     levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=packed.device)
     codes = torch.stack((packed >> 4, packed & 15), dim=-1).reshape(-1).int()
@@ -132,3 +147,45 @@ def dequantize_parts(packed, q_absmax, absmax2, offset, shape, dtype=torch.float
     if blocks * BLOCK < n:  # a last, partial block
         head = torch.cat([head, values[blocks * BLOCK:] * absmax[blocks]])
     return head.view(shape).to(dtype)
+
+
+# ------------------------------------------------------------------ Triton
+
+_TABLES: dict = {}  # device -> (NF4 levels, dynamic map) in fp32 on it
+BYTES_PER_PROGRAM = 1024  # packed bytes a program reads (2,048 weights)
+
+
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if device not in _TABLES:
+        _TABLES[device] = (torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device), DYNAMIC_MAP.to(device))
+    return _TABLES[device]
+
+
+def dequantize_triton(packed, q_absmax, absmax2, offset, shape, dtype) -> torch.Tensor:
+    """dequantize_reference in one kernel: each program reads BYTES_PER_PROGRAM packed bytes and
+    their scales, and writes the 2 x as many weights in `dtype`. The scales' mul and add stay
+    two roundings (no fused multiply-add), so the values equal the reference's bit for bit."""
+    levels, dmap = _tables(packed.device)
+    n_bytes = packed.numel()
+    out = torch.empty(shape, dtype=dtype, device=packed.device)
+    grid = (triton.cdiv(n_bytes, BYTES_PER_PROGRAM),)
+    _dequant_kernel[grid](packed, q_absmax, absmax2, offset, levels, dmap, out, n_bytes,
+                          BYTES=BYTES_PER_PROGRAM, enable_fp_fusion=False)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _dequant_kernel(packed, q_absmax, absmax2, offset, levels, dmap, out, n_bytes, BYTES: tl.constexpr):
+        j = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)  # packed byte index
+        mask = j < n_bytes
+        byte = tl.load(packed + j, mask=mask, other=0).to(tl.int32)
+        hi = tl.load(levels + (byte >> 4))  # weight 2j
+        lo = tl.load(levels + (byte & 15))  # weight 2j + 1
+        block = j // (BLOCK // 2)  # the 64-block of both
+        q = tl.load(q_absmax + block, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(dmap + q) * tl.load(absmax2 + block // DQ_BLOCK, mask=mask, other=0.0)
+        scale = scale + tl.load(offset)
+        values = tl.join(hi * scale, lo * scale)  # [BYTES, 2]: weights 2j, 2j + 1
+        index = tl.join(2 * j, 2 * j + 1)
+        tl.store(out + index, values.to(out.dtype.element_ty), mask=tl.join(mask, mask))
