@@ -119,3 +119,16 @@ def test_plan_counts_quantized_bytes_and_the_workspace(tiny_model_dir):
     assert parts["nf4"]["dequantization workspace"] * GIB == (4 + 2) * 18944 * 3584
     assert "dequantization workspace" not in parts["none"]
     assert 5.0 < parts["nf4"]["base weights"] < 5.3  # 7.6B: 3.1 GiB of NF4 linears + 2 GiB of embeddings
+
+
+def test_gradient_checkpointing_on_a_quantized_base_gives_the_same_adapter(tiny_model_dir, data, tmp_path):
+    from hivetune.model.lora import lora_state_dict
+
+    adapters = []
+    for ckpt in (False, True):
+        run = setup(run_cfg(tiny_model_dir, data, tmp_path / f"run-{ckpt}", base_quant="nf4", max_steps=3,
+                            save_every=0, lora={"r": 4, "alpha": 8, "dropout": 0.0}, gradient_checkpointing=ckpt))
+        fit(run, progress=False)
+        adapters.append(lora_state_dict(run.model))
+    for key in adapters[0]:
+        torch.testing.assert_close(adapters[1][key], adapters[0][key], rtol=0, atol=1e-6)

@@ -157,6 +157,31 @@ def test_decoder_layer_forward_and_input_grad_equal_dequantized(tiny_model_dir, 
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=TOL)
 
 
+def test_quantize_on_load_holds_one_dense_weight_at_a_time(tiny_model_dir, monkeypatch):
+    """Each dense linear weight read from the file is gone (quantized, then dropped) once the
+    loader takes the next tensor (its loop variable holds the last one while the next is read):
+    the dense base never exists whole."""
+    import gc
+    import weakref
+
+    from hivetune.model import load
+
+    read = load.safetensors_state_dict
+    alive: list = []
+
+    def watched(folder):
+        for name, tensor in read(folder):
+            gc.collect()
+            assert [n for n, ref in alive[:-1] if ref() is not None] == []
+            if name.endswith("_proj.weight"):
+                alive.append((name, weakref.ref(tensor)))
+            yield name, tensor
+
+    monkeypatch.setattr(load, "safetensors_state_dict", watched)
+    model = load_model(tiny_model_dir, base_quant="nf4")
+    assert len(alive) == 14 and is_quantized(model)
+
+
 def test_quantized_base_takes_lora_on_every_target(tiny_model_dir):
     model = load_model(tiny_model_dir, base_quant="nf4")
     wrapped = apply_lora(model, LoRASpec(r=4, alpha=8, dropout=0.0))
