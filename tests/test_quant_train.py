@@ -132,3 +132,23 @@ def test_gradient_checkpointing_on_a_quantized_base_gives_the_same_adapter(tiny_
         adapters.append(lora_state_dict(run.model))
     for key in adapters[0]:
         torch.testing.assert_close(adapters[1][key], adapters[0][key], rtol=0, atol=1e-6)
+
+
+def test_adapter_loads_in_peft_on_the_dequantized_base(reference, tiny_model_dir):
+    """transformers' model with each linear weight replaced by the dequantized one, plus the
+    adapter through peft.PeftModel: logits equal hivetune's on the quantized base."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    quant, _, _, out = reference
+    ours = load_model(tiny_model_dir, base_quant=quant)
+    load_adapter(ours, out / "adapter")
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        for name, module in ours.named_modules():
+            if isinstance(module, QuantLinear):
+                hf.get_submodule(name.removesuffix(".base_layer")).weight.copy_(module.dequantized())
+    tuned = peft.PeftModel.from_pretrained(hf, str(out / "adapter")).eval()
+    ids = torch.randint(3, 384, (2, 19), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(ids).logits, ours.eval().logits(ours(ids)), rtol=0, atol=1e-4)
