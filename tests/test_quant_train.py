@@ -152,3 +152,19 @@ def test_adapter_loads_in_peft_on_the_dequantized_base(reference, tiny_model_dir
     ids = torch.randint(3, 384, (2, 19), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(tuned(ids).logits, ours.eval().logits(ours(ids)), rtol=0, atol=1e-4)
+
+
+def test_generate_and_eval_load_the_base_the_adapter_trained_on(reference, tiny_model_dir, tmp_path):
+    from hivetune.workflows.evaluate import evaluate
+    from hivetune.workflows.generate import load_for_generation
+
+    quant, _, _, out = reference
+    net, _ = load_for_generation(str(tiny_model_dir), str(out), device="cpu", precision="fp32")
+    assert isinstance(net.model.layers[0].mlp.down_proj.base_layer, QuantLinear)
+    assert net.model.layers[0].mlp.down_proj.base_layer.fmt == quant
+    plain, _ = load_for_generation(str(tiny_model_dir), "", device="cpu", precision="fp32")
+    assert not is_quantized(plain)
+    data = write_jsonl(tmp_path / "heldout.jsonl", ops_records(3))
+    report = evaluate(adapter=str(out), model=str(tiny_model_dir), data=str(data), out=str(tmp_path / "eval"),
+                      device="cpu", precision="fp32", max_new_tokens=4)
+    assert report["examples"] == 3

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 
 from hivetune.core.errors import UserError
 from hivetune.core.fileio import replace_folder
@@ -169,11 +168,13 @@ def check_free_space(out: Path, need: int) -> None:
 def load_merged_source(base: Path, adapter: Path):
     """The base in fp32 on the CPU with the adapter applied (merged when written) and its tokenizer.
     A run trained on a quantized base (base_quant in its config.yaml) gets the base it trained on:
-    quantized as in training, then dequantized (model.quant), with one line saying so."""
+    quantized as in training, then dequantized (model.quant), with one line saying so (a keep
+    run's GGUF loads dense as its blocks dequantized: the same values)."""
     from hivetune.model.load import load_model
     from hivetune.model.lora import load_adapter
     from hivetune.model.quant import dequantize_model
     from hivetune.model.tokenizer import load_tokenizer
+    from hivetune.workflows.generate import run_base_quant
 
     tokenizer = load_tokenizer(str(base))
     quant = run_base_quant(adapter)
@@ -185,21 +186,6 @@ def load_merged_source(base: Path, adapter: Path):
               f"weights; merging into a quantized base changes the weights (the adapter on the {quant} base "
               f"keeps them)", file=sys.stderr)
     return net.eval(), tokenizer
-
-
-def run_base_quant(adapter: Path) -> str:
-    """base_quant of the run that wrote `adapter` (RUN/adapter beside RUN/config.yaml); none for
-    an adapter folder alone. A keep run's weights are the GGUF's dequantized ones, which loading
-    the GGUF gives as it is."""
-    config = adapter.parent / "config.yaml"
-    if adapter.name != "adapter" or not config.is_file():
-        return "none"
-    try:
-        values = yaml.safe_load(config.read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return "none"
-    quant = values.get("base_quant", "none") if isinstance(values, dict) else "none"
-    return quant if quant in ("nf4", "int8", "keep") else "none"
 
 
 def run_summary(adapter: Path) -> dict:
