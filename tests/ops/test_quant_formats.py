@@ -193,3 +193,21 @@ def test_gguf_blocks_equal_gguf_package(qtype):
     assert ours.shape == (rows, cols)
     assert np.array_equal(ours.numpy().view(np.uint32), expected.view(np.uint32))
     assert gguf_blocks.row_bytes(qtype, cols) == raw.shape[1]
+
+
+@pytest.mark.skipif(not RUNS_TRITON, reason="needs Triton on a GPU (or TRITON_INTERPRET=1 with Triton installed)")
+@pytest.mark.parametrize("qtype", sorted(gguf_blocks.BLOCK_TYPES))
+def test_gguf_triton_dequant_equals_reference(qtype):
+    """As the NF4 kernel's test: fp32 bit for bit, half types bit for bit on a GPU."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, cols = 5, 768
+    raw = torch.from_numpy(random_blocks(qtype, rows, cols, qtype + 100)).to(device)
+    assert torch.equal(gguf_blocks.dequantize_triton(raw, qtype, cols, torch.float32),
+                       gguf_blocks.dequantize_reference(raw, qtype, cols))
+    for dtype in (torch.bfloat16, torch.float16):
+        fast, ref = gguf_blocks.dequantize(raw, qtype, cols, dtype), gguf_blocks.dequantize_reference(raw, qtype, cols, dtype)
+        if device == "cuda":
+            assert torch.equal(fast, ref)
+        else:
+            step = torch.finfo(dtype).eps * ref.float().abs()
+            assert ((fast.float() - ref.float()).abs() <= step).all()
