@@ -106,7 +106,7 @@ def _q6_k(b):
     n = b.shape[0]
     low = _nibbles(b[:, :128], 64).reshape(n, 8, 32)  # per 128-half: ql[l], ql[l+32] low, then high
     qh = b[:, 128:192].reshape(n, 2, 1, 32)
-    high = ((qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)) & 3)
+    high = (qh >> torch.arange(0, 8, 2, dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)) & 3
     q = (low | (high.reshape(n, 8, 32) << 4)).to(torch.int8) - 32
     scales = b[:, 192:208].contiguous().view(torch.int8).float()
     d = (_f16(b[:, 208:210]) * scales).reshape(n, 16, 1)

@@ -63,6 +63,16 @@ def dynamic_map() -> torch.Tensor:
 DYNAMIC_MAP = dynamic_map()
 
 
+_TABLES: dict = {}  # device -> (NF4 levels, dynamic map) in fp32 on it
+
+
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lookup tables on `device`, made once (no host-to-device copy inside a CUDA graph)."""
+    if device not in _TABLES:
+        _TABLES[device] = (torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device), DYNAMIC_MAP.to(device))
+    return _TABLES[device]
+
+
 @dataclass
 class NF4Weight:
     """A frozen weight in NF4: `packed` [n / 2] uint8, `q_absmax` [n / 64] uint8, `absmax2`
@@ -106,12 +116,12 @@ def quantize(w: torch.Tensor) -> NF4Weight:
     if n % 2:
         raise ValueError(f"NF4 packs two values a byte: {n} elements")
     absmax, scaled = blockwise_absmax(w.detach().reshape(-1).float(), BLOCK)
-    levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=w.device)
+    levels, dmap = _tables(w.device)
     codes = nearest_index(scaled.reshape(-1)[:n], levels).to(torch.uint8)
     packed = (codes[0::2] << 4) | codes[1::2]
     offset = absmax.mean()
     absmax2, scaled2 = blockwise_absmax(absmax - offset, DQ_BLOCK)
-    q_absmax = nearest_index(scaled2.reshape(-1)[:absmax.numel()], DYNAMIC_MAP.to(w.device)).to(torch.uint8)
+    q_absmax = nearest_index(scaled2.reshape(-1)[:absmax.numel()], dmap).to(torch.uint8)
     return NF4Weight(packed, q_absmax, absmax2, offset, tuple(w.shape))
 
 
@@ -119,7 +129,7 @@ def absmax_of(q_absmax: torch.Tensor, absmax2: torch.Tensor, offset: torch.Tenso
     """The fp32 first-level scales from their 8-bit codes: DYNAMIC_MAP[q] * absmax2 + offset."""
     nb = q_absmax.numel()
     scales = absmax2.repeat_interleave(DQ_BLOCK)[:nb]
-    return DYNAMIC_MAP.to(q_absmax.device)[q_absmax.int()] * scales + offset
+    return _tables(q_absmax.device)[1][q_absmax.int()] * scales + offset
 
 
 def dequantize(q: NF4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -138,7 +148,7 @@ def dequantize_parts(packed, q_absmax, absmax2, offset, shape, dtype=torch.float
 def dequantize_reference(packed, q_absmax, absmax2, offset, shape, dtype=torch.float32) -> torch.Tensor:
     """The plain PyTorch dequantization, any device and dtype."""
     n = packed.numel() * 2
-    levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=packed.device)
+    levels = _tables(packed.device)[0]
     codes = torch.stack((packed >> 4, packed & 15), dim=-1).reshape(-1).int()
     absmax = absmax_of(q_absmax, absmax2, offset)
     values = levels[codes]
@@ -151,14 +161,7 @@ def dequantize_reference(packed, q_absmax, absmax2, offset, shape, dtype=torch.f
 
 # ------------------------------------------------------------------ Triton
 
-_TABLES: dict = {}  # device -> (NF4 levels, dynamic map) in fp32 on it
 BYTES_PER_PROGRAM = 1024  # packed bytes a program reads (2,048 weights)
-
-
-def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    if device not in _TABLES:
-        _TABLES[device] = (torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device), DYNAMIC_MAP.to(device))
-    return _TABLES[device]
 
 
 def dequantize_triton(packed, q_absmax, absmax2, offset, shape, dtype) -> torch.Tensor:
