@@ -426,9 +426,15 @@ def quantized_base_change(args: ModelArgs, mc: MemoryConfig) -> int:
 
 
 def dequant_workspace_bytes(args: ModelArgs, mc: MemoryConfig) -> int:
-    """One layer's largest weight dequantized (ops.quant_linear, forward and backward alike): the
-    reference path makes it in fp32 and casts it, (4 + s) bytes a weight."""
-    return (4 + mc.s) * dequant_workspace_elements(args)
+    """One layer's largest weight dequantized, in forward and backward alike: none for NF4 under
+    the Triton kernels (ops.nf4_matmul dequantizes tiles inside the matmul), s bytes a weight for
+    the GGUF blocks' Triton kernel, else (the reference, ops.quant_linear) the fp32 values and
+    their cast, (4 + s) bytes a weight."""
+    if mc.fused_layers:
+        per_weight = 0 if mc.base_quant == "nf4" else mc.s if mc.base_quant == "keep" else 4 + mc.s
+    else:
+        per_weight = 4 + mc.s
+    return per_weight * dequant_workspace_elements(args)
 
 
 def activation_bytes(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | None = None) -> int:
