@@ -271,3 +271,14 @@ def test_keep_on_an_hf_folder_is_refused(tiny_model_dir):
         load_model(tiny_model_dir, base_quant="keep")
     assert str(e.value) == (f"base_quant: keep needs a .gguf model (its blocks are kept); {tiny_model_dir} "
                             "is not one: use none, nf4 or int8")
+
+
+def test_quantize_model_in_memory_equals_quantize_on_load(tiny_model_dir):
+    from hivetune.model.quant import quantize_model
+
+    loaded = load_model(tiny_model_dir, base_quant="nf4")
+    built = load_model(tiny_model_dir)
+    assert quantize_model(built, "nf4") == 14
+    for (name, a), (_, b) in zip(loaded.named_modules(), built.named_modules()):
+        if isinstance(a, QuantLinear):
+            assert isinstance(b, QuantLinear) and torch.equal(a.dequantized(), b.dequantized()), name

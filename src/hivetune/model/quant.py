@@ -124,6 +124,19 @@ def place_weight(model: nn.Module, name: str, tensor, base_quant: str, dtype: to
     return True
 
 
+def quantize_model(model: nn.Module, base_quant: str) -> int:
+    """Quantize a dense model's decoder linear weights in place as `base_quant` (nf4, int8), one
+    layer at a time, each dense weight freed as its QuantLinear replaces it (a model built in
+    memory: bench and tune's random models). Returns the count."""
+    count = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and quantizes(f"{name}.weight"):
+            parent, _, short = name.rpartition(".")
+            setattr(model.get_submodule(parent), short, QuantLinear.quantized(module.weight, base_quant, module.bias))
+            count += 1
+    return count
+
+
 def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, QuantLinear) for m in model.modules())
 

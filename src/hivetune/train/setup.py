@@ -27,7 +27,7 @@ from hivetune.doctor.preflight import check_stack
 from hivetune.model.decoder import CausalLM
 from hivetune.model.load import load_args, load_model
 from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_parameters
-from hivetune.model.quant import is_quantized
+from hivetune.model.quant import is_quantized, quantize_model
 from hivetune.model.tokenizer import load_tokenizer
 from hivetune.ops import blas
 from hivetune.ops.attention import varlen_supported
@@ -128,6 +128,8 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
              folder: Path, model_path: Path, parallel: distributed.Dist = distributed.Dist()) -> Run:
     """Add LoRA, wrap for several processes, plan the steps, build optimizer and schedule,
     create the run folder."""
+    if cfg.base_quant in ("nf4", "int8") and not is_quantized(model):  # a model built in memory (bench, tune)
+        quantize_model(model, cfg.base_quant)
     spec = LoRASpec(cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.targets), cfg.lora.rslora)
     torch.manual_seed(cfg.seed)  # LoRA init independent of anything loaded before (and alike on every rank)
     apply_lora(model, spec, param_dtype=torch.float32)
