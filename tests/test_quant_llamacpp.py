@@ -86,3 +86,29 @@ def test_llama_cpp_on_the_q4_1_file_adds_no_mismatch_with_the_adapter(llama_cpp,
         tuned_gap = ((theirs_tuned - ours_tuned).abs().max() / ours_tuned.abs().max()).item()
         assert base_gap < 0.1 and tuned_gap < base_gap + 0.01, (base_gap, tuned_gap)
         assert (theirs_tuned.argmax(-1) == ours_tuned.argmax(-1)).float().mean() > 0.85
+
+
+def test_keep_on_a_q4_k_m_file_written_by_llama_cpp(llama_cpp, tmp_path, monkeypatch):  # noqa: F811
+    """llama.cpp's own quantizer (llama_model_quantize, Q4_K_M: Q4_K with Q6_K for some tensors)
+    on an f16 GGUF of a tiny random Qwen2: keep holds its blocks, equal to the dense load."""
+    import ctypes
+
+    from conftest import build_tokenizer
+    from hivetune.model.gguf_write import write_model_gguf
+    from hivetune.model.tokenizer import load_tokenizer
+    from hivetune.workflows.workloads import qwen25_shape, random_model
+
+    monkeypatch.setenv("HIVETUNE_CACHE", str(tmp_path / "cache"))
+    build_tokenizer(tmp_path, 512)
+    model = random_model(qwen25_shape(512, 256, 512, 2, 4, 2, True), "cpu", torch.float32)
+    write_model_gguf(tmp_path / "f16.gguf", model, "f16", "tiny", load_tokenizer(str(tmp_path)), tmp_path)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    assert llama_cpp.llama_model_quantize(str(tmp_path / "f16.gguf").encode(), str(tmp_path / "q4km.gguf").encode(),
+                                          ctypes.byref(params)) == 0
+    kept = load_model(tmp_path / "q4km.gguf", base_quant="keep")
+    dense = load_model(tmp_path / "q4km.gguf")
+    assert quant_name(kept) == "Q4_K+Q6_K"
+    ids = torch.randint(0, 512, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(kept(ids), dense(ids), rtol=0, atol=1e-5)
