@@ -16,7 +16,8 @@ from hivetune.core.errors import UserError
 from hivetune.core.fileio import fill_cache_folder, file_cache_folder
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM, rope_inv_freq
-from hivetune.model.quant import GGUFBlocks, check_keep_type, place_weight, quantizes
+from hivetune.model.quant import GGUFBlocks, place_weight, quantizes, unsupported_block_type
+from hivetune.ops.gguf_blocks import BLOCK_TYPES
 
 GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -281,10 +282,8 @@ GGUF_DENSE_TYPES = (0, 1, 30)  # F32, F16, BF16: loaded dense under keep too
 
 def kept_blocks(reader, t, name: str, shape: tuple[int, int], args: ModelArgs) -> GGUFBlocks:
     """A quantized tensor's blocks, copied out of the file, rows (whole blocks each) unpermuted."""
-    from hivetune.ops.gguf_blocks import BLOCK_TYPES
-
     if int(t.tensor_type) not in BLOCK_TYPES:
-        check_keep_type(str(getattr(reader.data, "filename", "GGUF")), t.name, t.tensor_type.name)
+        raise unsupported_block_type(str(getattr(reader.data, "filename", "GGUF")), t.name, t.tensor_type.name)
     raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))
     if args.model_type in GGUF_PERMUTED_ARCHS:
         if name.endswith("self_attn.q_proj.weight"):

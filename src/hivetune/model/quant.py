@@ -28,7 +28,6 @@ from hivetune.ops.nf4_matmul import nf4_linear
 from hivetune.ops.quant_linear import dequant_linear
 
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GGUF_DENSE = {0: 4, 1: 2, 30: 2}  # F32, F16, BF16: loaded dense (bytes a weight in the file)
 
 
 @dataclass
@@ -193,7 +192,8 @@ def dequant_workspace_elements(args: ModelArgs) -> int:
     return max(o * i for o, i in linear_shapes(args))
 
 
-def check_keep_type(source: str, tensor_name: str, type_name: str) -> None:
-    raise UserError(f"base_quant: keep: {source}: {tensor_name} is {type_name}, not one of the supported "
-                    f"block types {', '.join(gguf_blocks.SUPPORTED)} (or F32, F16, BF16); use base_quant "
-                    f"nf4 or int8 to requantize it")
+def unsupported_block_type(source: str, tensor_name: str, type_name: str) -> UserError:
+    """The one line for a GGUF tensor of a block type keep does not take."""
+    return UserError(f"base_quant: keep: {source}: {tensor_name} is {type_name}, not one of the supported "
+                     f"block types {', '.join(gguf_blocks.SUPPORTED)} (or F32, F16, BF16); use base_quant "
+                     f"nf4 or int8 to requantize it")
