@@ -169,3 +169,17 @@ def test_generate_and_eval_load_the_base_the_adapter_trained_on(reference, tiny_
     report = evaluate(adapter=str(out), model=str(tiny_model_dir), data=str(data), out=str(tmp_path / "eval"),
                       device="cpu", precision="fp32", max_new_tokens=4)
     assert report["examples"] == 3
+
+
+def test_fsdp_on_a_quantized_base_is_refused(tiny_model_dir, data, tmp_path):
+    from hivetune.core.errors import UserError
+    from hivetune.parallel.distributed import Dist
+    from hivetune.train.setup import assemble
+
+    cfg = run_cfg(tiny_model_dir, data, tmp_path / "run", base_quant="nf4", distributed="fsdp")
+    model = load_model(tiny_model_dir, base_quant="nf4")
+    with pytest.raises(UserError) as e:
+        assemble(cfg, model, None, None, torch.device("cpu"), "fp32", tmp_path / "run", tiny_model_dir,
+                 Dist(rank=0, world=2))
+    assert str(e.value) == ("distributed: fsdp does not shard a quantized base (base_quant nf4: its weights are "
+                            "buffers of packed blocks); use ddp or auto, or base_quant none")

@@ -138,14 +138,15 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     if device.type == "cuda" and precision != "fp32":  # probe flash varlen now, not inside a checkpointed forward
         varlen_supported(torch.empty((1, 1, 1, 1), dtype=DTYPES[precision], device=device))
     strategy, module = "none", model
-    if parallel.enabled:
-        base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-        base_bytes += sum(b.numel() * b.element_size() for b in model.buffers())  # a quantized base's
-        strategy = distributed.choose_strategy(cfg.distributed, base_bytes, device, cfg, model.args)
     quantized = is_quantized(model)
-    if quantized and strategy == "fsdp":
-        raise UserError(f"distributed: fsdp does not shard a quantized base (base_quant {cfg.base_quant}: its "
-                        f"weights are buffers of packed blocks); use ddp, or base_quant none")
+    if parallel.enabled and quantized:  # FSDP2 shards parameters: the packed blocks are buffers
+        if cfg.distributed == "fsdp":
+            raise UserError(f"distributed: fsdp does not shard a quantized base (base_quant {cfg.base_quant}: its "
+                            f"weights are buffers of packed blocks); use ddp or auto, or base_quant none")
+        strategy = "ddp"
+    elif parallel.enabled:
+        base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+        strategy = distributed.choose_strategy(cfg.distributed, base_bytes, device, cfg, model.args)
     if quantized and fused_lora_usable():
         print(f"hivetune: base_quant {cfg.base_quant}: q/k/v and gate/up run layer by layer (the joined "
               f"LoRA groups read one dense weight)", file=sys.stderr)
