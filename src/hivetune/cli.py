@@ -44,6 +44,7 @@ TRAIN_FLAGS = {
     "--lora-alpha": ("lora.alpha", {"type": float}),
     "--lora-dropout": ("lora.dropout", {"type": float}),
     "--lora-targets": ("lora.targets", {"metavar": "NAMES", "help": "comma-separated, e.g. q_proj,v_proj"}),
+    "--base-quant": ("base_quant", {"help": "none | nf4 | int8 | keep (a .gguf's own blocks): the frozen base quantized"}),
     "--save-every": ("save_every", {"type": int, "metavar": "STEPS"}),
     "--report-to": ("report_to", {"metavar": "NAMES", "help": "also log to tensorboard, mlflow, wandb "
                                                              "(comma-separated)"}),

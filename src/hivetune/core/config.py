@@ -25,6 +25,7 @@ LORA_INPUTS = ("auto", "keep", "recompute")
 WIDE_LORA = ("auto", "true", "false")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTIONS = ("auto", "flash", "sdpa")
+BASE_QUANTS = ("none", "nf4", "int8", "keep")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Names people bring from HF Trainer / PEFT / other tools, mapped to ours for "did you mean".
 KEY_ALIASES = {
@@ -153,6 +154,12 @@ class TrainConfig:
     fused_ops: bool = True
     """On a GPU with Triton (bf16 / fp16): RMSNorm, RoPE, SwiGLU and the LoRA dropout as fused
     Triton kernels; false: their plain PyTorch references."""
+    base_quant: str = "none"
+    """The frozen base's decoder weights kept quantized in memory, each layer dequantized as its
+    matmul runs (LoRA, its gradients and the optimizer as without): nf4 (QLoRA's 4-bit
+    NormalFloat, double-quantized scales, ~0.52 bytes a weight), int8 (per-row absmax, ~1 byte),
+    keep (a .gguf base's own blocks: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), or none. An HF base is
+    quantized as it loads, layer by layer."""
     fused_loss: bool = True
     """Chunked LM head + cross-entropy with the gradient taken in forward (one chunk of logits
     alive at a time); false: the plain reference path."""
@@ -461,6 +468,10 @@ def validate(cfg: TrainConfig) -> list[str]:
     choice("device", cfg.device, DEVICES)
     choice("attention", cfg.attention, ATTENTIONS)
     choice("on_bad_steps", cfg.on_bad_steps, ("stop", "rollback"))
+    choice("base_quant", cfg.base_quant, BASE_QUANTS)
+    if cfg.base_quant == "keep" and cfg.model and not cfg.model.lower().endswith(".gguf"):
+        errors.append(f"base_quant: keep needs a .gguf model (its blocks are kept); {cfg.model} is not one: "
+                      f"use none, nf4 or int8")
     choice("distributed", cfg.distributed, ("auto", "ddp", "fsdp"))
     if not 0 < cfg.rollback_lr_factor <= 1:
         errors.append(f"rollback_lr_factor: must be in (0, 1], got {cfg.rollback_lr_factor}")

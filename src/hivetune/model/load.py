@@ -16,6 +16,8 @@ from hivetune.core.errors import UserError
 from hivetune.core.fileio import fill_cache_folder, file_cache_folder
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM, rope_inv_freq
+from hivetune.model.quant import GGUFBlocks, place_weight, quantizes, unsupported_block_type
+from hivetune.ops.gguf_blocks import BLOCK_TYPES
 
 GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -55,20 +57,27 @@ def load_args(path: str | Path) -> ModelArgs:
     return ModelArgs.from_json_file(path)
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
-    """Build the decoder and fill it from `path`; parameters frozen, in `dtype`, on `device`."""
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
+               base_quant: str = "none") -> CausalLM:
+    """Build the decoder and fill it from `path`; parameters frozen, in `dtype`, on `device`.
+    `base_quant` (nf4, int8, keep): the decoder layers' linear weights quantized as they are
+    read, or under keep a GGUF's own blocks kept (model.quant)."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: model path not found")
+    keep = base_quant == "keep"
+    if keep and not is_gguf(path):
+        raise UserError(f"base_quant: keep needs a .gguf model (its blocks are kept); {path} is not one: "
+                        f"use none, nf4 or int8")
     if is_gguf(path):
         cached = file_cache_folder(path, "models")
-        if (cached / "model.safetensors").exists():
+        if (cached / "model.safetensors").exists() and not keep:
             args = ModelArgs.from_hf_dict(json.loads((cached / "config.json").read_text()), source=str(path))
-            return build_model(args, safetensors_state_dict(cached), dtype, device, source=str(path))
+            return build_model(args, safetensors_state_dict(cached), dtype, device, str(path), base_quant)
         reader = open_gguf(path)
         args = gguf_args(reader)
-        tensors = gguf_state_dict(reader, args)
-        if args.rope_freq_factors is None and path.stat().st_size <= GGUF_CACHE_MAX_BYTES:
+        tensors = gguf_state_dict(reader, args, keep)
+        if not keep and args.rope_freq_factors is None and path.stat().st_size <= GGUF_CACHE_MAX_BYTES:
             tensors = list(tensors)
             save_gguf_cache(cached, args, tensors)
     else:
@@ -76,7 +85,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
             raise UserError(f"{path}: expected an HF model folder or a .gguf file")
         args = ModelArgs.from_json_file(path / "config.json")
         tensors = safetensors_state_dict(path)
-    return build_model(args, tensors, dtype, device, source=str(path))
+    return build_model(args, tensors, dtype, device, str(path), base_quant)
 
 
 # GGUF files up to this size (SmolLM2-135M's is ~100 MB) keep their decoded weights in the cache
@@ -97,8 +106,9 @@ def save_gguf_cache(folder: Path, args: ModelArgs, tensors: list) -> None:
     fill_cache_folder(folder, write)
 
 
-def build_model(args: ModelArgs, tensors, dtype, device, source: str) -> CausalLM:
-    """tensors: iterable of (HF name, tensor). Checks names and shapes against the architecture."""
+def build_model(args: ModelArgs, tensors, dtype, device, source: str, base_quant: str = "none") -> CausalLM:
+    """tensors: iterable of (HF name, tensor or model.quant.GGUFBlocks). Checks names and shapes
+    against the architecture; base_quant: model.quant.place_weight takes the linear weights."""
     with torch.device("meta"):
         model = CausalLM(args)
     expected = {name: p.shape for name, p in model.named_parameters()}
@@ -111,11 +121,13 @@ def build_model(args: ModelArgs, tensors, dtype, device, source: str) -> CausalL
         if tuple(tensor.shape) != tuple(expected[name]):
             raise UserError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, "
                             f"config.json implies {tuple(expected[name])}")
+        seen.add(name)
+        if place_weight(model, name, tensor, base_quant, dtype, device):
+            continue
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         value = tensor.to(device=device, dtype=dtype)
         setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
-        seen.add(name)
     missing = set(expected) - seen
     if args.tie_word_embeddings:
         missing.discard("lm_head.weight")
@@ -238,8 +250,9 @@ def gguf_args(reader) -> ModelArgs:
     return args
 
 
-def gguf_state_dict(reader, args: ModelArgs):
-    """(HF name, fp32 tensor) pairs: dequantised, llama.cpp's q/k row permutation undone."""
+def gguf_state_dict(reader, args: ModelArgs, keep: bool = False):
+    """(HF name, fp32 tensor) pairs: dequantised, llama.cpp's q/k row permutation undone.
+    `keep`: the decoder layers' quantized linear weights come as model.quant.GGUFBlocks instead."""
     from gguf.quants import dequantize
 
     for t in reader.tensors:
@@ -247,6 +260,9 @@ def gguf_state_dict(reader, args: ModelArgs):
             continue
         name = gguf_to_hf_name(t.name)
         shape = tuple(int(x) for x in reversed(t.shape))  # ggml lists dims innermost first
+        if keep and quantizes(name) and int(t.tensor_type) not in GGUF_DENSE_TYPES:
+            yield name, kept_blocks(reader, t, name, shape, args)
+            continue
         array = np.ascontiguousarray(dequantize(t.data, t.tensor_type).reshape(shape), dtype=np.float32)
         if not array.flags.writeable:
             # F32 tensors come back as views of the reader's read-only memory map: without a
@@ -259,6 +275,22 @@ def gguf_state_dict(reader, args: ModelArgs):
             elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
                 tensor = unpermute_rope_rows(tensor, args.num_key_value_heads)
         yield name, tensor
+
+
+GGUF_DENSE_TYPES = (0, 1, 30)  # F32, F16, BF16: loaded dense under keep too
+
+
+def kept_blocks(reader, t, name: str, shape: tuple[int, int], args: ModelArgs) -> GGUFBlocks:
+    """A quantized tensor's blocks, copied out of the file, rows (whole blocks each) unpermuted."""
+    if int(t.tensor_type) not in BLOCK_TYPES:
+        raise unsupported_block_type(str(getattr(reader.data, "filename", "GGUF")), t.name, t.tensor_type.name)
+    raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))
+    if args.model_type in GGUF_PERMUTED_ARCHS:
+        if name.endswith("self_attn.q_proj.weight"):
+            raw = unpermute_rope_rows(raw, args.num_attention_heads).contiguous()
+        elif name.endswith("self_attn.k_proj.weight"):
+            raw = unpermute_rope_rows(raw, args.num_key_value_heads).contiguous()
+    return GGUFBlocks(raw, int(t.tensor_type), shape)
 
 
 def gguf_to_hf_name(name: str) -> str:

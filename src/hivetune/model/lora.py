@@ -23,6 +23,9 @@ from hivetune.ops import dropout as dropout_op
 from hivetune.ops import lora_dropout
 from hivetune.ops import norm as norm_op
 from hivetune.ops.lora_group import CastCache, casts_active, dropout_seed, lora_group
+from hivetune.model.quant import QuantLinear
+
+FROZEN_LINEARS = (nn.Linear, QuantLinear)  # what LoRA wraps: a dense or a quantized (model.quant) base
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -43,13 +46,14 @@ class LoRASpec:
 
 
 class LoRALinear(nn.Module):
-    """A frozen nn.Linear plus a trainable low-rank update; A in fp32, B zero-initialised."""
+    """A frozen nn.Linear (or model.quant.QuantLinear) plus a trainable low-rank update; A in
+    fp32, B zero-initialised."""
 
-    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float, rslora: bool,
+    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float, rslora: bool,
                  param_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.base_layer = base
-        device = base.weight.device
+        device = base.device if isinstance(base, QuantLinear) else base.weight.device
         self.lora_A = nn.Linear(base.in_features, r, bias=False, device=device, dtype=param_dtype)
         self.lora_B = nn.Linear(r, base.out_features, bias=False, device=device, dtype=param_dtype)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -104,7 +108,8 @@ class LoRALinear(nn.Module):
     def merged_weight(self) -> torch.Tensor:
         """W + scaling * B A in fp32 (for export)."""
         delta = self.lora_B.weight.float() @ self.lora_A.weight.float()
-        return self.base_layer.weight.float() + self.scaling * delta
+        base = self.base_layer
+        return (base.dequantized() if isinstance(base, QuantLinear) else base.weight.float()) + self.scaling * delta
 
 
 def add_low_rank(y: torch.Tensor, a: torch.Tensor, b_weight: torch.Tensor) -> torch.Tensor:
@@ -312,7 +317,7 @@ def _wide_storage(groups: list[list[nn.Module]]) -> torch.Tensor | None:
 
 def target_names(model: nn.Module) -> list[str]:
     """Short names of the linear layers LoRA can target, e.g. q_proj ... down_proj."""
-    names = {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    names = {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, FROZEN_LINEARS)}
     names.discard("lm_head")
     return sorted(names)
 
@@ -329,7 +334,7 @@ def apply_lora(model: nn.Module, spec: LoRASpec, param_dtype=torch.float32) -> l
     wrapped = []
     for name, module in list(model.named_modules()):
         short = name.rpartition(".")[2]
-        if short in spec.targets and isinstance(module, nn.Linear) and name != "lm_head":
+        if short in spec.targets and isinstance(module, FROZEN_LINEARS) and name != "lm_head":
             parent = model.get_submodule(name.rpartition(".")[0])
             setattr(parent, short, LoRALinear(module, spec.r, spec.alpha, spec.dropout,
                                               spec.rslora, param_dtype))

@@ -52,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from hivetune.model.config import ModelArgs
+from hivetune.model.quant import dequant_workspace_elements, linear_shapes, quantized_weight_bytes
 from hivetune.ops.fused_ce import chunk_rows_for
 from hivetune.ops.offload import THRESHOLD_BYTES as OFFLOAD_THRESHOLD, peak_resident_layers
 
@@ -92,6 +93,8 @@ class MemoryConfig:
     offload_layers: int = 0  # train's activation_offload: the first N layers' saved tensors in host memory
     keep_inputs: bool = False  # train's lora_inputs resolved: the seeded groups keep their dropped inputs
     host_embeddings: bool = False  # train's host_embeddings: the untied input embedding in pinned host memory
+    base_quant: str = "none"  # train's base_quant: the decoder layers' linear weights quantized (model.quant)
+    kept_bytes: int = 0  # base_quant keep: the bytes of the GGUF's blocks of those weights
 
     @property
     def s(self) -> int:
@@ -365,6 +368,9 @@ def breakdown(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | Non
         "optimizer state": 8 * n_lora,
         "LoRA casts": lora_cast_bytes(args, mc),
     }
+    if mc.base_quant != "none":
+        parts["base weights"] += quantized_base_change(args, mc)
+        parts["dequantization workspace"] = dequant_workspace_bytes(args, mc)
     per_layer = layer_saved_bytes_per_token(args, mc)
     if mc.attention != "varlen":  # the attention part scales with the padded token count
         per_layer_real = per_layer - 4 * s * args.num_attention_heads * args.head_dim
@@ -410,6 +416,25 @@ def breakdown(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | Non
         parts["base weights"] -= table
         host["pinned host (embeddings)"] = table
     return Breakdown(tokens, n, parts, "loss" if loss_transient >= backward else "backward", host)
+
+
+def quantized_base_change(args: ModelArgs, mc: MemoryConfig) -> int:
+    """What base_quant changes in the base weights: the decoder linears' quantized bytes in place
+    of their s bytes a weight (embeddings, head and norms stay dense)."""
+    dense = args.num_hidden_layers * sum(o * i for o, i in linear_shapes(args)) * mc.s
+    return quantized_weight_bytes(args, mc.base_quant, mc.kept_bytes) - dense
+
+
+def dequant_workspace_bytes(args: ModelArgs, mc: MemoryConfig) -> int:
+    """One layer's largest weight dequantized, in forward and backward alike: none for NF4 under
+    the Triton kernels (ops.nf4_matmul dequantizes tiles inside the matmul), s bytes a weight for
+    the GGUF blocks' Triton kernel, else (the reference, ops.quant_linear) the fp32 values and
+    their cast, (4 + s) bytes a weight."""
+    if mc.fused_layers:
+        per_weight = 0 if mc.base_quant == "nf4" else mc.s if mc.base_quant == "keep" else 4 + mc.s
+    else:
+        per_weight = 4 + mc.s
+    return per_weight * dequant_workspace_elements(args)
 
 
 def activation_bytes(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | None = None) -> int:

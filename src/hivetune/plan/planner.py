@@ -23,14 +23,16 @@ from hivetune.core.fileio import atomic_write_with
 from hivetune.data.dataset import index_dataset
 from hivetune.data.sources import train_source
 from hivetune.model.config import ModelArgs
-from hivetune.model.load import load_args
+from hivetune.model.load import GGUF_DENSE_TYPES, gguf_to_hf_name, is_gguf, load_args, open_gguf
+from hivetune.model.quant import linear_shapes, quantizes
 from hivetune.model.tokenizer import load_tokenizer
 from hivetune.ops import attention, triton_util
 from hivetune.ops.lora_group import fused_lora_usable
 from hivetune.plan.gpus import GPU, find_gpu, gpu_for_device_name
 from hivetune.plan.graph_sizes import bucket_tokens, launch_bound
 from hivetune.plan.memory import (GIB, MemoryConfig, breakdown, keep_inputs_extra_bytes, largest_micro_batch,
-                                  lora_parameter_count, base_parameter_count, resolve_keep_inputs)
+                                  lora_parameter_count, base_parameter_count, quantized_base_change,
+                                  resolve_keep_inputs)
 from hivetune.plan.timing import micro_batch_seconds
 
 SCALING_EXAMPLES = (10_000, 50_000, 100_000)
@@ -85,6 +87,9 @@ def memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: b
                       attention="varlen" if varlen else "sdpa", gqa_native=has_gqa,
                       mask_bytes=1 if cuda else (4 if precision == "fp32" else 2),
                       offload_layers=offload_in_force(cfg, cuda, graphs), **path)
+    quant = getattr(cfg, "base_quant", "none")
+    if quant != "none":  # a quantized base runs LoRA layer by layer (train.setup)
+        mc = dataclasses.replace(mc, base_quant=quant, joined=False)
     setting = getattr(cfg, "lora_inputs", "recompute")
     if setting == "auto" and (args is None or not tokens):
         setting = "recompute"
@@ -215,6 +220,13 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     tokens = bucketed(worst, graphs, args)
     graphs = graphs and tokens != worst
     mc = memory_config(cfg, precision, ckpt, graphs=graphs, args=args, tokens=tokens, memory_bytes=int(mem_gib * GIB))
+    if mc.base_quant == "keep":
+        mc = dataclasses.replace(mc, kept_bytes=kept_linear_bytes(model_path))
+    if mc.base_quant != "none":
+        dense = args.num_hidden_layers * sum(o * i for o, i in linear_shapes(args)) * mc.s
+        notes.append(f"base_quant {mc.base_quant}: the decoder weights take "
+                     f"{(dense + quantized_base_change(args, mc)) / GIB:.2f} GiB ({dense / GIB:.2f} GiB in {precision}); "
+                     f"one layer's weight is dequantized at a time")
     if mc.keep_inputs and not ckpt:
         notes.append(f"lora_inputs {cfg.lora_inputs}: the LoRA groups keep their dropped inputs "
                      f"(+{keep_inputs_extra_bytes(args, mc, tokens) / GIB:.2f} GiB of activations)")
@@ -266,6 +278,15 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     else:
         p.notes.append("no rates for this GPU: give --gpu NAME for the time estimate")
     return p
+
+
+def kept_linear_bytes(path: Path) -> int:
+    """base_quant keep: bytes of the GGUF's quantized decoder linear weights (dense ones, F32 /
+    F16 / BF16, are not counted)."""
+    if not is_gguf(path):
+        return 0
+    return sum(int(t.n_bytes) for t in open_gguf(path).tensors
+               if quantizes(gguf_to_hf_name(t.name)) and int(t.tensor_type) not in GGUF_DENSE_TYPES)
 
 
 def offload_to_fit(args: ModelArgs, cfg: TrainConfig, precision: str, tokens: int, target_fraction: float,

@@ -30,6 +30,7 @@ from hivetune.doctor.preflight import check_stack
 from hivetune.model.decoder import CausalLM
 from hivetune.model.load import load_args, load_model
 from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_parameters
+from hivetune.model.quant import is_quantized, quantize_model
 from hivetune.model.tokenizer import load_tokenizer
 from hivetune.ops import blas
 from hivetune.ops.attention import varlen_supported
@@ -83,7 +84,7 @@ def setup(cfg: TrainConfig) -> Run:
     data = index_dataset(data_path, cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
 
     # fp16 / bf16 runs keep the frozen base in half precision; only LoRA is fp32.
-    model = load_model(model_path, dtype=DTYPES[precision], device=device)
+    model = load_model(model_path, dtype=DTYPES[precision], device=device, base_quant=cfg.base_quant)
     run = assemble(cfg, model, data, tokenizer, device, precision, folder, model_path, parallel)
     if parallel.is_main:
         hold_run_lock(folder)  # a new folder: locked as soon as it exists
@@ -133,6 +134,8 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
              folder: Path, model_path: Path, parallel: distributed.Dist = distributed.Dist()) -> Run:
     """Add LoRA, wrap for several processes, plan the steps, build optimizer and schedule,
     create the run folder."""
+    if cfg.base_quant in ("nf4", "int8") and not is_quantized(model):  # a model built in memory (bench, tune)
+        quantize_model(model, cfg.base_quant)
     spec = LoRASpec(cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.targets), cfg.lora.rslora)
     torch.manual_seed(cfg.seed)  # LoRA init independent of anything loaded before (and alike on every rank)
     apply_lora(model, spec, param_dtype=torch.float32)
@@ -141,10 +144,19 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     if device.type == "cuda" and precision != "fp32":  # probe flash varlen now, not inside a checkpointed forward
         varlen_supported(torch.empty((1, 1, 1, 1), dtype=DTYPES[precision], device=device))
     strategy, module = "none", model
-    if parallel.enabled:
+    quantized = is_quantized(model)
+    if parallel.enabled and quantized:  # FSDP2 shards parameters: the packed blocks are buffers
+        if cfg.distributed == "fsdp":
+            raise UserError(f"distributed: fsdp does not shard a quantized base (base_quant {cfg.base_quant}: its "
+                            f"weights are buffers of packed blocks); use ddp or auto, or base_quant none")
+        strategy = "ddp"
+    elif parallel.enabled:
         base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
         strategy = distributed.choose_strategy(cfg.distributed, base_bytes, device, cfg, model.args)
-    if strategy != "fsdp" and fused_lora_usable():  # FSDP shards each weight: it keeps them apart
+    if quantized and fused_lora_usable():
+        print(f"hivetune: base_quant {cfg.base_quant}: q/k/v and gate/up run layer by layer (the joined "
+              f"LoRA groups read one dense weight)", file=sys.stderr)
+    elif strategy != "fsdp" and fused_lora_usable():  # FSDP shards each weight: it keeps them apart
         fuse_projections(model, wide=wide_groups(model, cfg, data, device, strategy))
     if cfg.host_embeddings and device.type == "cuda":
         if strategy == "fsdp":

@@ -30,7 +30,7 @@ from hivetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_INPUT, Encoded, 
                                    encode_record, render_chat)
 from hivetune.data.sources import held_out_source
 from hivetune.core.errors import UserError
-from hivetune.workflows.generate import greedy_ids, resolve_adapter_folder
+from hivetune.workflows.generate import greedy_ids, resolve_adapter_folder, trained_base_quant
 from hivetune.model.decoder import CausalLM
 from hivetune.ops.loss import target_loss_sum
 
@@ -392,11 +392,13 @@ def evaluate(model: str = "", adapter: str = "", data: str = "", max_new_tokens:
     tokenizer = load_tokenizer(str(model_path))
     examples = read_examples(data_path, tokenizer, max_length, limit)
 
-    net = load_model(model_path, dtype=DTYPES[prec], device=dev)
+    quant = trained_base_quant(adapter_folder, model_path)  # the base the adapter trained on
+    net = load_model(model_path, dtype=DTYPES[prec], device=dev, base_quant=quant)
     load_adapter(net, adapter_folder, param_dtype=DTYPES[prec])
     # q/k/v and gate/up as one matmul each (base off, or merged: both plain linears): SmolLM2's
     # five projections, bf16 on the 2-core CPU, 1.09 -> 0.96 ms at 67 rows, 24.9 -> 21.4 at 4,000.
-    fuse_projections(net)
+    if quant == "none":
+        fuse_projections(net)
     load_seconds = time.perf_counter() - t_start
     report = score_base_and_tuned(net, tokenizer, examples, max_new_tokens, batch_size)
     report["seconds"] = {"load": round(load_seconds, 2), **report["seconds"],
@@ -416,9 +418,14 @@ def merged_lora(net: CausalLM):
     put back on exit. One matmul per layer instead of three: on the 2-core CPU, SmolLM2 with
     r 16 on all seven projections generated at about half the speed of the base model unmerged.
     Written in place: after lora.fuse_projections (training) q/k/v and gate/up's weights are row
-    views of one joined tensor, which the forward reads; a new tensor would bypass it."""
+    views of one joined tensor, which the forward reads; a new tensor would bypass it. A
+    quantized base (model.quant) is left as it is, LoRA switched on."""
     from hivetune.model.lora import lora_enabled, lora_modules
+    from hivetune.model.quant import is_quantized
 
+    if is_quantized(net):  # packed weights cannot take the update: LoRA runs beside them
+        yield net
+        return
     modules = [m for _, m in lora_modules(net)]
     originals = [m.base_layer.weight.detach().clone() for m in modules]
     with torch.no_grad():

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,14 +164,25 @@ def check_free_space(out: Path, need: int) -> None:
 
 
 def load_merged_source(base: Path, adapter: Path):
-    """The base in fp32 on the CPU with the adapter applied (merged when written) and its tokenizer."""
+    """The base in fp32 on the CPU with the adapter applied (merged when written) and its tokenizer.
+    A run trained on a quantized base (base_quant in its config.yaml) gets the base it trained on:
+    quantized as in training, then dequantized (model.quant), with one line saying so (a keep
+    run's GGUF loads dense as its blocks dequantized: the same values)."""
     from hivetune.model.load import load_model
     from hivetune.model.lora import load_adapter
+    from hivetune.model.quant import dequantize_model
     from hivetune.model.tokenizer import load_tokenizer
+    from hivetune.workflows.generate import run_base_quant
 
     tokenizer = load_tokenizer(str(base))
-    net = load_model(base, dtype=torch.float32, device="cpu")
+    quant = run_base_quant(adapter)
+    net = load_model(base, dtype=torch.float32, device="cpu", base_quant=quant if quant != "keep" else "none")
     load_adapter(net, adapter, param_dtype=torch.float32)
+    if quant != "none":
+        dequantize_model(net)
+        print(f"hivetune: export: the run trained on a {quant} base: the update is merged into its dequantized "
+              f"weights; merging into a quantized base changes the weights (the adapter on the {quant} base "
+              f"keeps them)", file=sys.stderr)
     return net.eval(), tokenizer
 
 

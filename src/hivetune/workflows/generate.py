@@ -6,6 +6,7 @@ import itertools
 from pathlib import Path
 
 import torch
+import yaml
 
 from hivetune.data.formats import render_chat
 from hivetune.core.errors import UserError
@@ -119,6 +120,27 @@ def resolve_adapter_folder(path: str | Path) -> Path:
     raise UserError(f"{path}: no finished adapter (adapter_config.json) in this folder")
 
 
+def run_base_quant(adapter: Path) -> str:
+    """base_quant of the run that wrote `adapter` (RUN/adapter beside RUN/config.yaml): the base
+    its LoRA trained on; none for an adapter folder alone."""
+    config = adapter.parent / "config.yaml"
+    if adapter.name != "adapter" or not config.is_file():
+        return "none"
+    try:
+        values = yaml.safe_load(config.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return "none"
+    quant = values.get("base_quant", "none") if isinstance(values, dict) else "none"
+    return quant if quant in ("nf4", "int8", "keep") else "none"
+
+
+def trained_base_quant(adapter: Path | None, model_path: Path) -> str:
+    """The base_quant to load `model_path` with for `adapter`: its run's (run_base_quant), but
+    keep only on a .gguf."""
+    quant = run_base_quant(adapter) if adapter is not None else "none"
+    return "none" if quant == "keep" and not str(model_path).lower().endswith(".gguf") else quant
+
+
 def load_for_generation(model: str = "", adapter: str = "", device: str = "auto", precision: str = "auto"):
     """(model, tokenizer) in eval mode: an HF folder or .gguf (default: embedded), adapter optional
     (a run folder or an adapter folder). `hivetune generate` and `hivetune chat` load with it."""
@@ -133,7 +155,8 @@ def load_for_generation(model: str = "", adapter: str = "", device: str = "auto"
     dtype = DTYPES[resolve_precision(precision, dev)]
     adapter_folder = resolve_adapter_folder(adapter) if adapter else None
     tokenizer = load_tokenizer(str(model_path))
-    net = load_model(model_path, dtype=dtype, device=dev)
+    # the base the adapter trained on: quantized as in training
+    net = load_model(model_path, dtype=dtype, device=dev, base_quant=trained_base_quant(adapter_folder, model_path))
     if adapter_folder is not None:
         load_adapter(net, adapter_folder, param_dtype=dtype)
     return net.eval(), tokenizer
