@@ -178,6 +178,9 @@ def dequantize_triton(packed, q_absmax, absmax2, offset, shape, dtype) -> torch.
 
 
 if triton is not None:
+    # A jitted kernel reads module globals only as constexpr values.
+    BLOCK_C, DQ_BLOCK_C = tl.constexpr(BLOCK), tl.constexpr(DQ_BLOCK)
+
     @triton.jit
     def _dequant_kernel(packed, q_absmax, absmax2, offset, levels, dmap, out, n_bytes, BYTES: tl.constexpr):
         j = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)  # packed byte index
@@ -185,9 +188,9 @@ if triton is not None:
         byte = tl.load(packed + j, mask=mask, other=0).to(tl.int32)
         hi = tl.load(levels + (byte >> 4))  # weight 2j
         lo = tl.load(levels + (byte & 15))  # weight 2j + 1
-        block = j // (BLOCK // 2)  # the 64-block of both
+        block = j // (BLOCK_C // 2)  # the 64-block of both
         q = tl.load(q_absmax + block, mask=mask, other=0).to(tl.int32)
-        scale = tl.load(dmap + q) * tl.load(absmax2 + block // DQ_BLOCK, mask=mask, other=0.0)
+        scale = tl.load(dmap + q) * tl.load(absmax2 + block // DQ_BLOCK_C, mask=mask, other=0.0)
         scale = scale + tl.load(offset)
         values = tl.join(hi * scale, lo * scale)  # [BYTES, 2]: weights 2j, 2j + 1
         index = tl.join(2 * j, 2 * j + 1)

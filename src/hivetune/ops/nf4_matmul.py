@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from hivetune.ops.nf4 import BLOCK, DQ_BLOCK, _tables, dequantize_parts
+from hivetune.ops.nf4 import BLOCK, _tables, dequantize_parts
 from hivetune.ops.quant_linear import dequant_linear
 from hivetune.ops.triton_util import fused_ok, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from hivetune.ops.nf4 import DQ_BLOCK_C
 
 TILE_M, TILE_N, TILE_K = 64, 64, BLOCK  # TILE_K = one NF4 block: one scale per row and tile
 
@@ -97,7 +99,7 @@ if triton is not None:
         lo = tl.load(levels + (byte & 15))
         block = rows.to(tl.int64) * (K // BK) + k0 // BK
         code = tl.load(q_absmax + block, mask=inside, other=0).to(tl.int32)
-        scale = tl.load(dmap + code) * tl.load(absmax2 + block // DQ_BLOCK, mask=inside, other=0.0)
+        scale = tl.load(dmap + code) * tl.load(absmax2 + block // DQ_BLOCK_C, mask=inside, other=0.0)
         scale = scale + tl.load(offset)
         return tl.reshape(tl.join(hi * scale[:, None], lo * scale[:, None]), (BN, BK))
 
