@@ -27,12 +27,14 @@ def weight(n: int, k: int, seed: int):
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_fp32_kernels_equal_the_dequantized_matmul(m, n, k):
+    """The interpreter's exact check of the kernels' arithmetic. On a GPU the kernels run in bf16 /
+    fp16 only (fused_ok sends fp32 to the reference), and Triton cannot lay out the fp32
+    input-gradient tile there (an illegal shared layout on an H200)."""
+    if DEVICE == "cuda":
+        pytest.skip("fp32 takes the reference on GPUs; the half-precision test covers the kernels there")
     parts, w = weight(n, k, m)
     x, g, b = (torch.randn(m, k, device=DEVICE), torch.randn(m, n, device=DEVICE), torch.randn(n, device=DEVICE))
-    if DEVICE == "cuda":  # tl.dot takes fp32 as tf32 on GPUs: compare with tf32's precision
-        tol = 2e-2
-    else:
-        tol = 1e-5
+    tol = 1e-5
     torch.testing.assert_close(nf4_matmul.matmul(x, *parts, n, b), x @ w.T + b, rtol=0, atol=tol)
     torch.testing.assert_close(nf4_matmul.input_grad(g, *parts, k), g @ w, rtol=0, atol=tol)
 
