@@ -13,7 +13,7 @@ forward = weights + saved activations) so a miss can be traced to a term. Writes
 plan-grid-<commit>-<device>.json and .md after every point (the commit from --commit, else
 git: the device copy has no .git), with timing.calibrate's constants from this grid beside the
 ones in hivetune.plan.timing. benchmarks/results/plan-grid-h200.json is such a file
-(tests/test_plan.py reads it). `--attention sdpa` runs and predicts every point with SDPA (the
+(tests/plan/test_plan.py reads it). `--attention sdpa` runs and predicts every point with SDPA (the
 config key `attention`).
 """
 

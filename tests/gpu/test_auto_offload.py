@@ -1,5 +1,5 @@
 """`--auto`'s offload pass on a real GPU (plan.auto.offload_fit; the choice itself is CPU-tested
-in tests/test_plan.py): where no micro-batch fits the memory as it is, auto moves the input
+in tests/plan/test_plan.py): where no micro-batch fits the memory as it is, auto moves the input
 embedding to pinned host memory and offloads the fewest layers' activations that make the
 largest micro-batch fit, and the run then trains under an allocator capped at that memory.
 

@@ -1,4 +1,4 @@
-"""A real CUDA out-of-memory error in training (tests/test_rollback_oom.py simulates one on the
+"""A real CUDA out-of-memory error in training (tests/train/test_rollback_oom.py simulates one on the
 CPU): without auto the run stops with one line that names the micro-batch, the planner's advice
 and the intact last checkpoint; with auto the step is redone with half the micro-batch and the
 run gives the losses of a run that used that micro-batch from the start.

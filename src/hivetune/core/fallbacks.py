@@ -22,7 +22,7 @@ for a GPU or build where a fast path misbehaves:
     cublaslt      LoRA-group and fused-CE matmuls through    torch.mm / addmm
                     cached cuBLASLt plans (ops.blas)
 
-The fast and reference paths are compared in tests/test_robust_fallbacks.py (CPU) and
+The fast and reference paths are compared in tests/train/test_robust_fallbacks.py (CPU) and
 tests/gpu/test_fallbacks.py (CUDA).
 """
 

@@ -1,5 +1,5 @@
 """AdamW and gradient clipping for LoRA parameters: torch's fused kernels without torch's
-per-step Python bookkeeping, the same bits (tests/test_fast_optimizer.py,
+per-step Python bookkeeping, the same bits (tests/ops/test_fast_optimizer.py,
 tests/gpu/test_cuda_fast_optimizer.py). HIVETUNE_REFERENCE=fused_adamw: torch's foreach AdamW."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class FusedAdamW(torch.optim.AdamW):
     tensors (cProfile, H100), in a loop that CUDA graphs leave host-bound. Here the lists are
     kept while every gradient is the tensor it was (the graphs' persistent .grad tensors), and
     the step launches what torch's fused step launches, in the same order: the same bits
-    (tests/test_fast_optimizer.py, tests/gpu/test_cuda_fast_optimizer.py). Anything else (the
+    (tests/ops/test_fast_optimizer.py, tests/gpu/test_cuda_fast_optimizer.py). Anything else (the
     first step, unless its gradients are one buffer: _fresh_flat; new gradient tensors, a loaded
     state, several groups, devices or dtypes, amsgrad, a tensor lr, a grad scaler, a closure)
     goes through torch's step, which then re-reads the lists."""
@@ -168,7 +168,7 @@ class FusedAdamW(torch.optim.AdamW):
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ (2-norm), without its per-call grouping, for gradients on
     one CUDA device in one dtype: the same foreach kernels in the same order, so the same bits
-    (tests/test_fast_optimizer.py, tests/gpu/test_cuda_fast_optimizer.py); about 4 ms of host
+    (tests/ops/test_fast_optimizer.py, tests/gpu/test_cuda_fast_optimizer.py); about 4 ms of host
     time less per W1 step. Anything else (CPU, where torch takes another path; DTensors; mixed
     dtypes) goes to torch's. Gradients that are one buffer (CUDA graphs' GradArena) take one norm
     and one scale of it: the same result but for the norm's summation order."""

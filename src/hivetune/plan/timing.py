@@ -8,7 +8,7 @@ and layer forward for an example of L tokens (causal), three times that with bac
 A micro-batch takes max(FLOPs / (peak x efficiency), layers x dispatch): small models are bound
 by eager PyTorch launching ~140 kernels a layer, big ones by the matmuls. Constants calibrated
 by ``calibrate`` from the H200 grid (benchmarks/results/plan-grid-h200.json, step times of
-3-step runs) and checked against it by tests/test_plan.py.
+3-step runs) and checked against it by tests/plan/test_plan.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     python -m hivetune.workflows.config_reference            # print the markdown
     python -m hivetune.workflows.config_reference --write README.md   # replace README's section
 
-tests/test_config_reference.py checks that README.md holds exactly this text.
+tests/workflows/test_config_reference.py checks that README.md holds exactly this text.
 """
 
 from __future__ import annotations

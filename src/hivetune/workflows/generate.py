@@ -41,7 +41,7 @@ def greedy_ids(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
       the batch runs at full width until its longest answer ends. One host sync per step.
 
     Every row's tokens are those of greedy decoding of that prompt alone, without a cache: exactly
-    in fp32 (tests/test_generate.py); in bf16 a matmul's rounding may change with the number of
+    in fp32 (tests/workflows/test_generate.py); in bf16 a matmul's rounding may change with the number of
     rows, as in any batched decoding.
     """
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype

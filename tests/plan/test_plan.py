@@ -241,7 +241,7 @@ def test_auto_config_fits_and_keeps_the_effective_batch(tmp_path, monkeypatch):
 
 def test_timing_constants_match_the_h200_grid():
     from hivetune.plan import timing
-    grid = Path(__file__).parents[1] / "benchmarks" / "results" / "plan-grid-h200.json"
+    grid = Path(__file__).parents[2] / "benchmarks" / "results" / "plan-grid-h200.json"
     cal = timing.calibrate(grid, {"bf16": 989.0, "fp32": 67.0})
     assert cal["efficiency"]["bf16"] == pytest.approx(timing.EFFICIENCY["bf16"], rel=0.1)
     assert cal["efficiency"]["fp32"] == pytest.approx(timing.EFFICIENCY["fp32"], rel=0.1)

@@ -11,7 +11,7 @@ import torch
 
 from hivetune.workflows import bench, bench_results
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 FAKE = {"steps": 1, "seconds": 1.0, "tokens_per_s": 1.0, "mfu": None, "peak_memory_allocated_gib": None,
         "peak_memory_reserved_gib": None, "micro_batch": "8 examples x 1"}

@@ -5,7 +5,7 @@ from pathlib import Path
 from hivetune.core.config import TrainConfig
 from hivetune.workflows import config_reference
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_holds_the_generated_config_reference():
