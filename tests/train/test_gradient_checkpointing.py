@@ -8,20 +8,17 @@ import pytest
 import torch
 
 import hivetune.model.decoder as decoder
-from hivetune.core.config import load_config
 from hivetune.model.lora import lora_parameters, lora_state_dict
 from hivetune.ops.loss import target_loss_sum
 from hivetune.train.loop import fit
 from hivetune.train.setup import setup
 from hivetune.train.step import micro_batches
+from test_train import tiny_config as train_config
 
 
 def tiny_config(model_dir: Path, data: Path, out: Path, **kw):
-    values = {"model": str(model_dir), "data": str(data), "output_dir": str(out), "precision": "fp32",
-              "device": "cpu", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}, "eval_prompts": 0,
-              "batch_size": 4, "max_steps": 1, "lr": 1e-2, "warmup_steps": 0, "threads": 1}
-    values.update(kw)
-    return load_config(None, values)
+    """test_train's tiny run, one step long unless told otherwise."""
+    return train_config(model_dir, data, out, **{"max_steps": 1, **kw})
 
 
 @pytest.fixture

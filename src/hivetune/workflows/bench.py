@@ -35,6 +35,7 @@ from hivetune.train import loop as train_loop
 from hivetune.train.loop import fit
 from hivetune.train.setup import assemble
 from hivetune.workflows.bench_results import append_result, device_kind, setting_text, write_table
+from hivetune.workflows.report import head_commit
 from hivetune.workflows.hf_baseline import baseline_missing, random_hf_model, run_hf_job, workload_job
 from hivetune.workflows.workloads import WORKLOADS, Workload, random_model
 
@@ -59,13 +60,7 @@ def train_flops(args, lengths) -> tuple[float, float]:
 def git_commit(commit: str = "") -> str:
     """`commit` where given (the benchmark scripts pass it: a device's copy of the tree may hold no
     .git, or a stale one), else HEAD's short hash, else "unknown"."""
-    if commit:
-        return commit
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       cwd=Path(__file__).parent, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return commit or head_commit() or "unknown"
 
 
 def triton_cache_has_kernels() -> bool:

@@ -238,7 +238,7 @@ def environment(device: str = "") -> dict:
             env[name] = version
     from hivetune import __version__
     env["hivetune"] = __version__
-    commit = _git_commit()
+    commit = head_commit()
     if commit:
         env["commit"] = commit
     env["cpu"] = _cpu_name()
@@ -251,7 +251,8 @@ def environment(device: str = "") -> dict:
     return env
 
 
-def _git_commit() -> str:
+def head_commit() -> str:
+    """The short hash of the checkout this module runs from, or "" outside a git checkout."""
     import subprocess
 
     try:
