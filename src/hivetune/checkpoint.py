@@ -166,7 +166,7 @@ def checkpoint_folders(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[5:]))
+    return sorted(found, key=_step_of)
 
 
 def prune_checkpoints(root: Path, keep: int) -> None:
@@ -228,7 +228,7 @@ def verify_checkpoint(folder: Path) -> str:
     manifest, why = read_manifest(folder)
     if why:
         return why
-    if manifest.get("step") != int(folder.name[5:]):
+    if manifest.get("step") != _step_of(folder):
         return f"manifest.json names step {manifest.get('step')}"
     for name, expected in manifest["files"].items():
         try:
