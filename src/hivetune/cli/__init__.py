@@ -1,0 +1,61 @@
+"""The command line: each subcommand parses its flags and calls one library function.
+
+Errors in user input print one line (``hivetune: error: ...``) and exit 2; ``--debug`` shows
+the traceback instead.
+
+Each command group lives in its own module with a ``COMMANDS`` table of name -> (add_parser, run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hivetune.core.errors import UserError
+
+from hivetune.cli import data, measure, models, train
+from hivetune.cli.train import train_overrides  # noqa: F401  (tests and tools)
+
+# The order of `hivetune --help`.
+GROUPS = (train, models, measure, data)
+COMMANDS = {name: run for g in GROUPS for name, (_, run) in g.COMMANDS.items()}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hivetune", description="Fast, lean LoRA fine-tuning of Llama-family models.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for group in GROUPS:
+        for add_parser, _ in group.COMMANDS.values():
+            add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    ns.argv = list(sys.argv[1:] if argv is None else argv)
+    if ns.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return COMMANDS[ns.command](ns)
+    except UserError as e:
+        if ns.debug:
+            raise
+        print(f"hivetune: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full or read-only disk under any command: one line too
+        from hivetune.core.fileio import disk_error_message, is_disk_error
+
+        if ns.debug or not is_disk_error(e):
+            raise
+        print(f"hivetune: error: {disk_error_message(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hivetune: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

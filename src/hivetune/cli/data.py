@@ -1,0 +1,103 @@
+"""`hivetune data`: make, check, measure, split and collect training data."""
+
+from __future__ import annotations
+
+
+from hivetune.core.errors import UserError
+
+
+def add_data_parser(sub) -> None:
+    data = sub.add_parser("data", help="make, check, measure, split and collect training data",
+                          description="Tools for training data files (JSONL, or a JSON array). Each streams "
+                                      "the file, so multi-GB files work in bounded memory.")
+    dsub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
+    synth = dsub.add_parser("synth", help="write the synthetic Linux / GPU ops dataset")
+    synth.add_argument("--n", type=int, default=1500, help="examples (default 1500)")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--out", required=True, metavar="FILE", help="JSONL file to write")
+    synth.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    validate = dsub.add_parser("validate", help="report every problem: schema, empty, duplicates, too long",
+                               description="Exit 0 when clean, 1 when problems were found, 2 for unusable input.")
+    validate.add_argument("file", metavar="FILE")
+    validate.add_argument("--model", default="", metavar="PATH",
+                          help="check token lengths with this model's tokenizer (default with --max-length: "
+                               "the embedded model)")
+    validate.add_argument("--max-length", type=int, default=None, help="token limit (default 1024)")
+    validate.add_argument("--format", default="auto", help="alpaca | chat | text | auto")
+    add_source_flags(validate)
+    stats = dsub.add_parser("stats", help="token length percentiles, histogram, padding vs packing")
+    stats.add_argument("file", metavar="FILE")
+    stats.add_argument("--model", default="", metavar="PATH", help="tokenizer to count with (default: embedded model)")
+    stats.add_argument("--max-length", type=int, default=None, help="training max_length (default 1024)")
+    stats.add_argument("--png", default=None, metavar="OUT.png", help="also draw the histograms (needs matplotlib)")
+    stats.add_argument("--format", default="auto", help="alpaca | chat | text | auto")
+    add_source_flags(stats)
+    split = dsub.add_parser("split", help="deterministic train / held-out split, stratified by category")
+    split.add_argument("file", metavar="FILE")
+    split.add_argument("--heldout", type=float, default=0.1, help="fraction in (0, 1), or a count (default 0.1)")
+    split.add_argument("--seed", type=int, default=0)
+    split.add_argument("--out-train", required=True, metavar="FILE")
+    split.add_argument("--out-heldout", required=True, metavar="FILE")
+    split.add_argument("--force", action="store_true", help="overwrite existing outputs")
+    collect = dsub.add_parser("collect", help="append prompt/response pairs from a JSONL log of interactions")
+    collect.add_argument("log", metavar="LOG")
+    collect.add_argument("--out", required=True, metavar="FILE",
+                         help="JSONL data file to append to (created if missing)")
+    collect.add_argument("--format", default="auto", help="chat | alpaca | auto (FILE's format; chat for a new file)")
+
+
+def add_source_flags(parser) -> None:
+    """FILE as any data source: --data-split / --data-config of a Hub dataset, --columns."""
+    parser.add_argument("--data-split", default="", metavar="SPLIT", help="a Hub dataset's split (default: train)")
+    parser.add_argument("--data-config", default="", metavar="NAME", help="a Hub dataset's configuration")
+    parser.add_argument("--columns", default="", metavar="FIELD=COLUMN,...",
+                        help="the data's column for each field read, e.g. output=answer")
+
+
+def data_source(ns):
+    """The DataSource of `data validate` / `data stats`' FILE and source flags."""
+    from hivetune.core.config import COLUMN_FIELDS
+    from hivetune.data.sources import DataSource
+
+    columns = {}
+    for pair in filter(None, (p.strip() for p in ns.columns.split(","))):
+        field_name, _, column = pair.partition("=")
+        if not column or field_name not in COLUMN_FIELDS:
+            raise UserError(f"--columns: expected FIELD=COLUMN with FIELD one of {', '.join(COLUMN_FIELDS)}, "
+                            f"got {pair!r}")
+        columns[field_name] = column
+    return DataSource(ns.file, columns, ns.data_split, ns.data_config)
+
+
+def run_data(ns) -> int:
+    command = ns.data_command
+    if command is None:
+        raise UserError("data: name a subcommand: synth, validate, stats, split or collect (see hivetune data --help)")
+    if command == "synth":
+        from hivetune.data.synth_file import format_synth, write_synthetic
+
+        print(format_synth(write_synthetic(ns.n, ns.seed, ns.out, ns.force)))
+        return 0
+    if command == "validate":
+        from hivetune.data.validate import format_report, validate_file
+
+        report = validate_file(data_source(ns), ns.model, ns.max_length, ns.format)
+        print(format_report(report))
+        return report.exit_code
+    if command == "stats":
+        from hivetune.data.stats import data_stats, format_stats
+
+        print(format_stats(data_stats(data_source(ns), ns.model, ns.max_length, ns.png, ns.format)))
+        return 0
+    if command == "split":
+        from hivetune.data.split import format_split, split_file
+
+        print(format_split(split_file(ns.file, ns.heldout, ns.seed, ns.out_train, ns.out_heldout, ns.force)))
+        return 0
+    from hivetune.data.collect import collect_log, format_collect
+
+    print(format_collect(collect_log(ns.log, ns.out, ns.format)))
+    return 0
+
+
+COMMANDS = {"data": (add_data_parser, run_data)}
