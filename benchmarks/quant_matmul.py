@@ -3,7 +3,6 @@ bf16 matmul, at the W2 (Qwen2.5-7B) and 14B shapes and several token counts.
 
 For each (shape, tokens) it times, in microseconds of GPU time (kernel_timing.gpu_us):
     bf16        F.linear / g @ W on the dense bf16 weight (the floor)
-    nf4_tiles   the Triton kernels that dequantize NF4 tile by tile inside the matmul
     nf4_dequant the whole weight dequantized to bf16 by one Triton kernel, then cuBLAS
     int8_dequant  the same for int8
 and appends one line to benchmarks/results/quant-matmul-<device>.jsonl.
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kernel_timing import add_result_flags, append_kernel_rows, gpu_us  # noqa: E402
 
-from hivetune.ops import int8, nf4, nf4_matmul  # noqa: E402
+from hivetune.ops import int8, nf4  # noqa: E402
 
 # (name, out, in): the linears of a Qwen2.5-7B and a Qwen2.5-14B layer
 SHAPES = [("7b.qkv_q", 3584, 3584), ("7b.kv", 512, 3584), ("7b.gate_up", 18944, 3584), ("7b.down", 3584, 18944),
@@ -43,8 +42,6 @@ def time_shape(name: str, n: int, k: int, m: int) -> dict:
     row = {"shape": name, "out": n, "in": k, "tokens": m}
     row["bf16_fwd_us"] = gpu_us(lambda: F.linear(x, w))
     row["bf16_dx_us"] = gpu_us(lambda: g @ w)
-    row["nf4_tiles_fwd_us"] = gpu_us(lambda: nf4_matmul.matmul(x, *p, n))
-    row["nf4_tiles_dx_us"] = gpu_us(lambda: nf4_matmul.input_grad(g, *p, k))
     row["nf4_dequant_us"] = gpu_us(lambda: nf4.dequantize_triton(*p, (n, k), torch.bfloat16))
     row["nf4_dequant_fwd_us"] = gpu_us(lambda: F.linear(x, nf4.dequantize_triton(*p, (n, k), torch.bfloat16)))
     row["nf4_dequant_dx_us"] = gpu_us(lambda: g @ nf4.dequantize_triton(*p, (n, k), torch.bfloat16))
@@ -63,7 +60,6 @@ def main() -> None:
             rows.append(time_shape(name, n, k, m))
             r = rows[-1]
             print(f"{name:12s} M={m:5d}  bf16 {r['bf16_fwd_us']:8.1f}/{r['bf16_dx_us']:8.1f}  "
-                  f"tiles {r['nf4_tiles_fwd_us']:8.1f}/{r['nf4_tiles_dx_us']:8.1f}  "
                   f"dequant {r['nf4_dequant_us']:7.1f} -> {r['nf4_dequant_fwd_us']:8.1f}/{r['nf4_dequant_dx_us']:8.1f}  "
                   f"int8 {r['int8_dequant_fwd_us']:8.1f}", flush=True)
     append_kernel_rows(ns.results, "quant-matmul", rows, ns.commit)

@@ -1,7 +1,7 @@
 """A quantized frozen base (config key base_quant): the decoder layers' linear weights stay
 quantized in memory, packed bytes and scales as buffers of a QuantLinear, and each matmul
-dequantizes its weight on the fly: NF4 tile by tile inside the matmul on GPUs (ops.nf4_matmul),
-otherwise one layer's weight at a time (ops.quant_linear). LoRA sits on top as on a dense base
+dequantizes its weight on the fly, one layer's weight at a time (ops.quant_linear): on GPUs one
+Triton kernel writes it in the compute dtype, then cuBLAS runs the matmul. LoRA sits on top as on a dense base
 (lora.LoRALinear wraps a QuantLinear as it wraps an nn.Linear).
 
     nf4   QLoRA's 4-bit NormalFloat, double-quantized scales (ops.nf4), ~4.13 bits a weight
@@ -24,7 +24,6 @@ import torch.nn as nn
 from hivetune.core.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.ops import gguf_blocks, int8, nf4
-from hivetune.ops.nf4_matmul import nf4_linear
 from hivetune.ops.quant_linear import dequant_linear
 
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -82,9 +81,6 @@ class QuantLinear(nn.Module):
         return gguf_blocks.dequantize(self.raw, self.qtype, self.in_features, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fmt == "nf4":  # dequantized tile by tile inside the matmul where the kernels run
-            return nf4_linear(x, self.packed, self.q_absmax, self.absmax2, self.offset,
-                              (self.out_features, self.in_features), self.bias)
         return dequant_linear(x, self.dequantized, self.bias)
 
     def quantized_bytes(self) -> int:

@@ -426,12 +426,11 @@ def quantized_base_change(args: ModelArgs, mc: MemoryConfig) -> int:
 
 
 def dequant_workspace_bytes(args: ModelArgs, mc: MemoryConfig) -> int:
-    """One layer's largest weight dequantized, in forward and backward alike: none for NF4 under
-    the Triton kernels (ops.nf4_matmul dequantizes tiles inside the matmul), s bytes a weight for
-    the GGUF blocks' Triton kernel, else (the reference, ops.quant_linear) the fp32 values and
-    their cast, (4 + s) bytes a weight."""
+    """One layer's largest weight dequantized, in forward and backward alike: s bytes a weight
+    where a Triton kernel writes it in the compute dtype (NF4, the GGUF blocks), else (the
+    reference, ops.quant_linear) the fp32 values and their cast, (4 + s) bytes a weight."""
     if mc.fused_layers:
-        per_weight = 0 if mc.base_quant == "nf4" else mc.s if mc.base_quant == "keep" else 4 + mc.s
+        per_weight = mc.s if mc.base_quant in ("nf4", "keep") else 4 + mc.s
     else:
         per_weight = 4 + mc.s
     return per_weight * dequant_workspace_elements(args)
