@@ -10,7 +10,7 @@ from hivetune.cli.train import add_config_flags, train_overrides
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="time a workload (W1, W2, W4: random-init shapes) or your own job "
                                          "(--model DIR --data FILE)")
-    bench.add_argument("workload", nargs="?", default=None, help="W1 (default) | W2 | W4 | all")
+    bench.add_argument("workload", nargs="?", default=None, help="W1 (default) | W2 | W4 | W2-14B | W2-32B | all (W1, W2, W4)")
     bench.add_argument("--model", default=None, metavar="DIR", help="your job: an HF model folder (or .gguf)")
     bench.add_argument("--data", default=None, metavar="FILE", help="your job: its training data")
     bench.add_argument("--config", default=None, metavar="YAML", help="your job: a training config; --set overrides it")

@@ -158,7 +158,8 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
               "save_every_minutes": 0}  # the figure times training alone: no checkpoint inside the clock
     values.update(overrides or {})
     cfg = load_config(None, values)
-    model = random_model(w.args, device, DTYPES[cfg.precision])
+    quant = cfg.base_quant if cfg.base_quant in ("nf4", "int8") else "none"  # quantized before any memory cap
+    model = random_model(w.args, device, DTYPES[cfg.precision], quant)
     capped = device.type == "cuda" and memory_cap_gib > 0
     if capped:  # before assemble: lora_inputs auto reads it (train.device_memory_bytes)
         cap_memory(device, memory_cap_gib)
@@ -271,7 +272,7 @@ def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "benchmarks/r
     process), append its line to out_dir/<workload>-<device>.jsonl, and rewrite the generated
     table of `table` where out_dir is the folder that table is made from (benchmarks/results
     beside it): results written elsewhere (--out /tmp/x) leave the table as it is."""
-    names = list(WORKLOADS) if workload == "all" else [workload]
+    names = ["W1", "W2", "W4"] if workload == "all" else [workload]  # all: the dense workloads
     for name in names:
         if name not in WORKLOADS:
             raise UserError(f"bench: unknown workload {name!r} ({', '.join(WORKLOADS)}, all)")

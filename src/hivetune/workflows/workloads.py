@@ -15,6 +15,7 @@ import torch
 from hivetune.data.formats import Encoded
 from hivetune.model.config import ModelArgs, qwen3_shape, qwen25_shape
 from hivetune.model.decoder import CausalLM
+from hivetune.model.quant import quantize_model
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,12 @@ WORKLOADS = {
     # capped at 4096 tokens (831,370 tokens, mean 1,039, max 4,023), 8 a step
     "W4": Workload("W4", qwen3_shape(151936, 2048, 6144, 28, 16, 8, 128, True), 800, 4096, 1.0, 8,
                    {"r": 16, "alpha": 32, "dropout": 0.05}, lengths=LONG_TAIL, hf_batches=(8, 4, 2)),
+    # W2's data and LoRA on the Qwen2.5-14B and -32B shapes, 4 examples a step: the quantized
+    # base's cards (bench W2-14B --set base_quant=nf4 --memory-cap 16)
+    "W2-14B": Workload("W2-14B", qwen25_shape(152064, 5120, 13824, 48, 40, 8, False), 200, 256, 1.0, 4,
+                       {"r": 32, "alpha": 64, "dropout": 0.05}),
+    "W2-32B": Workload("W2-32B", qwen25_shape(152064, 5120, 27648, 64, 40, 8, False), 200, 256, 1.0, 4,
+                       {"r": 32, "alpha": 64, "dropout": 0.05}),
 }
 
 
@@ -84,13 +91,26 @@ def workload_examples(n: int, vocab: int, cap: int = 0, seed: int = 0, lengths: 
     return out
 
 
-def random_model(args: ModelArgs, device, dtype) -> CausalLM:
-    """HF's initialisation (normal, std 0.02; norms at 1) so losses start near ln(vocab)."""
+def random_model(args: ModelArgs, device, dtype, base_quant: str = "none") -> CausalLM:
+    """HF's initialisation (normal, std 0.02; norms at 1) so losses start near ln(vocab).
+    base_quant nf4 / int8: built in `dtype` (a 32B shape in fp32 would not fit on one card),
+    then its decoder linears quantized."""
     torch.manual_seed(0)
-    with torch.device(device):
-        model = CausalLM(args)
+    if base_quant == "none":
+        with torch.device(device):
+            model = CausalLM(args)
+        init_like_hf(model)
+        return model.to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = CausalLM(args)
+    finally:
+        torch.set_default_dtype(default)
     init_like_hf(model)
-    return model.to(dtype)
+    quantize_model(model, base_quant)
+    return model
 
 
 @torch.no_grad()
