@@ -210,7 +210,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
         # forwards, layers offloaded in all (ActivationOffload.layers_for), copies, bytes, late unpacks
         "activation_offload": dict(run.model.activation_offload.stats) if run.model.activation_offload else None,
         "allocator": allocator or None,
-        "lora_inputs": f"{cfg.lora_inputs}: " + ("kept" if getattr(run.model.lora_casts, "keep_inputs", False)
+        "lora_inputs": f"{cfg.lora_inputs}: " + ("kept" if getattr(getattr(run.model, "lora_casts", None), "keep_inputs", False)
                                                  else "recomputed"),
         # when the prewarm thread finished, in seconds from the loop's start (negative: before it;
         # positive: the loop waited for it), and how its run of the step's tail kernels went

@@ -66,12 +66,12 @@ WORKLOADS = {
     # capped at 4096 tokens (831,370 tokens, mean 1,039, max 4,023), 8 a step
     "W4": Workload("W4", qwen3_shape(151936, 2048, 6144, 28, 16, 8, 128, True), 800, 4096, 1.0, 8,
                    {"r": 16, "alpha": 32, "dropout": 0.05}, lengths=LONG_TAIL, hf_batches=(8, 4, 2)),
-    # W2's data and LoRA on the Qwen2.5-14B and -32B shapes, 4 examples a step: the quantized
+    # W2's data and LoRA (32B: r 16) on the Qwen2.5-14B and -32B shapes, 4 examples a step: the quantized
     # base's cards (bench W2-14B --set base_quant=nf4 --memory-cap 16)
     "W2-14B": Workload("W2-14B", qwen25_shape(152064, 5120, 13824, 48, 40, 8, False), 200, 256, 1.0, 4,
                        {"r": 32, "alpha": 64, "dropout": 0.05}),
     "W2-32B": Workload("W2-32B", qwen25_shape(152064, 5120, 27648, 64, 40, 8, False), 200, 256, 1.0, 4,
-                       {"r": 32, "alpha": 64, "dropout": 0.05}),
+                       {"r": 16, "alpha": 32, "dropout": 0.05}),  # r 32's 268M LoRA weights + Adam: 4.3 GB
 }
 
 
