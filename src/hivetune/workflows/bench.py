@@ -253,13 +253,14 @@ def allocator_counts(device: torch.device) -> dict[str, int]:
     return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
 
 
-def run_hf_peft(w: Workload, device: torch.device, timed_steps: int = 0, warmup_steps: int = 2) -> dict:
+def run_hf_peft(w: Workload, device: torch.device, timed_steps: int = 0, warmup_steps: int = 2,
+                overrides: dict | None = None) -> dict:
     """HF Trainer + PEFT on the same model shape and examples (hf_baseline.workload_job: bf16 on
     GPUs, SDPA, AdamW lr 2e-4, cosine; the largest of w.hf_batches that fits, else the seeds'
     batch 2). timed_steps > 0: warmup_steps + timed_steps optimizer steps, the last timed_steps
     timed and extrapolated to the workload's step count (labelled in the result)."""
-    return run_hf_job(lambda: random_hf_model(w.args, device), workload_job(w, device), device, timed_steps,
-                      warmup_steps)
+    return run_hf_job(lambda: random_hf_model(w.args, device), workload_job(w, device, overrides), device,
+                      timed_steps, warmup_steps)
 
 
 BASELINES = ("hf-peft",)
@@ -278,8 +279,8 @@ def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "benchmarks/r
             raise UserError(f"bench: unknown workload {name!r} ({', '.join(WORKLOADS)}, all)")
     if baseline and baseline not in BASELINES:
         raise UserError(f"--baseline: unknown baseline {baseline!r} ({', '.join(BASELINES)})")
-    if baseline and baseline_missing():
-        raise UserError(baseline_missing())
+    if baseline and baseline_missing((overrides or {}).get("base_quant", "none")):
+        raise UserError(baseline_missing((overrides or {}).get("base_quant", "none")))
     if baseline_steps < 0:
         raise UserError(f"--baseline-steps: must be >= 0, got {baseline_steps}")
     if memory_cap_gib < 0:
@@ -310,7 +311,7 @@ def measure(w: Workload, device: torch.device, max_steps: int, overrides: dict |
     env["host_probe"] = host_probe(device)
     if baseline:
         _release_memory(device)
-        record["baseline"] = {"name": baseline, **run_hf_peft(w, device, baseline_steps)}
+        record["baseline"] = {"name": baseline, **run_hf_peft(w, device, baseline_steps, overrides=overrides)}
         if not max_steps and "seconds" in record["baseline"]:  # the same work on both sides: the full workload
             record["speedup_vs_baseline"] = round(record["baseline"]["seconds"] / record["hivetune"]["seconds"], 2)
     _release_memory(device)

@@ -49,8 +49,11 @@ def check_job(cfg: TrainConfig, repeat: int, baseline: str) -> None:
         raise UserError(f"--repeat: must be >= 1, got {repeat}")
     if baseline and baseline not in BASELINES:
         raise UserError(f"--baseline: unknown baseline {baseline!r} ({', '.join(BASELINES)})")
-    if baseline and baseline_missing():
-        raise UserError(baseline_missing())
+    if baseline and baseline_missing(cfg.base_quant):
+        raise UserError(baseline_missing(cfg.base_quant))
+    if baseline and cfg.base_quant == "keep":
+        raise UserError(f"--baseline {baseline}: HF + PEFT has no base_quant keep (a GGUF's own blocks); "
+                        f"use base_quant nf4 or int8 to compare quantized bases")
     if baseline and not model_path(cfg.model).is_dir():
         raise UserError(f"--baseline {baseline} loads an HF model folder; {cfg.model} is a file")
 
@@ -99,7 +102,7 @@ def run_hivetune_job(cfg: TrainConfig) -> tuple[dict, HFJob]:
                  "targets": list(cfg.lora.targets)}, run.precision, lr=cfg.lr, schedule=cfg.schedule,
                 warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
                 gradient_checkpointing=cfg.gradient_checkpointing, batches=halvings(cfg.batch_size, len(run.steps[0])),
-                log_losses=True, max_steps=cfg.max_steps)
+                log_losses=True, max_steps=cfg.max_steps, base_quant=cfg.base_quant)
     return figures, job
 
 

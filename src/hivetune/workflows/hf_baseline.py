@@ -21,15 +21,20 @@ from hivetune.model.config import ModelArgs
 from hivetune.workflows.workloads import Workload
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# base_quant -> what bitsandbytes loads the same base as (QLoRA's recipe: NF4, double-quantized
+# scales, bf16 compute; int8: LLM.int8)
+QUANT_BASES = {"nf4": "4-bit nf4, double quant", "int8": "8-bit LLM.int8"}
 HF_CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 
 
-def baseline_missing() -> str:
-    """"" where transformers and peft import, else the line saying which is missing."""
-    missing = [name for name in ("transformers", "peft") if importlib.util.find_spec(name) is None]
+def baseline_missing(base_quant: str = "none") -> str:
+    """"" where transformers and peft (and, for a quantized base, bitsandbytes) import, else the
+    line saying which is missing."""
+    needed = ("transformers", "peft") + (("bitsandbytes",) if base_quant in QUANT_BASES else ())
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if not missing:
         return ""
-    return f"--baseline hf-peft needs {' and '.join(missing)} (pip install 'hivetune[dev]')"
+    return f"--baseline hf-peft needs {' and '.join(missing)} (pip install 'hivetune[dev]' {' '.join(missing)})"
 
 
 @dataclass
@@ -50,6 +55,7 @@ class HFJob:
     batches: list[int] = field(default_factory=lambda: [2])  # micro-batches tried, largest first
     log_losses: bool = False  # every step's loss (a host sync each step): final and per-epoch loss
     max_steps: int = 0  # > 0: stop after this many optimizer steps
+    base_quant: str = "none"  # nf4 | int8: the model comes quantized by bitsandbytes (QLoRA's recipe)
 
     @property
     def total_steps(self) -> int:  # hivetune's plan for the same work
@@ -66,6 +72,27 @@ def random_hf_model(args: ModelArgs, device: torch.device):
     torch.manual_seed(0)
     with torch.device(device):
         return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def quantized_hf_model(build_model, device: torch.device, base_quant: str):
+    """build_model()'s weights loaded again through bitsandbytes (a workload's random model is
+    written to a temp folder in bf16 first, as from_pretrained quantizes on load)."""
+    import transformers  # optional dependency: the baseline only
+
+    model = build_model().to(torch.bfloat16)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        del model
+        _release(device)
+        if base_quant == "nf4":
+            bnb = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                  bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
+        else:
+            bnb = transformers.BitsAndBytesConfig(load_in_8bit=True)
+        key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"  # renamed in 5
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            tmp, quantization_config=bnb, attn_implementation="sdpa", device_map={"": "cpu" if device.type == "cpu" else device.index or 0},
+            **{key: torch.bfloat16})
 
 
 def pretrained_hf_model(folder: str, device: torch.device, precision: str = "fp32"):
@@ -106,10 +133,16 @@ def _train_once(build_model, job: HFJob, batch: int, device: torch.device, timed
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
-    model = build_model()
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(job.precision)
-    if half is torch.bfloat16:  # bf16 weights, as the workloads' figures were taken; fp16 keeps fp32 masters
-        model = model.to(half)
+    if job.base_quant in QUANT_BASES:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(quantized_hf_model(build_model, device, job.base_quant),
+                                                use_gradient_checkpointing=job.gradient_checkpointing)
+    else:
+        model = build_model()
+        if half is torch.bfloat16:  # bf16 weights, as the workloads' figures were taken; fp16 keeps fp32 masters
+            model = model.to(half)
     lora = job.lora
     model = get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                                              target_modules=list(lora.get("targets") or TARGETS),
@@ -148,7 +181,9 @@ def _train_once(build_model, job: HFJob, batch: int, device: torch.device, timed
         history = list(trainer.state.log_history)
     del trainer, model
     optim = getattr(args.optim, "value", args.optim)
-    record = {"config": f"batch {batch} x accum {accum}, {job.precision}, sdpa, {optim}",
+    quant = f", bitsandbytes {QUANT_BASES[job.base_quant]}" if job.base_quant in QUANT_BASES else ""
+    checkpointing = ", gradient checkpointing" if job.gradient_checkpointing else ""
+    record = {"config": f"batch {batch} x accum {accum}, {job.precision}, sdpa, {optim}{quant}{checkpointing}",
               "steps_run": len(stamps), "train_loss": round(output.training_loss, 6),
               **peak_memory(device)}
     if job.log_losses:
@@ -199,11 +234,15 @@ def peak_memory(device: torch.device) -> dict:
             "peak_memory_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 3) if cuda else None}
 
 
-def workload_job(w: Workload, device: torch.device) -> HFJob:
+def workload_job(w: Workload, device: torch.device, overrides: dict | None = None) -> HFJob:
     """A workload as HFJob: its examples and LoRA, bf16 on GPUs (fp32 on the CPU), AdamW lr 2e-4,
-    cosine; micro-batches w.hf_batches (largest that fits), else the seeds' batch 2."""
+    cosine; micro-batches w.hf_batches (largest that fits), else the seeds' batch 2. Of hivetune's
+    overrides, base_quant and gradient_checkpointing apply to the baseline too."""
+    overrides = overrides or {}
     return HFJob(w.examples(), w.examples_per_step, w.epochs, dict(w.lora),
-                 "bf16" if device.type == "cuda" else "fp32", batches=list(w.hf_batches or (2,)))
+                 "bf16" if device.type == "cuda" else "fp32", batches=list(w.hf_batches or (2,)),
+                 base_quant=str(overrides.get("base_quant", "none")),
+                 gradient_checkpointing=bool(overrides.get("gradient_checkpointing", False)))
 
 
 def _release(device: torch.device) -> None:
