@@ -87,6 +87,23 @@ def test_too_few_new_exchanges_is_nothing_to_do(tmp_path, base, capsys):
     assert capsys.readouterr().err == "hivetune: error: --replay: expected a fraction in [0, 1), got 1.5\n"
 
 
+def test_too_few_curated_examples_leave_the_logs_for_the_next_cycle(tmp_path, base, capsys):
+    root = new_registry(tmp_path, base)
+    serve(root, 24)  # 18 of them curated: fewer than 20
+    [report] = run_cycles(root, CycleOptions(), commands=FAKES)
+    assert report["status"] == "too-little-data" and (report["exchanges"], report["curated"]) == (24, 18)
+    assert sorted(p.name for p in Path(report["folder"]).glob("*.json")) == ["collect.json", "curate.json", "report.json"]
+    assert format_report(report).splitlines()[1:3] == [
+        "  data:  24 exchanges -> 18 curated examples",
+        "  fewer curated examples than --min-examples: the logs stay for the next cycle"]
+    serve(root, 4, start=24, day="2026-11-29")
+    [again] = run_cycles(root, CycleOptions(min_examples=28), commands=FAKES)
+    assert again["status"] == "too-little-data" and again["exchanges"] == 28  # yesterday's 24 again, and 4 new
+    [since] = run_cycles(root, CycleOptions(data_since="2026-11-29", min_examples=4), commands=FAKES)
+    assert since["status"] == "too-little-data" and since["exchanges"] == 4
+    assert reg.current_version(root) is None
+
+
 def test_gate_promotes_only_a_better_candidate_within_the_margin():
     def compare(held, regr=None):
         sets = {"heldout": {"candidate": {"loss": held[0]}, "against": {"loss": held[1]}}}

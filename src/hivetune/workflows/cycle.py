@@ -5,7 +5,7 @@
     split     `hivetune data split` -> new-train.jsonl + heldout.jsonl; train.jsonl = new-train plus a
               --replay share drawn from the data of the version in service
     train     `hivetune train --init-adapter REG/versions/<in service>/adapter` -> CYCLE/run
-    export    `hivetune export CYCLE/run --format gguf` when the base is a .gguf (the LoRA GGUF)
+    export    CYCLE/lora-adapter.gguf when the base is a .gguf (export's LoRA GGUF, for llama.cpp)
     eval      `hivetune eval --candidate CYCLE/run --against <in service> --data heldout.jsonl
               [--regression REG/regression.jsonl]` -> CYCLE/eval/compare.json
     gate      promote only when the candidate's held-out loss is lower and its regression loss is at
@@ -46,7 +46,7 @@ HIVETUNE = [sys.executable, "-m", "hivetune"]
 # The command line (before its arguments) of each tool a stage runs. Tests stand a tool in with
 # a fake one through run_cycles' `commands`.
 TOOLS = {"curate": HIVETUNE + ["data", "curate"], "split": HIVETUNE + ["data", "split"], "train": HIVETUNE + ["train"],
-         "export": HIVETUNE + ["export"], "eval": HIVETUNE + ["eval"]}
+         "eval": HIVETUNE + ["eval"]}
 CYCLE_ID = re.compile(r"^c\d{8}-\d{6}(-\d+)?$")
 LOG_DATE = re.compile(r"(\d{4}-\d{2}-\d{2})")
 
@@ -273,9 +273,7 @@ class Cycle:
     def stage_export(self) -> dict:
         if not self.base.endswith(".gguf"):
             return {"skipped": "the base is not a .gguf: llama.cpp needs no LoRA GGUF"}
-        out = self.folder / "export"
-        self.tool("export", "export", [self.folder / "run", "--format", "gguf", "--out", out, "--force"])
-        return {"lora_gguf": str(out / reg.LORA_GGUF)}
+        return {"lora_gguf": str(reg.write_lora_gguf(self.folder / "run", self.folder / reg.LORA_GGUF))}
 
     def stage_eval(self) -> dict:
         out = self.folder / "eval"
