@@ -17,6 +17,7 @@ import pytest
 
 from conftest import build_tiny_model, build_tokenizer, write_jsonl
 from hivetune.cli import main
+from hivetune.core.errors import UserError
 from hivetune.data.interaction_log import InteractionLog, read_logs
 from hivetune.workflows import registry as reg
 from hivetune.workflows.cycle import STAGES, CycleOptions, format_report, gate, run_cycles
@@ -102,6 +103,23 @@ def test_too_few_curated_examples_leave_the_logs_for_the_next_cycle(tmp_path, ba
     [since] = run_cycles(root, CycleOptions(data_since="2026-11-29", min_examples=4), commands=FAKES)
     assert since["status"] == "too-little-data" and since["exchanges"] == 4
     assert reg.current_version(root) is None
+
+
+def test_a_failed_stage_stops_with_its_log_and_runs_again_next_time(tmp_path, base):
+    root = new_registry(tmp_path, base)
+    serve(root, 24)
+    broken = {**FAKES, "curate": [sys.executable, "-c", "import sys; print('curate: no such flag'); sys.exit(3)"]}
+    with pytest.raises(UserError) as e:
+        run_cycles(root, CycleOptions(), commands=broken)
+    [folder] = [p for p in (root / "cycles").iterdir() if not p.name.startswith(".")]
+    first, *rest = str(e.value).splitlines()
+    assert first.startswith(f"cycle {folder.name}: curate: `{sys.executable} -c ")
+    assert first.endswith(f"exited with 3; see {folder}/curate.log; `hivetune cycle --registry {root}` runs the "
+                          f"stage again")
+    assert rest == ["  curate: no such flag"]
+    [report, nothing] = run_cycles(root, CycleOptions(), commands=FAKES)
+    assert report["cycle"] == folder.name and report["status"] == "too-little-data"
+    assert nothing["status"] == "nothing-to-do"
 
 
 def test_gate_promotes_only_a_better_candidate_within_the_margin():

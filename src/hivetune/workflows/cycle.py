@@ -119,6 +119,10 @@ def collect(root: Path, opts: CycleOptions) -> tuple[Path | None, int]:
     (tmp / "logs").mkdir(parents=True)
     try:
         used = {} if opts.data_since else used_log_offsets(root)
+        seen = {} if opts.data_since else used_log_offsets(root, all_cycles=True)
+        if not any(log.stat().st_size != seen.get(log.name, 0) for log in (root / "logs").glob("*.jsonl")):
+            shutil.rmtree(tmp)  # nothing logged since the last cycle looked
+            return None, 0
         files = {}
         for log in sorted((root / "logs").glob("*.jsonl")):
             if opts.data_since and log_date(log) < opts.data_since:
@@ -160,14 +164,15 @@ def new_cycle_id(cycles: Path) -> str:
     return cid
 
 
-def used_log_offsets(root: Path) -> dict[str, int]:
-    """Log name -> the end of the bytes earlier cycles took (cycles that stopped for too little
-    curated data leave theirs to the next cycle)."""
+def used_log_offsets(root: Path, all_cycles: bool = False) -> dict[str, int]:
+    """Log name -> the end of the bytes earlier cycles took. Cycles that stopped for too little
+    curated data leave theirs to the next cycle, unless `all_cycles` (what any cycle has seen)."""
     used: dict[str, int] = {}
     for folder in sorted((root / "cycles").iterdir()):
         if not CYCLE_ID.match(folder.name) or not (folder / "collect.json").is_file():
             continue
-        if (folder / "report.json").is_file() and read_json(folder / "report.json").get("status") == "too-little-data":
+        if not all_cycles and (folder / "report.json").is_file() \
+                and read_json(folder / "report.json").get("status") == "too-little-data":
             continue
         for name, span in read_json(folder / "collect.json").get("files", {}).items():
             used[name] = max(used.get(name, 0), int(span["to"]))
@@ -231,7 +236,9 @@ class Cycle:
             rc = subprocess.call(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  preexec_fn=die_with_parent)
         if rc != 0:
-            tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+            lines = log.read_text(errors="replace").splitlines()
+            start = max(i for i, line in enumerate(lines) if line.startswith("$ ")) + 1
+            tail = [line for line in lines[start:] if line.strip()][-5:]  # this run's last lines
             raise UserError(f"cycle {self.folder.name}: {stage}: `{' '.join(argv[:6])} ...` exited with {rc}; "
                             f"see {log}; `hivetune cycle --registry {self.root}` runs the stage again\n"
                             + "\n".join("  " + line for line in tail))
@@ -322,7 +329,7 @@ class Cycle:
                 "heldout": d.get("split", {}).get("heldout"), "steps": d.get("train", {}).get("steps"),
                 "figures": {k: d["gate"][k] for k in ("heldout", "regression")} if "gate" in d else None,
                 "reasons": d["gate"]["reasons"] if "gate" in d else [],
-                "stage_seconds": {s: d[s].get("seconds") for s in STAGES if s in d}}
+                "stage_seconds": {s: d[s]["seconds"] for s in STAGES if "seconds" in d.get(s, {})}}
 
 
 # ------------------------------------------------------------------------------ the gate
@@ -367,10 +374,11 @@ def format_report(r: dict) -> str:
     lines.append(f"  data:  {r['exchanges']} exchanges -> {r['curated']} curated examples"
                  + (f" -> {r['train']} train + {r['replay']} replayed, {r['heldout']} held out" if r["train"] is not None else ""))
     if r["status"] == "too-little-data":
-        lines.append(f"  fewer curated examples than --min-examples: the logs stay for the next cycle")
+        lines.append("  fewer curated examples than --min-examples: the logs stay for the next cycle")
     for name, f in (r.get("figures") or {}).items():
         if f:
-            lines.append(f"  {name + ' loss:':16s} {f['candidate']:.4f} (candidate) vs {f['against']:.4f} "
+            label = {"heldout": "held-out loss:", "regression": "regression loss:"}[name]
+            lines.append(f"  {label:16s} {f['candidate']:.4f} (candidate) vs {f['against']:.4f} "
                          f"({r['parent'] or 'base'})")
     if r["status"] == "promoted":
         lines.append(f"  {r['version']} is in service (parent {r['parent'] or 'the base'})")
