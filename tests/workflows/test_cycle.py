@@ -239,19 +239,25 @@ def real_tools_present() -> bool:
 def test_real_cycle_promotes_good_data_and_rejects_data_contradicting_the_regression_set(tmp_path, base):
     """Every stage real: cycle 1 learns answers that agree with the regression set (promoted);
     cycle 2 learns corrections that contradict it (held-out better, regression worse: rejected)."""
+    first, second = good_then_contradicting_cycles(tmp_path, base)
+    assert first["status"] == "promoted", first
+    assert first["figures"]["heldout"]["candidate"] < first["figures"]["heldout"]["against"]
+    assert second["status"] == "rejected", second
+    assert second["figures"]["heldout"]["candidate"] < second["figures"]["heldout"]["against"]
+    assert second["figures"]["regression"]["candidate"] > second["figures"]["regression"]["limit"]
+    assert reg.current_version(tmp_path / "REG") == "v0001"
+
+
+def good_then_contradicting_cycles(tmp_path: Path, base: Path, commands: dict | None = None) -> tuple[dict, dict]:
     root = new_registry(tmp_path, base)
     (root / "fake-eval.json").unlink()
     opts = CycleOptions(train_set=["max_steps=30", "batch_size=4", "device=cpu", "lr=0.005"], min_examples=20)
     serve(root, 40)
-    [first] = run_cycles(root, opts)
-    assert first["status"] == "promoted", first
-    assert first["figures"]["heldout"]["candidate"] < first["figures"]["heldout"]["against"]
+    [first] = run_cycles(root, opts, commands=commands)
     serve(root, 40, start=40, day="2026-11-29", answer="Never restart {s}: reboot the whole machine instead.")
     log = InteractionLog(root / "logs" / "interactions-2026-11-29.jsonl")
     for ex in list(read_logs([log.path]).exchanges):
         log.feedback(ex, 1, correction="Never restart it: reboot the whole machine instead.")
     log.close()
-    [second] = run_cycles(root, CycleOptions(**{**opts.__dict__, "replay": 0.0}))
-    assert second["status"] == "rejected", second
-    assert second["figures"]["regression"]["candidate"] > second["figures"]["regression"]["limit"]
-    assert reg.current_version(root) == "v0001"
+    [second] = run_cycles(root, CycleOptions(**{**opts.__dict__, "replay": 0.0}), commands=commands)
+    return first, second
