@@ -137,6 +137,8 @@ def test_rollback_walks_the_parents_and_bad_input_is_one_line(registry, capsys):
     assert capsys.readouterr().err == "hivetune: error: version: 'latest' is not a version id (v0001, v0002, ...)\n"
     assert cli("registry", "add", str(root)) == 2
     assert "expected `hivetune registry add DIR RUN`" in capsys.readouterr().err
+    assert cli("registry", "promote", str(root), "v0001", "--compare", "c.json") == 2
+    assert capsys.readouterr().err == "hivetune: error: registry: --compare goes with `registry add`, not `registry promote`\n"
 
 
 def test_add_refuses_a_run_on_another_base(registry, tmp_path):

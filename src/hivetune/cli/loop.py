@@ -43,6 +43,11 @@ def run_registry(ns) -> int:
     from hivetune.workflows import registry as reg
 
     action, root, arg = registry_words(ns.words)
+    for flag, value, allowed in (("--base", ns.base, "init"), ("--compare", ns.compare, "add"),
+                                 ("--parent", ns.parent, "add"), ("--promote", ns.promote, "add"),
+                                 ("--json", ns.json, "list")):
+        if value and action != allowed:
+            raise UserError(f"registry: {flag} goes with `registry {allowed}`, not `registry {action}`")
     if action == "init":
         info = reg.init_registry(root, ns.base)
         print(f"registry {root}: base {info['base']}, nothing in service yet")
@@ -92,7 +97,7 @@ def add_cycle_parser(sub) -> None:
                      help="fewer new exchanges or curated examples than this: nothing to do (default 20)")
     cyc.add_argument("--train-set", dest="train_set", action="append", default=[], metavar="KEY=VALUE",
                      help="a training config key for this cycle's training (repeatable), e.g. max_steps=50")
-    cyc.add_argument("--json", action="store_true", help="print the report as JSON")
+    cyc.add_argument("--json", action="store_true", help="print the reports (a finished cycle's, the new one's) as a JSON list")
 
 
 def run_cycle_command(ns) -> int:
@@ -100,8 +105,8 @@ def run_cycle_command(ns) -> int:
 
     opts = CycleOptions(data_since=ns.data_since, replay=ns.replay, margin=ns.margin, heldout=ns.heldout,
                         min_examples=ns.min_examples, train_set=ns.train_set)
-    for report in run_cycles(ns.registry, opts):
-        print(json.dumps(report, indent=2) if ns.json else format_report(report))
+    reports = run_cycles(ns.registry, opts)
+    print(json.dumps(reports, indent=2) if ns.json else "\n\n".join(format_report(r) for r in reports))
     return 0
 
 
