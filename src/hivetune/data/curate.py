@@ -63,6 +63,7 @@ class CurateResult:
     new: int = 0  # records from the logs in the output
     replayed: int = 0  # records from --train-data in the output
     replay_pool: int = 0  # usable records of --train-data
+    replay: float = 0.0  # the share asked for
     broken_lines: int = 0
     orphan_feedback: int = 0
     length_unit: str = "characters"
@@ -229,6 +230,7 @@ def read_train_records(path, result: CurateResult) -> list[dict]:
 
 def replay_sample(train: list[dict], replay: float, new: int, seed: int, result: CurateResult) -> list[dict]:
     """round(replay * new / (1 - replay)) records of `train` drawn without replacement."""
+    result.replay = replay
     if replay <= 0:
         return []
     want = round(replay * new / (1 - replay))
@@ -257,7 +259,7 @@ def format_curate(result: CurateResult) -> str:
         lines.append(f"scrubbed {sum(result.scrubbed.values())} items in {result.scrubbed_records} records ({what})")
     if result.max_length:
         lines.append(f"length limit: {result.max_length} {result.length_unit}")
-    if result.replayed or result.replay_pool:
+    if result.replay:
         share = result.replayed / result.written if result.written else 0.0
         lines.append(f"replay: {result.replayed} records from --train-data ({100 * share:.1f}% of the output)")
     lines += [f"note: {n}" for n in result.notes]
