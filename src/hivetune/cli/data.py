@@ -93,7 +93,7 @@ def data_source(ns):
 def run_data(ns) -> int:
     command = ns.data_command
     if command is None:
-        raise UserError("data: name a subcommand: synth, validate, stats, split, collect or curate (see hivetune data --help)")
+        raise UserError("data: name a subcommand: synth, validate, stats, split or collect (see hivetune data --help)")
     if command == "synth":
         from hivetune.data.synth_file import format_synth, write_synthetic
 
