@@ -44,6 +44,27 @@ def add_data_parser(sub) -> None:
     collect.add_argument("--out", required=True, metavar="FILE",
                          help="JSONL data file to append to (created if missing)")
     collect.add_argument("--format", default="auto", help="chat | alpaca | auto (FILE's format; chat for a new file)")
+    add_curate_parser(dsub)
+
+
+def add_curate_parser(dsub) -> None:
+    curate = dsub.add_parser("curate", help="training data from serve's interaction logs: rated, scrubbed, deduped",
+                             description="Keep exchanges rated good and those with a correction (the correction "
+                                         "becomes the answer); scrub secrets and personal data; drop too long ones "
+                                         "and duplicates (also of --train-data); mix in a replay share of "
+                                         "--train-data. Writes chat JSONL and prints the counts.")
+    curate.add_argument("logs", nargs="+", metavar="LOG", help="interaction log(s) of hivetune serve (JSONL)")
+    curate.add_argument("--out", required=True, metavar="FILE", help="chat JSONL file to write")
+    curate.add_argument("--train-data", default="", metavar="FILE",
+                        help="earlier training data: deduplicate against it and replay from it")
+    curate.add_argument("--replay", type=float, default=0.0, metavar="FRACTION",
+                        help="share of the output taken from --train-data, in [0, 1) (default 0)")
+    curate.add_argument("--max-length", type=int, default=None, metavar="N",
+                        help="most tokens with --model (default 1024), else characters (default: no limit)")
+    curate.add_argument("--model", default="", metavar="PATH", help="count --max-length in this model's tokens")
+    curate.add_argument("--keep-unrated", action="store_true", help="keep unrated exchanges with their answer")
+    curate.add_argument("--seed", type=int, default=0, help="replay sample and output order")
+    curate.add_argument("--force", action="store_true", help="overwrite an existing --out")
 
 
 def add_source_flags(parser) -> None:
@@ -93,6 +114,12 @@ def run_data(ns) -> int:
         from hivetune.data.split import format_split, split_file
 
         print(format_split(split_file(ns.file, ns.heldout, ns.seed, ns.out_train, ns.out_heldout, ns.force)))
+        return 0
+    if command == "curate":
+        from hivetune.data.curate import curate, format_curate
+
+        print(format_curate(curate(ns.logs, ns.out, ns.train_data or None, ns.replay, ns.max_length, ns.model,
+                                   ns.seed, ns.force, ns.keep_unrated)))
         return 0
     from hivetune.data.collect import collect_log, format_collect
 

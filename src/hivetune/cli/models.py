@@ -28,11 +28,18 @@ def run_generate(ns) -> int:
 
 
 def add_eval_parser(sub) -> None:
-    ev = sub.add_parser("eval", help="base vs tuned on held-out data: loss, perplexity, answers, scores",
+    ev = sub.add_parser("eval", help="base vs tuned, or two versions A/B, on held-out data: loss, answers, scores",
                         description="Score the base model (LoRA off) and the tuned one (adapter on) on prompt/"
                                     "response data: response loss and perplexity, greedy answers with exact "
-                                    "match, token F1, ROUGE-L and command hits. Writes eval.json and eval.md.")
-    ev.add_argument("--adapter", required=True, metavar="RUN", help="run folder or adapter folder")
+                                    "match, token F1, ROUGE-L and command hits. Writes eval.json and eval.md. "
+                                    "With --candidate A --against B: the two versions side by side, with per-"
+                                    "example wins by token F1, into compare.json and compare.md.")
+    ev.add_argument("--adapter", default="", metavar="RUN", help="run folder or adapter folder")
+    ev.add_argument("--candidate", default="", metavar="A",
+                    help="A/B: run folder, adapter folder, merged HF folder, .gguf file or base")
+    ev.add_argument("--against", default="", metavar="B", help="A/B: what A is compared with (same kinds as A)")
+    ev.add_argument("--regression", default="", metavar="FILE",
+                    help="A/B: a second set to score both on (e.g. the earlier training data)")
     ev.add_argument("--model", default="", metavar="PATH",
                     help="base model (default: the one the adapter names, else the embedded model)")
     ev.add_argument("--data", default="", metavar="FILE", help="alpaca / chat data: a file, folder or Hub dataset "
@@ -40,7 +47,8 @@ def add_eval_parser(sub) -> None:
     ev.add_argument("--max-new-tokens", type=int, default=0,
                     help="most tokens per answer (default: the run's max_new_tokens, else 96)")
     ev.add_argument("--limit", type=int, default=0, metavar="K", help="first K examples only (0: all)")
-    ev.add_argument("--out", default="", metavar="DIR", help="folder for eval.json and eval.md (default: RUN/eval)")
+    ev.add_argument("--out", default="", metavar="DIR", help="folder for eval.json and eval.md (default: RUN/eval; "
+                                                             "A/B: compare.json / compare.md, default A/compare)")
     ev.add_argument("--force", action="store_true", help="overwrite an existing eval.json / eval.md")
     ev.add_argument("--batch-size", type=int, default=96, help="most prompts generated together")
     ev.add_argument("--max-length", type=int, default=1024, help="token limit for the loss (as in training)")
@@ -51,12 +59,31 @@ def add_eval_parser(sub) -> None:
 def run_eval(ns) -> int:
     from hivetune.workflows.evaluate import evaluate, means_table
 
+    if ns.candidate or ns.against:
+        return run_compare(ns)
+    if not ns.adapter:
+        raise UserError("eval: give --adapter RUN, or --candidate A --against B")
     report = evaluate(model=ns.model, adapter=ns.adapter, data=ns.data, max_new_tokens=ns.max_new_tokens,
                       limit=ns.limit, out=ns.out, force=ns.force, batch_size=ns.batch_size,
                       max_length=ns.max_length, device=ns.device, precision=ns.precision)
     print(means_table(report))
     print(f"\n{report['examples']} examples in {report['seconds']['total']:.1f} s; "
           f"wrote {report['out']}/eval.json and eval.md")
+    return 0
+
+
+def run_compare(ns) -> int:
+    from hivetune.workflows.compare import compare, means_table
+
+    if ns.adapter:
+        raise UserError("eval: --adapter is for base vs tuned; with --candidate / --against leave it out")
+    report = compare(ns.candidate, ns.against, data=ns.data, regression=ns.regression, out=ns.out, model=ns.model,
+                     force=ns.force, max_new_tokens=ns.max_new_tokens, limit=ns.limit, batch_size=ns.batch_size,
+                     max_length=ns.max_length, device=ns.device, precision=ns.precision)
+    for name, entry in report["sets"].items():
+        print(f"{name} ({entry['examples']} examples): candidate {ns.candidate} vs against {ns.against}")
+        print(means_table(entry) + "\n")
+    print(f"{report['seconds']:.1f} s; wrote {report['out']}/compare.json and compare.md")
     return 0
 
 

@@ -22,6 +22,8 @@ TRAIN_FLAGS = {
     "--early-stopping": ("early_stopping_patience", {"type": int, "metavar": "EVALS",
                                                      "help": "stop after N validations without improvement"}),
     "--output": ("output_dir", {"metavar": "DIR", "help": "run folder (default: runs/<date>-<time>)"}),
+    "--init-adapter": ("init_adapter", {"metavar": "DIR", "help": "start LoRA from this run or adapter folder "
+                                                                 "(same base, rank and targets; optimizer fresh)"}),
     "--format": ("format", {"help": "alpaca | chat | text | auto"}),
     "--max-length": ("max_length", {"type": int}),
     "--epochs": ("epochs", {"type": float}),

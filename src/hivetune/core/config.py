@@ -101,6 +101,11 @@ class TrainConfig:
     output_dir: str = ""
     """Run folder; empty: runs/<date>-<time>. An existing run folder of the same config is
     resumed from its newest valid checkpoint; any other non-empty folder is refused."""
+    init_adapter: str = ""
+    """Start LoRA from an earlier adapter (a run folder or a PEFT adapter folder) instead of a fresh
+    init: its A and B weights loaded, the optimizer and schedule fresh. Its base model, lora.r,
+    lora.alpha, lora.targets and lora.rslora must be this run's. summary.json names it (path and
+    weights' sha256). Empty: a fresh LoRA."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     epochs: float = 1.0
     """Passes over the data (fractions allowed); ignored when max_steps > 0."""

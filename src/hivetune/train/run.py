@@ -55,6 +55,7 @@ class Run:
     # Read every step's outcome as it ends (no StepLedger batching): `hivetune tune` times steps by
     # their log records, which a host running 16 steps ahead of the GPU would date too early.
     read_every_step: bool = False
+    init_adapter: dict | None = None  # {"path", "sha256"} of the adapter LoRA started from (init_adapter)
 
     @property
     def pad_id(self) -> int:

@@ -4,6 +4,7 @@ memory decisions the planner's model makes for it (planned_memory)."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import sys
@@ -11,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from hivetune.checkpoint import restore_rng, resume_point, resume_run
+from hivetune.checkpoint import load_lora_weights, restore_rng, resume_point, resume_run, sha256_file
 from hivetune.core.config import TrainConfig, save_config, step_order, to_dict
 from hivetune.core.device import DTYPES, resolve_device, resolve_precision, set_threads
 from hivetune.core.embedded import default_heldout_data
-from hivetune.core.hub import model_path as hub_model_path
+from hivetune.core.hub import base_model_name, model_path as hub_model_path
 from hivetune.core.errors import UserError
 from hivetune.ops.adamw import adamw
 from hivetune.ops.lora_group import fused_lora_usable
@@ -29,7 +30,8 @@ from hivetune.data.sources import held_out_source, source_exists, train_source
 from hivetune.doctor.preflight import check_stack
 from hivetune.model.decoder import CausalLM
 from hivetune.model.load import load_args, load_model
-from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_parameters
+from hivetune.model.lora import (ADAPTER_WEIGHTS, LoRASpec, apply_lora, fuse_projections, lora_parameters,
+                                 read_adapter_spec)
 from hivetune.model.quant import is_quantized, quantize_model
 from hivetune.model.tokenizer import load_tokenizer
 from hivetune.ops import blas
@@ -69,6 +71,8 @@ def setup(cfg: TrainConfig) -> Run:
     folder = distributed.on_main(parallel, new_run_folder, cfg)  # rank 0 names (and locks) it
     resuming = (folder / "config.yaml").is_file()
     checkpoint = resume_point(folder, cfg) if resuming else None  # refuses another config
+    # a checkpoint holds the LoRA weights: the init adapter matters only without one
+    init_folder = check_init_adapter(cfg, model_path) if cfg.init_adapter and checkpoint is None else None
     args = load_args(model_path)  # architecture only: cheap, catches a bad model early
     if cfg.max_length > args.max_position_embeddings:
         raise UserError(f"max_length: {cfg.max_length} exceeds the model's context "
@@ -88,6 +92,9 @@ def setup(cfg: TrainConfig) -> Run:
     run = assemble(cfg, model, data, tokenizer, device, precision, folder, model_path, parallel)
     if parallel.is_main:
         hold_run_lock(folder)  # a new folder: locked as soon as it exists
+    if init_folder is not None:
+        load_lora_weights(run.model, init_folder)  # into the (fused) LoRA tensors in place; optimizer fresh
+    run.init_adapter = init_adapter_record(cfg.init_adapter, init_folder)
     run.val_path = val_path
     if cfg.val_data:
         val_index = index_dataset(val_path, cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
@@ -100,6 +107,55 @@ def setup(cfg: TrainConfig) -> Run:
         resume_run(run, checkpoint)  # last: it restores the RNG states the loop goes on with
         restore_rank_rng(run)
     return run
+
+
+def init_adapter_folder(arg: str) -> Path:
+    """A run folder (its adapter/) or an adapter folder (adapter_config.json) as init_adapter."""
+    path = Path(arg)
+    for folder in (path / "adapter", path):
+        if (folder / "adapter_config.json").is_file():
+            return folder
+    if not path.exists():
+        raise UserError(f"--init-adapter {arg}: not found")
+    raise UserError(f"--init-adapter {arg}: neither a run folder nor an adapter folder (no adapter_config.json)")
+
+
+def check_init_adapter(cfg: TrainConfig, model_path: Path) -> Path:
+    """init_adapter's adapter folder, refused with one line naming the first mismatch when its
+    base, rank, alpha, targets or rslora are not this run's: weights of another shape or scale
+    would not be that adapter any more."""
+    arg = cfg.init_adapter
+    folder = init_adapter_folder(arg)
+    spec = read_adapter_spec(folder)
+    named = (json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path") or "")
+    mine = base_model_name(cfg.model, model_path)
+    if named and named != mine and Path(named).resolve() != Path(mine).resolve():
+        raise UserError(f"--init-adapter {arg}: base {named}, this run's model is {mine}")
+    wanted = LoRASpec(cfg.lora.r, cfg.lora.alpha, 0.0, tuple(cfg.lora.targets), cfg.lora.rslora)
+    if spec.r != wanted.r:
+        raise UserError(f"--init-adapter {arg}: rank {spec.r}, this run's lora.r is {wanted.r}")
+    if sorted(spec.targets) != sorted(wanted.targets):
+        raise UserError(f"--init-adapter {arg}: targets {','.join(sorted(spec.targets))}, this run's lora.targets "
+                        f"is {','.join(sorted(wanted.targets))}")
+    if spec.alpha != wanted.alpha:
+        raise UserError(f"--init-adapter {arg}: lora_alpha {spec.alpha:g}, this run's lora.alpha is {wanted.alpha:g}")
+    if spec.rslora != wanted.rslora:
+        raise UserError(f"--init-adapter {arg}: use_rslora {str(spec.rslora).lower()}, this run's lora.rslora is "
+                        f"{str(wanted.rslora).lower()}")
+    if not (folder / ADAPTER_WEIGHTS).is_file():
+        raise UserError(f"--init-adapter {arg}: {folder / ADAPTER_WEIGHTS} not found")
+    return folder
+
+
+def init_adapter_record(arg: str, folder: Path | None) -> dict | None:
+    """What summary.json says of init_adapter: the folder and its weights' sha256 (None when a
+    resumed run's checkpoint took the weights and the folder is gone)."""
+    if not arg:
+        return None
+    if folder is None:
+        folder = Path(arg) / "adapter" if (Path(arg) / "adapter" / ADAPTER_WEIGHTS).is_file() else Path(arg)
+    weights = folder / ADAPTER_WEIGHTS
+    return {"path": str(folder.resolve()), "sha256": sha256_file(weights) if weights.is_file() else None}
 
 
 def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):

@@ -43,6 +43,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         **step_rates(run, result),
         "peak_memory_bytes": result.peak_memory_bytes, "device": str(run.device),
         "precision": run.precision, "examples": len(run.data), "data_format": run.data.format,
+        "init_adapter": run.init_adapter,
         "samples": result.samples,
         "eval": None if ab is None else {"out": ab["out"], "examples": ab["examples"], "means": ab["means"],
                                          "seconds": ab["seconds"]["total"]},
