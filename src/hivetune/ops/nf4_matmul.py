@@ -17,12 +17,7 @@ import torch
 
 from hivetune.ops.nf4 import BLOCK, _tables, dequantize_parts
 from hivetune.ops.quant_linear import dequant_linear
-from hivetune.ops.triton_util import fused_ok, triton
-
-if triton is not None:
-    import triton.language as tl
-
-    from hivetune.ops.nf4 import DQ_BLOCK_C
+from hivetune.ops.triton_util import fused_ok, kernels, triton
 
 TILE_M, TILE_N, TILE_K = 64, 64, BLOCK  # TILE_K = one NF4 block: one scale per row and tile
 
@@ -86,7 +81,15 @@ def input_grad(g, packed, q_absmax, absmax2, offset, k) -> torch.Tensor:
     return dx
 
 
-if triton is not None:
+@kernels
+def _define_kernels():
+    """The Triton kernels: defined at the first fused call, not at import (triton_util.kernels)."""
+    global triton, tl, DQ_BLOCK_C, _weight_tile, _forward_kernel, _input_grad_kernel
+    import triton
+    import triton.language as tl
+
+    from hivetune.ops.nf4 import DQ_BLOCK_C
+
     @triton.jit
     def _weight_tile(packed, q_absmax, absmax2, offset, levels, dmap, rows, k0, N, K,
                      BN: tl.constexpr, BK: tl.constexpr):
