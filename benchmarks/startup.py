@@ -13,6 +13,9 @@ Figures (seconds, median / min / max over the runs):
   setup / step / loop, hivetune.workflows.train_job), the whole process;
 - train_share:  the same modules timed inside the process after `import torch`: what hivetune
   adds on top of torch (goal: 1.5 s on the GPU machine);
+- tokenizer_auto / tokenizer_saved: the tiny model's tokenizer built inside the process after
+  `import torch`, by transformers' AutoTokenizer (what a model folder takes) and by
+  hivetune.model.tokenizer.load_saved (what a GGUF file's converted tokenizer takes);
 - job:          `python -m hivetune train` on a tiny random model (2 layers, hidden 64) and 16
   examples with --max-steps 2, the whole process (tokenizer, model, doctor's checks, two
   steps, adapter); job_train_s is the run's own train_seconds (summary.json).
@@ -42,6 +45,10 @@ TRAIN_SHARE = ("import time, torch; t = time.perf_counter(); " + "; ".join(f"imp
 # Modules that a training run's imports must not load (tests/test_imports.py checks the same list).
 HEAVY = ("torch._dynamo", "torch._inductor", "torch.distributed.fsdp", "transformers", "sklearn", "datasets",
          "pyarrow", "matplotlib", "tensorboard", "mlflow", "wandb", "triton", "huggingface_hub", "jinja2", "sympy")
+TOKENIZER_AUTO = ("import sys, time, torch; t = time.perf_counter(); from transformers import AutoTokenizer; "
+                  "AutoTokenizer.from_pretrained(sys.argv[1], local_files_only=True); print(time.perf_counter() - t)")
+TOKENIZER_SAVED = ("import sys, time, torch; t = time.perf_counter(); from hivetune.model.tokenizer import load_saved; "
+                   "load_saved(sys.argv[1]); print(time.perf_counter() - t)")
 LOADED = (IMPORT_TRAIN + "; import sys, json; print(json.dumps(sorted(h for h in " + repr(HEAVY)
           + " if h in sys.modules)))")
 CORPUS = ["How do I restart the nginx service? Run systemctl restart nginx as root.",
@@ -110,6 +117,8 @@ def measure(runs: int, cold_pyc: bool, job: bool, work: Path) -> dict:
                 "train_share": [py, "-c", TRAIN_SHARE]}
     if job:
         model, data = build_tiny_job(work)
+        commands["tokenizer_auto"] = [py, "-c", TOKENIZER_AUTO, str(model)]
+        commands["tokenizer_saved"] = [py, "-c", TOKENIZER_SAVED, str(model)]
         commands["job"] = [py, "-m", "hivetune", "train", "--model", str(model), "--data", str(data),
                            "--max-steps", "2", "--quiet", "--output"]
     values: dict[str, list[float]] = {name: [] for name in [*commands, *(["job_train_s"] if job else [])]}
@@ -121,7 +130,7 @@ def measure(runs: int, cold_pyc: bool, job: bool, work: Path) -> dict:
                 values["job_train_s"].append(json.loads((out / "summary.json").read_text())["train_seconds"])
             else:
                 wall, stdout = run_once(cmd, cold_pyc, work)
-                if name == "train_share":
+                if name in ("train_share", "tokenizer_auto", "tokenizer_saved"):
                     wall = float(stdout.strip().splitlines()[-1])
             values[name].append(wall)
     figures = {name: spread(v) for name, v in values.items()}
@@ -133,7 +142,7 @@ def measure(runs: int, cold_pyc: bool, job: bool, work: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="fresh processes per figure (default 5)")
-    parser.add_argument("--no-job", dest="job", action="store_false", help="skip the tiny training job")
+    parser.add_argument("--no-job", dest="job", action="store_false", help="skip the tiny model (its tokenizer and its job)")
     parser.add_argument("--cold-pyc", action="store_true", help="every process compiles its sources")
     parser.add_argument("--results", default="benchmarks/results", help="folder of the JSONL results files")
     parser.add_argument("--commit", default="", help="the commit measured (default: git rev-parse HEAD)")
