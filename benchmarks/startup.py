@@ -55,7 +55,8 @@ CORPUS = ["How do I restart the nginx service? Run systemctl restart nginx as ro
           "Show the logs of sshd from the last hour with journalctl -u sshd --since '1 hour ago'.",
           "List GPUs with nvidia-smi; podman run --device nvidia.com/gpu=all runs a container on them."]
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
-          "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+          "+ '<|im_end|>' + '\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 def build_tiny_job(folder: Path) -> tuple[Path, Path]:
@@ -142,7 +143,8 @@ def measure(runs: int, cold_pyc: bool, job: bool, work: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="fresh processes per figure (default 5)")
-    parser.add_argument("--no-job", dest="job", action="store_false", help="skip the tiny model (its tokenizer and its job)")
+    parser.add_argument("--no-job", dest="job", action="store_false",
+                        help="skip the tiny model (its tokenizer and its job)")
     parser.add_argument("--cold-pyc", action="store_true", help="every process compiles its sources")
     parser.add_argument("--results", default="benchmarks/results", help="folder of the JSONL results files")
     parser.add_argument("--commit", default="", help="the commit measured (default: git rev-parse HEAD)")

@@ -55,5 +55,6 @@ def test_help_imports_no_torch():
 
 
 def test_train_help_imports_no_torch():
-    names = loaded_after("from hivetune.cli import main\ntry:\n    main(['train', '--help'])\nexcept SystemExit:\n    pass")
+    names = loaded_after("from hivetune.cli import main\n"
+                         "try:\n    main(['train', '--help'])\nexcept SystemExit:\n    pass")
     assert [n for n in names if n == "torch" or n.startswith("torch.")] == []

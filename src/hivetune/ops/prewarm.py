@@ -64,9 +64,7 @@ def tail_kernels(device: torch.device) -> None:
     """What the loop runs after a step's backward (train.fit), on a few fp32 values of `device`:
     clip_grad_norm over gradients in one buffer (CUDA graphs' GradArena) and over separate ones,
     the finite check, and FusedAdamW's step with a found_inf: its flat one (_fresh_flat), whose
-    fused kernels torch's step launches too. Building the optimizer imports torch._dynamo (torch's
-    Optimizer does; 0.7 s on this project's CPU machine, 4-6 s of the thread's time on the device's
-    hosts), which the run's own optimizer, built before the loop, would import anyway."""
+    fused kernels torch's step launches too (FusedAdamW imports no torch._dynamo for it: ops.adamw)."""
     with torch.cuda.device(device):
         values = torch.zeros(64, device=device)
         grads = torch.full((64,), 0.5, device=device)
