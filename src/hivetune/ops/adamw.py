@@ -44,9 +44,21 @@ class FusedAdamW(torch.optim.AdamW):
         self._lists = None
         self._grads = None  # (params, their .grad tensors) the kept lists hold
 
+    # torch's Optimizer wraps these four in torch._disable_dynamo, whose first call imports
+    # torch._dynamo (~200 torch.library registrations: ~1 s on a CPU, 4-6 s on the device's
+    # hosts) only to run the same function; hivetune never compiles its optimizer.
+    def add_param_group(self, param_group):
+        _undecorated(torch.optim.Optimizer.add_param_group)(self, param_group)
+
+    def zero_grad(self, set_to_none: bool = True):
+        _undecorated(torch.optim.Optimizer.zero_grad)(self, set_to_none)
+
+    def state_dict(self):
+        return _undecorated(torch.optim.Optimizer.state_dict)(self)
+
     def load_state_dict(self, state_dict):
         self._lists = None
-        super().load_state_dict(state_dict)
+        _undecorated(torch.optim.Optimizer.load_state_dict)(self, state_dict)
 
     def step(self, closure=None):
         lists = self._lists
@@ -163,6 +175,11 @@ class FusedAdamW(torch.optim.AdamW):
                             eps=group["eps"], maximize=False, grad_scale=None, found_inf=found_inf)
         if found_inf is not None:
             torch._foreach_sub_(steps, [found_inf] * len(steps))
+
+
+def _undecorated(method):
+    """The function a torch._disable_dynamo wrapper calls (functools.wraps keeps it as __wrapped__)."""
+    return getattr(method, "__wrapped__", method)
 
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:

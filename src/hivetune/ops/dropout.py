@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from hivetune.ops.triton_util import elementwise_grid, fused_ok, triton
+from hivetune.ops.triton_util import elementwise_grid, fused_ok, kernels, triton
 
-if triton is not None:
+
+@kernels
+def _define_kernels():
+    """The Triton kernels: defined at the first fused call, not at import (triton_util.kernels)."""
+    global triton, tl, _keep_eighths, _dropout_piece, _seeded_dropout, _mix32, _hashed_keep, _hashed_dropout
+    global _masked_add
+    import triton
     import triton.language as tl
 
     @triton.jit

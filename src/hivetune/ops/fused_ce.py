@@ -25,16 +25,17 @@ from __future__ import annotations
 import torch
 
 from hivetune.ops import blas
-from hivetune.ops.triton_util import fused_ok
-try:  # Triton is optional: CPUs and GPUs without it take the PyTorch chunk
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+from hivetune.ops.triton_util import fused_ok, kernels, triton
 
 CE_BLOCK = 4096  # vocabulary columns per step of the kernel's two passes over a row
 
-if triton is not None:
+
+@kernels
+def _define_kernels():
+    """The Triton kernels: defined at the first fused call, not at import (triton_util.kernels)."""
+    global triton, tl, _ce_rows
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def _ce_rows(LOGITS, TARGETS, LOSS, stride, V, ignore, BLOCK: tl.constexpr):

@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from hivetune.ops.triton_util import fused_ok, triton
-
-if triton is not None:
-    import triton.language as tl
+from hivetune.ops.triton_util import fused_ok, kernels, triton
 
 # ggml type id -> (name, weights per block, bytes per block)
 BLOCK_TYPES = {
@@ -156,7 +153,13 @@ def dequantize_triton(raw: torch.Tensor, qtype: int, cols: int, dtype: torch.dty
     return out
 
 
-if triton is not None:
+@kernels
+def _define_kernels():
+    """The Triton kernels: defined at the first fused call, not at import (triton_util.kernels)."""
+    global triton, tl, _half, _u8, _dequant_kernel
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def _half(ptr, mask):
         """The little-endian half at ptr (a uint8 pointer tensor), as fp32."""

@@ -17,9 +17,14 @@ import torch
 import torch.nn as nn
 
 from hivetune.core.fallbacks import note_fallback
-from hivetune.ops.triton_util import triton
+from hivetune.ops.triton_util import kernels, load_kernels, triton
 
-if triton is not None:
+
+@kernels
+def _define_kernels():
+    """The Triton kernels: defined at the first fused call, not at import (triton_util.kernels)."""
+    global triton, tl, _gather_rows
+    import triton
     import triton.language as tl
 
     @triton.jit
@@ -43,6 +48,7 @@ class HostEmbedding(nn.Module):
         table.copy_(weight.detach())  # one copy straight into pinned memory (no pageable staging)
         self.weight = nn.Parameter(table, requires_grad=False)
         self.num_embeddings, self.embedding_dim = self.weight.shape
+        load_kernels()  # its forward launches _gather_rows
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)

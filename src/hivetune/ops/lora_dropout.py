@@ -11,9 +11,15 @@ from __future__ import annotations
 import torch
 
 from hivetune.ops.dropout import keep_threshold
-from hivetune.ops.triton_util import fused_ok, triton
+from hivetune.ops.triton_util import fused_ok, kernels, triton
 
-if triton is not None:
+
+@kernels
+def _define_kernels():
+    """The Triton kernels: defined at the first fused call, not at import (triton_util.kernels)."""
+    global triton, tl, _keep_eighths, _x_piece, _a_piece_t, _dot_piece, _last_arrival, _drop_mm, _grad_piece
+    global _sum_splits, _drop_mm_grad, _add_piece, _mm_drop_add
+    import triton
     import triton.language as tl
 
     from hivetune.ops.dropout import _keep_eighths

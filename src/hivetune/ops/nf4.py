@@ -27,10 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hivetune.ops.triton_util import fused_ok, triton
-
-if triton is not None:
-    import triton.language as tl
+from hivetune.ops.triton_util import fused_ok, kernels, triton
 
 BLOCK = 64  # weights per absmax
 DQ_BLOCK = 256  # absmax values per second-level scale
@@ -177,7 +174,13 @@ def dequantize_triton(packed, q_absmax, absmax2, offset, shape, dtype) -> torch.
     return out
 
 
-if triton is not None:
+@kernels
+def _define_kernels():
+    """The Triton kernels: defined at the first fused call, not at import (triton_util.kernels)."""
+    global triton, tl, BLOCK_C, DQ_BLOCK_C, _dequant_kernel
+    import triton
+    import triton.language as tl
+
     # A jitted kernel reads module globals only as constexpr values.
     BLOCK_C, DQ_BLOCK_C = tl.constexpr(BLOCK), tl.constexpr(DQ_BLOCK)
 

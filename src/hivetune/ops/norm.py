@@ -13,12 +13,7 @@ import torch
 
 from hivetune.ops import dropout
 from hivetune.ops.dropout import keep_threshold
-from hivetune.ops.triton_util import fused_ok, triton
-
-if triton is not None:
-    import triton.language as tl
-
-    from hivetune.ops.dropout import _keep_eighths
+from hivetune.ops.triton_util import fused_ok, kernels, triton
 
 
 # ---------------------------------------------------------------- references (the oracle)
@@ -31,7 +26,16 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * xf.to(dtype)
 
 
-if triton is not None:
+@kernels
+def _define_kernels():
+    """The Triton kernels: defined at the first fused call, not at import (triton_util.kernels)."""
+    global triton, tl, _keep_eighths, _rms_norm_fwd, _rms_norm_bwd, _row_piece, _row_layout, _row_pieces
+    global _norm_drop_piece, _rms_norm_drop_fwd, _grad_in_piece, _norm_dx_piece, _rms_norm_drop_bwd
+    import triton
+    import triton.language as tl
+
+    from hivetune.ops.dropout import _keep_eighths
+
     @triton.jit(do_not_specialize=["eps"])
     def _rms_norm_fwd(X, W, Y, RSTD, stride, N, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)

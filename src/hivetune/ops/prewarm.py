@@ -10,6 +10,7 @@ import torch
 
 from hivetune.core.fallbacks import forced
 from hivetune.ops.adamw import FusedAdamW, clip_grad_norm
+from hivetune.ops.triton_util import load_kernels
 
 _PREWARM: threading.Thread | None = None
 PREWARM_DONE_AT: float | None = None  # time.perf_counter() when the prewarm thread finished (bench records it)
@@ -18,6 +19,7 @@ PREWARM_TAIL: str | None = None  # tail_kernels in the prewarm thread: "<ms> ms"
 
 def prewarm(device: torch.device) -> None:
     """Start, in a background thread, work a process otherwise does at its first training step:
+    - the fused ops' first call: importing Triton and defining their kernels (load_kernels);
     - Triton's, at its first kernel launch: hashing its own installation for the cache key
       (~0.4 s on the device's hosts) and importing its gluon modules (~0.2 s);
     - the kernels the first step meets only after its forward and backward, each run once on a
@@ -39,6 +41,7 @@ def prewarm(device: torch.device) -> None:
         global PREWARM_DONE_AT, PREWARM_TAIL
         if with_triton:
             try:
+                load_kernels()  # Triton's import and the ops' kernels, which the first fused call needs
                 from triton.runtime.cache import triton_key
 
                 triton_key()  # lru_cached: the first kernel's cache lookup then finds it done
@@ -61,9 +64,7 @@ def tail_kernels(device: torch.device) -> None:
     """What the loop runs after a step's backward (train.fit), on a few fp32 values of `device`:
     clip_grad_norm over gradients in one buffer (CUDA graphs' GradArena) and over separate ones,
     the finite check, and FusedAdamW's step with a found_inf: its flat one (_fresh_flat), whose
-    fused kernels torch's step launches too. Building the optimizer imports torch._dynamo (torch's
-    Optimizer does; 0.7 s on this project's CPU machine, 4-6 s of the thread's time on the device's
-    hosts), which the run's own optimizer, built before the loop, would import anyway."""
+    fused kernels torch's step launches too (FusedAdamW imports no torch._dynamo for it: ops.adamw)."""
     with torch.cuda.device(device):
         values = torch.zeros(64, device=device)
         grads = torch.full((64,), 0.5, device=device)

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from hivetune.ops.triton_util import fused_ok, triton
-
-if triton is not None:
-    import triton.language as tl
+from hivetune.ops.triton_util import fused_ok, kernels, triton
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -20,7 +17,13 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-if triton is not None:
+@kernels
+def _define_kernels():
+    """The Triton kernels: defined at the first fused call, not at import (triton_util.kernels)."""
+    global triton, tl, _rotate, _rope, _rope_heads, _rope_qkv
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def _rotate(x1, x2, c1, c2, s1, s2, sign):
         """Rotate-half RoPE of the halves x1, x2 (sign -1: the transpose, i.e. backward)."""

@@ -11,19 +11,23 @@ from __future__ import annotations
 import torch
 
 from hivetune.ops.dropout import keep_threshold
-from hivetune.ops.triton_util import elementwise_grid, fused_ok, triton
-
-if triton is not None:
-    import triton.language as tl
-
-    from hivetune.ops.dropout import _hashed_keep
+from hivetune.ops.triton_util import elementwise_grid, fused_ok, kernels, triton
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-if triton is not None:
+@kernels
+def _define_kernels():
+    """The Triton kernels: defined at the first fused call, not at import (triton_util.kernels)."""
+    global triton, tl, _hashed_keep, _swiglu_values, _swiglu_fwd, _swiglu_grads, _swiglu_bwd
+    global _swiglu_drop_fwd, _swiglu_drop_bwd
+    import triton
+    import triton.language as tl
+
+    from hivetune.ops.dropout import _hashed_keep
+
     @triton.jit
     def _swiglu_values(G, U, Y, i, n, COLS, STRIDE):
         """(which of i are < n, silu(g) * u there in Y's dtype, rounded as F.silu and the

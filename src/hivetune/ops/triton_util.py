@@ -10,16 +10,31 @@ autograd Function -> functional wrapper choosing the kernel or the reference."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import threading
 
 import torch
 
 from hivetune.core.fallbacks import forced, note_fallback
 
-try:  # Triton is optional: CPUs, ROCm builds without it, old GPUs take the references
-    import triton
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+
+class _NotImported:
+    """triton before the first fused call: installed, not imported yet."""
+
+    def __repr__(self) -> str:
+        return "<triton: imported at the first fused call>"
+
+
+# Triton is optional (CPUs, ROCm builds without it and old GPUs take the references). It is
+# imported with the ops' kernels at the first fused call or in train's prewarm thread
+# (load_kernels), not with hivetune: a process that never runs a kernel (the CLI, a CPU run, an
+# export) skips it (0.19 s of the training modules' 0.41 s import on the H200 host, docs/log.md).
+# None: not installed; _NotImported: installed, not imported yet; else the module.
+triton = _NotImported() if importlib.util.find_spec("triton") is not None else None
+_KERNELS: list = []  # each op module's function that defines its kernels (kernels), in import order
+_LOADED = False
+_LOCK = threading.RLock()
 
 _HALF = (torch.bfloat16, torch.float16)
 _FUSED_OPS = True  # the config key fused_ops, set once by train setup (set_fused_ops)
@@ -40,10 +55,39 @@ def fused_ok(x: torch.Tensor) -> bool:
     if not _FUSED_OPS or forced("fused_layers"):
         note_fallback("fused_layers", "fused RMSNorm / RoPE / SwiGLU", "asked for the reference", "PyTorch ops")
         return False
-    if triton is None:
+    if triton is None or (not _LOADED and not load_kernels()):
         note_fallback("fused_layers", "fused RMSNorm / RoPE / SwiGLU", "Triton is not installed", "PyTorch ops")
         return False
     return True
+
+
+def kernels(define):
+    """Decorator of an op module's function that imports Triton and defines the module's kernels
+    as its globals: load_kernels calls it (at once where they are loaded already)."""
+    with _LOCK:
+        _KERNELS.append(define)
+        if _LOADED and triton is not None:
+            define()
+    return define
+
+
+def load_kernels() -> bool:
+    """Import Triton and define every op module's kernels, once (the first fused call, or the
+    prewarm thread); whether Triton is there."""
+    global triton, _LOADED
+    if not _LOADED:
+        with _LOCK:
+            if not _LOADED:
+                try:
+                    import triton as module
+                except ImportError:  # a broken install: the references run
+                    module = None
+                triton = module
+                if module is not None:
+                    for define in _KERNELS:
+                        define()
+                _LOADED = True
+    return triton is not None
 
 
 def elementwise_grid(n: int, block: int) -> tuple[int]:

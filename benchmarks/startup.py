@@ -1,0 +1,181 @@
+"""Start-up time: how long hivetune takes before and around a training run, each figure over N
+fresh processes, and one JSON line appended to benchmarks/results/startup-<device>.jsonl.
+
+    python benchmarks/startup.py                       # 5 runs of each, the tiny job included
+    python benchmarks/startup.py --runs 10 --no-job    # the imports alone
+    python benchmarks/startup.py --cold-pyc            # every process compiles its Python sources
+
+Figures (seconds, median / min / max over the runs):
+- python:       `python -c pass`, the interpreter's own start (the floor of every other figure);
+- help:         `python -m hivetune --help` (goal: 0.3 s; it imports no torch);
+- import_torch: `python -c "import torch"`;
+- import_train: `import torch` then the modules a training run imports (hivetune.train.run /
+  setup / step / loop, hivetune.workflows.train_job), the whole process;
+- train_share:  the same modules timed inside the process after `import torch`: what hivetune
+  adds on top of torch (goal: 1.5 s on the GPU machine);
+- tokenizer_auto / tokenizer_saved: the tiny model's tokenizer built inside the process after
+  `import torch`, by transformers' AutoTokenizer (what a model folder takes) and by
+  hivetune.model.tokenizer.load_saved (what a GGUF file's converted tokenizer takes);
+- job:          `python -m hivetune train` on a tiny random model (2 layers, hidden 64) and 16
+  examples with --max-steps 2, the whole process (tokenizer, model, doctor's checks, two
+  steps, adapter); job_train_s is the run's own train_seconds (summary.json).
+
+--cold-pyc points PYTHONPYCACHEPREFIX at a new empty folder for each process, so that every
+module, torch's too, is compiled from source as on a machine whose site-packages keep no
+bytecode cache. Children inherit this process's environment (PYTHONPATH included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TRAIN_MODULES = ("hivetune.train.run", "hivetune.train.setup", "hivetune.train.step", "hivetune.train.loop",
+                 "hivetune.workflows.train_job")
+IMPORT_TRAIN = "import torch; " + "; ".join(f"import {m}" for m in TRAIN_MODULES)
+TRAIN_SHARE = ("import time, torch; t = time.perf_counter(); " + "; ".join(f"import {m}" for m in TRAIN_MODULES)
+               + "; print(time.perf_counter() - t)")
+# Modules that a training run's imports must not load (tests/test_imports.py checks the same list).
+HEAVY = ("torch._dynamo", "torch._inductor", "torch.distributed.fsdp", "transformers", "sklearn", "datasets",
+         "pyarrow", "matplotlib", "tensorboard", "mlflow", "wandb", "triton", "huggingface_hub", "jinja2", "sympy")
+TOKENIZER_AUTO = ("import sys, time, torch; t = time.perf_counter(); from transformers import AutoTokenizer; "
+                  "AutoTokenizer.from_pretrained(sys.argv[1], local_files_only=True); print(time.perf_counter() - t)")
+TOKENIZER_SAVED = ("import sys, time, torch; t = time.perf_counter(); from hivetune.model.tokenizer import load_saved; "
+                   "load_saved(sys.argv[1]); print(time.perf_counter() - t)")
+LOADED = (IMPORT_TRAIN + "; import sys, json; print(json.dumps(sorted(h for h in " + repr(HEAVY)
+          + " if h in sys.modules)))")
+CORPUS = ["How do I restart the nginx service? Run systemctl restart nginx as root.",
+          "Show the logs of sshd from the last hour with journalctl -u sshd --since '1 hour ago'.",
+          "List GPUs with nvidia-smi; podman run --device nvidia.com/gpu=all runs a container on them."]
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+          "+ '<|im_end|>' + '\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def build_tiny_job(folder: Path) -> tuple[Path, Path]:
+    """A 2-layer, hidden-64 random Llama with a 384-token byte-level BPE tokenizer (HF folder) and
+    16 alpaca records; returns (model folder, data file)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    model = folder / "tiny-llama"
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token=None)
+    fast.chat_template = CHATML
+    fast.save_pretrained(str(model))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(str(model))
+    data = folder / "data.jsonl"
+    services = ["nginx", "sshd", "redis", "podman"]
+    data.write_text("".join(json.dumps({"instruction": f"How do I restart {services[i % 4]}? ({i})", "input": "",
+                                        "output": f"Run `systemctl restart {services[i % 4]}` as root."}) + "\n"
+                            for i in range(16)))
+    return model, data
+
+
+def run_once(cmd: list[str], cold_pyc: bool, cwd: Path) -> tuple[float, str]:
+    """Wall seconds of one fresh process, and its stdout; exits on a failure."""
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory() as pyc:
+        if cold_pyc:
+            env["PYTHONPYCACHEPREFIX"] = pyc
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
+        wall = time.perf_counter() - t0
+    if proc.returncode:
+        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return wall, proc.stdout
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
+            "max": round(max(values), 3), "values": [round(v, 3) for v in values]}
+
+
+def measure(runs: int, cold_pyc: bool, job: bool, work: Path) -> dict:
+    """Each figure's runs, interleaved (one process of each figure per round) so that a slower
+    moment of the machine falls on all of them alike."""
+    py = sys.executable
+    commands = {"python": [py, "-c", "pass"], "help": [py, "-m", "hivetune", "--help"],
+                "import_torch": [py, "-c", "import torch"], "import_train": [py, "-c", IMPORT_TRAIN],
+                "train_share": [py, "-c", TRAIN_SHARE]}
+    if job:
+        model, data = build_tiny_job(work)
+        commands["tokenizer_auto"] = [py, "-c", TOKENIZER_AUTO, str(model)]
+        commands["tokenizer_saved"] = [py, "-c", TOKENIZER_SAVED, str(model)]
+        commands["job"] = [py, "-m", "hivetune", "train", "--model", str(model), "--data", str(data),
+                           "--max-steps", "2", "--quiet", "--output"]
+    values: dict[str, list[float]] = {name: [] for name in [*commands, *(["job_train_s"] if job else [])]}
+    for i in range(runs):
+        for name, cmd in commands.items():
+            if name == "job":
+                out = work / f"run{i}"
+                wall, _ = run_once(cmd + [str(out)], cold_pyc, work)
+                values["job_train_s"].append(json.loads((out / "summary.json").read_text())["train_seconds"])
+            else:
+                wall, stdout = run_once(cmd, cold_pyc, work)
+                if name in ("train_share", "tokenizer_auto", "tokenizer_saved"):
+                    wall = float(stdout.strip().splitlines()[-1])
+            values[name].append(wall)
+    figures = {name: spread(v) for name, v in values.items()}
+    figures["train_share_by_difference"] = round(figures["import_train"]["median"]
+                                                 - figures["import_torch"]["median"], 3)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5, help="fresh processes per figure (default 5)")
+    parser.add_argument("--no-job", dest="job", action="store_false",
+                        help="skip the tiny model (its tokenizer and its job)")
+    parser.add_argument("--cold-pyc", action="store_true", help="every process compiles its sources")
+    parser.add_argument("--results", default="benchmarks/results", help="folder of the JSONL results files")
+    parser.add_argument("--commit", default="", help="the commit measured (default: git rev-parse HEAD)")
+    parser.add_argument("--note", default="", help="free text (what else ran on the machine)")
+    args = parser.parse_args()
+
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        figures = measure(args.runs, args.cold_pyc, args.job, Path(tmp))
+        loaded = json.loads(run_once([sys.executable, "-c", LOADED], False, Path(tmp))[1].strip().splitlines()[-1])
+    load_after = os.getloadavg()
+
+    import torch  # the parent's environment record, once the children are done
+
+    from hivetune.workflows.bench import environment
+    from hivetune.workflows.bench_results import append_result, device_kind
+
+    cuda = torch.cuda.is_available()
+    env = environment(torch.device("cuda" if cuda else "cpu"), args.commit)
+    env.update(cpu_count=os.cpu_count(), load_average_before=[round(x, 2) for x in load_before],
+               load_average_after=[round(x, 2) for x in load_after], note=args.note)
+    record = {"workload": "startup", "device": device_kind(torch.cuda.get_device_name() if cuda else None),
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "commit": env["commit"],
+              "setting": ("cold pyc" if args.cold_pyc else "warm pyc") + f", {args.runs} runs",
+              "environment": env, "runs": args.runs, "figures": figures, "heavy_modules_after_import": loaded}
+    path = append_result(Path(args.results), record)
+    for name, f in figures.items():
+        text = f"{f:.3f}" if isinstance(f, float) else f"{f['median']:.3f} (min {f['min']:.3f}, max {f['max']:.3f})"
+        print(f"{name:28s} {text}")
+    print(f"heavy modules after the train imports: {loaded or 'none'}; appended to {path}")
+
+
+if __name__ == "__main__":
+    main()
