@@ -164,6 +164,27 @@ def test_train_mix_replays_a_share_of_the_earlier_data_as_chat(tmp_path):
     assert write_train_mix(new, [old], 0.0, 0, out) == (14, 0, 1) and len(out.read_text().splitlines()) == 14
 
 
+def test_curate_deduplicates_against_every_file_the_version_trained_on(tmp_path):
+    from types import SimpleNamespace
+
+    from hivetune.data.curate import curate
+    from hivetune.workflows.cycle import Cycle
+
+    chat = lambda q: {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "a"}]}
+    files = [write_jsonl(tmp_path / "a.jsonl", [chat("q0"), chat("q1")]),
+             write_jsonl(tmp_path / "b.jsonl", [{"instruction": "q2", "input": "", "output": "a"}])]
+    assert Cycle.previous_train_data(SimpleNamespace(folder=tmp_path), files[:1]) == files[0]
+    joined = Cycle.previous_train_data(SimpleNamespace(folder=tmp_path), files)
+    assert joined == tmp_path / "previous-train.jsonl"
+    assert joined.read_text().splitlines() == files[0].read_text().splitlines() + files[1].read_text().splitlines()
+    log = InteractionLog(tmp_path / "log.jsonl")
+    for q in ("q0", "q2", "q3"):
+        log.feedback(log.exchange("v", [{"role": "user", "content": q}], "a", 0.1, 1, 1), 1)
+    log.close()
+    result = curate([log.path], tmp_path / "out.jsonl", train_data=joined)
+    assert (result.new, result.dropped["duplicate_train"]) == (1, 2)
+
+
 def test_real_cycle_promotes_good_data_and_rejects_data_contradicting_the_regression_set(tmp_path, base):
     """Every stage real: cycle 1 learns answers that agree with the regression set (promoted);
     cycle 2 learns, from v0001, corrections that contradict it (held-out better, regression worse:

@@ -113,6 +113,7 @@ def unfinished_cycles(root: Path) -> list[Path]:
 def collect(root: Path, opts: CycleOptions) -> tuple[Path | None, int]:
     """Snapshot the new log lines into a new cycle folder (created whole, with collect.json), or
     (None, exchanges) when there are fewer than opts.min_examples new exchanges."""
+    start_time = time.monotonic()
     cycles = root / "cycles"
     for stale in cycles.glob(".c*.tmp-*"):  # a collect killed half-way (we hold the cycle lock)
         shutil.rmtree(stale, ignore_errors=True)
@@ -147,7 +148,8 @@ def collect(root: Path, opts: CycleOptions) -> tuple[Path | None, int]:
             "cycle": cid, "time": utc_now(), "version": reg.current_version(root), "files": files,
             "exchanges": count, "rated": sum(e.rating is not None for e in contents.exchanges.values()),
             "corrected": sum(e.correction is not None for e in contents.exchanges.values()),
-            "broken_lines": contents.broken_lines, "options": asdict(opts)})
+            "broken_lines": contents.broken_lines, "options": asdict(opts),
+            "seconds": round(time.monotonic() - start_time, 3)})
         reg.fsync_tree(tmp)
         os.rename(tmp, cycles / cid)
         fsync_dir(cycles)
