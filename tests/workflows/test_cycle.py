@@ -1,9 +1,10 @@
-"""`hivetune cycle` (workflows/cycle.py) on a tiny random model: nothing to do without enough new
-logs; the gate promotes a better candidate and rejects a worse one; a cycle SIGKILLed before each
-stage in turn (and once in the middle of training) is finished by the next run without redoing a
-finished stage. Tools this checkout lacks (data curate, eval --candidate, train --init-adapter)
-are stood in by tests/workflows/fake_cycle_tools.py through run_cycles' `commands`; the real
-end-to-end test runs once `hivetune data curate --help` works."""
+"""`hivetune cycle` (workflows/cycle.py) on a tiny random model, with the real tools (`data curate`,
+`data split`, `train --init-adapter`, `eval --candidate --against`): nothing to do without enough
+new logs; too little curated data leaves the logs for the next cycle; a failed stage names its log;
+a cycle learning good answers is promoted and one learning answers that contradict the regression
+set is rejected; a cycle SIGKILLed before each stage in turn (and once in the middle of training)
+is finished by the next run without redoing a finished stage (there eval is stood in by
+tests/workflows/fake_cycle_tools.py, so the end does not hang on how 3 steps score)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,14 @@ import pytest
 from conftest import build_tiny_model, build_tokenizer, write_jsonl
 from hivetune.cli import main
 from hivetune.core.errors import UserError
-from hivetune.data.interaction_log import InteractionLog, read_logs
+from hivetune.data.interaction_log import InteractionLog
 from hivetune.workflows import registry as reg
-from hivetune.workflows.cycle import STAGES, CycleOptions, format_report, gate, run_cycles
+from hivetune.workflows.cycle import STAGES, CycleOptions, format_report, gate, run_cycles, write_train_mix
 
 SRC = Path(__file__).parents[2] / "src"
-FAKE = str(Path(__file__).with_name("fake_cycle_tools.py"))
 ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-FAKES = {"curate": [sys.executable, FAKE, "curate"], "eval": [sys.executable, FAKE, "eval"],
-         "train": [sys.executable, FAKE, "train"]}
+# eval with a set verdict: held-out 1.0 (candidate) vs 1.5, regression 2.0 vs 2.01: promoted
+FAKE_EVAL = {"eval": [sys.executable, str(Path(__file__).with_name("fake_cycle_tools.py")), "1.0", "1.5", "2.0", "2.01"]}
 TRAIN_SET = ["max_steps=3", "batch_size=4", "device=cpu", "lora.r=2"]
 SERVICES = ["nginx", "sshd", "redis", "podman", "httpd", "chronyd"]
 
@@ -45,37 +45,45 @@ def base(tmp_path_factory) -> Path:
     return folder
 
 
-def new_registry(tmp_path: Path, base: Path, heldout_loss=(1.0, 1.5), regression_loss=(2.0, 2.01)) -> Path:
+def new_registry(tmp_path: Path, base: Path) -> Path:
     root = tmp_path / "REG"
     reg.init_registry(root, str(base))
     write_jsonl(root / "regression.jsonl", [{"messages": [{"role": "user", "content": f"restart {s}?"},
                                                           {"role": "assistant", "content": f"systemctl restart {s}"}]}
                                             for s in SERVICES])
-    set_fake_losses(root, heldout_loss, regression_loss)
     return root
 
 
-def set_fake_losses(root: Path, heldout, regression) -> None:
-    (root / "fake-eval.json").write_text(json.dumps({"heldout": heldout, "regression": regression}))
-
-
-def serve(root: Path, n: int, start: int = 0, day: str = "2026-11-28", answer: str = "systemctl restart {s}") -> None:
-    """n exchanges as `hivetune serve` logs them: every 4th disliked, every 3rd corrected."""
+def serve(root: Path, n: int, start: int = 0, day: str = "2026-11-28", answer: str = "systemctl restart {s}",
+          correction: str | None = None, unrated: tuple = ()) -> None:
+    """n exchanges as `hivetune serve` logs them. Without `correction`: every 4th disliked, every 3rd
+    corrected, the rest liked, those numbered in `unrated` left unrated; with it: each corrected so."""
     log = InteractionLog(root / "logs" / f"interactions-{day}.jsonl")
     for i in range(start, start + n):
         s = SERVICES[i % len(SERVICES)]
         ex = log.exchange("v", [{"role": "user", "content": f"How do I restart {s}? ({i})"}],
                           answer.format(s=s), 0.1, 5, 5)
-        if i % 4 == 3:
+        if correction is not None:
+            log.feedback(ex, -1, correction=correction)
+        elif i in unrated:
+            continue
+        elif i % 4 == 3:
             log.feedback(ex, -1)
         elif i % 3 == 2:
             log.feedback(ex, 1, correction=f"Run `systemctl restart {s}` as root. ({i})")
+        else:
+            log.feedback(ex, 1)
     log.close()
 
 
-def calls(root: Path) -> list[dict]:
-    path = root / "fake-calls.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+def tool_argv(folder: Path, stage: str) -> list[str]:
+    """The command line of the last tool run of `stage` (the `$ ` lines of CYCLE/<stage>.log)."""
+    lines = [line for line in (folder / f"{stage}.log").read_text().splitlines() if line.startswith("$ ")]
+    return lines[-1][2:].split(" ")
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
 
 
 def test_too_few_new_exchanges_is_nothing_to_do(tmp_path, base, capsys):
@@ -88,27 +96,32 @@ def test_too_few_new_exchanges_is_nothing_to_do(tmp_path, base, capsys):
     assert capsys.readouterr().err == "hivetune: error: --replay: expected a fraction in [0, 1), got 1.5\n"
 
 
-def test_too_few_curated_examples_leave_the_logs_for_the_next_cycle(tmp_path, base, capsys):
+def test_too_few_curated_examples_leave_the_logs_for_the_next_cycle(tmp_path, base):
     root = new_registry(tmp_path, base)
-    serve(root, 24)  # 18 of them curated: fewer than 20
-    [report] = run_cycles(root, CycleOptions(), commands=FAKES)
+    serve(root, 24)  # 6 disliked: 18 curated, fewer than 20
+    [report] = run_cycles(root, CycleOptions())
     assert report["status"] == "too-little-data" and (report["exchanges"], report["curated"]) == (24, 18)
-    assert sorted(p.name for p in Path(report["folder"]).glob("*.json")) == ["collect.json", "curate.json", "report.json"]
+    folder = Path(report["folder"])
+    assert sorted(p.name for p in folder.glob("*.json")) == ["collect.json", "curate.json", "report.json"]
+    assert tool_argv(folder, "curate")[-2:] == ["--out", str(folder / "curated.jsonl")]
     assert format_report(report).splitlines()[1:3] == [
         "  data:  24 exchanges -> 18 curated examples",
         "  fewer curated examples than --min-examples: the logs stay for the next cycle"]
-    serve(root, 4, start=24, day="2026-11-29")
-    [again] = run_cycles(root, CycleOptions(min_examples=28), commands=FAKES)
-    assert again["status"] == "too-little-data" and again["exchanges"] == 28  # yesterday's 24 again, and 4 new
-    [since] = run_cycles(root, CycleOptions(data_since="2026-11-29", min_examples=4), commands=FAKES)
-    assert since["status"] == "too-little-data" and since["exchanges"] == 4
+    serve(root, 4, start=24, day="2026-11-29", unrated=(24, 25))  # 26 corrected, 27 disliked
+    [again] = run_cycles(root, CycleOptions(min_examples=28))
+    assert again["status"] == "too-little-data" and (again["exchanges"], again["curated"]) == (28, 19)
+    [since] = run_cycles(root, CycleOptions(data_since="2026-11-29", min_examples=4))
+    assert since["status"] == "too-little-data" and (since["exchanges"], since["curated"]) == (4, 1)
+    [unrated] = run_cycles(root, CycleOptions(data_since="2026-11-29", min_examples=4, keep_unrated=True))
+    assert (unrated["exchanges"], unrated["curated"]) == (4, 3)
+    assert tool_argv(Path(unrated["folder"]), "curate")[-1] == "--keep-unrated"
     assert reg.current_version(root) is None
 
 
 def test_a_failed_stage_stops_with_its_log_and_runs_again_next_time(tmp_path, base):
     root = new_registry(tmp_path, base)
     serve(root, 24)
-    broken = {**FAKES, "curate": [sys.executable, "-c", "import sys; print('curate: no such flag'); sys.exit(3)"]}
+    broken = {"curate": [sys.executable, "-c", "import sys; print('curate: no such flag'); sys.exit(3)"]}
     with pytest.raises(UserError) as e:
         run_cycles(root, CycleOptions(), commands=broken)
     [folder] = [p for p in (root / "cycles").iterdir() if not p.name.startswith(".")]
@@ -117,7 +130,7 @@ def test_a_failed_stage_stops_with_its_log_and_runs_again_next_time(tmp_path, ba
     assert first.endswith(f"exited with 3; see {folder}/curate.log; `hivetune cycle --registry {root}` runs the "
                           f"stage again")
     assert rest == ["  curate: no such flag"]
-    [report, nothing] = run_cycles(root, CycleOptions(), commands=FAKES)
+    [report, nothing] = run_cycles(root, CycleOptions())
     assert report["cycle"] == folder.name and report["status"] == "too-little-data"
     assert nothing["status"] == "nothing-to-do"
 
@@ -136,13 +149,55 @@ def test_gate_promotes_only_a_better_candidate_within_the_margin():
         "regression loss 2.0500 is above 2.0400 (2.0000 + 2%)"]
 
 
-def test_cycle_promotes_a_better_candidate_then_rejects_one_worse_on_regression(tmp_path, base):
+def test_train_mix_replays_a_share_of_the_earlier_data_as_chat(tmp_path):
+    chat = lambda q, a: {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+    new = write_jsonl(tmp_path / "new.jsonl", [chat(f"q{i}", f"a{i}") for i in range(14)])
+    old = write_jsonl(tmp_path / "old.jsonl", [chat(f"old{i}", "x") for i in range(4)]
+                      + [{"instruction": f"alpaca{i}", "input": "", "output": "y"} for i in range(4)]
+                      + [{"text": "plain text"}])
+    out = tmp_path / "train.jsonl"
+    assert write_train_mix(new, [old], 0.3, 0, out) == (14, 6, 1)  # round(0.3 / 0.7 * 14) replayed
+    lines = out.read_text().splitlines()
+    assert lines[:14] == new.read_text().splitlines()
+    replayed = [json.loads(line) for line in lines[14:]]
+    assert all(r["messages"][-1]["content"] in ("x", "y") for r in replayed)
+    assert write_train_mix(new, [old], 0.0, 0, out) == (14, 0, 1) and len(out.read_text().splitlines()) == 14
+
+
+def test_curate_deduplicates_against_every_file_the_version_trained_on(tmp_path):
+    from types import SimpleNamespace
+
+    from hivetune.data.curate import curate
+    from hivetune.workflows.cycle import Cycle
+
+    chat = lambda q: {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "a"}]}
+    files = [write_jsonl(tmp_path / "a.jsonl", [chat("q0"), chat("q1")]),
+             write_jsonl(tmp_path / "b.jsonl", [{"instruction": "q2", "input": "", "output": "a"}])]
+    assert Cycle.previous_train_data(SimpleNamespace(folder=tmp_path), files[:1]) == files[0]
+    joined = Cycle.previous_train_data(SimpleNamespace(folder=tmp_path), files)
+    assert joined == tmp_path / "previous-train.jsonl"
+    assert joined.read_text().splitlines() == files[0].read_text().splitlines() + files[1].read_text().splitlines()
+    log = InteractionLog(tmp_path / "log.jsonl")
+    for q in ("q0", "q2", "q3"):
+        log.feedback(log.exchange("v", [{"role": "user", "content": q}], "a", 0.1, 1, 1), 1)
+    log.close()
+    result = curate([log.path], tmp_path / "out.jsonl", train_data=joined)
+    assert (result.new, result.dropped["duplicate_train"]) == (1, 2)
+
+
+def test_real_cycle_promotes_good_data_and_rejects_data_contradicting_the_regression_set(tmp_path, base):
+    """Every stage real: cycle 1 learns answers that agree with the regression set (promoted);
+    cycle 2 learns, from v0001, corrections that contradict it (held-out better, regression worse:
+    rejected); a third finds nothing new."""
     root = new_registry(tmp_path, base)
-    serve(root, 24)
-    opts = CycleOptions(train_set=TRAIN_SET, min_examples=10)
-    [first] = run_cycles(root, opts, commands=FAKES)
-    assert first["status"] == "promoted" and first["version"] == "v0001" and reg.current_version(root) == "v0001"
-    assert (first["exchanges"], first["curated"], first["train"], first["heldout"], first["replay"]) == (24, 18, 14, 4, 0)
+    opts = CycleOptions(train_set=["max_steps=30", "batch_size=4", "device=cpu", "lr=0.005"], min_examples=20)
+    serve(root, 40)
+    [first] = run_cycles(root, opts)
+    assert first["status"] == "promoted", first
+    assert first["version"] == "v0001" and reg.current_version(root) == "v0001"
+    assert (first["exchanges"], first["curated"], first["train"], first["heldout"], first["replay"]) == (40, 30, 24, 6, 0)
+    held = first["figures"]["heldout"]
+    assert held["candidate"] < held["against"] and held["examples"] == 6
     folder = Path(first["folder"])
     assert sorted(p.name for p in folder.glob("*.json")) == sorted(f"{s}.json" for s in STAGES)
     v1 = reg.read_version(root, "v0001")
@@ -150,34 +205,38 @@ def test_cycle_promotes_a_better_candidate_then_rejects_one_worse_on_regression(
     assert v1["metrics"] == json.loads((folder / "eval" / "compare.json").read_text())
     assert v1["data"]["train"] == ["train.jsonl"]
     assert v1["data"]["files"]["train.jsonl"] == reg.sha256_file(folder / "train.jsonl")
-    curate, train, ev = calls(root)
-    assert "--train-data" not in curate["argv"] and "--init-adapter" not in train["argv"]
-    assert ev["argv"][ev["argv"].index("--against") + 1] == "base"
-    assert ev["argv"][ev["argv"].index("--regression") + 1] == str(root / "regression.jsonl")
+    curate, train, ev = (tool_argv(folder, s) for s in ("curate", "train", "eval"))
+    assert "--train-data" not in curate and "--init-adapter" not in train
+    assert (flag(ev, "--against"), flag(ev, "--model"), flag(ev, "--device")) == ("base", str(base), "cpu")
+    assert flag(ev, "--regression") == str(root / "regression.jsonl")
 
-    serve(root, 24, start=24)  # the same day's file, appended: only the new lines are collected
-    set_fake_losses(root, (0.9, 1.0), (2.3, 2.0))
-    [second] = run_cycles(root, opts, commands=FAKES)
-    assert second["status"] == "rejected" and reg.current_version(root) == "v0001"
-    assert second["reasons"] == ["regression loss 2.3000 is above 2.0400 (2.0000 + 2%)"]
-    assert [v["id"] for v in reg.list_versions(root)] == ["v0001"]
-    collected = json.loads((Path(second["folder"]) / "collect.json").read_text())
+    # the same day's file, appended: answers and corrections that contradict the regression set
+    serve(root, 40, start=40, answer="Never restart {s}: reboot the whole machine instead.",
+          correction="Never restart it: reboot the whole machine instead.")
+    [second] = run_cycles(root, CycleOptions(**{**opts.__dict__, "replay": 0.0}))
+    assert second["status"] == "rejected", second
+    held, regr = second["figures"]["heldout"], second["figures"]["regression"]
+    assert held["candidate"] < held["against"] and regr["candidate"] > regr["limit"]
+    assert second["reasons"] == [f"regression loss {regr['candidate']:.4f} is above {regr['limit']:.4f} "
+                                 f"({regr['against']:.4f} + 2%)"]
+    assert reg.current_version(root) == "v0001" and [v["id"] for v in reg.list_versions(root)] == ["v0001"]
+    folder2 = Path(second["folder"])
+    collected = json.loads((folder2 / "collect.json").read_text())["files"]
     first_to = json.loads((folder / "collect.json").read_text())["files"]["interactions-2026-11-28.jsonl"]["to"]
-    assert list(collected["files"]) == ["interactions-2026-11-28.jsonl"]
-    assert collected["files"]["interactions-2026-11-28.jsonl"]["from"] == first_to
-    v1_train = root / "versions/v0001/data/train.jsonl"
-    curate, train, ev = calls(root)[3:]
-    assert curate["argv"][curate["argv"].index("--train-data") + 1] == str(v1_train)
-    assert train["argv"][train["argv"].index("--init-adapter") + 1] == str(root / "versions/v0001/adapter")
-    assert ev["argv"][ev["argv"].index("--against") + 1] == str(root / "versions/v0001/adapter")
-    assert second["replay"] == 6  # round(0.3 / 0.7 * 14)
-    mixed = (Path(second["folder"]) / "train.jsonl").read_text().splitlines()
-    assert len(mixed) == 20 and set(mixed[14:]) <= set(v1_train.read_text().splitlines())
-    summary = format_report(second).splitlines()
-    assert summary[0] == f"cycle {second['cycle']}: rejected"
-    assert summary[1] == "  data:  24 exchanges -> 18 curated examples -> 14 train + 6 replayed, 4 held out"
-    assert summary[-2:] == ["  v0001 stays in service", f"  folder: {second['folder']}"]
-    assert run_cycles(root, opts, commands=FAKES)[0]["status"] == "nothing-to-do"
+    assert list(collected) == ["interactions-2026-11-28.jsonl"]
+    assert collected["interactions-2026-11-28.jsonl"]["from"] == first_to
+    assert (second["exchanges"], second["curated"], second["train"], second["heldout"]) == (40, 40, 32, 8)
+    v1_dir = root / "versions" / "v0001"
+    curate, train, ev = (tool_argv(folder2, s) for s in ("curate", "train", "eval"))
+    assert flag(curate, "--train-data") == str(v1_dir / "data" / "train.jsonl")
+    assert flag(train, "--init-adapter") == str(v1_dir / "adapter") == flag(ev, "--against")
+    summary = json.loads((folder2 / "run" / "summary.json").read_text())
+    assert summary["init_adapter"]["path"] == str((v1_dir / "adapter").resolve())
+    lines = format_report(second).splitlines()
+    assert lines[:2] == [f"cycle {second['cycle']}: rejected",
+                         "  data:  40 exchanges -> 40 curated examples -> 32 train + 0 replayed, 8 held out"]
+    assert lines[-2:] == ["  v0001 stays in service", f"  folder: {folder2}"]
+    assert run_cycles(root, opts)[0]["status"] == "nothing-to-do"
 
 
 RUNNER = """
@@ -195,7 +254,7 @@ print(json.dumps(run_cycles(root, opts, commands=json.loads(sys.argv[4]), on_sta
 
 
 def run_killed(root: Path, kill_at: str, mid_train: float = 0.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", RUNNER, str(root), kill_at, str(mid_train), json.dumps(FAKES)],
+    return subprocess.run([sys.executable, "-c", RUNNER, str(root), kill_at, str(mid_train), json.dumps(FAKE_EVAL)],
                           env=ENV, capture_output=True, text=True)
 
 
@@ -223,41 +282,7 @@ def test_a_killed_cycle_resumes_from_its_first_unfinished_stage(tmp_path, base):
     assert report["status"] == "promoted" and nothing["status"] == "nothing-to-do"
     assert {k: v for k, v in stage_files(root).items() if k in before} == before
     assert reg.current_version(root) == "v0001" and len(reg.list_versions(root)) == 1
-    assert [c["tool"] for c in calls(root)] == ["curate", "train", "train", "eval"]  # train: once killed
     folder = Path(report["folder"])
-    assert (folder / "split.log").read_text().count("$ ") == 1
+    runs = {s: (folder / f"{s}.log").read_text().count("\n$ ") + 1 for s in ("curate", "split", "train", "eval")}
+    assert runs == {"curate": 1, "split": 1, "train": 2, "eval": 1}  # train: once killed
     assert json.loads((folder / "train.json").read_text())["steps"] == 3
-
-
-def real_tools_present() -> bool:
-    p = subprocess.run([sys.executable, "-m", "hivetune", "data", "curate", "--help"], env=ENV,
-                       capture_output=True)
-    return p.returncode == 0
-
-
-@pytest.mark.skipif(not real_tools_present(), reason="`hivetune data curate` is not in this checkout yet")
-def test_real_cycle_promotes_good_data_and_rejects_data_contradicting_the_regression_set(tmp_path, base):
-    """Every stage real: cycle 1 learns answers that agree with the regression set (promoted);
-    cycle 2 learns corrections that contradict it (held-out better, regression worse: rejected)."""
-    first, second = good_then_contradicting_cycles(tmp_path, base)
-    assert first["status"] == "promoted", first
-    assert first["figures"]["heldout"]["candidate"] < first["figures"]["heldout"]["against"]
-    assert second["status"] == "rejected", second
-    assert second["figures"]["heldout"]["candidate"] < second["figures"]["heldout"]["against"]
-    assert second["figures"]["regression"]["candidate"] > second["figures"]["regression"]["limit"]
-    assert reg.current_version(tmp_path / "REG") == "v0001"
-
-
-def good_then_contradicting_cycles(tmp_path: Path, base: Path, commands: dict | None = None) -> tuple[dict, dict]:
-    root = new_registry(tmp_path, base)
-    (root / "fake-eval.json").unlink()
-    opts = CycleOptions(train_set=["max_steps=30", "batch_size=4", "device=cpu", "lr=0.005"], min_examples=20)
-    serve(root, 40)
-    [first] = run_cycles(root, opts, commands=commands)
-    serve(root, 40, start=40, day="2026-11-29", answer="Never restart {s}: reboot the whole machine instead.")
-    log = InteractionLog(root / "logs" / "interactions-2026-11-29.jsonl")
-    for ex in list(read_logs([log.path]).exchanges):
-        log.feedback(ex, 1, correction="Never restart it: reboot the whole machine instead.")
-    log.close()
-    [second] = run_cycles(root, CycleOptions(**{**opts.__dict__, "replay": 0.0}), commands=commands)
-    return first, second

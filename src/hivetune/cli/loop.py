@@ -95,6 +95,8 @@ def add_cycle_parser(sub) -> None:
                      help="share of the new data held out for the comparison (default 0.2)")
     cyc.add_argument("--min-examples", type=int, default=20, metavar="N",
                      help="fewer new exchanges or curated examples than this: nothing to do (default 20)")
+    cyc.add_argument("--keep-unrated", action="store_true",
+                     help="also learn from unrated exchanges, with their answer (default: rated good or corrected)")
     cyc.add_argument("--train-set", dest="train_set", action="append", default=[], metavar="KEY=VALUE",
                      help="a training config key for this cycle's training (repeatable), e.g. max_steps=50")
     cyc.add_argument("--json", action="store_true", help="print the reports (a finished cycle's, the new one's) as a JSON list")
@@ -104,7 +106,7 @@ def run_cycle_command(ns) -> int:
     from hivetune.workflows.cycle import CycleOptions, format_report, run_cycles
 
     opts = CycleOptions(data_since=ns.data_since, replay=ns.replay, margin=ns.margin, heldout=ns.heldout,
-                        min_examples=ns.min_examples, train_set=ns.train_set)
+                        min_examples=ns.min_examples, keep_unrated=ns.keep_unrated, train_set=ns.train_set)
     reports = run_cycles(ns.registry, opts)
     print(json.dumps(reports, indent=2) if ns.json else "\n\n".join(format_report(r) for r in reports))
     return 0

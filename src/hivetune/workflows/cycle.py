@@ -1,13 +1,14 @@
 """`hivetune cycle`: one turn of the learning loop on a registry (workflows/registry.py).
 
     collect   snapshot the log lines of REG/logs/*.jsonl no earlier cycle used -> CYCLE/logs/
-    curate    `hivetune data curate` -> CYCLE/curated.jsonl (minus what the version in service trained on)
+    curate    `hivetune data curate` -> CYCLE/curated.jsonl (minus what the version in service trained on;
+              its replay stays off: the cycle replays after the split, so held-out data is new data only)
     split     `hivetune data split` -> new-train.jsonl + heldout.jsonl; train.jsonl = new-train plus a
               --replay share drawn from the data of the version in service
     train     `hivetune train --init-adapter REG/versions/<in service>/adapter` -> CYCLE/run
     export    CYCLE/lora-adapter.gguf when the base is a .gguf (export's LoRA GGUF, for llama.cpp)
-    eval      `hivetune eval --candidate CYCLE/run --against <in service> --data heldout.jsonl
-              [--regression REG/regression.jsonl]` -> CYCLE/eval/compare.json
+    eval      `hivetune eval --candidate CYCLE/run --against <in service> --model BASE --data heldout.jsonl
+              [--regression REG/regression.jsonl]` -> CYCLE/eval/compare.json, on the training device
     gate      promote only when the candidate's held-out loss is lower and its regression loss is at
               most (1 + --margin) x that of the version in service
     register  add the run as a new version and promote it, or record the rejection
@@ -58,6 +59,7 @@ class CycleOptions:
     margin: float = 0.02  # relative rise of the regression loss the gate accepts
     heldout: float = 0.2  # share of the curated data held out for the comparison
     min_examples: int = 20  # fewer new exchanges or curated examples: nothing to do
+    keep_unrated: bool = False  # curate unrated exchanges too, with their answer
     train_set: list[str] = field(default_factory=list)  # KEY=VALUE training config overrides
     seed: int = 0
 
@@ -111,6 +113,7 @@ def unfinished_cycles(root: Path) -> list[Path]:
 def collect(root: Path, opts: CycleOptions) -> tuple[Path | None, int]:
     """Snapshot the new log lines into a new cycle folder (created whole, with collect.json), or
     (None, exchanges) when there are fewer than opts.min_examples new exchanges."""
+    start_time = time.monotonic()
     cycles = root / "cycles"
     for stale in cycles.glob(".c*.tmp-*"):  # a collect killed half-way (we hold the cycle lock)
         shutil.rmtree(stale, ignore_errors=True)
@@ -145,7 +148,8 @@ def collect(root: Path, opts: CycleOptions) -> tuple[Path | None, int]:
             "cycle": cid, "time": utc_now(), "version": reg.current_version(root), "files": files,
             "exchanges": count, "rated": sum(e.rating is not None for e in contents.exchanges.values()),
             "corrected": sum(e.correction is not None for e in contents.exchanges.values()),
-            "broken_lines": contents.broken_lines, "options": asdict(opts)})
+            "broken_lines": contents.broken_lines, "options": asdict(opts),
+            "seconds": round(time.monotonic() - start_time, 3)})
         reg.fsync_tree(tmp)
         os.rename(tmp, cycles / cid)
         fsync_dir(cycles)
@@ -248,12 +252,23 @@ class Cycle:
         out.unlink(missing_ok=True)
         logs = sorted((self.folder / "logs").iterdir())
         train_data = reg.version_train_files(self.root, self.parent)
-        self.tool("curate", "curate", [*logs, "--out", out, *flag_each("--train-data", train_data)])
+        dedupe = [] if not train_data else ["--train-data", self.previous_train_data(train_data)]
+        unrated = ["--keep-unrated"] if self.opts.keep_unrated else []
+        self.tool("curate", "curate", [*logs, "--out", out, *dedupe, *unrated])
         n = count_records(out)
         result = {"out": str(out), "examples": n, "train_data": [str(p) for p in train_data]}
         if n < self.opts.min_examples:
             result["stop"] = "too-little-data"
         return result
+
+    def previous_train_data(self, files: list[Path]) -> Path:
+        """curate's one --train-data: the version's file, or its files joined into CYCLE/previous-train.jsonl."""
+        if len(files) == 1:
+            return files[0]
+        out = self.folder / "previous-train.jsonl"
+        text = "".join(line + "\n" for f in files for line in f.read_text().splitlines() if line.strip())
+        atomic_write_with(out, lambda tmp: Path(tmp).write_text(text))
+        return out
 
     def stage_split(self) -> dict:
         f = self.folder
@@ -288,8 +303,10 @@ class Cycle:
         against = "base" if self.parent is None else reg.version_dir(self.root, self.parent) / "adapter"
         regression = self.root / "regression.jsonl"
         extra = ["--regression", regression] if regression.is_file() else []
-        self.tool("eval", "eval", ["--candidate", self.folder / "run", "--against", against,
-                                   "--data", self.folder / "heldout.jsonl", *extra, "--out", out])
+        device = [x for pair in self.opts.train_set if pair.partition("=")[0] == "device"
+                  for x in ("--device", pair.partition("=")[2])][-2:]  # where training ran
+        self.tool("eval", "eval", ["--candidate", self.folder / "run", "--against", against, "--model", self.base,
+                                   "--data", self.folder / "heldout.jsonl", *extra, "--out", out, *device])
         if not (out / "compare.json").is_file():
             raise UserError(f"cycle {self.folder.name}: eval wrote no {out / 'compare.json'}")
         return {"compare": str(out / "compare.json"), "against": str(against),
