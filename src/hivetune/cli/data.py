@@ -44,6 +44,12 @@ def add_data_parser(sub) -> None:
     collect.add_argument("--out", required=True, metavar="FILE",
                          help="JSONL data file to append to (created if missing)")
     collect.add_argument("--format", default="auto", help="chat | alpaca | auto (FILE's format; chat for a new file)")
+    pairs = dsub.add_parser("pairs", help="preference pairs from interaction logs: corrections of answers rated bad",
+                            description="Every exchange rated -1 with a correction becomes a pair {messages, chosen: "
+                                        "the correction, rejected: the answer} for train --method dpo / orpo.")
+    pairs.add_argument("logs", nargs="+", metavar="LOG", help="interaction logs (JSONL, as `hivetune serve` writes)")
+    pairs.add_argument("--out", required=True, metavar="FILE", help="JSONL file of pairs to write")
+    pairs.add_argument("--force", action="store_true", help="overwrite an existing --out")
 
 
 def add_source_flags(parser) -> None:
@@ -72,7 +78,7 @@ def data_source(ns):
 def run_data(ns) -> int:
     command = ns.data_command
     if command is None:
-        raise UserError("data: name a subcommand: synth, validate, stats, split or collect (see hivetune data --help)")
+        raise UserError("data: name a subcommand: synth, validate, stats, split, collect or pairs (see hivetune data --help)")
     if command == "synth":
         from hivetune.data.synth_file import format_synth, write_synthetic
 
@@ -93,6 +99,11 @@ def run_data(ns) -> int:
         from hivetune.data.split import format_split, split_file
 
         print(format_split(split_file(ns.file, ns.heldout, ns.seed, ns.out_train, ns.out_heldout, ns.force)))
+        return 0
+    if command == "pairs":
+        from hivetune.data.pairs import format_pairs, pairs_from_logs
+
+        print(format_pairs(pairs_from_logs(ns.logs, ns.out, ns.force)))
         return 0
     from hivetune.data.collect import collect_log, format_collect
 

@@ -15,6 +15,7 @@ Micro-batches (collate_pairs), per pair j of P, sequences 2j (chosen) and 2j+1 (
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ import torch
 
 from hivetune.core.errors import UserError
 from hivetune.core.fileio import atomic_write_bytes
-from hivetune.data.formats import checked_source, render_chat
+from hivetune.data.formats import checked_source, pair_answer_text, render_chat
 from hivetune.data.sources import DataSource
 from hivetune.ops.attention import Masked
 from hivetune.ops.preference import shared_prompt_mask
@@ -83,6 +84,30 @@ def encode_pair(record: dict, tokenizer, max_length: int) -> EncodedPair:
         room = max_length - len(prompt)
         chosen, rejected = chosen[:room], rejected[:room]
     return EncodedPair(prompt, chosen, rejected, truncated)
+
+
+def pair_prompt(record: dict) -> str:
+    """A pair's question, for near duplicates: the prompt, or its user turns."""
+    return "\n".join(m["content"] for m in prompt_messages(record) if m["role"] == "user")
+
+
+def pair_key(record: dict) -> int:
+    """64-bit hash of the normalised prompt, chosen and rejected: equal keys are duplicate pairs."""
+    from hivetune.data.scan import normalise
+
+    parts = [f"{m['role']}:{m['content']}" for m in prompt_messages(record)]
+    parts += [pair_answer_text(record[name]) for name in ("chosen", "rejected")]
+    joined = "\x1f".join(normalise(p) for p in parts)
+    return int.from_bytes(hashlib.blake2b(joined.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def pair_lengths(records: list[dict], tokenizer) -> list[tuple[int, int]]:
+    """(prompt tokens, the longer answer's tokens) of each pair, untruncated."""
+    out = []
+    for record in records:
+        e = encode_pair(record, tokenizer, 1 << 62)
+        out.append((len(e.prompt), max(len(e.chosen), len(e.rejected))))
+    return out
 
 
 @dataclass
