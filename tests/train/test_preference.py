@@ -250,6 +250,22 @@ def test_dpo_loss_equals_trl(tiny_model_dir, pairs_file, tmp_path):
     assert abs(metrics["rewards/margins"][-1] - float((chosen - rejected).mean())) < 1e-5
 
 
+
+def test_cli_train_dpo_then_eval_on_pairs(tiny_model_dir, pairs_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(tiny_model_dir), "--data", str(pairs_file), "--val-data", str(pairs_file),
+                 "--method", "orpo", "--max-steps", "2", "--batch-size", "4", "--device", "cpu", "--precision", "fp32",
+                 "--output", str(out), "--quiet", "--set", "eval_prompts=0"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["data_format"] == "preference" and summary["steps"] == 2
+    capsys.readouterr()
+    assert main(["eval", "--adapter", str(out), "--data", str(pairs_file), "--limit", "6", "--device", "cpu"]) == 0
+    report = json.loads((out / "eval" / "eval.json").read_text())
+    assert report["pairs"] == 6 and len(report["rows"]) == 6
+    assert report["preferred_more"] == sum(r["preferred_more"] for r in report["rows"]) / 6
+    assert "| prefers chosen (accuracy) |" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_dpo_on_smollm2_prefers_chosen_more_on_heldout_pairs(tmp_path):
     """The embedded SmolLM2 and the shipped pairs: a short DPO run makes the tuned model prefer the

@@ -22,7 +22,7 @@ TRAIN_FLAGS = {
     "--early-stopping": ("early_stopping_patience", {"type": int, "metavar": "EVALS",
                                                      "help": "stop after N validations without improvement"}),
     "--output": ("output_dir", {"metavar": "DIR", "help": "run folder (default: runs/<date>-<time>)"}),
-    "--format": ("format", {"help": "alpaca | chat | text | preference | auto"}),
+    "--format": ("format", {"help": "alpaca | chat | text | auto"}),
     "--method": ("method", {"help": "sft | dpo | orpo (dpo / orpo: preference pairs, docs/preference.md)"}),
     "--max-length": ("max_length", {"type": int}),
     "--epochs": ("epochs", {"type": float}),

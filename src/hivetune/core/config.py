@@ -17,7 +17,7 @@ import yaml
 
 from hivetune.core.errors import UserError
 
-FORMATS = ("auto", "alpaca", "chat", "text", "preference")
+FORMATS = ("auto", "alpaca", "chat", "text")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "linear", "constant")
 BATCH_ORDERS = ("auto", "random", "balanced")
