@@ -255,11 +255,13 @@ def test_cli_train_dpo_then_eval_on_pairs(tiny_model_dir, pairs_file, tmp_path, 
     out = tmp_path / "run"
     assert main(["train", "--model", str(tiny_model_dir), "--data", str(pairs_file), "--val-data", str(pairs_file),
                  "--method", "orpo", "--max-steps", "2", "--batch-size", "4", "--device", "cpu", "--precision", "fp32",
-                 "--output", str(out), "--quiet", "--set", "eval_prompts=0"]) == 0
+                 "--output", str(out), "--quiet"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["data_format"] == "preference" and summary["steps"] == 2
-    capsys.readouterr()
-    assert main(["eval", "--adapter", str(out), "--data", str(pairs_file), "--limit", "6", "--device", "cpu"]) == 0
+    assert json.loads((out / "eval" / "eval.json").read_text())["pairs"] == 24  # the end-of-run A/B on val_data
+    assert "base vs tuned on 24 held-out pairs" in capsys.readouterr().out
+    assert main(["eval", "--adapter", str(out), "--data", str(pairs_file), "--limit", "6", "--device", "cpu",
+                 "--force"]) == 0
     report = json.loads((out / "eval" / "eval.json").read_text())
     assert report["pairs"] == 6 and len(report["rows"]) == 6
     assert report["preferred_more"] == sum(r["preferred_more"] for r in report["rows"]) / 6
