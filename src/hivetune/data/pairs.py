@@ -163,20 +163,26 @@ class PairBatch:
     target_ids: torch.Tensor  # [N]
     target_seq: torch.Tensor  # [N]
     seq_tokens: torch.Tensor  # [2P] target tokens of each sequence
-    layout: Masked | None  # shared: the prompt-sharing mask; plain: None (one sequence a row)
     n_examples: int  # pairs
     n_tokens: int  # tokens run through the model (no padding)
-    parts: tuple | None = None  # shared: (pair, part) per token, the mask's source
+    parts: tuple | None = None  # shared: (pair, part) of each token, the attention mask's source
     dropout_seeds: torch.Tensor | None = None
+
+    @property
+    def layout(self) -> Masked | None:
+        """shared: the prompt-sharing mask [1, 1, T, T], built once where the parts are; plain: None."""
+        if self.parts is None:
+            return None
+        if getattr(self, "_layout", None) is None:
+            self._layout = Masked(shared_prompt_mask(*self.parts))
+        return self._layout
 
     def to(self, device) -> "PairBatch":
         moved = [t.to(device, non_blocking=True) for t in (self.input_ids, self.position_ids, self.target_index,
                                                           self.target_ids, self.target_seq, self.seq_tokens)]
-        layout = self.layout
-        if self.parts is not None and layout.mask.device != torch.device(device):  # built there, not copied
-            layout = Masked(shared_prompt_mask(*(t.to(device) for t in self.parts)))
+        parts = tuple(t.to(device, non_blocking=True) for t in self.parts) if self.parts is not None else None
         seeds = self.dropout_seeds.to(device, non_blocking=True) if self.dropout_seeds is not None else None
-        return PairBatch(*moved, layout, self.n_examples, self.n_tokens, self.parts, seeds)
+        return PairBatch(*moved, self.n_examples, self.n_tokens, parts, seeds)
 
 
 def collate_pairs(pairs: list[EncodedPair], pad_id: int = 0, shared: bool = True) -> PairBatch:
@@ -198,8 +204,7 @@ def collate_pairs(pairs: list[EncodedPair], pad_id: int = 0, shared: bool = True
                 counts.append(len(answer))
         parts = (torch.tensor(pair_of), torch.tensor(part_of))
         return PairBatch(torch.tensor([ids]), torch.tensor([positions]), torch.tensor(index), torch.tensor(targets),
-                         torch.tensor(seqs), torch.tensor(counts, dtype=torch.float32), Masked(shared_prompt_mask(*parts)),
-                         len(pairs), len(ids), parts)
+                         torch.tensor(seqs), torch.tensor(counts, dtype=torch.float32), len(pairs), len(ids), parts)
     rows = [(e.prompt, answer) for e in pairs for answer in (e.chosen, e.rejected)]
     width = max(len(p) + len(a) for p, a in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -211,8 +216,7 @@ def collate_pairs(pairs: list[EncodedPair], pad_id: int = 0, shared: bool = True
         counts.append(len(a))
     positions = torch.arange(width).expand(len(rows), -1).contiguous()
     return PairBatch(input_ids, positions, torch.tensor(index), torch.tensor(targets), torch.tensor(seqs),
-                     torch.tensor(counts, dtype=torch.float32), None, len(pairs),
-                     sum(len(p) + len(a) for p, a in rows))
+                     torch.tensor(counts, dtype=torch.float32), len(pairs), sum(len(p) + len(a) for p, a in rows))
 
 
 def pairs_from_logs(paths: list[str | Path], out: str | Path, force: bool = False) -> dict:

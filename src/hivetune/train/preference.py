@@ -102,8 +102,10 @@ class PreferenceStep:
 
     def step_stats(self, n_pairs: int) -> dict:
         """The step's mean rewards (device tensors; the loop's writer reads them), and a fresh sum."""
-        stats, self.stats = self.stats / n_pairs, torch.zeros(4, device=self.run.device)
-        return dict(zip(STAT_KEYS, stats.unbind()))
+        stats, self.stats = self.stats, torch.zeros(4, device=self.run.device)
+        if self.run.parallel.enabled:  # every rank calls this each step: its pairs' sums, summed over ranks
+            stats = distributed.sum_across(self.run.parallel, stats)
+        return dict(zip(STAT_KEYS, (stats / n_pairs).unbind()))
 
 
 @torch.no_grad()
