@@ -45,6 +45,12 @@ def add_data_parser(sub) -> None:
                          help="JSONL data file to append to (created if missing)")
     collect.add_argument("--format", default="auto", help="chat | alpaca | auto (FILE's format; chat for a new file)")
     add_curate_parser(dsub)
+    pairs = dsub.add_parser("pairs", help="preference pairs from interaction logs: corrections of answers rated bad",
+                            description="Every exchange rated -1 with a correction becomes a pair {messages, chosen: "
+                                        "the correction, rejected: the answer} for train --method dpo / orpo.")
+    pairs.add_argument("logs", nargs="+", metavar="LOG", help="interaction logs (JSONL, as `hivetune serve` writes)")
+    pairs.add_argument("--out", required=True, metavar="FILE", help="JSONL file of pairs to write")
+    pairs.add_argument("--force", action="store_true", help="overwrite an existing --out")
 
 
 def add_curate_parser(dsub) -> None:
@@ -93,7 +99,7 @@ def data_source(ns):
 def run_data(ns) -> int:
     command = ns.data_command
     if command is None:
-        raise UserError("data: name a subcommand: synth, validate, stats, split or collect (see hivetune data --help)")
+        raise UserError("data: name a subcommand: synth, validate, stats, split, collect or pairs (see hivetune data --help)")
     if command == "synth":
         from hivetune.data.synth_file import format_synth, write_synthetic
 
@@ -120,6 +126,11 @@ def run_data(ns) -> int:
 
         print(format_curate(curate(ns.logs, ns.out, ns.train_data or None, ns.replay, ns.max_length, ns.model,
                                    ns.seed, ns.force, ns.keep_unrated)))
+        return 0
+    if command == "pairs":
+        from hivetune.data.pairs import format_pairs, pairs_from_logs
+
+        print(format_pairs(pairs_from_logs(ns.logs, ns.out, ns.force)))
         return 0
     from hivetune.data.collect import collect_log, format_collect
 

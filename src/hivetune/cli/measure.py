@@ -23,8 +23,8 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--commit", default="", help="the commit measured (default: git rev-parse HEAD)")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="training config override, e.g. --set packing=false")
-    bench.add_argument("--baseline", default="", choices=["", "hf-peft"],
-                       help="also time HF Trainer + PEFT on the same workload or job")
+    bench.add_argument("--baseline", default="", choices=["", "hf-peft", "trl-dpo"],
+                       help="also time HF Trainer + PEFT (trl-dpo: TRL DPOTrainer + PEFT, PW1) on the same workload or job")
     bench.add_argument("--baseline-steps", type=int, default=0, metavar="N",
                        help="time N baseline steps (after 2 warm-up steps) and extrapolate (0: the full run)")
     bench.add_argument("--memory-cap", type=float, default=0.0, metavar="GIB",

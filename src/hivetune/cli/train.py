@@ -25,6 +25,7 @@ TRAIN_FLAGS = {
     "--init-adapter": ("init_adapter", {"metavar": "DIR", "help": "start LoRA from this run or adapter folder "
                                                                  "(same base, rank and targets; optimizer fresh)"}),
     "--format": ("format", {"help": "alpaca | chat | text | auto"}),
+    "--method": ("method", {"help": "sft | dpo | orpo (dpo / orpo: preference pairs, docs/preference.md)"}),
     "--max-length": ("max_length", {"type": int}),
     "--epochs": ("epochs", {"type": float}),
     "--max-steps": ("max_steps", {"type": int}),

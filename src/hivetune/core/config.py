@@ -26,6 +26,8 @@ WIDE_LORA = ("auto", "true", "false")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTIONS = ("auto", "flash", "sdpa")
 BASE_QUANTS = ("none", "nf4", "int8", "keep")
+METHODS = ("sft", "dpo", "orpo")
+PREFERENCE_LOSSES = ("sigmoid", "ipo")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Names people bring from HF Trainer / PEFT / other tools, mapped to ours for "did you mean".
 KEY_ALIASES = {
@@ -51,6 +53,25 @@ class LoRAConfig:
     """Short names of the linear layers to adapt; one that matches nothing is an error."""
     rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(r)."""
+
+
+@dataclass
+class PreferenceConfig:
+    beta: float = 0.1
+    """DPO's beta: the strength of the pull towards the reference model (the base with LoRA off);
+    rewards are beta x (log-prob of the answer - the reference's)."""
+    loss: str = "sigmoid"
+    """DPO's loss of z = beta x the reward margin: sigmoid (-log sigmoid(z), the DPO paper) or ipo
+    ((h - 1/(2 beta))^2 of the log-ratio margin h, the IPO paper; sums of token log-probs)."""
+    label_smoothing: float = 0.0
+    """Conservative DPO: the share eps of pairs assumed mislabelled, loss -(1-eps) log sigmoid(z) -
+    eps log sigmoid(-z) (sigmoid loss only); in [0, 0.5)."""
+    orpo_lambda: float = 0.1
+    """ORPO's weight of the odds-ratio term beside the chosen answer's mean token NLL."""
+    shared_prompt: bool = True
+    """Run each pair as one row [prompt, chosen, rejected] (both answers attend to the prompt, not to
+    each other) with the fused per-token log-probs; false: the reference path, the prompt run twice
+    and plain logits."""
 
 
 @dataclass
@@ -107,6 +128,12 @@ class TrainConfig:
     lora.alpha, lora.targets and lora.rslora must be this run's. summary.json names it (path and
     weights' sha256). Empty: a fresh LoRA."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    method: str = "sft"
+    """sft (supervised: loss on the response tokens), dpo (Direct Preference Optimization against the
+    base with LoRA off) or orpo (odds-ratio preference, no reference model); dpo and orpo read
+    preference pairs {prompt | messages, chosen, rejected} (docs/preference.md); empty data: the
+    shipped preference pairs."""
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     epochs: float = 1.0
     """Passes over the data (fractions allowed); ignored when max_steps > 0."""
     max_steps: int = 0
@@ -474,6 +501,16 @@ def validate(cfg: TrainConfig) -> list[str]:
     choice("attention", cfg.attention, ATTENTIONS)
     choice("on_bad_steps", cfg.on_bad_steps, ("stop", "rollback"))
     choice("base_quant", cfg.base_quant, BASE_QUANTS)
+    choice("method", cfg.method, METHODS)
+    choice("preference.loss", cfg.preference.loss, PREFERENCE_LOSSES)
+    if cfg.preference.beta <= 0:
+        errors.append(f"preference.beta: must be > 0, got {cfg.preference.beta}")
+    if not 0 <= cfg.preference.label_smoothing < 0.5:
+        errors.append(f"preference.label_smoothing: must be in [0, 0.5), got {cfg.preference.label_smoothing}")
+    if cfg.preference.label_smoothing and cfg.preference.loss != "sigmoid":
+        errors.append("preference.label_smoothing: applies to the sigmoid loss only")
+    if cfg.preference.orpo_lambda < 0:
+        errors.append(f"preference.orpo_lambda: must be >= 0, got {cfg.preference.orpo_lambda}")
     if cfg.base_quant == "keep" and cfg.model and not cfg.model.lower().endswith(".gguf"):
         errors.append(f"base_quant: keep needs a .gguf model (its blocks are kept); {cfg.model} is not one: "
                       f"use none, nf4 or int8")

@@ -298,6 +298,8 @@ def read_line_at(path: Path, lineno: int, offset: int, columns: dict | None = No
 
 
 def detect_format(record: dict) -> str | None:
+    if "chosen" in record and "rejected" in record:  # a preference pair: {prompt | messages, chosen, rejected}
+        return "preference"
     if "messages" in record or "conversations" in record:  # ShareGPT's is mapped to messages when read
         return "chat"
     if "instruction" in record and "output" in record:
@@ -320,7 +322,9 @@ def check_record(record: dict, fmt: str, where: str) -> None:
             raise UserError(f"{where}: field {key!r} is empty")
         check_encodable(value, where, f"field {key!r}")
 
-    if fmt == "alpaca":
+    if fmt == "preference":
+        check_pair(record, where)
+    elif fmt == "alpaca":
         need_str("instruction")
         need_str("output")
         if record.get("input") is not None:
@@ -344,6 +348,57 @@ def check_record(record: dict, fmt: str, where: str) -> None:
             raise UserError(f"{where}: no assistant message to learn from")
     else:
         raise UserError(f"{where}: unknown format {fmt!r}")
+
+
+def check_messages(messages, where: str, key: str = "messages") -> None:
+    """A non-empty list of {role, content} objects with known roles and string contents."""
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"{where}: field {key!r} must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise UserError(f"{where}: {key}[{i}] must be an object with role and content")
+        if m.get("role") not in ROLES:
+            raise UserError(f"{where}: {key}[{i}] has unknown role {m.get('role')!r} (expected {', '.join(ROLES)})")
+        if not isinstance(m.get("content"), str):
+            raise UserError(f"{where}: {key}[{i}].content must be a string")
+        check_encodable(m["content"], where, f"{key}[{i}].content")
+
+
+def pair_answer_text(value) -> str:
+    """A pair's chosen / rejected as one text: the string, or its assistant messages' contents."""
+    return value if isinstance(value, str) else "\n".join(m["content"] for m in value)
+
+
+def check_pair(record: dict, where: str) -> None:
+    """A preference pair: 'prompt' (a string, or messages) or 'messages'; 'chosen' and 'rejected',
+    each a non-empty string or a list of assistant messages, and not the same answer."""
+    key = "prompt" if "prompt" in record else "messages" if "messages" in record else None
+    if key is None:
+        raise UserError(f"{where}: missing field 'prompt' (or 'messages') for preference format")
+    prompt = record[key]
+    if isinstance(prompt, str) and key == "prompt":
+        if not prompt.strip():
+            raise UserError(f"{where}: field 'prompt' is empty")
+        check_encodable(prompt, where, "field 'prompt'")
+    else:
+        check_messages(prompt, where, key)
+    for name in ("chosen", "rejected"):
+        if name not in record:
+            raise UserError(f"{where}: missing field {name!r} for preference format")
+        value = record[name]
+        if isinstance(value, list):
+            check_messages(value, where, name)
+            if any(m["role"] != "assistant" for m in value):
+                raise UserError(f"{where}: field {name!r}: messages must all be assistant messages")
+        elif isinstance(value, str):
+            check_encodable(value, where, f"field {name!r}")
+        else:
+            raise UserError(f"{where}: field {name!r} must be a string or a list of assistant messages, "
+                            f"got {json_type(value)}")
+        if not pair_answer_text(value).strip():
+            raise UserError(f"{where}: field {name!r} is empty")
+    if pair_answer_text(record["chosen"]).strip() == pair_answer_text(record["rejected"]).strip():
+        raise UserError(f"{where}: chosen and rejected are the same answer")
 
 
 def check_encodable(text: str, where: str, what: str) -> None:
@@ -421,6 +476,9 @@ def encode_record(record: dict, fmt: str, tokenizer, max_length: int, train_on_i
     characters are tried. A record that is not cut is encoded exactly as a whole; a cut one gives
     the whole one's first max_length tokens (tests/test_robust_input.py), except under a template
     that rewrites history (chat_spans' last-turn rule then takes the last answer in the prefix)."""
+    if fmt == "preference":
+        raise UserError("a preference pair (prompt, chosen, rejected) trains with method dpo or orpo "
+                        "(--method dpo), not sft")
     chars = 8 * (max_length + 32)  # ~2 x (max_length + 32) tokens at ~4 characters a token
     while True:
         ids, mask, cut = _encode_prefix(record, fmt, tokenizer, chars, train_on_inputs)

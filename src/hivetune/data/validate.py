@@ -5,10 +5,12 @@ Problems, each reported as ``file:line: what``:
 - schema: malformed JSON, not an object, unknown format, a field missing or of the wrong type
   (the same checks training makes, ``formats.check_record``);
 - empty: a required text field (or a chat message) that is only whitespace;
-- duplicate: the same normalised prompt + response as an earlier record (``scan.exact_key``);
+- duplicate: the same normalised prompt + response as an earlier record (``scan.exact_key``; a
+  preference pair: the same prompt, chosen and rejected);
 - near duplicate: a prompt whose word 3-gram shingles are >= 0.8 Jaccard-similar to an earlier
   prompt's (synth's measure), within the bounded window of ``dedupe.NearDuplicateIndex``;
-- too long: more than max_length tokens with the model's tokenizer and chat template (only when
+- too long: more than max_length tokens (a pair: its prompt and longer answer) with the model's
+  tokenizer and chat template (only when
   a model or a max_length is given: loading a tokenizer costs seconds).
 
 Memory: one line at a time, TOKENIZE_BATCH records waiting for the tokenizer, 16 bytes a record
@@ -24,6 +26,7 @@ from hivetune.data.dedupe import WINDOW, FirstSeen, NearDuplicateIndex
 from hivetune.data.formats import FORMAT_NAMES, check_record, detect_format, field_names, starts_with_bom
 from hivetune.data.scan import (DEFAULT_MAX_LENGTH, TOKENIZE_BATCH, Line, check_format_name, empty_fields,
                                 exact_key, prompt_text, resolve_model, stream_lines, token_lengths)
+from hivetune.data.pairs import pair_key, pair_lengths, pair_prompt
 from hivetune.data.sources import DataSource, as_source, data_parts
 from hivetune.data.synth import NEAR_DUPLICATE_THRESHOLD
 from hivetune.core.errors import UserError
@@ -126,10 +129,11 @@ def validate_file(path: str | Path | DataSource, model: str | None = None, max_l
         if empty:
             report.add("empty", line, f"empty {', '.join(empty)}")
             continue
-        earlier = seen.add(exact_key(record, report.format), number)
+        pair = report.format == "preference"  # a pair's views: data.pairs
+        earlier = seen.add(pair_key(record) if pair else exact_key(record, report.format), number)
         if earlier is not None:
             report.add("duplicate", line, f"duplicate of {report.at(earlier)}")
-        match = near.check_and_add(prompt_text(record, report.format), number)
+        match = near.check_and_add(pair_prompt(record) if pair else prompt_text(record, report.format), number)
         if match is not None and earlier is None:
             report.add("near_duplicate", line,
                        f"prompt is a near duplicate of {report.at(match[0])}'s (similarity {match[1]:.2f})")
@@ -143,7 +147,9 @@ def validate_file(path: str | Path | DataSource, model: str | None = None, max_l
 
 
 def _check_lengths(report: ValidationReport, pending: list[tuple[Line, dict]], tokenizer) -> None:
-    lengths = token_lengths([record for _, record in pending], report.format, tokenizer)
+    records = [record for _, record in pending]
+    lengths = pair_lengths(records, tokenizer) if report.format == "preference" else (
+        token_lengths(records, report.format, tokenizer))
     for (line, _), (prompt, response) in zip(pending, lengths):
         if prompt + response > report.max_length:
             report.add("too_long", line, f"{prompt + response} tokens ({prompt} prompt + {response} response) "

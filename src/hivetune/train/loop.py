@@ -31,6 +31,7 @@ from hivetune.ops.loss import target_loss_sum
 from hivetune.parallel import distributed
 from hivetune.train.graph_plan import micro_step_fn
 from hivetune.train.ledger import StepLedger
+from hivetune.train.preference import PreferenceStep, preference_validation_loss
 from hivetune.train.run import Run, TrainResult, save_adapter_all_ranks, save_all_ranks
 from hivetune.train.step import accumulate_step, autocast
 
@@ -57,7 +58,8 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     cfg, model, device, parallel = run.cfg, run.model, run.device, run.parallel
     params = lora_parameters(model)
     loss_fn = fused_target_loss_sum if cfg.fused_loss else target_loss_sum
-    micro_step = micro_step_fn(run, loss_fn)  # forward_backward, replayed from CUDA graphs when it can be
+    # forward_backward, replayed from CUDA graphs when it can be; dpo / orpo: pairs, with rewards
+    micro_step = micro_step_fn(run, loss_fn) if cfg.method == "sft" else PreferenceStep(run)
     counters = {"skipped_steps": 0, "bad_in_a_row": 0, "last_loss": float("nan"), "best_val_loss": None,
                 "best_step": 0, "evals_since_best": 0, "rollbacks": 0, "micro_batch": cfg.batch_size,
                 **run.counters}
@@ -98,6 +100,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
                                                          sum(run.data.lengths[i] for i in example_ids))
 
             finite, grad_norm, lr = optimizer_step(run, params, step_loss, ledger.deferred)
+            rewards = micro_step.step_stats(len(example_ids)) if cfg.method != "sft" else {}
             done = step + 1
 
             tokens_done += step_tokens
@@ -117,6 +120,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
                     "samples_per_s": round(samples_since_log / elapsed, 3),
                     "peak_memory_bytes": peak_memory_bytes(device),
                     "elapsed_s": round(now - t_start, 3),
+                    **rewards,
                 }
                 t_log, tokens_since_log, samples_since_log = now, 0, 0
             ledger.add(finite, record, signal_flag, step_tokens, len(example_ids))
@@ -227,8 +231,8 @@ def defer_steps(run: Run) -> bool:
 
 def write_metrics(run: Run, record: dict) -> None:
     """One record to metrics.jsonl (and TensorBoard when asked), on rank 0."""
-    if run.sink is not None:
-        run.sink.write(record)
+    if run.sink is not None:  # preference rewards arrive as device tensors: read here, with the ledger's read
+        run.sink.write({k: round(float(v), 6) if isinstance(v, torch.Tensor) else v for k, v in record.items()})
 
 
 def roll_back(run: Run, done: int, counters: dict, bar) -> int:
@@ -293,7 +297,7 @@ def validation_loss(run: Run) -> tuple[float, int]:
 
 def validate_step(run: Run, step: int, counters: dict) -> dict:
     """Validation loss at `step`; track the best one (saving its adapter when early stopping is on)."""
-    val_loss, val_tokens = validation_loss(run)
+    val_loss, val_tokens = validation_loss(run) if run.cfg.method == "sft" else preference_validation_loss(run)
     best = counters["best_val_loss"]
     if best is None or val_loss < best:
         counters.update(best_val_loss=val_loss, best_step=step, evals_since_best=0)

@@ -26,6 +26,7 @@ from hivetune.core.fileio import create_run_folder, hold_run_lock
 from hivetune.core.metrics import require_tensorboard
 from hivetune.core.trackers import open_trackers, require_tracker
 from hivetune.data.dataset import index_dataset, plan_steps
+from hivetune.data.pairs import index_pairs
 from hivetune.data.sources import held_out_source, source_exists, train_source
 from hivetune.doctor.preflight import check_stack
 from hivetune.model.decoder import CausalLM
@@ -44,6 +45,7 @@ from hivetune.plan.graph_sizes import launch_bound
 from hivetune.plan.memory import keep_inputs_extra_bytes, offloaded_bytes, offloaded_layer_bytes
 from hivetune.plan.planner import memory_config
 from hivetune.train.graph_plan import planned_micro_batches
+from hivetune.train.preference import preference_sources
 from hivetune.train.run import Run, new_run_folder
 from hivetune.train.step import runs_in_dtype
 
@@ -66,6 +68,8 @@ def setup(cfg: TrainConfig) -> Run:
     data_path = train_source(cfg)  # a file, folder or Hub dataset, with data_columns / split / config
     val_path = held_out_source(cfg.val_data, cfg) if cfg.val_data else (
         default_heldout_data() if not cfg.data else None)
+    if cfg.method != "sft":  # dpo / orpo: empty data is the shipped preference pairs
+        data_path, val_path = preference_sources(cfg, data_path, val_path)
     if val_path is not None and not source_exists(val_path):
         raise UserError(f"val_data: {val_path} not found")
     folder = distributed.on_main(parallel, new_run_folder, cfg)  # rank 0 names (and locks) it
@@ -85,7 +89,7 @@ def setup(cfg: TrainConfig) -> Run:
     if len(tokenizer) > args.vocab_size:
         raise UserError(f"{model_path}: tokenizer has {len(tokenizer)} tokens, more than the model's "
                         f"vocab_size {args.vocab_size}")
-    data = index_dataset(data_path, cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
+    data = index_data(cfg, data_path, tokenizer)
 
     # fp16 / bf16 runs keep the frozen base in half precision; only LoRA is fp32.
     model = load_model(model_path, dtype=DTYPES[precision], device=device, base_quant=cfg.base_quant)
@@ -97,7 +101,7 @@ def setup(cfg: TrainConfig) -> Run:
     run.init_adapter = init_adapter_record(cfg.init_adapter, init_folder)
     run.val_path = val_path
     if cfg.val_data:
-        val_index = index_dataset(val_path, cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
+        val_index = index_data(cfg, val_path, tokenizer)
         run.val = (val_index, list(range(len(val_index))))
     if data.truncated:
         run.notes.append(f"{data.truncated} examples truncated to max_length={cfg.max_length}")
@@ -156,6 +160,13 @@ def init_adapter_record(arg: str, folder: Path | None) -> dict | None:
         folder = Path(arg) / "adapter" if (Path(arg) / "adapter" / ADAPTER_WEIGHTS).is_file() else Path(arg)
     weights = folder / ADAPTER_WEIGHTS
     return {"path": str(folder.resolve()), "sha256": sha256_file(weights) if weights.is_file() else None}
+
+
+def index_data(cfg: TrainConfig, source, tokenizer):
+    """The training (or validation) data's index: examples (sft), or preference pairs (dpo, orpo)."""
+    if cfg.method != "sft":
+        return index_pairs(source, tokenizer, cfg.max_length, cfg.format)
+    return index_dataset(source, cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
 
 
 def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):

@@ -19,6 +19,7 @@ from hivetune.checkpoint import checkpoint_folders
 from hivetune.core.device import DTYPES
 from hivetune.core.errors import UserError
 from hivetune.data.batch import collate_packed, collate_padded
+from hivetune.data.pairs import collate_pairs
 from hivetune.model.decoder import CausalLM
 from hivetune.ops.lora_aside import join_aside
 from hivetune.ops.lora_group import given_seeds
@@ -35,7 +36,10 @@ def micro_batches(run: Run, example_ids: list[int], size: int = 0, step: int | N
     pad = run.pad_id
     for k, part in enumerate(micro_parts(run, example_ids, size)):
         chunk = [run.data.example(i) for i in part]
-        batch = collate_packed(chunk, pad_id=pad) if cfg.packing else collate_padded(chunk, pad)
+        if cfg.method != "sft":  # preference pairs (train.preference)
+            batch = collate_pairs(chunk, pad, shared=cfg.preference.shared_prompt)
+        else:
+            batch = collate_packed(chunk, pad_id=pad) if cfg.packing else collate_padded(chunk, pad)
         batch.dropout_seeds = dropout_seeds(run, step, k) if step is not None else None
         yield batch
 

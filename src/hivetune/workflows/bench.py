@@ -26,7 +26,6 @@ from hivetune.core.config import load_config
 from hivetune.core.device import DTYPES, cap_memory
 from hivetune.core.errors import UserError
 from hivetune.core.versions import installed_version
-from hivetune.data.dataset import TokenizedExamples
 from hivetune.plan.gpus import gpu_for_device_name
 from hivetune.plan.timing import flops_per_token
 from hivetune.ops import prewarm
@@ -37,6 +36,7 @@ from hivetune.train.setup import assemble
 from hivetune.workflows.bench_results import append_result, device_kind, setting_text, write_table
 from hivetune.workflows.report import head_commit
 from hivetune.workflows.hf_baseline import baseline_missing, random_hf_model, run_hf_job, workload_job
+from hivetune.workflows.trl_baseline import run_trl_dpo, trl_missing
 from hivetune.workflows.workloads import WORKLOADS, Workload, random_model
 
 
@@ -149,8 +149,9 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
     caching allocator may hold at most this much from assembly on (as on a card of that size;
     set after the model is built: W2's random init runs in fp32)."""
     prewarm.prewarm(device)  # overlaps building the data and the model, as in train's setup
-    examples = TokenizedExamples(w.examples())
+    examples = w.data()  # token ids, or PW1's preference pairs
     values = {"model": "random", "data": "generator", "precision": "bf16" if device.type == "cuda" else "fp32",
+              "method": w.method,
               "device": device.type, "epochs": w.epochs, "max_steps": max_steps,
               "batch_size": w.micro_batch or w.examples_per_step,
               "grad_accum": w.examples_per_step // (w.micro_batch or w.examples_per_step),
@@ -263,7 +264,7 @@ def run_hf_peft(w: Workload, device: torch.device, timed_steps: int = 0, warmup_
                       timed_steps, warmup_steps)
 
 
-BASELINES = ("hf-peft",)
+BASELINES = ("hf-peft", "trl-dpo")  # trl-dpo: TRL's DPOTrainer + PEFT on a preference workload (PW1)
 
 
 def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "benchmarks/results",
@@ -279,8 +280,10 @@ def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "benchmarks/r
             raise UserError(f"bench: unknown workload {name!r} ({', '.join(WORKLOADS)}, all)")
     if baseline and baseline not in BASELINES:
         raise UserError(f"--baseline: unknown baseline {baseline!r} ({', '.join(BASELINES)})")
-    if baseline and baseline_missing((overrides or {}).get("base_quant", "none")):
-        raise UserError(baseline_missing((overrides or {}).get("base_quant", "none")))
+    quant = (overrides or {}).get("base_quant", "none")
+    missing = trl_missing() if baseline == "trl-dpo" else baseline_missing(quant) if baseline else ""
+    if missing:
+        raise UserError(missing)
     if baseline_steps < 0:
         raise UserError(f"--baseline-steps: must be >= 0, got {baseline_steps}")
     if memory_cap_gib < 0:
@@ -311,7 +314,9 @@ def measure(w: Workload, device: torch.device, max_steps: int, overrides: dict |
     env["host_probe"] = host_probe(device)
     if baseline:
         _release_memory(device)
-        record["baseline"] = {"name": baseline, **run_hf_peft(w, device, baseline_steps, overrides=overrides)}
+        peer = (run_trl_dpo(w, device, baseline_steps) if baseline == "trl-dpo"
+                else run_hf_peft(w, device, baseline_steps, overrides=overrides))
+        record["baseline"] = {"name": baseline, **peer}
         if not max_steps and "seconds" in record["baseline"]:  # the same work on both sides: the full workload
             record["speedup_vs_baseline"] = round(record["baseline"]["seconds"] / record["hivetune"]["seconds"], 2)
     _release_memory(device)

@@ -369,6 +369,7 @@ def evaluate(model: str = "", adapter: str = "", data: str = "", max_new_tokens:
     from hivetune.model.load import load_model
     from hivetune.model.lora import fuse_projections, load_adapter
     from hivetune.model.tokenizer import load_tokenizer
+    from hivetune.workflows.preference_eval import evaluate_pairs, is_pair_source
 
     for name, value, low in (("max_new_tokens", max_new_tokens, 0), ("limit", limit, 0),
                              ("batch_size", batch_size, 1), ("max_length", max_length, 2)):
@@ -390,7 +391,8 @@ def evaluate(model: str = "", adapter: str = "", data: str = "", max_new_tokens:
     dev = resolve_device(device)
     prec = resolve_precision(precision, dev)
     tokenizer = load_tokenizer(str(model_path))
-    examples = read_examples(data_path, tokenizer, max_length, limit)
+    pairs = is_pair_source(data_path)  # preference pairs: workflows.preference_eval scores them
+    examples = [] if pairs else read_examples(data_path, tokenizer, max_length, limit)
 
     quant = trained_base_quant(adapter_folder, model_path)  # the base the adapter trained on
     net = load_model(model_path, dtype=DTYPES[prec], device=dev, base_quant=quant)
@@ -400,6 +402,9 @@ def evaluate(model: str = "", adapter: str = "", data: str = "", max_new_tokens:
     if quant == "none":
         fuse_projections(net)
     load_seconds = time.perf_counter() - t_start
+    if pairs:
+        return evaluate_pairs(net, tokenizer, data_path, out_dir, limit=limit, batch_size=batch_size,
+                              max_length=max_length, header={"model": str(model_path), "adapter": str(adapter_folder)})
     report = score_base_and_tuned(net, tokenizer, examples, max_new_tokens, batch_size)
     report["seconds"] = {"load": round(load_seconds, 2), **report["seconds"],
                          "total": round(time.perf_counter() - t_start, 2)}
@@ -512,6 +517,8 @@ def _fmt(value, kind: str) -> str:
 
 def means_table(report: dict) -> str:
     """The means as a Markdown table: metric | base | tuned | change."""
+    if "pairs" in report:  # preference pairs (workflows.preference_eval)
+        return report["table"]
     base, tuned = report["means"]["base"], report["means"]["tuned"]
     metrics = [("response loss", "loss", "num"), ("perplexity", "perplexity", "num"),
                ("exact match", "exact_match", "pct"), ("token F1", "f1", "pct"), ("ROUGE-L", "rouge_l", "pct")]

@@ -16,6 +16,7 @@ from hivetune.train.run import Run, TrainResult
 from hivetune.train.setup import setup
 from hivetune.workflows.evaluate import heldout_ab, means_table
 from hivetune.workflows.generate import generate_text
+from hivetune.workflows.preference_eval import evaluate_pairs
 from hivetune.workflows.report import environment
 
 
@@ -62,7 +63,7 @@ def step_rates(run: Run, result: TrainResult) -> dict:
 
 def answer_heldout(run: Run, n: int, max_new_tokens: int) -> list[dict]:
     """The first n held-out questions answered by the base (LoRA off) and the tuned model."""
-    if run.val_path is None or n == 0:
+    if run.val_path is None or n == 0 or run.cfg.method != "sft":  # pairs: heldout_eval scores them
         return []
     questions = []
     for _, where, _, _, record in iter_source(run.val_path):
@@ -95,6 +96,11 @@ def heldout_eval(run: Run) -> dict | None:
     file has no prompt/response records (a note says so: the trained adapter is already saved)."""
     cfg = run.cfg
     if run.val_path is None or cfg.eval_examples == 0 or cfg.eval_prompts == 0:
+        return None
+    if cfg.method != "sft":  # preference pairs: how much more the tuned model prefers chosen (RUN/eval/)
+        pairs = evaluate_pairs(run.model, run.tokenizer, run.val_path, run.folder / "eval", limit=cfg.eval_examples,
+                               max_length=cfg.max_length)
+        print(f"\nbase vs tuned on {pairs['pairs']} held-out pairs of {run.val_path}:\n{pairs['table']}")
         return None
     try:
         report = heldout_ab(run.model, run.tokenizer, run.val_path, run.folder / "eval", model_path=run.model_path,

@@ -1,5 +1,5 @@
-"""The benchmark workloads W1, W2 and W4 (benchmarks/README.md): random-init Qwen2.5 / Qwen3
-shapes and generator data, so that they need no model hub and time the same work on any machine.
+"""The benchmark workloads W1, W2, W4 and the preference workload PW1 (benchmarks/README.md):
+random-init Qwen2.5 / Qwen3 shapes and generator data, so that they need no model hub and time the same work on any machine.
 
 Throughput does not depend on the values of the weights; the model gets HF's initialisation
 so that its losses start near ln(vocab), as a real run's do.
@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from hivetune.data.dataset import TokenizedExamples
 from hivetune.data.formats import Encoded
+from hivetune.data.pairs import EncodedPair, PairIndex
 from hivetune.model.config import ModelArgs, qwen3_shape, qwen25_shape
 from hivetune.model.decoder import CausalLM
 from hivetune.model.quant import quantize_model
@@ -50,9 +53,18 @@ class Workload:
     # HF baseline: micro-batches tried largest first, the next on out-of-memory (grad_accum makes
     # up examples_per_step); empty: the seeds' config, batch 2
     hf_batches: tuple[int, ...] = ()
+    method: str = "sft"  # dpo: n_examples preference pairs (workload_pairs), examples_per_step pairs a step
 
-    def examples(self) -> list[Encoded]:
+    def examples(self) -> list[Encoded] | list[EncodedPair]:
+        if self.method != "sft":
+            return workload_pairs(self.n_examples, self.args.vocab_size, lengths=self.lengths)
         return workload_examples(self.n_examples, self.args.vocab_size, self.cap, lengths=self.lengths)
+
+    def data(self) -> TokenizedExamples | PairIndex:
+        """The examples as the loop's data (train.setup.assemble takes either)."""
+        if self.method != "sft":
+            return PairIndex(Path("generator"), self.examples())
+        return TokenizedExamples(self.examples())
 
 
 WORKLOADS = {
@@ -72,6 +84,9 @@ WORKLOADS = {
                        {"r": 32, "alpha": 64, "dropout": 0.05}),
     "W2-32B": Workload("W2-32B", qwen25_shape(152064, 5120, 27648, 64, 40, 8, False), 200, 256, 1.0, 4,
                        {"r": 16, "alpha": 32, "dropout": 0.05}),  # r 32's 268M LoRA weights + Adam: 4.3 GB
+    # W1's model and LoRA, DPO: 1 epoch of 1,500 generator pairs (a W1 prompt, two W1 responses), 8 a step
+    "PW1": Workload("PW1", qwen25_shape(151936, 896, 4864, 24, 14, 2, True), 1500, 0, 1.0, 8,
+                    {"r": 8, "alpha": 16, "dropout": 0.05}, method="dpo"),
 }
 
 
@@ -88,6 +103,20 @@ def workload_examples(n: int, vocab: int, cap: int = 0, seed: int = 0, lengths: 
         if cap:
             ids, mask = ids[:cap], mask[:cap]
         out.append(Encoded(ids, mask, truncated=False))
+    return out
+
+
+def workload_pairs(n: int, vocab: int, seed: int = 0, lengths: Lengths = SHORT) -> list[EncodedPair]:
+    """PW1's generator: per pair, p prompt tokens as W1's, then the chosen and the rejected answer's
+    lengths drawn independently as W1's response, then the tokens (prompt, chosen, rejected)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = rng.randint(*lengths.prompt)
+        c, r = (int(min(lengths.response_max, max(lengths.response_min, rng.lognormvariate(lengths.mu, lengths.sigma))))
+                for _ in range(2))
+        ids = [rng.randrange(1000, vocab - 1000) for _ in range(p + c + r)]
+        out.append(EncodedPair(ids[:p], ids[p:p + c], ids[p + c:]))
     return out
 
 
