@@ -130,7 +130,7 @@ def test_shared_prompt_equals_plain_path(tiny_model_dir, pairs_file, tmp_path):
         tokens = logprobs(hidden, run.model.lm_head.weight, batch.target_index, batch.target_ids)
         seqs = torch.zeros(2 * len(pairs)).index_add(0, batch.target_seq, tokens)
         values.append((seqs, grads_of(run, (seqs * torch.linspace(-1, 1, seqs.numel())).sum())))
-    torch.testing.assert_close(values[0][0], values[1][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(values[0][0], values[1][0], atol=1e-5, rtol=1e-6)  # sums of ~100 in fp32
     for a, b in zip(values[0][1], values[1][1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 

@@ -38,5 +38,5 @@ def test_a_missing_bitsandbytes_is_named(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "bitsandbytes" else real(name))
-    assert baseline_missing("nf4") == "--baseline hf-peft needs bitsandbytes (pip install 'hivetune[dev]' bitsandbytes)"
+    assert baseline_missing("nf4") == "--baseline hf-peft needs bitsandbytes (pip install 'hivetune[dev]')"
     assert baseline_missing("none") == ""

@@ -34,7 +34,7 @@ def baseline_missing(base_quant: str = "none") -> str:
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if not missing:
         return ""
-    return f"--baseline hf-peft needs {' and '.join(missing)} (pip install 'hivetune[dev]' {' '.join(missing)})"
+    return f"--baseline hf-peft needs {' and '.join(missing)} (pip install 'hivetune[dev]')"
 
 
 @dataclass
