@@ -14,21 +14,19 @@ from hivetune.core.errors import UserError
 from hivetune.model.load import load_model
 from hivetune.model.lora import LoRALinear, apply_lora, LoRASpec
 from hivetune.model.quant import GGUFBlocks, QuantLinear, dequantize_model, is_quantized, quant_name
-from hivetune.ops import gguf_blocks, nf4
+from hivetune.ops import gguf_blocks, gguf_quantize, nf4
 
 TOL = 1e-5
+QUANTIZABLE = (2, 3, 6, 7, 8, 12, 14)  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 (gguf package), Q4_K Q6_K (gguf_quantize)
 
 
 def gguf_blocks_of(qtype: int, rows: int, cols: int, seed: int) -> GGUFBlocks:
-    """Blocks of real data where the gguf package quantizes the type, else random bytes with
-    finite f16 scales."""
-    import gguf
-    from gguf.quants import quantize
-
+    """Blocks of real data where a quantizer makes the type (the gguf package's, gguf_quantize's
+    Q4_K / Q6_K), else (Q5_K) random bytes with finite f16 scales."""
     rng = np.random.default_rng(seed)
-    if qtype in (2, 3, 8):
-        raw = quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, gguf.GGMLQuantizationType(qtype))
-    else:  # K-quants (the gguf package only dequantizes them): random bytes, finite f16 scales
+    if qtype in QUANTIZABLE:
+        raw = gguf_quantize.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qtype)
+    else:  # random bytes, finite f16 scales
         _, qk, nbytes = gguf_blocks.BLOCK_TYPES[qtype]
         raw = rng.integers(0, 256, size=(rows, cols // qk * nbytes), dtype=np.uint8)
         blocks = raw.reshape(-1, nbytes)
@@ -191,11 +189,12 @@ def test_quantized_base_takes_lora_on_every_target(tiny_model_dir):
 
 # ------------------------------------------------------------------ GGUF keep
 
-def write_quant_gguf(path, qtype: int, hidden: int = 256, inter: int = 256, vocab: int = 128) -> None:
-    """A one-layer llama GGUF whose linear weights are `qtype` blocks (embeddings and norms F32)."""
+def write_quant_gguf(path, qtype, hidden: int = 256, inter: int = 256, vocab: int = 128) -> None:
+    """A one-layer llama GGUF whose linear weights are `qtype` blocks (an int), or each its own
+    type (a dict GGUF name -> type, e.g. "attn_q"); embeddings and norms F32."""
     import gguf
 
-    rng = np.random.default_rng(qtype)
+    rng = np.random.default_rng(qtype if isinstance(qtype, int) else len(qtype))
     w = gguf.GGUFWriter(str(path), "llama")
     for add, value in ((w.add_vocab_size, vocab), (w.add_context_length, 512), (w.add_embedding_length, hidden),
                        (w.add_block_count, 1), (w.add_feed_forward_length, inter), (w.add_head_count, 4),
@@ -210,16 +209,36 @@ def write_quant_gguf(path, qtype: int, hidden: int = 256, inter: int = 256, voca
                "attn_output": (hidden, hidden), "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
                "ffn_down": (hidden, inter)}
     for name, (rows, cols) in linears.items():
-        if qtype in gguf_blocks.BLOCK_TYPES:
-            raw = gguf_blocks_of(qtype, rows, cols, rows + cols).raw.numpy()
+        kind = qtype[name] if isinstance(qtype, dict) else qtype
+        if kind in gguf_blocks.BLOCK_TYPES:
+            raw = gguf_blocks_of(kind, rows, cols, rows + cols).raw.numpy()
         else:  # a type keep does not take, from the gguf package's quantizer
             from gguf.quants import quantize
-            raw = quantize(rng.standard_normal((rows, cols)).astype(np.float32), gguf.GGMLQuantizationType(qtype))
-        w.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=gguf.GGMLQuantizationType(qtype))
+            raw = quantize(rng.standard_normal((rows, cols)).astype(np.float32), gguf.GGMLQuantizationType(kind))
+        w.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=gguf.GGMLQuantizationType(kind))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# A llama.cpp Q4_K_M-like mix: Q5_0 where a K-quant's 256 columns do not fit (hidden 96), Q8_0 /
+# Q6_K for attn_v / ffn_down (llama.cpp's "more bits" layers), Q4_K elsewhere; plus Q5_1.
+MIX = {"attn_q": 6, "attn_k": 6, "attn_v": 8, "attn_output": 7, "ffn_gate": 6, "ffn_up": 6, "ffn_down": 14}
+MIX_256 = {"attn_q": 12, "attn_k": 6, "attn_v": 14, "attn_output": 7, "ffn_gate": 12, "ffn_up": 6, "ffn_down": 14}
+
+
+def check_kept_equals_dense(path, kinds: str, vocab: int = 128) -> None:
+    kept = load_model(path, base_quant="keep")
+    dense = load_model(path)  # the gguf package's dequantization
+    layers = {n: m for n, m in kept.named_modules() if isinstance(m, QuantLinear)}
+    assert len(layers) == 7 and quant_name(kept) == kinds
+    for name, m in layers.items():
+        assert m.raw.dtype == torch.uint8
+        assert torch.equal(m.dequantized(), dense.get_submodule(name).weight), name
+    ids = torch.randint(0, vocab, (1, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(kept(ids), dense(ids), rtol=0, atol=TOL)
 
 
 @pytest.mark.parametrize("qtype", sorted(gguf_blocks.BLOCK_TYPES))
@@ -227,28 +246,32 @@ def test_gguf_keep_holds_the_files_blocks(qtype, tmp_path, monkeypatch):
     monkeypatch.setenv("HIVETUNE_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "tiny.gguf"
     write_quant_gguf(path, qtype)
+    check_kept_equals_dense(path, gguf_blocks.BLOCK_TYPES[qtype][0])
+
+
+@pytest.mark.parametrize("mix,hidden,inter", [(MIX, 96, 256), (MIX_256, 256, 512)])
+def test_gguf_keep_holds_a_mix_of_block_types(mix, hidden, inter, tmp_path, monkeypatch):
+    """Q4_K_M-style files mix types tensor by tensor (a small model's 896 columns: Q5_0)."""
+    monkeypatch.setenv("HIVETUNE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "mix.gguf"
+    write_quant_gguf(path, mix, hidden=hidden, inter=inter)
+    names = sorted({gguf_blocks.BLOCK_TYPES[t][0] for t in mix.values()})
+    check_kept_equals_dense(path, "+".join(names))
     kept = load_model(path, base_quant="keep")
-    dense = load_model(path)  # the gguf package's dequantization
-    layers = {n: m for n, m in kept.named_modules() if isinstance(m, QuantLinear)}
-    assert len(layers) == 7 and quant_name(kept) == gguf_blocks.BLOCK_TYPES[qtype][0]
-    for name, m in layers.items():
-        assert m.raw.dtype == torch.uint8
-        assert torch.equal(m.dequantized(), dense.get_submodule(name).weight), name
-    ids = torch.randint(0, 128, (1, 11))
-    with torch.no_grad():
-        torch.testing.assert_close(kept(ids), dense(ids), rtol=0, atol=TOL)
+    assert kept.model.layers[0].self_attn.q_proj.qtype == mix["attn_q"]
+    assert kept.model.layers[0].mlp.down_proj.qtype == mix["ffn_down"]
 
 
 def test_gguf_keep_refuses_an_unsupported_block_type(tmp_path, monkeypatch):
     monkeypatch.setenv("HIVETUNE_CACHE", str(tmp_path / "cache"))
-    path = tmp_path / "q5_0.gguf"
-    write_quant_gguf(path, 6)  # Q5_0
+    path = tmp_path / "tq2_0.gguf"
+    write_quant_gguf(path, 35)  # TQ2_0 (ternary)
     with pytest.raises(UserError) as e:
         load_model(path, base_quant="keep")
-    assert str(e.value) == (f"base_quant: keep: {path}: blk.0.attn_q.weight is Q5_0, not one of the supported "
-                            "block types Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (or F32, F16, BF16); use base_quant "
-                            "nf4 or int8 to requantize it")
-    assert is_quantized(load_model(path, base_quant="nf4"))  # requantized from the dequantized Q5_0
+    assert str(e.value) == (f"base_quant: keep: {path}: blk.0.attn_q.weight is TQ2_0, not one of the supported "
+                            "block types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (or F32, F16, BF16); use "
+                            "base_quant nf4 or int8 to requantize it")
+    assert is_quantized(load_model(path, base_quant="nf4"))  # requantized from the dequantized TQ2_0
 
 
 # ------------------------------------------------------------------ refusals

@@ -161,7 +161,7 @@ def test_int8_per_row_absmax():
 
 # ------------------------------------------------------------------ GGUF blocks
 
-F16_FIELDS = {2: [0], 3: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}
+F16_FIELDS = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}
 
 
 def random_blocks(qtype: int, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -176,23 +176,40 @@ def random_blocks(qtype: int, rows: int, cols: int, seed: int) -> np.ndarray:
     return raw
 
 
-@pytest.mark.parametrize("qtype", sorted(gguf_blocks.BLOCK_TYPES))
-def test_gguf_blocks_equal_gguf_package(qtype):
+GGUF_QUANTIZES = (2, 3, 6, 7, 8)  # the gguf package quantizes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+GGUF_SOURCES = [(t, "random") for t in sorted(gguf_blocks.BLOCK_TYPES)] + [(t, "data") for t in GGUF_QUANTIZES]
+
+
+@pytest.mark.parametrize("qtype,source", GGUF_SOURCES)
+def test_gguf_blocks_equal_gguf_package(qtype, source):
+    """Random bytes (every bit pattern, finite f16 scales) and, where the gguf package quantizes
+    the type, real blocks of data."""
     import gguf
     from gguf.quants import dequantize, quantize
 
     kind = gguf.GGMLQuantizationType(qtype)
     rows, cols = 6, 512
-    if qtype in (2, 3, 8):  # gguf quantizes these: real blocks from data
+    if source == "data":
         data = np.random.default_rng(qtype).standard_normal((rows, cols)).astype(np.float32)
         raw = quantize(data, kind)
-    else:  # K-quants: built by hand
+    else:
         raw = random_blocks(qtype, rows, cols, qtype)
     expected = dequantize(raw, kind)
     ours = gguf_blocks.dequantize(torch.from_numpy(np.ascontiguousarray(raw)), qtype, cols)
     assert ours.shape == (rows, cols)
     assert np.array_equal(ours.numpy().view(np.uint32), expected.view(np.uint32))
     assert gguf_blocks.row_bytes(qtype, cols) == raw.shape[1]
+
+
+def test_q5_0_fifth_bits_are_ggml_layout():
+    """One hand-made Q5_0 block: d 1, nibbles q % 16 (weights 0-15 low, 16-31 high), the fifth
+    bit of weight j bit j of the little-endian uint32 qh -> y = q - 16 for q = 0..31 reversed."""
+    q = np.arange(32)[::-1]
+    qh = np.uint32(sum(int(v >> 4) << j for j, v in enumerate(q))).reshape(1).view(np.uint8)
+    nibbles = ((q[:16] & 15) | ((q[16:] & 15) << 4)).astype(np.uint8)
+    block = np.concatenate([np.float16(1).reshape(1).view(np.uint8), qh, nibbles])
+    ours = gguf_blocks.dequantize(torch.from_numpy(block).view(1, 22), 6, 32)
+    assert ours.tolist() == [[float(v - 16) for v in q]]
 
 
 @pytest.mark.skipif(not RUNS_TRITON, reason="needs Triton on a GPU (or TRITON_INTERPRET=1 with Triton installed)")
@@ -211,3 +228,64 @@ def test_gguf_triton_dequant_equals_reference(qtype):
         else:
             step = torch.finfo(dtype).eps * ref.float().abs()
             assert ((fast.float() - ref.float()).abs() <= step).all()
+
+
+# ------------------------------------------------------------------ K-quant blocks from data
+
+def k_quant_inputs() -> np.ndarray:
+    """Rows of several kinds: normal weights, an offset row (all positive), a wide-range row,
+    a constant row and a zero row."""
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((8, 1024)) * 0.02).astype(np.float32)
+    w[1] = np.abs(w[1]) + 0.01
+    w[2] *= 50
+    w[3] = 0.25
+    w[4] = 0
+    w[5, ::97] = 0.3  # outliers
+    return w
+
+
+@pytest.mark.parametrize("qtype", [12, 14])
+def test_k_quantizer_blocks_dequantize_within_the_step(qtype):
+    """gguf_quantize's Q4_K / Q6_K blocks: gguf.quants.dequantize of them equals ops.gguf_blocks'
+    bit for bit and lies within the format's step of the input, sub-block by sub-block. Q4_K (32
+    weights, 4 bits over [min(x, 0), max]): half a step plus the 6-bit rounding of scale and min
+    (half a d times 15 levels, half a dmin); Q6_K (16 weights, 6 bits over +-absmax): a step plus
+    the int8 scale's rounding (half a d times 32 levels)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from hivetune.ops import gguf_quantize
+
+    w = k_quant_inputs()
+    raw = gguf_quantize.quantize(w, qtype)
+    assert raw.shape == (8, gguf_blocks.row_bytes(qtype, 1024)) and raw.dtype == np.uint8
+    back = dequantize(raw, gguf.GGMLQuantizationType(qtype))
+    ours = gguf_blocks.dequantize(torch.from_numpy(raw), qtype, 1024)
+    assert np.array_equal(ours.numpy().view(np.uint32), back.view(np.uint32))
+    blocks = raw.reshape(-1, gguf_blocks.BLOCK_TYPES[qtype][2])
+    if qtype == 12:
+        d, dmin = (blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))
+        x = w.reshape(-1, 8, 32)
+        lo = np.minimum(x.min(axis=2), 0)
+        step = (x.max(axis=2) - lo) / 15
+        bound = 0.5 * step + 7.5 * d + 0.5 * dmin
+    else:
+        d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+        x = w.reshape(-1, 16, 16)
+        step = np.abs(x).max(axis=2) / 32
+        bound = step + 16 * np.abs(d)  # d is negative when the largest scale is (ggml's sign choice)
+    err = np.abs(back.reshape(x.shape) - x).max(axis=2)
+    assert (err <= bound * (1 + 1e-3) + 1e-7).all()
+    assert np.array_equal(back[3:5], w[3:5]) if qtype == 14 else np.abs(back[3:5] - w[3:5]).max() < 1e-3
+    # rounding to the nearest level: a mean error near a quarter step (uniform rounding error)
+    normal = np.r_[0, 5:8]
+    mean_err = np.abs(back - w)[normal].mean()
+    assert mean_err < 0.3 * step.reshape(8, -1)[normal].mean()
+
+
+def test_k_quantizer_needs_whole_superblocks():
+    from hivetune.ops import gguf_quantize
+
+    with pytest.raises(ValueError, match="cols a multiple of 256"):
+        gguf_quantize.quantize_q4_k(np.zeros((2, 896), dtype=np.float32))

@@ -190,8 +190,8 @@ class TrainConfig:
     """The frozen base's decoder weights kept quantized in memory, each layer dequantized as its
     matmul runs (LoRA, its gradients and the optimizer as without): nf4 (QLoRA's 4-bit
     NormalFloat, double-quantized scales, ~0.52 bytes a weight), int8 (per-row absmax, ~1 byte),
-    keep (a .gguf base's own blocks: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), or none. An HF base is
-    quantized as it loads, layer by layer."""
+    keep (a .gguf base's own blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), or none.
+    An HF base is quantized as it loads, layer by layer."""
     fused_loss: bool = True
     """Chunked LM head + cross-entropy with the gradient taken in forward (one chunk of logits
     alive at a time); false: the plain reference path."""

@@ -6,7 +6,8 @@ Triton kernel writes it in the compute dtype, then cuBLAS runs the matmul. LoRA 
 
     nf4   QLoRA's 4-bit NormalFloat, double-quantized scales (ops.nf4), ~4.13 bits a weight
     int8  per-row absmax int8 (ops.int8), 8 bits a weight + 4 bytes a row
-    keep  a GGUF base's own blocks, Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K (ops.gguf_blocks)
+    keep  a GGUF base's own blocks (ops.gguf_blocks): Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K /
+          Q5_K / Q6_K
 
 Embeddings, the LM head and the norms stay dense, as in QLoRA. From an HF folder each weight is
 quantized as it is read (load.build_model), so the dense model never exists whole; under keep

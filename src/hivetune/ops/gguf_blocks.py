@@ -8,6 +8,10 @@ equal the `gguf` package's `gguf.quants.dequantize` bit for bit (tests/ops/test_
 
     Q4_0  32 weights, 18 B: f16 d, 16 B nibbles         y = d (q - 8); low nibbles first half
     Q4_1  32 weights, 20 B: f16 d, f16 m, 16 B nibbles  y = d q + m
+    Q5_0  32 weights, 22 B: f16 d, 4 B qh, 16 B nibbles  y = d (q - 16); q = nibble | fifth bit,
+          bit j of qh (a little-endian uint32) the fifth bit of weight j
+    Q5_1  32 weights, 24 B: f16 d, f16 m, 4 B qh, 16 B nibbles
+                                                         y = d q + m (q as Q5_0's)
     Q8_0  32 weights, 34 B: f16 d, 32 int8              y = d q
     Q4_K  256 weights, 144 B: f16 d, f16 dmin, 12 B of 6-bit (scale, min) for 8 sub-blocks of
           32, 128 B nibbles (each 32 B: low nibbles one sub-block, high ones the next)
@@ -32,6 +36,8 @@ from hivetune.ops.triton_util import fused_ok, kernels, triton
 BLOCK_TYPES = {
     2: ("Q4_0", 32, 18),
     3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34),
     12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176),
@@ -75,6 +81,25 @@ def _q4_1(b):
     return d * _nibbles(b[:, 4:], 16).float() + m
 
 
+def _five_bits(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1's 4 bytes of fifth bits and 16 bytes of nibbles -> [n, 32] values 0..31:
+    bit j % 8 of qh byte j // 8 is the fifth bit of weight j."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=qh.device).view(1, 1, 8)
+    high = ((qh.unsqueeze(2) >> shifts) & 1).reshape(-1, 32)
+    return _nibbles(qs, 16) | (high << 4)
+
+
+def _q5_0(b):
+    d = _f16(b[:, :2])
+    q = _five_bits(b[:, 2:6], b[:, 6:]).to(torch.int8) - 16
+    return d * q.float()
+
+
+def _q5_1(b):
+    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
+    return d * _five_bits(b[:, 4:8], b[:, 8:]).float() + m
+
+
 def _q8_0(b):
     return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, :2])
 
@@ -110,7 +135,7 @@ def _q6_k(b):
     return (d * q.reshape(n, 16, 16).float()).reshape(n, 256)
 
 
-_DEQUANT = {2: _q4_0, 3: _q4_1, 8: _q8_0, 12: _q4_k, 13: _q5_k, 14: _q6_k}
+_DEQUANT = {2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 12: _q4_k, 13: _q5_k, 14: _q6_k}
 
 
 def row_bytes(qtype: int, cols: int) -> int:
@@ -183,6 +208,15 @@ def _define_kernels():
             q = ((_u8(b + head + e % 16, mask) >> (4 * (e // 16))) & 15).to(tl.float32)
             if KIND == 2:
                 y = _half(b, mask) * (q - 8.0)
+            else:
+                y = _half(b, mask) * q + _half(b + 2, mask)
+        elif KIND == 6 or KIND == 7:  # Q5_0, Q5_1: as Q4_0 / Q4_1 plus bit e of qh as the fifth bit
+            qh = 2 if KIND == 6 else 4
+            low = (_u8(b + qh + 4 + e % 16, mask) >> (4 * (e // 16))) & 15
+            high = (_u8(b + qh + e // 8, mask) >> (e % 8)) & 1
+            q = (low | (high << 4)).to(tl.float32)
+            if KIND == 6:
+                y = _half(b, mask) * (q - 16.0)
             else:
                 y = _half(b, mask) * q + _half(b + 2, mask)
         elif KIND == 8:  # Q8_0

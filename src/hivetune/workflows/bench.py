@@ -144,10 +144,11 @@ def host_probe(device) -> dict:
 
 
 def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = None, max_steps: int = 0,
-                 memory_cap_gib: float = 0.0) -> dict:
+                 memory_cap_gib: float = 0.0, model=None) -> dict:
     """Train the workload with hivetune's loop; return the measured figures. memory_cap_gib: the
     caching allocator may hold at most this much from assembly on (as on a card of that size;
-    set after the model is built: W2's random init runs in fp32)."""
+    set after the model is built: W2's random init runs in fp32). model: a prebuilt CausalLM of
+    the workload's shape on `device` instead of random_model's (benchmarks/keep_w1.py)."""
     prewarm.prewarm(device)  # overlaps building the data and the model, as in train's setup
     examples = w.data()  # token ids, or PW1's preference pairs
     values = {"model": "random", "data": "generator", "precision": "bf16" if device.type == "cuda" else "fp32",
@@ -160,7 +161,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
     values.update(overrides or {})
     cfg = load_config(None, values)
     quant = cfg.base_quant if cfg.base_quant in ("nf4", "int8") else "none"  # quantized before any memory cap
-    model = random_model(w.args, device, DTYPES[cfg.precision], quant)
+    model = model if model is not None else random_model(w.args, device, DTYPES[cfg.precision], quant)
     capped = device.type == "cuda" and memory_cap_gib > 0
     if capped:  # before assemble: lora_inputs auto reads it (train.device_memory_bytes)
         cap_memory(device, memory_cap_gib)
