@@ -2,7 +2,8 @@
 SmolLM2-135M GGUF in llama.cpp (no engine mocked), HTTP from the standard library.
 
 - errors: 401 without / with a wrong key (JSON body), /health open, 400 for a body that is not JSON
-  or has no messages, 413 for a 10 MiB + 1 body from its Content-Length, before it is sent;
+  or has no messages, 413 for a 10 MiB + 1 body from its Content-Length (before it is sent) or
+  while a chunked one is read;
 - 20 chats from 4 concurrent clients (greedy: the same prompt gets the same answer from any client,
   which a Llama shared without the engine's serialization would not give), feedback on half, a
   streamed chat, a client that leaves mid-stream (its exchange logged as sent, "disconnected"), a
@@ -169,6 +170,20 @@ def test_a_body_over_10_mib_is_refused_unread(server):
     assert response.status == 413
     assert body["error"]["message"] == "the body is 10485761 bytes; the most this server reads is 10485760"
 
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)  # chunked: no Content-Length
+    conn.putrequest("POST", "/v1/feedback")
+    for name, value in {**server.headers(), "Transfer-Encoding": "chunked"}.items():
+        conn.putheader(name, value)
+    conn.endheaders()
+    for block in [b"x" * 2**20] * 10 + [b"x"]:  # 10 MiB + 1 byte
+        conn.send(b"%x\r\n%s\r\n" % (len(block), block))
+    conn.send(b"0\r\n\r\n")
+    response = conn.getresponse()
+    body = json.loads(response.read())
+    conn.close()
+    assert (response.status, body["error"]["message"]) == \
+        (413, "the body is over 10485760 bytes, the most this server reads")
+
 
 def test_chats_from_concurrent_clients_feedback_stream_kill_and_restart(tmp_path):
     log = tmp_path / "interactions.jsonl"
@@ -269,8 +284,11 @@ def test_no_key_no_start_and_no_auth_only_on_loopback(monkeypatch, capsys):
     assert "no API key: set HIVETUNE_API_KEY (or --api-key KEY)" in capsys.readouterr().err
     assert main(["serve", embedded(), "--no-auth", "--host", "0.0.0.0"]) == 2
     assert "serves without a key on 127.0.0.1 / localhost only, not on --host 0.0.0.0" in capsys.readouterr().err
-    assert main(["serve", embedded(), "--registry", "x"]) == 2  # argparse: --registry and MODEL's --adapter
-    capsys.readouterr()
+    monkeypatch.setenv("HIVETUNE_API_KEY", KEY)
+    assert main(["serve", embedded(), "--registry", "x"]) == 2
+    assert "--registry: serves the registry's base and current version; give no MODEL" in capsys.readouterr().err
+    assert main(["serve", "--registry", "no-such-registry"]) == 2
+    assert "--registry no-such-registry: no registry.json in this folder" in capsys.readouterr().err
 
 
 def test_hf_folder_answers_as_hivetune_chat(tiny_model_dir, tmp_path):

@@ -30,7 +30,7 @@ def add_serve_parser(sub) -> None:
     srv.add_argument("--max-new-tokens", type=int, default=256,
                      help="most tokens per answer: the default and the cap of a request's max_tokens")
     srv.add_argument("--ctx", type=int, default=4096, help="llama.cpp context length in tokens")
-    srv.add_argument("--threads", type=int, default=0, help="llama.cpp threads (0: its default)")
+    srv.add_argument("--threads", type=int, default=0, help="llama.cpp threads (0: half the CPUs); on a busy machine, fewer than the free cores")
     srv.add_argument("--device", default="auto", help="HF models: device")
     srv.add_argument("--precision", default="auto", help="HF models: precision")
 

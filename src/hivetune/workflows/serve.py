@@ -30,7 +30,7 @@ API_KEY_ENV = "HIVETUNE_API_KEY"
 @dataclass
 class EngineOptions:
     ctx: int = 4096  # llama.cpp context (prompt + answer tokens)
-    threads: int = 0  # llama.cpp threads; 0: llama-cpp-python's default (half the CPUs)
+    threads: int = 0  # llama.cpp threads for prompt and decoding; 0: half the CPUs
     device: str = "auto"  # HF folders: hivetune's device and precision
     precision: str = "auto"
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import os
 import queue
 import random
 import sys
@@ -70,9 +71,12 @@ class LlamaBackend:
         self.llama_cpp = llama_cpp
         if lora is not None:
             check_lora_gguf(lora)
+        # The same threads for the prompt and the decoding: llama.cpp's threads spin while they wait for each
+        # other, and more of them than free cores is many times slower (docs/log/serve.md).
+        threads = threads or max(1, (os.cpu_count() or 2) // 2)
         try:
             self.llm = llama_cpp.Llama(model_path=str(model), lora_path=str(lora) if lora else None, n_ctx=n_ctx,
-                                       n_threads=threads or None, n_threads_batch=threads or None, verbose=False)
+                                       n_threads=threads, n_threads_batch=threads, verbose=False)
         except (ValueError, RuntimeError) as e:
             raise UserError(f"{lora or model}: llama.cpp cannot load it ({e})") from None
         # llama-cpp-python 0.3 tests the adapter it got against None, which a NULL ctypes pointer is not: a LoRA
