@@ -13,11 +13,11 @@ import sys
 
 from hivetune.core.errors import UserError
 
-from hivetune.cli import data, loop, measure, models, train
+from hivetune.cli import data, loop, measure, models, serve, train
 from hivetune.cli.train import train_overrides  # noqa: F401  (tests and tools)
 
 # The order of `hivetune --help`.
-GROUPS = (train, models, measure, data, loop)
+GROUPS = (train, models, measure, data, serve, loop)
 COMMANDS = {name: run for g in GROUPS for name, (_, run) in g.COMMANDS.items()}
 
 

@@ -17,8 +17,17 @@ from hivetune.workflows.generate import greedy_ids, load_for_generation
 
 def reply(net, tokenizer, messages: list[dict], max_new_tokens: int) -> str:
     """The model's greedy answer to the conversation so far (oldest turns dropped to fit)."""
-    from hivetune.data.formats import render_chat
     from hivetune.model.tokenizer import eos_ids
+
+    ids = fit_conversation(net, tokenizer, messages, max_new_tokens)
+    out = greedy_ids(net, [ids], max_new_tokens, eos_ids(tokenizer, net.args))[0]
+    return tokenizer.decode(out, skip_special_tokens=True).strip()
+
+
+def fit_conversation(net, tokenizer, messages: list[dict], max_new_tokens: int) -> list[int]:
+    """The prompt tokens of the conversation with the chat template, oldest user / assistant pairs
+    dropped until it leaves room for `max_new_tokens` (`hivetune chat` and `hivetune serve`)."""
+    from hivetune.data.formats import render_chat
 
     limit = net.args.max_position_embeddings - max_new_tokens
     system = [m for m in messages[:1] if m["role"] == "system"]
@@ -32,8 +41,7 @@ def reply(net, tokenizer, messages: list[dict], max_new_tokens: int) -> str:
     if len(ids) > limit:
         raise UserError(f"chat: the message is {len(ids)} tokens; the model's context holds "
                         f"{net.args.max_position_embeddings} with {max_new_tokens} new tokens")
-    out = greedy_ids(net, [ids], max_new_tokens, eos_ids(tokenizer, net.args))[0]
-    return tokenizer.decode(out, skip_special_tokens=True).strip()
+    return ids
 
 
 def chat(model: str = "", adapter: str = "", system: str = "", max_new_tokens: int = 256,
