@@ -34,7 +34,7 @@ def reference(request, tiny_model_dir, data, tmp_path_factory):
 
     out = tmp_path_factory.mktemp(f"ref-{request.param}") / "run"
     run = setup(run_cfg(tiny_model_dir, data, out, base_quant=request.param))
-    assert is_quantized(run.model) and getattr(run.model, "lora_casts", None) is None  # layer by layer
+    assert is_quantized(run.model) and getattr(run.model, "lora_casts", None) is not None  # joined groups
     fit(run, progress=False)
     return request.param, lora_state_dict(run.model), metric_rows(out), out
 
@@ -97,7 +97,7 @@ def test_merged_export_uses_the_dequantized_base(reference, tiny_model_dir, tmp_
         torch.testing.assert_close(trained.logits(trained(ids)), want, rtol=0, atol=1e-5)
 
 
-def test_plan_counts_quantized_bytes_and_the_workspace(tiny_model_dir):
+def test_plan_counts_quantized_bytes_and_the_workspace(tiny_model_dir, monkeypatch):
     from hivetune.core.config import load_config
     from hivetune.model.quant import linear_shapes, nf4_bytes
     from hivetune.plan.memory import GIB
@@ -108,7 +108,9 @@ def test_plan_counts_quantized_bytes_and_the_workspace(tiny_model_dir):
     parts = {}
     for quant in ("none", "nf4", "int8"):
         cfg = load_config(None, {"model": str(tiny_model_dir), "base_quant": quant, "precision": "bf16"})
-        parts[quant] = plan(cfg, gpu="H200", model_args=args).parts_gib
+        planned = plan(cfg, gpu="H200", model_args=args)
+        assert planned.peak_gib == pytest.approx(sum(planned.parts_gib.values()), rel=1e-12)  # workspace included
+        parts[quant] = planned.parts_gib
     linears = [o * i for o, i in linear_shapes(args)]
     dense = 28 * sum(linears) * 2
     assert parts["nf4"]["base weights"] * GIB == pytest.approx(
@@ -116,9 +118,17 @@ def test_plan_counts_quantized_bytes_and_the_workspace(tiny_model_dir):
     assert parts["int8"]["base weights"] * GIB == pytest.approx(
         parts["none"]["base weights"] * GIB - dense + 28 * sum(n + 4 * o for n, (o, _) in zip(linears, linear_shapes(args))),
         abs=1)
-    assert parts["nf4"]["dequantization workspace"] == 0  # tiles inside the Triton matmul
-    assert parts["int8"]["dequantization workspace"] * GIB == (4 + 2) * 18944 * 3584
+    # gate/up joined in bf16 (Triton's NF4 dequantization writes it directly; int8's fp32 values besides)
+    assert parts["nf4"]["dequantization workspace"] * GIB == 2 * 2 * 18944 * 3584
+    assert parts["int8"]["dequantization workspace"] * GIB == (2 * 2 + 4) * 18944 * 3584
     assert "dequantization workspace" not in parts["none"]
+    cfg = load_config(None, {"model": str(tiny_model_dir), "base_quant": "nf4", "precision": "bf16",
+                             "gradient_checkpointing": True})
+    held = plan(cfg, gpu="H200", model_args=args).parts_gib["dequantization workspace"]
+    assert held * GIB == 2 * sum(linears)  # the recomputed layer keeps its groups' weights for backward
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "fused_lora")  # layer by layer: the largest weight alone
+    alone = plan(cfg, gpu="H200", model_args=args).parts_gib["dequantization workspace"]
+    assert alone * GIB == 2 * 18944 * 3584
     assert 5.0 < parts["nf4"]["base weights"] < 5.3  # 7.6B: 3.1 GiB of NF4 linears + 2 GiB of embeddings
 
 

@@ -23,7 +23,8 @@ from hivetune.ops import dropout as dropout_op
 from hivetune.ops import lora_dropout
 from hivetune.ops import norm as norm_op
 from hivetune.ops.lora_group import CastCache, casts_active, dropout_seed, lora_group
-from hivetune.model.quant import QuantLinear
+from hivetune.model.quant import JoinedWeight, QuantLinear
+from hivetune.ops.quant_linear import dequant_linear
 
 FROZEN_LINEARS = (nn.Linear, QuantLinear)  # what LoRA wraps: a dense or a quantized (model.quant) base
 
@@ -60,6 +61,7 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / (math.sqrt(r) if rslora else r)
         self.enabled = True  # False: behave as the base layer (A/B against the base model)
         self.fused = False  # True: forward through ops.lora_group (set by fuse_projections)
+        self.keep_weight = False  # fused on a quantized base: the dequantized W kept for backward
         # PEFT's default init: A ~ kaiming_uniform(a=sqrt(5)), B = 0, so the update starts at 0.
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
@@ -81,8 +83,10 @@ class LoRALinear(nn.Module):
         the caller's kernel, which also takes the dropout's backward; fn(tensor) then gives xd."""
         if self.fused and self.enabled and dropped is None:
             base = self.base_layer
-            return lora_group(x, base.weight, base.bias, (base.out_features,), self.dropout_p(), self.scaling,
-                              [self.lora_A.weight], [self.lora_B.weight], source, residual, xd)
+            weight = base.dequantized if isinstance(base, QuantLinear) else base.weight
+            return lora_group(x, weight, base.bias, (base.out_features,), self.dropout_p(), self.scaling,
+                              [self.lora_A.weight], [self.lora_B.weight], source, residual, xd,
+                              keep_weight=self.keep_weight)
         y = self.base_layer(x)
         if self.enabled:
             if dropped is None:
@@ -164,17 +168,30 @@ class FusedProjections:
     k = n r (`lora_cols`; room >= k keeps rows 128 bytes apart), so that the base matmul takes the
     LoRA update along (ops.lora_group.wide_matrix); its input then comes with `room` columns after
     each row.
+
+    On a quantized base (any member a model.quant.QuantLinear) the members keep their packed
+    blocks and ``weight`` is a model.quant.JoinedWeight: each call dequantizes them into one
+    [sum out, in] buffer (a kernel a member) for the group's one matmul; `keep_weight` (under
+    gradient checkpointing, lora.fuse_projections) keeps that buffer for backward instead of
+    dequantizing again there.
     """
 
-    def __init__(self, layers: list[nn.Module], storage: torch.Tensor | None = None, lora_cols: int = 0):
+    def __init__(self, layers: list[nn.Module], storage: torch.Tensor | None = None, lora_cols: int = 0,
+                 keep_weight: bool = False):
         self.layers = layers
         bases = [m.base_layer if isinstance(m, LoRALinear) else m for m in layers]
         self.sizes = tuple(b.out_features for b in bases)
         d = bases[0].in_features
+        self.quantized = any(isinstance(b, QuantLinear) for b in bases)
+        if self.quantized and storage is not None:
+            raise ValueError("a quantized base has no wide layout")
+        self.keep_weight = keep_weight and self.quantized
         self.room, self.lora_cols = (0, 0) if storage is None else (storage.shape[1] - d, lora_cols)
         self.b_slot = None if storage is None else storage[:, d:d + lora_cols]  # where the CastCache writes Bd
         with torch.no_grad():
-            if storage is None:
+            if self.quantized:
+                self.weight = JoinedWeight(bases)
+            elif storage is None:
                 self.weight = torch.cat([b.weight for b in bases])
             else:
                 self.weight, row = storage[:, :d], 0
@@ -186,7 +203,8 @@ class FusedProjections:
                 raise ValueError("fuse only layers that all have a bias or none")
         row = 0
         for b, size in zip(bases, self.sizes):  # the separate tensors are freed, the views remain
-            b.weight = nn.Parameter(self.weight[row:row + size], requires_grad=False)
+            if not self.quantized:
+                b.weight = nn.Parameter(self.weight[row:row + size], requires_grad=False)
             if self.bias is not None:
                 b.bias = nn.Parameter(self.bias[row:row + size], requires_grad=False)
             row += size
@@ -195,6 +213,8 @@ class FusedProjections:
         """`source`: (fn, tensor) with x = fn(tensor), kept for backward anyway (ops.lora_group)."""
         lora = [m for m in self.layers if isinstance(m, LoRALinear) and m.enabled]
         if not lora:
+            if self.quantized:
+                return dequant_linear(x, self.weight, self.bias)
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if not shares_one_update(lora, self.layers):
             return None
@@ -207,7 +227,8 @@ class FusedProjections:
         else:
             room = 0
         return lora_group(x, self.weight, self.bias, self.sizes, first.dropout_p(), first.scaling,
-                          [m.lora_A.weight for m in lora], [m.lora_B.weight for m in lora], source, room=bool(room))
+                          [m.lora_A.weight for m in lora], [m.lora_B.weight for m in lora], source, room=bool(room),
+                          keep_weight=self.keep_weight)
 
     def normed(self, norm: nn.Module, x: torch.Tensor):
         """(self(norm(x)), x') with the norm and the group's LoRA dropout as one kernel each way
@@ -233,21 +254,29 @@ class FusedProjections:
         y, yd, residual = norm_op.rms_norm_dropped(x, norm.weight, norm.eps, seed, p, room)
         redo = partial(norm_op.rms_norm_dropped_only, weight=norm.weight, eps=norm.eps, seed=seed, p=p)
         joined = lora_group(y, self.weight, self.bias, self.sizes, p, first.scaling, [m.lora_A.weight for m in lora],
-                            [m.lora_B.weight for m in lora], (redo, x), xd=yd, room=bool(room))
+                            [m.lora_B.weight for m in lora], (redo, x), xd=yd, room=bool(room),
+                            keep_weight=self.keep_weight)
         return joined, residual
 
 
-def fuse_projections(model: nn.Module, wide: bool | None = None) -> int:
+def fuse_projections(model: nn.Module, wide: bool | None = None, keep_weight: bool | None = None) -> int:
     """Join q/k/v and gate/up of every decoder layer (FusedProjections) and route every LoRA
     layer through ops.lora_group. For training on one device or under DDP, after the model is on
     its device (``.to()`` would split the views again); not for FSDP-sharded parameters.
     `wide`: store each group's weights in the wide layout (FusedProjections), all layers' of one
     group in one tensor (the CastCache then writes every layer's B with one kernel); None: on
-    CUDA (on the CPU the input's copy into a wider buffer costs about what it saves). Returns
-    the number of groups joined."""
+    CUDA (on the CPU the input's copy into a wider buffer costs about what it saves); never on a
+    quantized base. `keep_weight` (a quantized base): each group call keeps its dequantized
+    weight for backward instead of dequantizing it again there; None: the model's
+    gradient_checkpointing (set it first), under which one layer's saved tensors live at a time
+    (recompute and backward then dequantize once, not twice). Returns the number of groups joined."""
     layers = list(getattr(getattr(model, "model", None), "layers", []))
+    quantized = any(isinstance(m, QuantLinear) for m in model.modules())
     if wide is None:
         wide = bool(layers) and layers[0].input_layernorm.weight.is_cuda
+    wide = wide and not quantized  # the weights are dequantized per call: no storage to widen
+    if keep_weight is None:
+        keep_weight = bool(getattr(model, "gradient_checkpointing", False))
     groups, calls, joined, widened = 0, [], set(), False
     for owner, name, members in (("self_attn", "qkv", ("q_proj", "k_proj", "v_proj")),
                                  ("mlp", "gate_up", ("gate_proj", "up_proj"))):
@@ -257,7 +286,8 @@ def fuse_projections(model: nn.Module, wide: bool | None = None) -> int:
         widened |= storage is not None
         for i, layer in enumerate(layers):
             fused = FusedProjections(kind[i], storage[i] if storage is not None else None,
-                                     len(members) * kind[i][0].lora_A.out_features if storage is not None else 0)
+                                     len(members) * kind[i][0].lora_A.out_features if storage is not None else 0,
+                                     keep_weight)
             setattr(getattr(layer, owner), name, fused)
             groups += 1
             if all(isinstance(m, LoRALinear) for m in fused.layers):
@@ -265,7 +295,7 @@ def fuse_projections(model: nn.Module, wide: bool | None = None) -> int:
                               fused.sizes, fused.b_slot))
                 joined.update(id(m) for m in fused.layers)
     for _, m in lora_modules(model):
-        m.fused = True
+        m.fused, m.keep_weight = True, keep_weight and isinstance(m.base_layer, QuantLinear)
         if id(m) not in joined:
             calls.append(([m.lora_A.weight], [m.lora_B.weight], (m.out_features,), None))
     model.lora_casts = CastCache(calls) if calls else None  # refreshed by CausalLM.forward

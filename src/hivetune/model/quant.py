@@ -2,7 +2,9 @@
 quantized in memory, packed bytes and scales as buffers of a QuantLinear, and each matmul
 dequantizes its weight on the fly, one layer's weight at a time (ops.quant_linear): on GPUs one
 Triton kernel writes it in the compute dtype, then cuBLAS runs the matmul. LoRA sits on top as on a dense base
-(lora.LoRALinear wraps a QuantLinear as it wraps an nn.Linear).
+(lora.LoRALinear wraps a QuantLinear as it wraps an nn.Linear); training joins q/k/v and
+gate/up as on a dense base (lora.fuse_projections), each group dequantizing its members into
+one weight (JoinedWeight) for one matmul.
 
     nf4   QLoRA's 4-bit NormalFloat, double-quantized scales (ops.nf4), ~4.13 bits a weight
     int8  per-row absmax int8 (ops.int8), 8 bits a weight + 4 bytes a row
@@ -72,14 +74,16 @@ class QuantLinear(nn.Module):
     def device(self) -> torch.device:
         return next(self.buffers()).device
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight [out, in] in `dtype` (computed in fp32, one cast)."""
+    def dequantized(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight [out, in] in `dtype` (computed in fp32, one cast); `out`: a contiguous
+        [out, in] tensor in `dtype` to write it into (JoinedWeight's row slice), returned."""
         shape = (self.out_features, self.in_features)
         if self.fmt == "nf4":
-            return nf4.dequantize_parts(self.packed, self.q_absmax, self.absmax2, self.offset, shape, dtype)
+            return nf4.dequantize_parts(self.packed, self.q_absmax, self.absmax2, self.offset, shape, dtype, out)
         if self.fmt == "int8":
-            return int8.dequantize(self.q, self.absmax, dtype)
-        return gguf_blocks.dequantize(self.raw, self.qtype, self.in_features, dtype)
+            return int8.dequantize(self.q, self.absmax, dtype, out)
+        w = gguf_blocks.dequantize(self.raw, self.qtype, self.in_features, dtype)
+        return w if out is None else out.copy_(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dequant_linear(x, self.dequantized, self.bias)
@@ -90,6 +94,32 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = gguf_blocks.BLOCK_TYPES[self.qtype][0] if self.fmt == "gguf" else self.fmt
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, bias={self.bias is not None}"
+
+
+class JoinedWeight:
+    """(dtype) -> the weights [sum out, in] of layers that read one input (q/k/v, or gate/up:
+    lora.FusedProjections on a quantized base), each dequantized into its row slice of one
+    buffer in `dtype` (one Triton kernel a QuantLinear on GPUs, no copy after); a dense member's
+    weight is copied in. The joined LoRA group then runs one matmul on it."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.layers = layers
+        self.rows = sum(m.out_features for m in layers)
+        self.in_features = layers[0].in_features
+
+    def __call__(self, dtype: torch.dtype) -> torch.Tensor:
+        first = self.layers[0]
+        device = first.device if isinstance(first, QuantLinear) else first.weight.device
+        out = torch.empty((self.rows, self.in_features), dtype=dtype, device=device)
+        row = 0
+        for m in self.layers:
+            rows = out[row:row + m.out_features]
+            if isinstance(m, QuantLinear):
+                m.dequantized(dtype, rows)
+            else:
+                rows.copy_(m.weight)
+            row += m.out_features
+        return out
 
 
 def quantizes(name: str) -> bool:
@@ -184,9 +214,19 @@ def quantized_weight_bytes(args: ModelArgs, base_quant: str, kept_bytes: int = 0
     return args.num_hidden_layers * per_layer
 
 
-def dequant_workspace_elements(args: ModelArgs) -> int:
-    """The largest decoder linear weight: the one dequantized weight alive at a time."""
-    return max(o * i for o, i in linear_shapes(args))
+def dequant_workspace_elements(args: ModelArgs, joined: bool = False) -> int:
+    """The largest decoder linear weight, the one dequantized weight alive at a time layer by
+    layer; `joined` (lora.FusedProjections): the largest group's, q/k/v's or gate/up's joined."""
+    shapes = linear_shapes(args)
+    if not joined:
+        return max(o * i for o, i in shapes)
+    return max(sum(o * i for o, i in shapes[:3]), shapes[3][0] * shapes[3][1],
+               sum(o * i for o, i in shapes[4:6]), shapes[6][0] * shapes[6][1])
+
+
+def layer_weight_elements(args: ModelArgs) -> int:
+    """One decoder layer's linear weights, all seven."""
+    return sum(o * i for o, i in linear_shapes(args))
 
 
 def unsupported_block_type(source: str, tensor_name: str, type_name: str) -> UserError:

@@ -23,6 +23,10 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, absmax
 
 
-def dequantize(q: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[out, in] in `dtype`: q * absmax / 127 in fp32, then one cast."""
-    return (q.float() * absmax[:, None] / 127.0).to(dtype)
+def dequantize(q: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype = torch.float32,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """[out, in] in `dtype`: q * absmax / 127 in fp32, then one cast (into `out` where given)."""
+    if out is not None and out.dtype == torch.float32:
+        return torch.div(q.float() * absmax[:, None], 127.0, out=out)  # no fp32 copy to cast
+    values = q.float() * absmax[:, None] / 127.0
+    return values.to(dtype) if out is None else out.copy_(values)

@@ -41,6 +41,10 @@ and Bd of one group kind (q/k/v, o, gate/up, down) live in one buffer, written b
 kernels for the whole model, instead of ~9 cast / fill / copy kernels per layer and group (on
 W1, ~500 of a step's ~2,400 kernels). Without a fresh cache (a layer called alone, a
 checkpointed layer's recompute) the Function builds them itself.
+
+On a quantized base (model.quant) W comes as a callable that dequantizes it in the compute dtype
+(q/k/v's or gate/up's members into one buffer): made again for backward's g W, or kept where
+the caller says (gradient checkpointing: one layer's saved tensors live at a time).
 """
 
 from __future__ import annotations
@@ -241,7 +245,7 @@ class LoRAGroup(torch.autograd.Function):
     slice per layer, a single check for mm's fp32 output."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sizes, p, scale, source_fn, source, residual, xd, room, *lora):
+    def forward(ctx, x, weight, bias, sizes, p, scale, source_fn, source, residual, xd, room, keep_weight, *lora):
         """x [..., d]; weight [O, d] (frozen, rows per layer); lora = A_1..A_n, B_1..B_n.
         `source`: a tensor kept for backward anyway with x = source_fn(source) (or x itself
         when source_fn is None); with the seeded dropout, x is recomputed from it in backward
@@ -250,12 +254,17 @@ class LoRAGroup(torch.autograd.Function):
         `xd`: x already dropped by the caller (ops.norm.rms_norm_dropped, ops.swiglu.swiglu_dropped), or
         None. Its gradient goes back unmasked (the caller's backward applies the mask), and
         source_fn then recomputes xd itself from `source`. `room`: x's rows lie n r or more
-        elements further apart, the columns after each row free (the wide path writes xa there)."""
+        elements further apart, the columns after each row free (the wide path writes xa there).
+        `weight` may be a callable (dtype) -> W (a quantized base's dequantization): W is then
+        kept for backward where `keep_weight`, else made again there."""
         n = len(sizes)
         a_params, b_params = lora[:n], lora[n:]
         device_type = x.device.type
         autocast = torch.is_autocast_enabled(device_type)
         dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
+        weight_of = weight if callable(weight) else None
+        if weight_of is not None:
+            weight = weight_of(dtype)
         cached = _ACTIVE.lookup(a_params, b_params, dtype) if _ACTIVE is not None else None
         if autocast:
             with torch.autocast(device_type, enabled=False):
@@ -264,7 +273,8 @@ class LoRAGroup(torch.autograd.Function):
         else:
             y, kept, mask, xa, a_all, bd, w, recompute, seeded, wide = _group_forward(
                 x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual, xd, room)
-        ctx.save_for_backward(kept, mask, xa, a_all, bd, w)
+        ctx.save_for_backward(kept, mask, xa, a_all, bd, None if weight_of is not None and not keep_weight else w)
+        ctx.weight_of, ctx.w_dtype = weight_of, w.dtype
         ctx.recompute, ctx.source_fn, ctx.seeded, ctx.wide = recompute, source_fn, seeded, wide
         ctx.a_params, ctx.b_params = a_params, b_params  # backward adds into their .grad where they have one
         ctx.sizes, ctx.p, ctx.scale, ctx.r, ctx.x_shape, ctx.x_dtype = sizes, p, scale, a_params[0].shape[0], x.shape, x.dtype
@@ -273,9 +283,11 @@ class LoRAGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         saved = ctx.saved_tensors
+        if saved[5] is None and ctx.needs_input_grad[0]:  # a quantized base's W, dequantized again for g W
+            saved = (*saved[:5], ctx.weight_of(ctx.w_dtype))
         g = grad.reshape(-1, grad.shape[-1])
-        if g.dtype != saved[5].dtype:
-            g = g.to(saved[5].dtype)
+        if g.dtype != ctx.w_dtype:
+            g = g.to(ctx.w_dtype)
         if not g.is_contiguous():
             g = g.contiguous()
         if torch.is_autocast_enabled(g.device.type):
@@ -284,7 +296,7 @@ class LoRAGroup(torch.autograd.Function):
         else:
             grad_x, grad_xd, grads_a, grads_b = _group_backward(ctx, g, *saved)
         grad_residual = grad if ctx.needs_input_grad[8] else None  # y = residual + ...: its gradient as it is
-        return (grad_x, None, None, None, None, None, None, None, grad_residual, grad_xd, None, *grads_a, *grads_b)
+        return (grad_x, None, None, None, None, None, None, None, grad_residual, grad_xd, None, None, *grads_a, *grads_b)
 
 
 _ADDMM_OUT_DTYPE: bool | None = None  # whether torch.addmm takes out_dtype with out= (tried once)
@@ -558,9 +570,9 @@ def masked_add_(out: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, keep: fl
         out.add_(torch.ops.aten.native_dropout_backward(t, mask, keep))
 
 
-def lora_group(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, ...],
+def lora_group(x: torch.Tensor, weight, bias: torch.Tensor | None, sizes: tuple[int, ...],
                p: float, scale: float, a_params, b_params, source=None, residual=None, xd=None,
-               room: bool = False) -> torch.Tensor:
+               room: bool = False, keep_weight: bool = True) -> torch.Tensor:
     """y [..., sum(sizes)] = x W^T (+ bias) + the LoRA update of each row block (see the module doc).
     `source`: (fn, tensor) with x = fn(tensor) (fn None: x itself) where that tensor is saved for
     backward by another op anyway (the attention output; the gate/up output that SwiGLU keeps):
@@ -568,7 +580,11 @@ def lora_group(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     `xd`: x dropped by the caller (ops.norm.rms_norm_dropped, ops.swiglu.swiglu_dropped); then fn(tensor)
     gives the dropped input itself, and xd's gradient goes back unmasked.
     `room`: x's rows lie n r or more elements further apart, those columns free: with the
-    wide weight layout the group then runs its wide path (_group_forward)."""
+    wide weight layout the group then runs its wide path (_group_forward).
+    `weight`: W [O, d], or a callable (dtype) -> W for a base kept quantized (model.quant.JoinedWeight,
+    QuantLinear.dequantized): called in forward in the compute dtype, and where not `keep_weight`
+    again in backward (so no layer's dequantized W waits for backward: only under gradient
+    checkpointing, where one layer's saved tensors live at a time, is keeping it cheap)."""
     fn, tensor = source if source is not None else (None, None)
     return LoRAGroup.apply(x, weight, bias, tuple(sizes), float(p), float(scale), fn, tensor, residual, xd,
-                           bool(room), *a_params, *b_params)
+                           bool(room), bool(keep_weight), *a_params, *b_params)

@@ -134,12 +134,14 @@ def dequantize(q: NF4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor
     return dequantize_parts(q.packed, q.q_absmax, q.absmax2, q.offset, q.shape, dtype)
 
 
-def dequantize_parts(packed, q_absmax, absmax2, offset, shape, dtype=torch.float32) -> torch.Tensor:
+def dequantize_parts(packed, q_absmax, absmax2, offset, shape, dtype=torch.float32, out=None) -> torch.Tensor:
     """dequantize() from the stored tensors (a module's buffers): the Triton kernel where
-    fused_ok takes the output dtype on this device, else the PyTorch reference."""
+    fused_ok takes the output dtype on this device, else the PyTorch reference. `out`: a
+    contiguous tensor of `shape` and `dtype` to write into (a row slice of a joined weight)."""
     if dtype in (torch.bfloat16, torch.float16) and fused_ok(packed.new_empty(0, dtype=dtype)):
-        return dequantize_triton(packed, q_absmax, absmax2, offset, shape, dtype)
-    return dequantize_reference(packed, q_absmax, absmax2, offset, shape, dtype)
+        return dequantize_triton(packed, q_absmax, absmax2, offset, shape, dtype, out)
+    w = dequantize_reference(packed, q_absmax, absmax2, offset, shape, dtype)
+    return w if out is None else out.copy_(w)
 
 
 def dequantize_reference(packed, q_absmax, absmax2, offset, shape, dtype=torch.float32) -> torch.Tensor:
@@ -161,13 +163,17 @@ def dequantize_reference(packed, q_absmax, absmax2, offset, shape, dtype=torch.f
 BYTES_PER_PROGRAM = 1024  # packed bytes a program reads (2,048 weights)
 
 
-def dequantize_triton(packed, q_absmax, absmax2, offset, shape, dtype) -> torch.Tensor:
+def dequantize_triton(packed, q_absmax, absmax2, offset, shape, dtype, out=None) -> torch.Tensor:
     """dequantize_reference in one kernel: each program reads BYTES_PER_PROGRAM packed bytes and
-    their scales, and writes the 2 x as many weights in `dtype`. The scales' mul and add stay
-    two roundings (no fused multiply-add), so the values equal the reference's bit for bit."""
+    their scales, and writes the 2 x as many weights in `dtype` (into `out` where given: contiguous,
+    of `shape`). The scales' mul and add stay two roundings (no fused multiply-add), so the values
+    equal the reference's bit for bit."""
     levels, dmap = _tables(packed.device)
     n_bytes = packed.numel()
-    out = torch.empty(shape, dtype=dtype, device=packed.device)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=packed.device)
+    elif not out.is_contiguous() or out.dtype != dtype or out.numel() != 2 * n_bytes:
+        raise ValueError(f"nf4: out must be contiguous {dtype} of {2 * n_bytes} values")
     grid = (triton.cdiv(n_bytes, BYTES_PER_PROGRAM),)
     _dequant_kernel[grid](packed, q_absmax, absmax2, offset, levels, dmap, out, n_bytes,
                           BYTES=BYTES_PER_PROGRAM, enable_fp_fusion=False)

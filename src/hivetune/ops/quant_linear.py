@@ -2,7 +2,8 @@
 reference path, plain PyTorch on any device. Forward dequantizes W into the compute dtype, runs
 the matmul and drops W; backward dequantizes it again for dx = g W. Nothing of W is saved for
 backward (it is frozen: no weight gradient), so at most one layer's dequantized weight is alive
-at a time, the dequantization workspace plan.memory counts.
+at a time, the dequantization workspace plan.memory counts. (The joined LoRA groups of training,
+ops.lora_group, take the dequantization as a callable and run the same way a group at a time.)
 
 x's dtype (the autocast dtype under autocast) is the compute dtype; the dequantized values are
 computed in fp32 and cast once, so the result equals F.linear on the dequantized weight.

@@ -52,7 +52,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from hivetune.model.config import ModelArgs
-from hivetune.model.quant import dequant_workspace_elements, linear_shapes, quantized_weight_bytes
+from hivetune.model.quant import (dequant_workspace_elements, layer_weight_elements, linear_shapes,
+                                  quantized_weight_bytes)
 from hivetune.ops.fused_ce import chunk_rows_for
 from hivetune.ops.offload import THRESHOLD_BYTES as OFFLOAD_THRESHOLD, peak_resident_layers
 
@@ -426,14 +427,19 @@ def quantized_base_change(args: ModelArgs, mc: MemoryConfig) -> int:
 
 
 def dequant_workspace_bytes(args: ModelArgs, mc: MemoryConfig) -> int:
-    """One layer's largest weight dequantized, in forward and backward alike: s bytes a weight
-    where a Triton kernel writes it in the compute dtype (NF4, the GGUF blocks), else (the
-    reference, ops.quant_linear) the fp32 values and their cast, (4 + s) bytes a weight."""
-    if mc.fused_layers:
-        per_weight = mc.s if mc.base_quant in ("nf4", "keep") else 4 + mc.s
-    else:
-        per_weight = 4 + mc.s
-    return per_weight * dequant_workspace_elements(args)
+    """Dequantized base weights alive at once, s bytes a weight where a Triton kernel writes them
+    in the compute dtype (NF4, the GGUF blocks), plus, for the plain reference, the fp32 values of
+    the weight being dequantized (4 bytes a weight of the largest). Layer by layer (ops.quant_linear):
+    one layer's largest weight, in forward and backward alike. Joined (lora.fuse_projections): the
+    largest group's weights in one buffer (q/k/v's or gate/up's, model.quant.JoinedWeight); under
+    gradient checkpointing each group call of the recomputed layer keeps its buffer for backward,
+    so one layer's seven weights at once."""
+    triton = mc.fused_layers and mc.base_quant in ("nf4", "keep")
+    single = dequant_workspace_elements(args)
+    if not mc.joined:
+        return (mc.s if triton else 4 + mc.s) * single
+    held = layer_weight_elements(args) if mc.gradient_checkpointing else dequant_workspace_elements(args, joined=True)
+    return mc.s * held + (0 if triton else 4 * single)
 
 
 def activation_bytes(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | None = None) -> int:

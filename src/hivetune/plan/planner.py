@@ -88,8 +88,8 @@ def memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: b
                       mask_bytes=1 if cuda else (4 if precision == "fp32" else 2),
                       offload_layers=offload_in_force(cfg, cuda, graphs), **path)
     quant = getattr(cfg, "base_quant", "none")
-    if quant != "none":  # a quantized base runs LoRA layer by layer (train.setup)
-        mc = dataclasses.replace(mc, base_quant=quant, joined=False)
+    if quant != "none":  # joined groups too (train.setup), each dequantizing its weights per call
+        mc = dataclasses.replace(mc, base_quant=quant)
     setting = getattr(cfg, "lora_inputs", "recompute")
     if setting == "auto" and (args is None or not tokens):
         setting = "recompute"
@@ -226,7 +226,8 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
         dense = args.num_hidden_layers * sum(o * i for o, i in linear_shapes(args)) * mc.s
         notes.append(f"base_quant {mc.base_quant}: the decoder weights take "
                      f"{(dense + quantized_base_change(args, mc)) / GIB:.2f} GiB ({dense / GIB:.2f} GiB in {precision}); "
-                     f"one layer's weight is dequantized at a time")
+                     + ("q/k/v and gate/up are dequantized a group at a time" if mc.joined
+                        else "one layer's weight is dequantized at a time"))
     if mc.keep_inputs and not ckpt:
         notes.append(f"lora_inputs {cfg.lora_inputs}: the LoRA groups keep their dropped inputs "
                      f"(+{keep_inputs_extra_bytes(args, mc, tokens) / GIB:.2f} GiB of activations)")

@@ -220,11 +220,11 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     elif parallel.enabled:
         base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
         strategy = distributed.choose_strategy(cfg.distributed, base_bytes, device, cfg, model.args)
-    if quantized and fused_lora_usable():
-        print(f"hivetune: base_quant {cfg.base_quant}: q/k/v and gate/up run layer by layer (the joined "
-              f"LoRA groups read one dense weight)", file=sys.stderr)
-    elif strategy != "fsdp" and fused_lora_usable():  # FSDP shards each weight: it keeps them apart
-        fuse_projections(model, wide=wide_groups(model, cfg, data, device, strategy))
+    if strategy != "fsdp" and fused_lora_usable():  # FSDP shards each weight: it keeps them apart
+        # on a quantized base each group dequantizes its members into one weight per call, kept
+        # for backward under gradient checkpointing (lora.fuse_projections)
+        fuse_projections(model, wide=wide_groups(model, cfg, data, device, strategy),
+                         keep_weight=cfg.gradient_checkpointing)
     if cfg.host_embeddings and device.type == "cuda":
         if strategy == "fsdp":
             print("hivetune: host_embeddings: off under FSDP (it shards the table with the rest)", file=sys.stderr)
