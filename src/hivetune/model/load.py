@@ -15,7 +15,7 @@ import torch
 from hivetune.core.errors import UserError
 from hivetune.core.fileio import fill_cache_folder, file_cache_folder
 from hivetune.model.config import ModelArgs
-from hivetune.model.decoder import CausalLM, rope_inv_freq
+from hivetune.model.decoder import CausalLM, rope_buffers
 from hivetune.model.quant import GGUFBlocks, place_weight, quantizes, unsupported_block_type
 from hivetune.ops.gguf_blocks import BLOCK_TYPES
 
@@ -135,7 +135,8 @@ def build_model(args: ModelArgs, tensors, dtype, device, source: str, base_quant
     if missing:
         raise UserError(f"{source}: missing tensors: {', '.join(sorted(missing)[:5])}"
                         + (" ..." if len(missing) > 5 else ""))
-    model.inv_freq = rope_inv_freq(args).to(device)
+    for name, table in rope_buffers(args).items():
+        setattr(model, name, table.to(device) if table is not None else None)
     return model
 
 
