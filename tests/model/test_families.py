@@ -8,9 +8,8 @@ back with ``load_model``; then:
 - its real chat template (embedded in the test tokenizer_config) marks the assistant turns;
 - a LoRA trained a few steps (through lora.fuse_projections' joined path) saves an adapter that
   PEFT loads onto the transformers model with equal logits (1e-4), Phi-3's under PEFT's names;
-- the f32 GGUF export loads in llama-cpp-python and continues 3 prompts x 10 tokens greedily as
-  hivetune does; Gemma's past its window, Mistral (as llama) and Phi-3 inside theirs (llama.cpp
-  runs both without a window).
+- Phi-3's joined qkv_proj / gate_up_proj quantize (int8) and compute as their dequantized values.
+GGUF export and import: test_families_gguf.
 """
 
 from __future__ import annotations
@@ -302,43 +301,22 @@ def test_trained_lora_loads_in_peft(family, tmp_path):
     assert rel_diff(base, ref) > 100 * PARITY_TOL  # training moved the logits
 
 
-# ----------------------------------------------------------------------------------- GGUF
+# ----------------------------------------------------------------------------------- quantized base
 
 
-def test_gguf_export_greedy_equals_llama_cpp(family, tmp_path):
-    try:
-        import llama_cpp
-    except Exception as e:  # ImportError, or an OSError from a broken shared library
-        pytest.skip(f"llama-cpp-python cannot be imported ({type(e).__name__})")
-    from hivetune.model.gguf_write import write_model_gguf
-    from hivetune.workflows.generate import greedy_ids
+def test_phi3_joined_linears_quantize(family):
+    if not family.name.startswith("phi"):
+        pytest.skip("Phi-3's qkv_proj / gate_up_proj")
+    from hivetune.model.quant import QuantLinear
 
-    tok = AutoTokenizer.from_pretrained(str(family.folder))
-    path = tmp_path / "model.gguf"
-    write_model_gguf(path, family.ours, "f32", "tiny", tok, family.folder)
-    # an f32 KV cache: f16 keys turn near ties (a 0.008 logit gap) the other way
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=2, type_k=0, type_v=0, verbose=False)
-    windowless = family.name in ("mistral", "phi3")  # in llama.cpp: prompt + 10 tokens inside the window
-    for prompt in ["How do I restart the nginx service? Run systemctl", "rpm-ostree status shows",
-                   "bootc upgrade stages a new image 0123456789"]:
-        ids = tok(prompt)["input_ids"]
-        ids = ids[:NO_GGUF_WINDOW - 10] if windowless else ids
-        assert len(ids) + 10 > WINDOW
-        ours = greedy_ids(family.ours, [ids], 10, set())[0]
-        llm.reset()
-        theirs = []
-        for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
-            theirs.append(token)
-            if len(theirs) == 10:
-                break
-        assert ours == theirs, prompt
-
-
-def test_gguf_export_refuses_a_gemma_scale_llama_cpp_lacks(tmp_path):
-    from hivetune.model.decoder import CausalLM
-    from hivetune.model.gguf_write import add_family_hparams
-
-    args = ModelArgs.from_hf_dict(dict(BASE, model_type="gemma2", head_dim=16, query_pre_attn_scalar=24))
-    assert math.isclose(CausalLM(args).model.layers[0].self_attn.scale, 24 ** -0.5)
-    with pytest.raises(UserError, match="query_pre_attn_scalar 24: llama.cpp's Gemma scales attention by head_dim"):
-        add_family_hparams(None, args)
+    quantized = load_model(family.folder, base_quant="int8").eval()
+    attn, mlp = quantized.model.layers[0].self_attn, quantized.model.layers[0].mlp
+    assert isinstance(attn.qkv_proj, QuantLinear) and isinstance(mlp.gate_up_proj, QuantLinear)
+    # it computes with the int8 weights: equal to the dense model holding their dequantized values
+    dense = load_model(family.folder).eval()
+    with torch.no_grad():
+        for name, m in quantized.named_modules():
+            if isinstance(m, QuantLinear):
+                dense.get_submodule(name).weight.copy_(m.dequantized())
+    ids = ids_of(20, seed=8)
+    assert rel_diff(our_logits(quantized, ids), our_logits(dense, ids)) <= PARITY_TOL

@@ -24,18 +24,15 @@ import torch
 from hivetune.core.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM, rope_inv_freq
-from hivetune.model.load import GGUF_LAYER_NAMES, GGUF_TOP_NAMES, permute_rope_rows
+from hivetune.model.load import (GEMMA_27B_LAYERS, GGUF_FAMILY_LAYER_NAMES, GGUF_LAYER_NAMES, GGUF_TOP_NAMES,
+                                 gguf_gemma_query_scalar, permute_rope_rows)
 
 # Our model_type -> llama.cpp architecture. llama.cpp's converter writes Mistral as "llama"
 # (whose graph has no sliding window: past the window its attention differs from Mistral's).
 GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
               "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
 # Where a family's names differ from the llama table (HF module -> llama.cpp tensor)
-FAMILY_LAYER_NAMES = {
-    "gemma": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-              "post_feedforward_layernorm": "post_ffw_norm"},
-    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
-}
+FAMILY_LAYER_NAMES = {f: {hf: g for g, hf in names.items()} for f, names in GGUF_FAMILY_LAYER_NAMES.items()}
 GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
 HF_TO_GGUF_LAYER = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}
 HF_TO_GGUF_TOP = {hf: g for g, hf in GGUF_TOP_NAMES.items()}
@@ -240,9 +237,12 @@ def add_family_hparams(writer, args: ModelArgs) -> None:
     rope = args.rope_scaling or {}
     if args.model_type.startswith("gemma"):
         scalar = args.query_pre_attn_scalar or args.head_dim
-        if scalar not in (args.head_dim, args.hidden_size // args.num_attention_heads):
+        implied = gguf_gemma_query_scalar(args.model_type, args.num_hidden_layers, args.hidden_size,
+                                          args.num_attention_heads, args.head_dim)
+        if scalar != implied:
             raise UserError(f"query_pre_attn_scalar {scalar}: llama.cpp's Gemma scales attention by head_dim "
-                            f"({args.head_dim}) or hidden_size / heads; this model would not run as trained")
+                            f"({args.head_dim}), by hidden_size / heads in the 27B shape "
+                            f"({GEMMA_27B_LAYERS[args.model_type]} layers); this model would not run as trained")
         if args.sliding_window:
             writer.add_sliding_window(args.sliding_window)
         if args.attn_logit_softcapping:
@@ -257,6 +257,8 @@ def add_family_hparams(writer, args: ModelArgs) -> None:
         if rope.get("rope_type") == "linear":
             writer.add_rope_scaling_type(RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(rope["factor"])
+    if args.model_type == "phi3" and args.sliding_window:  # llama.cpp reads it and runs without (as its converter)
+        writer.add_sliding_window(args.sliding_window)
     if args.model_type == "phi3" and rope.get("rope_type") == "longrope":
         from hivetune.model.decoder import longrope_attention_factor
 

@@ -27,7 +27,8 @@ from hivetune.ops import gguf_blocks, int8, nf4
 from hivetune.ops.nf4_matmul import nf4_linear
 from hivetune.ops.quant_linear import dequant_linear
 
-QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                     "qkv_proj", "gate_up_proj")  # the last two: Phi-3's joined linears
 
 
 @dataclass
