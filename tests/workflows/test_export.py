@@ -228,8 +228,8 @@ def test_gguf_refuses_other_architectures():
                      num_attention_heads=2, num_key_value_heads=2, model_type="gemma")
     with pytest.raises(UserError) as e:
         gguf_arch(args, "m/config.json")
-    assert str(e.value) == ("m/config.json: GGUF export supports llama, mistral, qwen2, qwen3 models, "
-                            "not 'gemma'")
+    assert str(e.value) == ("m/config.json: GGUF export supports llama, mistral, qwen2, qwen3, gemma2, "
+                            "gemma3_text, phi3 models, not 'gemma'")
 
 
 def test_modelfile_translates_chatml_and_llama3():

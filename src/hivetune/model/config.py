@@ -1,7 +1,9 @@
 """Architecture description of a Llama-family decoder, read from HF config.json or GGUF metadata.
 
 One dataclass covers Llama 2/3 (incl. llama3 rope scaling), Qwen2/2.5 (qkv bias), Qwen3
-(q/k RMSNorm), Mistral and SmolLM2: they differ only in the fields below.
+(q/k RMSNorm), Mistral (sliding window), SmolLM2, Gemma 2 / Gemma 3 text (model.families: GeGLU,
+sandwich norms, soft-capping, local/global layers) and Phi-3 / Phi-4-mini (fused q/k/v and
+gate/up, partial rotary, longrope): they differ only in the fields below.
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ from pathlib import Path
 
 from hivetune.core.errors import UserError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+ROPE_TYPES = ("default", "llama3", "linear", "longrope")  # "su" is Phi-3's older name of longrope
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                    "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 @dataclass
@@ -38,6 +44,14 @@ class ModelArgs:
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    hidden_act: str = "silu"  # the MLP's gate: silu (SwiGLU) or gelu_pytorch_tanh (Gemma's GeGLU)
+    sliding_window: int | None = None  # keys within this many positions of the query (windowed layers)
+    layer_types: list[str] | None = None  # per layer "sliding_attention" / "full_attention"; None: all full
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar^-0.5 (Gemma)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3)
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims (Phi-4-mini)
     extra: dict = field(default_factory=dict, repr=False)  # the source config, kept for export
 
     def __post_init__(self):
@@ -48,6 +62,18 @@ class ModelArgs:
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of one layer, None for a global one."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     @property
     def linear_weight_count(self) -> int:
@@ -69,13 +95,21 @@ class ModelArgs:
                                "num_hidden_layers", "num_attention_heads") if k not in cfg]
         if missing:
             raise UserError(f"{source}: missing keys {', '.join(missing)}")
-        # transformers >= 5 moved rope_theta and rope_scaling into rope_parameters.
+        # transformers >= 5 moved rope_theta and rope_scaling into rope_parameters (Gemma 3: one
+        # dict per layer type, full_attention and sliding_attention).
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        local = rope.pop("sliding_attention", None)
+        rope = dict(rope.pop("full_attention", None) or rope)
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise UserError(f"{source}: rope type {rope_type!r} is not supported (default, llama3)")
-        rope_scaling = rope if rope_type == "llama3" else None
+        rope_type = "longrope" if rope_type == "su" else rope_type
+        if rope_type not in ROPE_TYPES:
+            raise UserError(f"{source}: rope type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
+        rope_scaling = dict(rope, rope_type=rope_type) if rope_type != "default" else None
+        if rope_type == "longrope":
+            rope_scaling.setdefault("original_max_position_embeddings",
+                                    cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings")))
+        family = family_fields(model_type, cfg, local)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -90,11 +124,12 @@ class ModelArgs:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             extra=dict(cfg),
+            **family,
         )
 
     @classmethod
@@ -112,8 +147,7 @@ class ModelArgs:
 
     def to_hf_dict(self) -> dict:
         """A config.json that transformers reads back to the same architecture."""
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
+        arch = HF_ARCHITECTURES[self.model_type]
         out = {k: v for k, v in self.extra.items() if k not in ("rope_parameters",)}
         out.update(
             architectures=[arch],
@@ -130,8 +164,12 @@ class ModelArgs:
             rope_scaling=self.rope_scaling,
             max_position_embeddings=self.max_position_embeddings,
             tie_word_embeddings=self.tie_word_embeddings,
-            hidden_act="silu",
+            hidden_act=self.hidden_act,
         )
+        if self.model_type in ("gemma2", "gemma3_text"):
+            out["hidden_activation"] = self.hidden_act
+        if self.rope_local_theta is not None:
+            out["rope_local_base_freq"] = self.rope_local_theta
         if self.model_type == "llama":
             out["attention_bias"] = self.attention_bias
         if self.bos_token_id is not None:
@@ -142,6 +180,33 @@ class ModelArgs:
 
     def replace(self, **changes) -> "ModelArgs":
         return dataclasses.replace(self, **changes)
+
+
+def family_fields(model_type: str, cfg: dict, local_rope: dict | None) -> dict:
+    """ModelArgs fields beyond the Llama shape: windows, Gemma's numerics, Phi-3's partial RoPE."""
+    out = {}
+    window = cfg.get("sliding_window")
+    if model_type in ("mistral", "phi3", "gemma2", "gemma3_text") and window:
+        out["sliding_window"] = int(window)
+        if model_type in ("gemma2", "gemma3_text"):
+            out["layer_types"] = list(cfg.get("layer_types") or gemma_layer_types(model_type, cfg))
+    if model_type in ("gemma2", "gemma3_text"):
+        out.update(hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+                   query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+                   attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+                   final_logit_softcapping=cfg.get("final_logit_softcapping"))
+    if model_type == "gemma3_text":
+        out["rope_local_theta"] = float((local_rope or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+    if model_type == "phi3":
+        rope = cfg.get("rope_parameters") or {}
+        out["partial_rotary_factor"] = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor", 1.0))
+    return out
+
+
+def gemma_layer_types(model_type: str, cfg: dict) -> list[str]:
+    """Gemma 2: sliding, full, sliding, ...; Gemma 3: every sliding_window_pattern-th layer full."""
+    pattern = 2 if model_type == "gemma2" else int(cfg.get("sliding_window_pattern") or 6)
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(cfg["num_hidden_layers"])]
 
 
 def qwen25_shape(vocab, hidden, intermediate, layers, heads, kv, tied) -> ModelArgs:

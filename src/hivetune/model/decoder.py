@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from hivetune.model.config import ModelArgs
+from hivetune.model.families import GEMMA, LAYERS, OffsetRMSNorm, attend, window_cuts
 from hivetune.model.lora import LoRALinear, project_shared_input
 from hivetune.ops import norm as norm_op
 from hivetune.ops import rope as rope_op
@@ -47,15 +48,22 @@ class RMSNorm(nn.Module):
         return partial(norm_op.rms_norm, weight=self.weight, eps=self.eps), x
 
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies theta^(-2i/d), with Llama 3's piecewise long-context scaling."""
-    d = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+def rope_inv_freq(args: ModelArgs, theta: float | None = None, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/d) over the rotary dims d, with Llama 3's piecewise
+    long-context scaling, linear scaling (inv_freq / factor) or Phi-3's longrope (inv_freq /
+    short_factor, or / long_factor with `long`). `theta`: another base, unscaled (Gemma 3's
+    sliding layers)."""
+    d = args.rotary_dim
+    inv_freq = 1.0 / ((theta or args.rope_theta) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     if args.rope_freq_factors is not None:  # llama.cpp stores Llama 3 scaling precomputed
         return inv_freq / torch.tensor(args.rope_freq_factors, dtype=torch.float32)
     s = args.rope_scaling
-    if not s:
+    if not s or theta is not None:
         return inv_freq
+    if s.get("rope_type") == "linear":
+        return inv_freq / s["factor"]
+    if s.get("rope_type") == "longrope":
+        return inv_freq / torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)
     factor = s["factor"]
     low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
     old_len = s.get("original_max_position_embeddings", 8192)
@@ -67,6 +75,25 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, smoothed, scaled)
+
+
+def rope_buffers(args: ModelArgs) -> dict[str, torch.Tensor | None]:
+    """CausalLM's RoPE buffers: inv_freq, and where the family has them inv_freq_long (longrope
+    past the original context) and inv_freq_local (Gemma 3's sliding layers)."""
+    longrope = (args.rope_scaling or {}).get("rope_type") == "longrope"
+    return {"inv_freq": rope_inv_freq(args),
+            "inv_freq_long": rope_inv_freq(args, long=True) if longrope else None,
+            "inv_freq_local": rope_inv_freq(args, theta=args.rope_local_theta) if args.rope_local_theta else None}
+
+
+def longrope_attention_factor(args: ModelArgs) -> float:
+    """Phi-3's cos / sin scale: sqrt(1 + ln(s) / ln(original length)), s = the context's stretch."""
+    rope = args.rope_scaling
+    old = rope["original_max_position_embeddings"]
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    factor = rope.get("factor") or args.max_position_embeddings / old
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old))
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype):
@@ -115,6 +142,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.qkv = None  # a lora.FusedProjections of q/k/v once lora.fuse_projections ran
+        self.window = args.layer_window(layer_idx)  # Mistral's sliding window
 
     def forward(self, x, cos, sin, layout=None, cache=None, norm=None):
         """x: the residual stream. With `norm` (the layer's RMSNorm) the block reads norm(x) and
@@ -140,7 +168,10 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, layout, cache, residual):
         b, t = q.shape[:2]
-        out = causal_attention(q, k, v, layout, cache, self.layer_idx)  # [B, T, H, D] in and out
+        if not window_cuts(self.window, q, layout, cache):  # [B, T, H, D] in and out
+            out = causal_attention(q, k, v, layout, cache, self.layer_idx)
+        else:  # Mistral past its sliding window (model.families.attend)
+            out = attend(q, k, v, layout, cache, self.layer_idx, window=self.window)
         out = out.reshape(b, t, self.n_heads * self.head_dim)
         if isinstance(self.o_proj, LoRALinear):  # the attention kernel keeps `out` for its backward
             return self.o_proj(out, source=(None, out), residual=residual)
@@ -198,8 +229,9 @@ class DecoderBody(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        layer = LAYERS.get(args.model_type, DecoderLayer)  # model.families
+        self.layers = nn.ModuleList(layer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = (OffsetRMSNorm if args.model_type in GEMMA else RMSNorm)(args.hidden_size, args.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
@@ -212,7 +244,10 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        for name, table in rope_buffers(args).items():
+            self.register_buffer(name, table, persistent=False)
+        # Gemma scales the embedding by sqrt(hidden), in the embedding's dtype
+        self.embed_scale = args.hidden_size ** 0.5 if args.model_type in GEMMA else None
         self.gradient_checkpointing = False
         self.activation_offload = None  # an ops.offload.ActivationOffload (train setup, activation_offload)
 
@@ -223,9 +258,11 @@ class CausalLM(nn.Module):
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids[None].expand(input_ids.shape[0], -1)
         x = self.model.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         # Under autocast the layer outputs are in the autocast dtype, so RoPE tables follow it.
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        cos, sin = rope_cos_sin(self.inv_freq, position_ids, dtype)
+        cos, sin = self.rope_tables(position_ids, dtype)
         casts = getattr(self, "lora_casts", None)  # lora.fuse_projections: the LoRA casts, one refresh
         if casts is None or not self.training or not torch.is_grad_enabled() or self.gradient_checkpointing:
             casts = None  # (a checkpointed layer's recompute runs outside this forward: it casts its own)
@@ -245,8 +282,24 @@ class CausalLM(nn.Module):
             cache.advance(input_ids.shape[1], layout)
         return self.model.norm(x)
 
+    def rope_tables(self, position_ids, dtype):
+        """cos, sin [B, T, rotary dims]; Gemma 3's stacked [global, local] on a first axis."""
+        rope = self.args.rope_scaling or {}
+        if self.inv_freq_long is not None:  # longrope: the long factors once a position passes the original
+            long = position_ids.max() + 1 > rope["original_max_position_embeddings"]
+            cos, sin = rope_cos_sin(torch.where(long, self.inv_freq_long, self.inv_freq), position_ids, torch.float32)
+            factor = longrope_attention_factor(self.args)
+            return (cos * factor).to(dtype), (sin * factor).to(dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, position_ids, dtype)
+        if self.inv_freq_local is None:
+            return cos, sin
+        local_cos, local_sin = rope_cos_sin(self.inv_freq_local, position_ids, dtype)
+        return torch.stack([cos, local_cos]), torch.stack([sin, local_sin])
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.args.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 class KVCache:

@@ -2,8 +2,10 @@
 
 The layout is the inverse of ``hivetune.model.load``'s reader: llama.cpp tensor names
 (``blk.N.attn_q.weight`` ...), q/k rows permuted for llama.cpp's interleaved RoPE in the llama
-family (Qwen uses NEOX RoPE and stays in HF order), norms and biases in f32, hyperparameters
-under ``<arch>.*`` and the tokenizer (gpt2 BPE) plus chat template under ``tokenizer.*``.
+family (Qwen, Gemma and Phi-3 use NEOX RoPE and stay in HF order), norms and biases in f32,
+hyperparameters under ``<arch>.*`` and the tokenizer (gpt2 BPE) plus chat template under
+``tokenizer.*``. Gemma's norms are written as (1 + w), as llama.cpp's converter does; Phi-3's
+joined qkv_proj / gate_up_proj go as attn_qkv / ffn_up, which llama.cpp splits itself.
 
 Tensors are streamed: all tensor infos first, then one tensor at a time is computed (LoRA merged
 in fp32), converted and written, so memory holds the model once, not twice.
@@ -22,10 +24,15 @@ import torch
 from hivetune.core.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM, rope_inv_freq
-from hivetune.model.load import GGUF_LAYER_NAMES, GGUF_TOP_NAMES, permute_rope_rows
+from hivetune.model.load import (GEMMA_27B_LAYERS, GGUF_FAMILY_LAYER_NAMES, GGUF_LAYER_NAMES, GGUF_TOP_NAMES,
+                                 gguf_gemma_query_scalar, permute_rope_rows)
 
-# Our model_type -> llama.cpp architecture. llama.cpp's converter writes Mistral as "llama".
-GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Our model_type -> llama.cpp architecture. llama.cpp's converter writes Mistral as "llama"
+# (whose graph has no sliding window: past the window its attention differs from Mistral's).
+GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+              "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+# Where a family's names differ from the llama table (HF module -> llama.cpp tensor)
+FAMILY_LAYER_NAMES = {f: {hf: g for g, hf in names.items()} for f, names in GGUF_FAMILY_LAYER_NAMES.items()}
 GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
 HF_TO_GGUF_LAYER = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}
 HF_TO_GGUF_TOP = {hf: g for g, hf in GGUF_TOP_NAMES.items()}
@@ -41,13 +48,18 @@ def gguf_arch(args: ModelArgs, source: str) -> str:
     return arch
 
 
-def hf_to_gguf_name(name: str) -> str:
+def family_of(model_type: str) -> str:
+    return "gemma" if model_type.startswith("gemma") else model_type
+
+
+def hf_to_gguf_name(name: str, model_type: str = "llama") -> str:
     """model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight"""
     if name in HF_TO_GGUF_TOP:
         return HF_TO_GGUF_TOP[name]
     parts = name.split(".")  # model, layers, N, <module...>, weight|bias
     module = ".".join(parts[3:-1])
-    return f"blk.{parts[2]}.{HF_TO_GGUF_LAYER[module]}.{parts[-1]}"
+    table = {**HF_TO_GGUF_LAYER, **FAMILY_LAYER_NAMES.get(family_of(model_type), {})}
+    return f"blk.{parts[2]}.{table[module]}.{parts[-1]}"
 
 
 def qtype_for(dtype: str, shape: tuple[int, ...]):
@@ -105,6 +117,13 @@ def permute_for_llamacpp(args: ModelArgs, hf_name: str, t: torch.Tensor) -> torc
     return t
 
 
+def gguf_value(args: ModelArgs, hf_name: str, t: torch.Tensor) -> torch.Tensor:
+    """A weight as llama.cpp reads it: q/k rows permuted (llama), Gemma's norms as 1 + w."""
+    if args.model_type.startswith("gemma") and hf_name.endswith("norm.weight"):
+        return t + 1
+    return permute_for_llamacpp(args, hf_name, t)
+
+
 def model_tensors(model: CausalLM) -> Iterator[tuple[str, Callable[[], torch.Tensor], tuple[int, ...]]]:
     """(HF name, fp32 producer, shape) of every weight, LoRA merged in (W + scale * B A)."""
     from hivetune.model.lora import LoRALinear
@@ -124,6 +143,9 @@ def model_tensors(model: CausalLM) -> Iterator[tuple[str, Callable[[], torch.Ten
         if name == "lm_head.weight" and args.tie_word_embeddings:
             continue
         yield name, (lambda p=p: p.detach().float()), tuple(p.shape)
+    if args.model_type == "phi3" and args.tie_word_embeddings:  # llama.cpp's phi3 graph reads an output tensor
+        embed = model.model.embed_tokens.weight
+        yield "lm_head.weight", (lambda: embed.detach().float()), tuple(embed.shape)
 
 
 def plan_model_tensors(model: CausalLM, dtype: str) -> list[PlannedTensor]:
@@ -132,9 +154,15 @@ def plan_model_tensors(model: CausalLM, dtype: str) -> list[PlannedTensor]:
     for hf_name, produce, shape in model_tensors(model):
         def to_numpy(hf_name=hf_name, produce=produce):
             with torch.no_grad():
-                return permute_for_llamacpp(args, hf_name, produce()).contiguous().numpy()
-        plan.append(PlannedTensor(hf_to_gguf_name(hf_name), shape, qtype_for(dtype, shape), to_numpy))
+                return gguf_value(args, hf_name, produce()).contiguous().numpy()
+        plan.append(PlannedTensor(hf_to_gguf_name(hf_name, args.model_type), shape, qtype_for(dtype, shape), to_numpy))
     plan.sort(key=lambda t: _tensor_order(t.name))
+    rope = args.rope_scaling or {}
+    if rope.get("rope_type") == "longrope":  # Phi-3: both factor lists, llama.cpp picks by context
+        from gguf import GGMLQuantizationType as Q
+        for which in ("long", "short"):
+            f = np.asarray(rope[f"{which}_factor"], dtype=np.float32)
+            plan.insert(0, PlannedTensor(f"rope_factors_{which}.weight", f.shape, Q.F32, lambda f=f: f))
     if args.model_type in ("llama", "mistral") and (args.rope_scaling or args.rope_freq_factors):
         # Llama 3 long-context scaling travels as rope_freqs = plain inv_freq / scaled inv_freq.
         factors = (rope_inv_freq(args.replace(rope_scaling=None, rope_freq_factors=None))
@@ -195,9 +223,47 @@ def add_hparams(writer, args: ModelArgs, name: str) -> None:
     writer.add_head_count_kv(args.num_key_value_heads)
     writer.add_key_length(args.head_dim)
     writer.add_value_length(args.head_dim)
-    writer.add_rope_dimension_count(args.head_dim)
+    writer.add_rope_dimension_count(args.rotary_dim)
     writer.add_rope_freq_base(args.rope_theta)
     writer.add_layer_norm_rms_eps(args.rms_norm_eps)
+    if args.model_type in ("gemma2", "gemma3_text", "phi3"):
+        add_family_hparams(writer, args)
+
+
+def add_family_hparams(writer, args: ModelArgs) -> None:
+    """Gemma's windows and caps, Phi-3's longrope; what llama.cpp does not do is refused."""
+    from gguf import RopeScalingType
+
+    rope = args.rope_scaling or {}
+    if args.model_type.startswith("gemma"):
+        scalar = args.query_pre_attn_scalar or args.head_dim
+        implied = gguf_gemma_query_scalar(args.model_type, args.num_hidden_layers, args.hidden_size,
+                                          args.num_attention_heads, args.head_dim)
+        if scalar != implied:
+            raise UserError(f"query_pre_attn_scalar {scalar}: llama.cpp's Gemma scales attention by head_dim "
+                            f"({args.head_dim}), by hidden_size / heads in the 27B shape "
+                            f"({GEMMA_27B_LAYERS[args.model_type]} layers); this model would not run as trained")
+        if args.sliding_window:
+            writer.add_sliding_window(args.sliding_window)
+        if args.attn_logit_softcapping:
+            writer.add_attn_logit_softcapping(args.attn_logit_softcapping)
+        if args.final_logit_softcapping:
+            writer.add_final_logit_softcapping(args.final_logit_softcapping)
+    if args.model_type == "gemma3_text":
+        if args.layer_types and args.sliding_window:
+            writer.add_sliding_window_pattern([t == "sliding_attention" for t in args.layer_types])
+        if args.rope_local_theta:
+            writer.add_rope_freq_base_swa(args.rope_local_theta)
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
+    if args.model_type == "phi3" and args.sliding_window:  # llama.cpp reads it and runs without (as its converter)
+        writer.add_sliding_window(args.sliding_window)
+    if args.model_type == "phi3" and rope.get("rope_type") == "longrope":
+        from hivetune.model.decoder import longrope_attention_factor
+
+        writer.add_rope_scaling_attn_factors(longrope_attention_factor(args))
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
 # ------------------------------------------------------------------------------ tokenizer
@@ -323,7 +389,7 @@ def write_lora_gguf(path: Path, model: CausalLM, name: str, source: str) -> int:
     writer.add_float32("adapter.lora.alpha", float(first.scaling * r))
     plan = []
     for mod_name, m in modules:
-        base = hf_to_gguf_name(f"{mod_name}.weight")
+        base = hf_to_gguf_name(f"{mod_name}.weight", args.model_type)
         a, b = m.lora_A.weight, m.lora_B.weight
         plan.append(PlannedTensor(f"{base}.lora_a", tuple(a.shape), gguf.GGMLQuantizationType.F32,
                                   lambda a=a: a.detach().float().numpy()))

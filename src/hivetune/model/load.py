@@ -15,7 +15,7 @@ import torch
 from hivetune.core.errors import UserError
 from hivetune.core.fileio import fill_cache_folder, file_cache_folder
 from hivetune.model.config import ModelArgs
-from hivetune.model.decoder import CausalLM, rope_inv_freq
+from hivetune.model.decoder import CausalLM, rope_buffers
 from hivetune.model.quant import GGUFBlocks, place_weight, quantizes, unsupported_block_type
 from hivetune.ops.gguf_blocks import BLOCK_TYPES
 
@@ -37,8 +37,20 @@ GGUF_TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Where a family's llama.cpp names differ from the table above (llama.cpp tensor -> HF module)
+GGUF_FAMILY_LAYER_NAMES = {
+    "gemma": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+              "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+# llama.cpp architecture -> our model_type
+GGUF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                    "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3"}
 # llama.cpp's converter permutes q/k rows of these architectures for its interleaved RoPE.
 GGUF_PERMUTED_ARCHS = ("llama", "mistral")
+# llama.cpp scales Gemma's attention by hidden / heads in the 27B models (these layer counts), else
+# by head_dim: the query_pre_attn_scalar a GGUF implies
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -135,7 +147,8 @@ def build_model(args: ModelArgs, tensors, dtype, device, source: str, base_quant
     if missing:
         raise UserError(f"{source}: missing tensors: {', '.join(sorted(missing)[:5])}"
                         + (" ..." if len(missing) > 5 else ""))
-    model.inv_freq = rope_inv_freq(args).to(device)
+    for name, table in rope_buffers(args).items():
+        setattr(model, name, table.to(device) if table is not None else None)
     return model
 
 
@@ -211,10 +224,10 @@ def gguf_field(reader, key, default=None):
 
 def gguf_args(reader) -> ModelArgs:
     arch = gguf_field(reader, "general.architecture")
-    model_type = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(arch)
+    model_type = GGUF_MODEL_TYPES.get(arch)
     source = str(reader.data.filename) if hasattr(reader.data, "filename") else "GGUF"
     if model_type is None:
-        raise UserError(f"{source}: GGUF architecture {arch!r} is not supported (llama, mistral, qwen2, qwen3)")
+        raise UserError(f"{source}: GGUF architecture {arch!r} is not supported ({', '.join(GGUF_MODEL_TYPES)})")
 
     def key(name, default=None):
         return gguf_field(reader, f"{arch}.{name}", default)
@@ -245,9 +258,48 @@ def gguf_args(reader) -> ModelArgs:
         "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
     }
+    cfg.update(gguf_family_config(reader, model_type, cfg, key))
     args = ModelArgs.from_hf_dict(cfg, source=source)
-    args.rope_freq_factors = factors
+    args.rope_freq_factors = factors if model_type != "phi3" else None
     return args
+
+
+def gguf_family_config(reader, model_type: str, cfg: dict, key) -> dict:
+    """config.json keys of Gemma and Phi-3 from a GGUF's <arch>.* keys and rope_factors_* tensors."""
+    out = {}
+    if model_type in ("gemma2", "gemma3_text"):
+        out.update(sliding_window=key("attention.sliding_window"),
+                   attn_logit_softcapping=key("attn_logit_softcapping"),
+                   final_logit_softcapping=key("final_logit_softcapping"),
+                   query_pre_attn_scalar=gguf_gemma_query_scalar(model_type, cfg["num_hidden_layers"],
+                                                                 cfg["hidden_size"], cfg["num_attention_heads"],
+                                                                 cfg["head_dim"]))
+        pattern = key("attention.sliding_window_pattern", 2 if model_type == "gemma2" else 6)
+        sliding = ([bool(x) for x in pattern] if isinstance(pattern, list)
+                   else [bool((i + 1) % pattern) for i in range(cfg["num_hidden_layers"])])
+        out["layer_types"] = ["sliding_attention" if x else "full_attention" for x in sliding]
+    if model_type == "gemma3_text":
+        out["rope_local_base_freq"] = key("rope.freq_base_swa", 10000.0)
+        if key("rope.scaling.type") == "linear":
+            out["rope_scaling"] = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
+    if model_type == "phi3":
+        out["sliding_window"] = key("attention.sliding_window")
+        rot = key("rope.dimension_count")
+        out["partial_rotary_factor"] = rot / cfg["head_dim"] if rot else 1.0
+        tensors = {t.name: t for t in reader.tensors}
+        if "rope_factors_long.weight" in tensors:
+            factors = {w: [float(x) for x in np.asarray(tensors[f"rope_factors_{w}.weight"].data).reshape(-1)]
+                       for w in ("long", "short")}
+            out["rope_scaling"] = {"rope_type": "longrope", "long_factor": factors["long"],
+                                   "short_factor": factors["short"],
+                                   "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+                                   "attention_factor": key("rope.scaling.attn_factor")}
+    return out
+
+
+def gguf_gemma_query_scalar(model_type: str, layers: int, hidden: int, heads: int, head_dim: int) -> int:
+    """The query_pre_attn_scalar llama.cpp runs a Gemma GGUF with (it has no key for it)."""
+    return hidden // heads if layers == GEMMA_27B_LAYERS[model_type] else head_dim
 
 
 def gguf_state_dict(reader, args: ModelArgs, keep: bool = False):
@@ -256,9 +308,9 @@ def gguf_state_dict(reader, args: ModelArgs, keep: bool = False):
     from gguf.quants import dequantize
 
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
             continue
-        name = gguf_to_hf_name(t.name)
+        name = gguf_to_hf_name(t.name, args.model_type)
         shape = tuple(int(x) for x in reversed(t.shape))  # ggml lists dims innermost first
         if keep and quantizes(name) and int(t.tensor_type) not in GGUF_DENSE_TYPES:
             yield name, kept_blocks(reader, t, name, shape, args)
@@ -269,6 +321,8 @@ def gguf_state_dict(reader, args: ModelArgs, keep: bool = False):
             # copy the parameters would alias the file and an in-place write would segfault.
             array = array.copy()
         tensor = torch.from_numpy(array)
+        if args.model_type.startswith("gemma") and name.endswith("norm.weight"):
+            tensor = tensor - 1  # llama.cpp stores Gemma's norms as 1 + w
         if args.model_type in GGUF_PERMUTED_ARCHS:
             if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
                 tensor = unpermute_rope_rows(tensor, args.num_attention_heads)
@@ -293,12 +347,14 @@ def kept_blocks(reader, t, name: str, shape: tuple[int, int], args: ModelArgs) -
     return GGUFBlocks(raw, int(t.tensor_type), shape)
 
 
-def gguf_to_hf_name(name: str) -> str:
+def gguf_to_hf_name(name: str, model_type: str = "llama") -> str:
     if name in GGUF_TOP_NAMES:
         return GGUF_TOP_NAMES[name]
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    family = "gemma" if model_type.startswith("gemma") else model_type
+    table = {**GGUF_LAYER_NAMES, **GGUF_FAMILY_LAYER_NAMES.get(family, {})}
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in table:
+        return f"model.layers.{parts[1]}.{table[parts[2]]}.{parts[3]}"
     return name  # unknown: build_model reports it by name
 
 

@@ -280,6 +280,8 @@ def fuse_projections(model: nn.Module, wide: bool | None = None, keep_weight: bo
     groups, calls, joined, widened = 0, [], set(), False
     for owner, name, members in (("self_attn", "qkv", ("q_proj", "k_proj", "v_proj")),
                                  ("mlp", "gate_up", ("gate_proj", "up_proj"))):
+        if not all(hasattr(getattr(layer, owner), m) for layer in layers for m in members):
+            continue  # joined in the checkpoint already (Phi-3's qkv_proj, gate_up_proj)
         kind = [[getattr(getattr(layer, owner), m) for m in members] for layer in layers]
         # one kind at a time: its old weights are freed as its layers move into the storage
         storage = _wide_storage(kind) if wide else None
@@ -352,9 +354,28 @@ def target_names(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
+# Models whose q/k/v and gate/up are one linear each (Phi-3): the split names map to the joined
+# ones, as PEFT names them (its target_modules for phi3: qkv_proj, o_proj, gate_up_proj, down_proj).
+JOINED_TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                  "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def model_targets(targets, valid: list[str]) -> tuple[str, ...]:
+    """`targets` in the model's own names: q_proj / k_proj / v_proj -> qkv_proj and gate_proj /
+    up_proj -> gate_up_proj where the model has the joined layer and not the split one."""
+    out = []
+    for t in targets:
+        t = JOINED_TARGETS[t] if t not in valid and JOINED_TARGETS.get(t) in valid else t
+        if t not in out:
+            out.append(t)
+    return tuple(out)
+
+
 def apply_lora(model: nn.Module, spec: LoRASpec, param_dtype=torch.float32) -> list[str]:
-    """Swap each targeted nn.Linear for a LoRALinear; freeze everything else. Returns the names."""
+    """Swap each targeted nn.Linear for a LoRALinear; freeze everything else. Returns the names.
+    spec.targets becomes the model's own names (model_targets), as the adapter config lists them."""
     valid = target_names(model)
+    spec.targets = model_targets(spec.targets, valid)
     unknown = [t for t in spec.targets if t not in valid]
     if unknown:
         raise UserError(f"lora.targets: {', '.join(unknown)} matches no module "

@@ -29,7 +29,8 @@ from hivetune.model.config import ModelArgs
 from hivetune.ops import gguf_blocks, int8, nf4
 from hivetune.ops.quant_linear import dequant_linear
 
-QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                     "qkv_proj", "gate_up_proj")  # the last two: Phi-3's joined linears
 
 
 @dataclass
