@@ -71,7 +71,7 @@ def test_a_cycle_learns_from_the_served_log_and_the_server_takes_the_new_version
         models = chat_and_correct(srv, 40, 0, GOOD)
         before = srv.call("POST", "/v1/chat/completions", {"messages": question})[1]
 
-        [first] = run_cycles(root, OPTS)  # the server's log as it is, the last line maybe half-written
+        [first] = run_cycles(root, OPTS)  # REG/logs as the running server wrote it
         assert first["status"] == "promoted", first
         assert (first["version"], reg.current_version(root)) == ("v0001", "v0001")
         assert (first["exchanges"], first["curated"], first["train"], first["heldout"]) == (41, 40, 32, 8)
