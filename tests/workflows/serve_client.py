@@ -103,6 +103,16 @@ class Server:
                 self.proc.wait()
 
 
+def wait_for_model(srv: Server, model_id: str, timeout: float = 20.0) -> float:
+    """Seconds until /v1/models names `model_id` (a registry swap); an AssertionError after `timeout`."""
+    start = time.time()
+    while time.time() - start < timeout:
+        if srv.call("GET", "/v1/models")[1]["data"][0]["id"] == model_id:
+            return time.time() - start
+        time.sleep(0.1)
+    raise AssertionError(f"/v1/models did not become {model_id} in {timeout} s:\n{srv.out.read_text()[-2000:]}")
+
+
 def events(response):
     """The parsed `data:` payloads of an SSE response, as they arrive ("[DONE]" as the string)."""
     for line in response:

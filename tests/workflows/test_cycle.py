@@ -2,9 +2,11 @@
 `data split`, `train --init-adapter`, `eval --candidate --against`): nothing to do without enough
 new logs; too little curated data leaves the logs for the next cycle; a failed stage names its log;
 a cycle learning good answers is promoted and one learning answers that contradict the regression
-set is rejected; a cycle SIGKILLed before each stage in turn (and once in the middle of training)
-is finished by the next run without redoing a finished stage (there eval is stood in by
-tests/workflows/fake_cycle_tools.py, so the end does not hang on how 3 steps score)."""
+set is rejected; a cycle SIGKILLed before each stage in turn (and once in the middle of training,
+once in the middle of register's promote) is finished by the next run without redoing a finished
+stage, while a `hivetune serve --registry` beside it keeps answering with the version in service
+(there eval is stood in by tests/workflows/fake_cycle_tools.py, so the end does not hang on how 3
+steps score). The loop through a running server's own log is in test_loop.py."""
 
 from __future__ import annotations
 
@@ -12,14 +14,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from serve_client import Server, needs_http, wait_for_model
 
 from conftest import build_tiny_model, build_tokenizer, write_jsonl
 from hivetune.cli import main
 from hivetune.core.errors import UserError
-from hivetune.data.interaction_log import InteractionLog
+from hivetune.data.interaction_log import InteractionLog, read_logs
 from hivetune.workflows import registry as reg
 from hivetune.workflows.cycle import STAGES, CycleOptions, format_report, gate, run_cycles, write_train_mix
 
@@ -241,6 +245,7 @@ def test_real_cycle_promotes_good_data_and_rejects_data_contradicting_the_regres
 
 RUNNER = """
 import json, os, signal, sys, threading
+from hivetune.workflows import registry
 from hivetune.workflows.cycle import CycleOptions, run_cycles
 root, kill_at, mid_train = sys.argv[1], sys.argv[2], float(sys.argv[3])
 def on_stage(stage, folder):
@@ -248,9 +253,19 @@ def on_stage(stage, folder):
         os.kill(os.getpid(), signal.SIGKILL)
     if stage == "train" and mid_train:
         threading.Timer(mid_train, os.kill, (os.getpid(), signal.SIGKILL)).start()
+write_atomically = registry.atomic_write_with
+def killed_before_the_rename(path, write):  # kill_at "promote": the new current.json whole in its temp file
+    if path.name == "current.json":
+        write(path.with_name(".current.json.tmp-%%d" %% os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    write_atomically(path, write)
+if kill_at == "promote":
+    registry.atomic_write_with = killed_before_the_rename
 opts = CycleOptions(train_set=%r, min_examples=10)
 print(json.dumps(run_cycles(root, opts, commands=json.loads(sys.argv[4]), on_stage=on_stage)))
 """ % (TRAIN_SET,)
+# Where run_killed kills a cycle: before each stage, and in the middle of register's promote
+KILLS = STAGES[:STAGES.index("register") + 1] + ("promote",) + STAGES[STAGES.index("register") + 1:]
 
 
 def run_killed(root: Path, kill_at: str, mid_train: float = 0.0) -> subprocess.CompletedProcess:
@@ -262,27 +277,57 @@ def stage_files(root: Path) -> dict[str, tuple[int, bytes]]:
     return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in (root / "cycles").glob("c*/*.json")}
 
 
+def served_models(srv: Server, expected: str) -> str:
+    """The id /v1/models names and a chat is answered by, once the server has taken `expected`."""
+    wait_for_model(srv, expected)
+    return srv.chat("How do I restart nginx?", max_tokens=2)["model"]
+
+
+@needs_http
 def test_a_killed_cycle_resumes_from_its_first_unfinished_stage(tmp_path, base):
+    """A server on the registry all along answers with the version in service after each kill: the
+    base until register's promote has replaced current.json, v0001 from then on."""
     root = new_registry(tmp_path, base)
     serve(root, 24)
-    before = {}
-    for kill_at in STAGES:
-        p = run_killed(root, kill_at)
-        assert p.returncode == -9, p.stderr
-        files = stage_files(root)
-        assert {k: v for k, v in files.items() if k in before} == before  # finished stages are not redone
-        assert sorted(files) == sorted(f"{s}.json" for s in STAGES[:STAGES.index(kill_at)])
-        before = files
-        if kill_at == "train":  # once more, killed 1.5 s into training: the run goes on from its folder
-            assert run_killed(root, "", mid_train=1.5).returncode == -9
-            assert stage_files(root) == before
-    p = run_killed(root, "")
-    assert p.returncode == 0, p.stderr
+    srv = Server(["--registry", str(root), "--log", str(tmp_path / "served"), "--max-new-tokens", "2",
+                  "--device", "cpu", "--precision", "fp32"], tmp_path / "out.txt")
+    try:
+        before, answered = {}, []
+        for kill_at in KILLS:
+            p = run_killed(root, kill_at)
+            assert p.returncode == -9, p.stderr
+            files = stage_files(root)
+            assert {k: v for k, v in files.items() if k in before} == before  # finished stages are not redone
+            done = STAGES[:STAGES.index("register" if kill_at == "promote" else kill_at)]
+            assert sorted(files) == sorted(f"{s}.json" for s in done)
+            before = files
+            if kill_at == "train":  # once more, killed 1.5 s into training: the run goes on from its folder
+                assert run_killed(root, "", mid_train=1.5).returncode == -9
+                assert stage_files(root) == before
+            if kill_at == "promote":  # v0001 added whole, its promote killed before the rename
+                assert [v["id"] for v in reg.list_versions(root)] == ["v0001"]
+                assert len(list(root.glob(".current.json.tmp-*"))) == 1
+                time.sleep(1.5)  # the server's watcher polls current.json each second: it must not move
+            in_service = reg.current_version(root) or "base"
+            answered.append(served_models(srv, in_service))
+            assert answered[-1] == in_service
+        assert answered == ["base"] * (len(KILLS) - 1) + ["v0001"]  # killed before report: promoted
+        p = run_killed(root, "")
+        assert p.returncode == 0, p.stderr
+        assert served_models(srv, "v0001") == "v0001"
+    finally:
+        srv.stop()
+    assert "is not served" not in srv.out.read_text()  # current.json was whole at every poll
     [report, nothing] = json.loads(p.stdout)
     assert report["status"] == "promoted" and nothing["status"] == "nothing-to-do"
     assert {k: v for k, v in stage_files(root).items() if k in before} == before
     assert reg.current_version(root) == "v0001" and len(reg.list_versions(root)) == 1
+    assert [(h["from"], h["to"]) for h in reg.read_history(root)] == [(None, "v0001")]
+    assert not list(root.glob(".current.json.tmp-*"))
     folder = Path(report["folder"])
     runs = {s: (folder / f"{s}.log").read_text().count("\n$ ") + 1 for s in ("curate", "split", "train", "eval")}
     assert runs == {"curate": 1, "split": 1, "train": 2, "eval": 1}  # train: once killed
     assert json.loads((folder / "train.json").read_text())["steps"] == 3
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    contents = read_logs([tmp_path / "served" / f"interactions-{day}.jsonl"])
+    assert [ex.model for ex in contents.exchanges.values()] == answered + ["v0001"]

@@ -5,7 +5,7 @@ SmolLM2-135M GGUF in llama.cpp (no engine mocked), HTTP from the standard librar
   or has no messages, 413 for a 10 MiB + 1 body from its Content-Length (before it is sent) or
   while a chunked one is read;
 - stop strings (whole and streamed), text parts, seeds of a sampled answer;
-- 8 chats from 4 concurrent clients (greedy: the same prompt gets the same answer from any client,
+- 20 chats from 4 concurrent clients (greedy: the same prompt gets the same answer from any client,
   which a Llama shared without the engine's serialization would not give), feedback on half, a
   streamed chat; a client that leaves mid-stream (its exchange logged as sent, "disconnected"), a
   SIGKILL mid-stream, a restart on the same log: the log reads back whole;
@@ -127,7 +127,7 @@ def test_chats_from_concurrent_clients_feedback_and_a_stream(tmp_path):
 
         def client(k: int) -> None:
             try:
-                for i in range(2):  # prompts 1, 2 and 3 are asked by two clients each
+                for i in range(5):  # each of the 5 prompts is asked by each client once
                     prompt = PROMPTS[(i + k) % len(PROMPTS)]
                     body = srv.chat(prompt, max_tokens=8)
                     assert body["usage"]["completion_tokens"] <= 8 and body["usage"]["prompt_tokens"] > 10
@@ -141,13 +141,14 @@ def test_chats_from_concurrent_clients_feedback_and_a_stream(tmp_path):
         for t in threads:
             t.join()
         assert not failures, failures
-        assert len(answers) == 8
+        assert len(answers) == 20
         by_prompt: dict[str, set[str]] = {}
         for prompt, answer in answers.values():
             by_prompt.setdefault(prompt, set()).add(answer)
-        assert all(len(a) == 1 and next(iter(a)) for a in by_prompt.values()), by_prompt  # greedy: one answer each
+        assert len(by_prompt) == 5  # greedy: one answer to each prompt, from every client
+        assert all(len(a) == 1 and next(iter(a)) for a in by_prompt.values()), by_prompt
         rated = {}
-        for n, exchange_id in enumerate(sorted(answers)[:4]):
+        for n, exchange_id in enumerate(sorted(answers)[:10]):  # feedback on half
             rating, correction = (1, None) if n % 2 else (-1, f"a better answer {n}")
             assert srv.call("POST", "/v1/feedback", {"id": exchange_id, "rating": rating,
                                                      "correction": correction}) == \

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from serve_client import PROMPTS, Server, embedded, needs_http, needs_llama
+from serve_client import PROMPTS, Server, embedded, needs_http, needs_llama, wait_for_model
 
 from hivetune.data.interaction_log import read_logs
 
@@ -54,15 +54,6 @@ def point(reg: Path, version: str | None) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, reg / "current.json")
-
-
-def wait_for_model(srv: Server, model_id: str, timeout: float = 20.0) -> float:
-    start = time.time()
-    while time.time() - start < timeout:
-        if srv.call("GET", "/v1/models")[1]["data"][0]["id"] == model_id:
-            return time.time() - start
-        time.sleep(0.1)
-    raise AssertionError(f"/v1/models did not become {model_id} in {timeout} s:\n{srv.out.read_text()[-2000:]}")
 
 
 @needs_http
