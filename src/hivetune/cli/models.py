@@ -112,6 +112,8 @@ def add_export_parser(sub) -> None:
     ex.add_argument("run", metavar="RUN", help="run folder (or adapter folder)")
     ex.add_argument("--format", required=True, help="adapter | merged | gguf")
     ex.add_argument("--dtype", default=None, help="merged: f32 (default) | f16 | bf16; gguf: f16 (default) | bf16 | q8_0 | f32")
+    ex.add_argument("--quant", default=None, help="gguf: q4_k_m | q5_k_m | q6_k | q4_0 (llama.cpp's quantizer on the f16 "
+                                                  "file; needs llama-cpp-python) | q8_0 | f16 | bf16 | f32")
     ex.add_argument("--out", required=True, metavar="DIR", help="folder to create")
     ex.add_argument("--force", action="store_true", help="replace an existing --out")
     ex.add_argument("--model", default="", metavar="PATH", help="base model (default: the one the adapter names)")
@@ -120,7 +122,7 @@ def add_export_parser(sub) -> None:
 def run_export(ns) -> int:
     from hivetune.workflows.export import export
 
-    result = export(ns.run, ns.format, ns.out, dtype=ns.dtype, force=ns.force, model=ns.model)
+    result = export(ns.run, ns.format, ns.out, dtype=ns.dtype, force=ns.force, model=ns.model, quant=ns.quant)
     dtype = f" ({result.dtype})" if result.dtype else ""
     print(f"exported {ns.run} as {result.format}{dtype} to {result.out}: {', '.join(result.files)}")
     if result.commands:

@@ -3,8 +3,8 @@
 The layout is the inverse of ``hivetune.model.load``'s reader: llama.cpp tensor names
 (``blk.N.attn_q.weight`` ...), q/k rows permuted for llama.cpp's interleaved RoPE in the llama
 family (Qwen, Gemma and Phi-3 use NEOX RoPE and stay in HF order), norms and biases in f32,
-hyperparameters under ``<arch>.*`` and the tokenizer (gpt2 BPE) plus chat template under
-``tokenizer.*``. Gemma's norms are written as (1 + w), as llama.cpp's converter does; Phi-3's
+hyperparameters under ``<arch>.*`` and the tokenizer plus chat template under ``tokenizer.*``
+(model.gguf_vocab). Gemma's norms are written as (1 + w), as llama.cpp's converter does; Phi-3's
 joined qkv_proj / gate_up_proj go as attn_qkv / ffn_up, which llama.cpp splits itself.
 
 Tensors are streamed: all tensor infos first, then one tensor at a time is computed (LoRA merged
@@ -13,7 +13,6 @@ in fp32), converted and written, so memory holds the model once, not twice.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -24,6 +23,7 @@ import torch
 from hivetune.core.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM, rope_inv_freq
+from hivetune.model.gguf_vocab import add_tokenizer
 from hivetune.model.load import (GEMMA_27B_LAYERS, GGUF_FAMILY_LAYER_NAMES, GGUF_LAYER_NAMES, GGUF_TOP_NAMES,
                                  gguf_gemma_query_scalar, permute_rope_rows)
 
@@ -36,9 +36,6 @@ FAMILY_LAYER_NAMES = {f: {hf: g for g, hf in names.items()} for f, names in GGUF
 GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
 HF_TO_GGUF_LAYER = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}
 HF_TO_GGUF_TOP = {hf: g for g, hf in GGUF_TOP_NAMES.items()}
-
-# gguf.TokenType values (llama.cpp's llama_token_type)
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 
 
 def gguf_arch(args: ModelArgs, source: str) -> str:
@@ -284,65 +281,6 @@ def copy_gguf_tokenizer(writer, source: Path) -> None:
         writer.add_key_value(key, field.contents(), vtype, sub)
 
 
-def pre_tokenizer_name(args: ModelArgs, spec: dict) -> str:
-    """llama.cpp's name for the pre-tokenizer regex (tokenizer.ggml.pre) of common families."""
-    if args.model_type in ("qwen2", "qwen3"):
-        return "qwen2"
-    pre = json.dumps(spec.get("pre_tokenizer"))
-    if '"individual_digits": true' in pre:
-        return "smollm"  # digits split one by one, then byte-level: SmolLM / SmolLM2
-    if args.vocab_size >= 128000:
-        return "llama-bpe"  # Llama 3
-    return "gpt2"
-
-
-def add_hf_tokenizer(writer, tokenizer, args: ModelArgs, source: str) -> None:
-    """tokenizer.* keys from a transformers fast tokenizer (byte-level BPE only)."""
-    spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(spec.get("pre_tokenizer")):
-        raise UserError(f"{source}: GGUF export writes byte-level BPE (gpt2) tokenizers only; "
-                        f"this one is {model.get('type')!r} without a ByteLevel pre-tokenizer")
-    vocab = tokenizer.get_vocab()
-    by_id = {i: t for t, i in vocab.items()}
-    added = tokenizer.added_tokens_decoder  # id -> AddedToken
-    tokens, types = [], []
-    for i in range(args.vocab_size):
-        if i in by_id:
-            tokens.append(by_id[i])
-            if i in added:
-                types.append(TOKEN_CONTROL if added[i].special else TOKEN_USER_DEFINED)
-            else:
-                types.append(TOKEN_NORMAL)
-        else:  # embedding rows past the tokenizer (padded vocab), as llama.cpp's converter names them
-            tokens.append(f"[PAD{i}]")
-            types.append(TOKEN_UNUSED)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre_tokenizer_name(args, spec))
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    ids = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id,
-           "pad": tokenizer.pad_token_id, "unk": tokenizer.unk_token_id}
-    if ids["eos"] is None and args.eos_token_id is not None:
-        e = args.eos_token_id
-        ids["eos"] = e[0] if isinstance(e, list) else e
-    if ids["bos"] is not None:
-        writer.add_bos_token_id(ids["bos"])
-    if ids["eos"] is not None:
-        writer.add_eos_token_id(ids["eos"])
-    if ids["pad"] is not None:
-        writer.add_pad_token_id(ids["pad"])
-    if ids["unk"] is not None:
-        writer.add_unk_token_id(ids["unk"])
-    probe = tokenizer("a", add_special_tokens=True)["input_ids"]
-    writer.add_add_bos_token(bool(ids["bos"] is not None and probe and probe[0] == ids["bos"]))
-    writer.add_add_eos_token(bool(ids["eos"] is not None and probe and probe[-1] == ids["eos"]))
-    if getattr(tokenizer, "chat_template", None):
-        writer.add_chat_template(tokenizer.chat_template)
-
-
 # ------------------------------------------------------------------------------ files
 
 
@@ -360,7 +298,8 @@ def write_model_gguf(path: Path, model: CausalLM, dtype: str, name: str, tokeniz
     if is_gguf(source_model):
         copy_gguf_tokenizer(writer, source_model)
     else:
-        add_hf_tokenizer(writer, tokenizer, args, str(source_model))
+        eos = args.eos_token_id[0] if isinstance(args.eos_token_id, list) else args.eos_token_id
+        add_tokenizer(writer, tokenizer, args.vocab_size, source_model, eos)
     write_tensors(writer, plan_model_tensors(model, dtype))
 
 

@@ -7,8 +7,10 @@ failed export never leaves half a folder under the final name.
 - adapter: the run's adapter_config.json + adapter_model.safetensors and a model card.
 - merged:  config.json, safetensors (sharded with an index above ``shard_bytes``), tokenizer
            files, generation_config.json; each targeted weight is W + scale * B A (fp32 math).
-- gguf:    model-<dtype>.gguf (merged), lora-adapter.gguf (for ``llama-server --lora``), an
-           Ollama Modelfile and llama-server.sh, and a README with the commands.
+- gguf:    model-<type>.gguf (merged), lora-adapter.gguf (for ``llama-server --lora``), an
+           Ollama Modelfile and llama-server.sh, and a README with the commands. f32 / f16 / bf16 /
+           q8_0 are written by hivetune; the K-quants and q4_0 by llama.cpp's own quantizer
+           (llama-cpp-python's llama_model_quantize) from the f16 file hivetune writes first.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import torch
 
 from hivetune.core.errors import UserError
 from hivetune.core.fileio import replace_folder
+from hivetune.model.gguf_quantize import LLAMA_CPP_QUANTS, MAX_BITS_PER_WEIGHT, require_llama_cpp
 
 FORMATS = ("adapter", "merged", "gguf")
 DTYPES = ("f32", "f16", "bf16", "q8_0")
 FORMAT_DTYPES = {"adapter": (), "merged": ("f32", "f16", "bf16"), "gguf": ("f32", "f16", "bf16", "q8_0")}
 DEFAULT_DTYPE = {"merged": "f32", "gguf": "f16"}
+QUANTS = (*LLAMA_CPP_QUANTS, *FORMAT_DTYPES["gguf"])  # --quant: llama.cpp's types, then hivetune's
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 SHARD_BYTES = 5 * 10**9  # transformers' usual max_shard_size
@@ -46,13 +50,14 @@ class ExportResult:
 
 
 def export(run: str | Path, format: str, out: str | Path, dtype: str | None = None, force: bool = False,
-           model: str = "", shard_bytes: int = SHARD_BYTES) -> ExportResult:
-    """Export the run (or adapter folder) `run` as `format` into the new folder `out`."""
+           model: str = "", shard_bytes: int = SHARD_BYTES, quant: str | None = None) -> ExportResult:
+    """Export the run (or adapter folder) `run` as `format` into the new folder `out`; `quant`
+    (gguf only) names the GGUF type like `dtype` does and adds the llama.cpp-made types."""
     from hivetune.model.load import load_args
 
     if format not in FORMATS:
         raise UserError(f"--format: unknown format {format!r} (adapter, merged, gguf)")
-    dtype = check_dtype(format, dtype)
+    dtype = check_quant(format, dtype, quant) if quant else check_dtype(format, dtype)
     adapter = finished_adapter(Path(run))
     out = Path(out)
     if out.exists() and not force:
@@ -91,6 +96,8 @@ def export(run: str | Path, format: str, out: str | Path, dtype: str | None = No
 def check_dtype(format: str, dtype: str | None) -> str | None:
     if dtype is None or dtype == "":
         return DEFAULT_DTYPE.get(format)
+    if format == "gguf" and dtype in LLAMA_CPP_QUANTS:
+        raise UserError(f"--dtype: {dtype} is made by llama.cpp's quantizer: pass --quant {dtype}")
     if dtype not in DTYPES:
         raise UserError(f"--dtype: unknown dtype {dtype!r} (f32, f16, bf16, q8_0)")
     if format == "adapter":
@@ -99,6 +106,19 @@ def check_dtype(format: str, dtype: str | None) -> str | None:
         raise UserError(f"--dtype: {dtype} is not available for --format {format} "
                         f"({', '.join(FORMAT_DTYPES[format])})")
     return dtype
+
+
+def check_quant(format: str, dtype: str | None, quant: str) -> str:
+    """The GGUF type named by --quant; the llama.cpp-made ones need llama-cpp-python importable."""
+    if format != "gguf":
+        raise UserError(f"--quant: only for --format gguf (--format {format} takes --dtype)")
+    if quant not in QUANTS:
+        raise UserError(f"--quant: unknown type {quant!r} ({', '.join(QUANTS)})")
+    if dtype and dtype != quant:
+        raise UserError(f"--dtype {dtype} and --quant {quant} disagree: both name the GGUF type; pass one")
+    if quant in LLAMA_CPP_QUANTS:
+        require_llama_cpp(f"--quant {quant}")
+    return quant
 
 
 def finished_adapter(run: Path) -> Path:
@@ -139,6 +159,9 @@ def estimate_bytes(format: str, dtype: str | None, args, adapter: Path) -> int:
 
             n = sum(p.numel() for p in CausalLM(args).parameters())
         return n * BYTES[dtype] + MARGIN_BYTES
+    if dtype in LLAMA_CPP_QUANTS:  # the f16 file, then the quantized one beside it
+        f16 = estimate_gguf_bytes(args, "f16")
+        return f16 + int(f16 * MAX_BITS_PER_WEIGHT / 16) + adapter_bytes + MARGIN_BYTES
     return estimate_gguf_bytes(args, dtype) + adapter_bytes + MARGIN_BYTES
 
 
@@ -342,12 +365,22 @@ def modelfile(model_file: str, chat_template: str | None, eos: str | None, adapt
 
 
 def write_gguf(tmp: Path, net, tokenizer, dtype: str, base: Path, adapter: Path, out: Path) -> ExportResult:
+    from hivetune.model.gguf_quantize import quantize_gguf
     from hivetune.model.gguf_write import write_lora_gguf, write_model_gguf
     from hivetune.model.load import is_gguf
 
     model_file, lora_file = f"model-{dtype}.gguf", "lora-adapter.gguf"
     name = f"{base.stem} + hivetune LoRA"
-    write_model_gguf(tmp / model_file, net, dtype, name, tokenizer, base)
+    if dtype in LLAMA_CPP_QUANTS:
+        f16_file = tmp / ".model-f16.gguf"
+        write_model_gguf(f16_file, net, "f16", name, tokenizer, base)
+        fallback = quantize_gguf(f16_file, tmp / model_file, dtype)
+        f16_file.unlink()
+        if fallback:  # rows not a multiple of 256 values: those tensors get llama.cpp's fallback type
+            print(f"hivetune: export: {dtype}: {fallback} got llama.cpp's fallback type "
+                  f"(rows not a multiple of 256 values)", file=sys.stderr)
+    else:
+        write_model_gguf(tmp / model_file, net, dtype, name, tokenizer, base)
     write_lora_gguf(tmp / lora_file, net, f"hivetune LoRA for {base.stem}", str(adapter))
     template = getattr(tokenizer, "chat_template", None)
     eos = tokenizer.eos_token
@@ -367,8 +400,10 @@ def write_gguf(tmp: Path, net, tokenizer, dtype: str, base: Path, adapter: Path,
                 f"  or base + LoRA adapter:  {server_lora}\n"
                 f"Ollama:     {ollama}\n"
                 f"  (Modelfile.adapter: the base with ADAPTER ./{lora_file})")
-    body = (f"Files: `{model_file}` (the merged model, {dtype}), `{lora_file}` (the LoRA update alone, "
+    made = ", quantized by llama.cpp from hivetune's f16" if dtype in LLAMA_CPP_QUANTS else ""
+    body = (f"Files: `{model_file}` (the merged model, {dtype}{made}), `{lora_file}` (the LoRA update alone, "
             f"for `llama-server --lora`), `Modelfile` / `Modelfile.adapter` (Ollama), `llama-server.sh`.\n\n"
             f"```sh\n{commands}\n```\n")
     (tmp / "README.md").write_text(model_card("GGUF export", base, adapter, body, "gguf"))
     return ExportResult(tmp, "gguf", dtype, sorted(p.name for p in tmp.iterdir()), commands)
+
