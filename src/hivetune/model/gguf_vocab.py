@@ -124,6 +124,7 @@ e4d54df1ebc1f2b91acd986c5b51aa50837d5faf7c7398e73c1f9e9ee5d19869 kanana2
 """
 PRE_TOKENIZER_HASHES = dict(line.split() for line in _HASHES.strip().splitlines())
 GPT2_PRE = "gpt-2"  # llama.cpp's name for GPT-2's own pre-tokenizer regex
+SMOLLM_PRE = "smollm"  # GPT-2's regex after splitting digits one by one (SmolLM / SmolLM2)
 
 
 def check_hash(tokenizer) -> str:
@@ -144,12 +145,17 @@ SPLIT_REGEX_PRE = {
 
 def pre_tokenizer_by_spec(spec: dict) -> str | None:
     """llama.cpp's name for a tokenizer.json pre-tokenizer it implements exactly, else None: a bare
-    ByteLevel with GPT-2's regex (gpt-2), or a SPLIT_REGEX_PRE regex then a regex-less ByteLevel."""
+    ByteLevel with GPT-2's regex (gpt-2), single digits then that ByteLevel (smollm), or a
+    SPLIT_REGEX_PRE regex then a regex-less ByteLevel."""
     pre = spec.get("pre_tokenizer") or {}
     if (spec.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
             and not pre.get("add_prefix_space", False)):
         return GPT2_PRE
     steps = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else []
+    if (spec.get("normalizer") is None and len(steps) == 2 and steps[0].get("type") == "Digits"
+            and steps[0].get("individual_digits") and steps[1].get("type") == "ByteLevel"
+            and steps[1].get("use_regex", True) and not steps[1].get("add_prefix_space", False)):
+        return SMOLLM_PRE
     if (len(steps) == 2 and steps[0].get("type") == "Split" and steps[0].get("behavior") == "Isolated"
             and not steps[0].get("invert") and steps[1].get("type") == "ByteLevel"
             and not steps[1].get("use_regex", True) and not steps[1].get("add_prefix_space", False)
