@@ -48,11 +48,13 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies theta^(-2i/d), with Llama 3's piecewise long-context scaling."""
+    """Inverse frequencies theta^(-2i/d), with Llama 3's piecewise long-context scaling; computed
+    on the CPU whatever the default device (under torch.device("meta") this maths would run
+    through torch._refs, which imports torch._dynamo: seconds of start-up)."""
     d = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
     if args.rope_freq_factors is not None:  # llama.cpp stores Llama 3 scaling precomputed
-        return inv_freq / torch.tensor(args.rope_freq_factors, dtype=torch.float32)
+        return inv_freq / torch.tensor(args.rope_freq_factors, dtype=torch.float32, device="cpu")
     s = args.rope_scaling
     if not s:
         return inv_freq
@@ -197,7 +199,12 @@ class DecoderLayer(nn.Module):
 class DecoderBody(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # Built from an empty weight and initialised here only off the meta device: normal_ on a
+        # meta tensor (load.build_model) runs through torch._refs, which imports torch._dynamo.
+        weight = torch.empty(args.vocab_size, args.hidden_size)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=weight)
+        if not weight.is_meta:
+            nn.init.normal_(self.embed_tokens.weight)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -212,7 +219,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args).to(self.lm_head.weight.device), persistent=False)
         self.gradient_checkpointing = False
         self.activation_offload = None  # an ops.offload.ActivationOffload (train setup, activation_offload)
 
