@@ -14,8 +14,9 @@ Figures (seconds, median / min / max over the runs):
 - train_share:  the same modules timed inside the process after `import torch`: what hivetune
   adds on top of torch (goal: 1.5 s on the GPU machine);
 - tokenizer_auto / tokenizer_saved: the tiny model's tokenizer built inside the process after
-  `import torch`, by transformers' AutoTokenizer (what a model folder takes) and by
-  hivetune.model.tokenizer.load_saved (what a GGUF file's converted tokenizer takes);
+  `import torch`, by transformers' AutoTokenizer and by hivetune.model.tokenizer.load_saved
+  (FolderTokenizer, without transformers: what a folder of a generic tokenizer class and a GGUF
+  file's converted tokenizer take);
 - job:          `python -m hivetune train` on a tiny random model (2 layers, hidden 64) and 16
   examples with --max-steps 2, the whole process (tokenizer, model, doctor's checks, two
   steps, adapter); job_train_s is the run's own train_seconds (summary.json).

@@ -52,18 +52,21 @@ def rope_inv_freq(args: ModelArgs, theta: float | None = None, long: bool = Fals
     """Inverse frequencies theta^(-2i/d) over the rotary dims d, with Llama 3's piecewise
     long-context scaling, linear scaling (inv_freq / factor) or Phi-3's longrope (inv_freq /
     short_factor, or / long_factor with `long`). `theta`: another base, unscaled (Gemma 3's
-    sliding layers)."""
+    sliding layers). Computed on the CPU whatever the default device (under torch.device("meta")
+    this maths would run through torch._refs, which imports torch._dynamo: seconds of start-up)."""
     d = args.rotary_dim
-    inv_freq = 1.0 / ((theta or args.rope_theta) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    exponents = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d
+    inv_freq = 1.0 / ((theta or args.rope_theta) ** exponents)
     if args.rope_freq_factors is not None:  # llama.cpp stores Llama 3 scaling precomputed
-        return inv_freq / torch.tensor(args.rope_freq_factors, dtype=torch.float32)
+        return inv_freq / torch.tensor(args.rope_freq_factors, dtype=torch.float32, device="cpu")
     s = args.rope_scaling
     if not s or theta is not None:
         return inv_freq
     if s.get("rope_type") == "linear":
         return inv_freq / s["factor"]
     if s.get("rope_type") == "longrope":
-        return inv_freq / torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)
+        factors = s["long_factor" if long else "short_factor"]
+        return inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
     factor = s["factor"]
     low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
     old_len = s.get("original_max_position_embeddings", 8192)
@@ -228,7 +231,12 @@ class DecoderLayer(nn.Module):
 class DecoderBody(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # Built from an empty weight and initialised here only off the meta device: normal_ on a
+        # meta tensor (load.build_model) runs through torch._refs, which imports torch._dynamo.
+        weight = torch.empty(args.vocab_size, args.hidden_size)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=weight)
+        if not weight.is_meta:
+            nn.init.normal_(self.embed_tokens.weight)
         layer = LAYERS.get(args.model_type, DecoderLayer)  # model.families
         self.layers = nn.ModuleList(layer(args, i) for i in range(args.num_hidden_layers))
         self.norm = (OffsetRMSNorm if args.model_type in GEMMA else RMSNorm)(args.hidden_size, args.rms_norm_eps)
@@ -245,7 +253,8 @@ class CausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         for name, table in rope_buffers(args).items():
-            self.register_buffer(name, table, persistent=False)
+            self.register_buffer(name, None if table is None else table.to(self.lm_head.weight.device),
+                                 persistent=False)
         # Gemma scales the embedding by sqrt(hidden), in the embedding's dtype
         self.embed_scale = args.hidden_size ** 0.5 if args.model_type in GEMMA else None
         self.gradient_checkpointing = False

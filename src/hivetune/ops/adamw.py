@@ -4,6 +4,8 @@ tests/gpu/test_cuda_fast_optimizer.py). HIVETUNE_REFERENCE=fused_adamw: torch's 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from hivetune.core.fallbacks import FORCE_ENV, forced, note_fallback
@@ -73,7 +75,10 @@ class FusedAdamW(torch.optim.AdamW):
             for p in self._grads[0]:  # would add 1 to the shared step count once per parameter
                 self.state[p]["step"] = self.state[p]["step"].clone()
         self._lists = None
-        loss = super().step(closure)
+        # torch's step under the grad mode its _use_grad_for_differentiable wrapper sets, without
+        # the wrapper, which imports torch._dynamo on every call (for graph breaks under compile)
+        with torch.set_grad_enabled(self.defaults["differentiable"]):
+            loss = inspect.unwrap(torch.optim.AdamW.step)(self, closure)
         self._lists = self._read_lists()
         if self._lists is not None:
             self._grads = (self._lists[0], self._lists[1])
