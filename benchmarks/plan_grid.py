@@ -166,7 +166,8 @@ def run_point(p: dict) -> dict:
         start = mem.memory_allocated(device)
         with autocast(run):
             hidden = model(batch.input_ids, batch.position_ids, batch.layout)
-            loss = fused_target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+            loss = fused_target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids,
+                                         softcap=model.args.final_logit_softcapping)
         mem.synchronize()
         after_forward = mem.memory_allocated(device)
         peak_forward = mem.max_memory_allocated(device)

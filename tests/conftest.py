@@ -46,7 +46,7 @@ def build_tiny_model(folder: Path, model_type: str = "llama", vocab_size: int = 
     """A 2-layer, hidden-64 random model of the given family, saved as HF safetensors."""
     import transformers
 
-    cls_name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[model_type]
+    cls_name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gemma2": "Gemma2"}[model_type]
     config_cls = getattr(transformers, f"{cls_name}Config")
     model_cls = getattr(transformers, f"{cls_name}ForCausalLM")
     kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -63,6 +63,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
     build_tokenizer(folder)
     build_tiny_model(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory) -> Path:
+    """A 2-layer Gemma 2 whose final logit cap binds: weights ~ N(0, 0.2) make logits of a few
+    units, against final_logit_softcapping 3.0 (Gemma 2's is 30 on logits of tens)."""
+    folder = tmp_path_factory.mktemp("tiny-gemma2")
+    build_tokenizer(folder)
+    build_tiny_model(folder, "gemma2", head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                     initializer_range=0.2, final_logit_softcapping=3.0)
     return folder
 
 
@@ -116,7 +127,8 @@ def bf16_loss_and_grads(model, batch) -> tuple[float, torch.Tensor]:
         p.grad = None
     with torch.autocast("cuda", dtype=torch.bfloat16):
         hidden = model(batch.input_ids, batch.position_ids, batch.layout)
-        loss = target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+        loss = target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids,
+                               softcap=model.args.final_logit_softcapping)
     loss.backward()
     return loss.item(), torch.cat([p.grad.flatten() for p in lora_parameters(model)])
 

@@ -15,7 +15,7 @@ from hivetune.data.dataset import TokenizedExamples
 from hivetune.model.lora import lora_parameters
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.plan.graph_sizes import bucket_tokens, capture_cost_tokens, deferrable, defers_captures
-from hivetune.train.graph_batch import IGNORE_INDEX, batch_key, pad_packed_batch
+from hivetune.train.graph_batch import IGNORE_INDEX, batch_key, ignoring_loss_fn, pad_packed_batch
 from hivetune.train.graph_plan import graphs_unsupported, micro_step_fn, planned_keys
 from hivetune.ops.loss import target_loss_sum
 from hivetune.train.setup import assemble
@@ -80,8 +80,7 @@ def test_bucket_padding_keeps_loss_and_grads_fp32(loss_name, tmp_path):
     batch = packed_batch()
     n_targets = batch.target_ids.numel() + 11  # the step's count: other micro-batches share it
     plain_fn = fused_target_loss_sum if loss_name == "fused" else target_loss_sum
-    ignoring = (lambda h, w, i, t: fused_target_loss_sum(h, w, i, t, ignore_index=IGNORE_INDEX)) \
-        if loss_name == "fused" else target_loss_sum
+    ignoring = ignoring_loss_fn(plain_fn)
     ref_loss, ref_grads = loss_and_grads(run, batch, n_targets, plain_fn)
     for tokens in (bucket_tokens(batch.input_ids.shape[1], 64), 256):
         padded = pad_packed_batch(batch, tokens)

@@ -98,11 +98,14 @@ def grads_of(run, loss):
     return [p.grad.clone() for p in lora_parameters(run.model)]
 
 
-@pytest.mark.parametrize("method,options", [
-    ("dpo", {}), ("dpo", {"loss": "ipo", "beta": 0.5}), ("dpo", {"label_smoothing": 0.2, "beta": 0.3}),
-    ("orpo", {"orpo_lambda": 0.5}), ("dpo", {"shared_prompt": False}), ("orpo", {"shared_prompt": False})])
-def test_loss_rewards_and_grads_match_formula(tiny_model_dir, pairs_file, tmp_path, method, options):
-    run = pref_run(tiny_model_dir, pairs_file, tmp_path / "run", method=method, preference=options)
+@pytest.mark.parametrize("method,options,model", [
+    ("dpo", {}, "tiny_model_dir"), ("dpo", {"loss": "ipo", "beta": 0.5}, "tiny_model_dir"),
+    ("dpo", {"label_smoothing": 0.2, "beta": 0.3}, "tiny_model_dir"), ("orpo", {"orpo_lambda": 0.5}, "tiny_model_dir"),
+    ("dpo", {"shared_prompt": False}, "tiny_model_dir"), ("orpo", {"shared_prompt": False}, "tiny_model_dir"),
+    # Gemma 2: the sequence log-probs are of its capped logits (plain_sequence_logps: model.logits)
+    ("dpo", {}, "tiny_gemma2_dir"), ("dpo", {"shared_prompt": False}, "tiny_gemma2_dir")])
+def test_loss_rewards_and_grads_match_formula(request, pairs_file, tmp_path, method, options, model):
+    run = pref_run(request.getfixturevalue(model), pairs_file, tmp_path / "run", method=method, preference=options)
     run.model.eval()  # no dropout either way (dropout is 0; eval keeps the comparison plain)
     pairs = [run.data.example(i) for i in range(5)]
     batch = collate_pairs(pairs, run.pad_id, shared=run.cfg.preference.shared_prompt)
@@ -133,6 +136,27 @@ def test_shared_prompt_equals_plain_path(tiny_model_dir, pairs_file, tmp_path):
     torch.testing.assert_close(values[0][0], values[1][0], atol=1e-5, rtol=1e-6)  # sums of ~100 in fp32
     for a, b in zip(values[0][1], values[1][1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_softcapped_logprobs_are_of_the_capped_logits():
+    """fused_target_logprobs and target_logprobs with softcap: log_softmax(cap tanh(logits / cap)),
+    values and gradients; uncapped they differ."""
+    torch.manual_seed(4)
+    states, weight = torch.randn(2, 9, 16), torch.randn(40, 16)
+    index, ids = torch.tensor([0, 3, 4, 8, 10, 17]), torch.randint(0, 40, (6,))
+    upstream = torch.linspace(-1, 2, 6)
+    capped = 4.0 * torch.tanh(states.reshape(18, 16)[index] @ weight.t() / 4.0)
+    want = F.log_softmax(capped, -1).gather(1, ids[:, None])[:, 0]
+    grads = []
+    for fn in (fused_target_logprobs, target_logprobs):
+        h = states.clone().requires_grad_(True)
+        got = fn(h, weight, index, ids, softcap=4.0)
+        (got * upstream).sum().backward()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        grads.append(h.grad)
+        assert (fn(states, weight, index, ids) - want).abs().max() > 0.5
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+    assert grads[0].abs().max() > 1e-2
 
 
 def test_shared_prompt_mask():

@@ -225,11 +225,11 @@ def poison(monkeypatch, bad_steps: set[int], kind: str) -> None:
     real = train_module.fused_target_loss_sum
     calls = {"n": 0}
 
-    def loss_fn(hidden, *args):
+    def loss_fn(hidden, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] in bad_steps:
             hidden = _NaNGrad.apply(hidden) if kind == "grad" else hidden * float("nan")
-        return real(hidden, *args)
+        return real(hidden, *args, **kwargs)
 
     monkeypatch.setattr(train_module, "fused_target_loss_sum", loss_fn)
 

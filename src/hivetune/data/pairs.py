@@ -170,11 +170,12 @@ class PairBatch:
 
     @property
     def layout(self) -> Masked | None:
-        """shared: the prompt-sharing mask [1, 1, T, T], built once where the parts are; plain: None."""
+        """shared: the prompt-sharing mask [1, 1, T, T], built once where the parts are, with the
+        positions a sliding window counts (an answer's restart after its prompt); plain: None."""
         if self.parts is None:
             return None
         if getattr(self, "_layout", None) is None:
-            self._layout = Masked(shared_prompt_mask(*self.parts))
+            self._layout = Masked(shared_prompt_mask(*self.parts), self.position_ids)
         return self._layout
 
     def to(self, device) -> "PairBatch":

@@ -24,6 +24,7 @@ from hivetune.ops import rope as rope_op
 from hivetune.ops import swiglu as swiglu_op
 from hivetune.ops.attention import Packed, causal_attention
 from hivetune.ops.lora_group import dropout_seed
+from hivetune.ops.loss import cap_logits
 
 
 class RMSNorm(nn.Module):
@@ -306,9 +307,7 @@ class CausalLM(nn.Module):
         return torch.stack([cos, local_cos]), torch.stack([sin, local_sin])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
-        cap = self.args.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return cap_logits(self.lm_head(hidden).float(), self.args.final_logit_softcapping)
 
 
 class KVCache:

@@ -81,7 +81,8 @@ def window_cuts(window: int | None, q: torch.Tensor, layout, cache) -> bool:
 def allowed_keys(layout, q_len: int, k_len: int, window: int | None, device) -> torch.Tensor:
     """Bool mask [B or 1, 1, Q, K], True where a query may attend: the layout's causal mask and,
     with a window, keys less than `window` slots back (queries are the last Q of K slots; a slot
-    distance is a position distance: left pads come first, packed examples are contiguous)."""
+    distance is a position distance: left pads come first, packed examples are contiguous), or
+    less than `window` positions back where a Masked layout gives its slots' positions."""
     if layout is None:
         allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)[None, None]
     elif isinstance(layout, Packed):
@@ -91,7 +92,10 @@ def allowed_keys(layout, q_len: int, k_len: int, window: int | None, device) -> 
         allowed = mask if mask.dtype == torch.bool else mask == 0
     else:
         raise TypeError(f"unknown attention layout {type(layout).__name__}")
-    if window is not None:
+    if window is not None and isinstance(layout, Masked) and layout.positions is not None:
+        pos = layout.positions  # [B, K]
+        allowed = allowed & ((pos[:, None, -q_len:, None] - pos[:, None, None, :]) < window)
+    elif window is not None:
         qpos = torch.arange(q_len, device=device) + (k_len - q_len)
         near = (qpos[:, None] - torch.arange(k_len, device=device)[None, :]) < window
         allowed = allowed & near

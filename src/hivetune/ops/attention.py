@@ -73,6 +73,10 @@ class Masked:
     # [B, 1, Q, K]: bool, True where the query may attend to the key; or additive, 0 there and
     # -inf elsewhere (what SDPA turns a bool mask into on every call: decoding builds it once a step)
     mask: torch.Tensor
+    # [B, K]: each key slot's position, where slot distance is not position distance (the shared-
+    # prompt row of a preference pair: its rejected answer follows the chosen one); a sliding
+    # window counts positions then. None: slots are positions.
+    positions: torch.Tensor | None = None
 
 
 def padded_view_attention(q, k, v, lengths: tuple[int, ...]) -> torch.Tensor:

@@ -18,6 +18,11 @@ gradient (softmax - onehot) back over the logits in place; the next matmul turns
 The plain-PyTorch chunk (the CPU path and the oracle) runs about 15 kernels over fp32 copies:
 on W1 the CE was ~3 ms of a ~20 ms step, and its three fp32 copies of a chunk were at the peak
 of memory. So a chunk is sized by its compute-dtype logits: ``chunk_rows_for(vocab, bytes_per)``.
+
+With `softcap` (Gemma 2's final logit cap) the CE is over c = cap * tanh(x / cap) of the head's
+logits x, and the chain rule adds one factor: dx = (softmax(c) - onehot) * (1 - (c / cap)^2).
+The kernel caps each logit as it reads it; the PyTorch chunk holds the tanh beside the logits
+(two fp32 chunks).
 """
 
 from __future__ import annotations
@@ -33,14 +38,22 @@ CE_BLOCK = 4096  # vocabulary columns per step of the kernel's two passes over a
 @kernels
 def _define_kernels():
     """The Triton kernels: defined at the first fused call, not at import (triton_util.kernels)."""
-    global triton, tl, _ce_rows
+    global triton, tl, _capped, _ce_rows
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _ce_rows(LOGITS, TARGETS, LOSS, stride, V, ignore, BLOCK: tl.constexpr):
+    def _capped(x, cap, HAS_CAP: tl.constexpr):
+        """cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1) (exact at both ends: +-1)."""
+        if HAS_CAP:
+            x = cap * (1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0))
+        return x
+
+    @triton.jit
+    def _ce_rows(LOGITS, TARGETS, LOSS, stride, V, ignore, cap, BLOCK: tl.constexpr, HAS_CAP: tl.constexpr):
         """One row per program: LOSS[row] = lse - logit[target] (0 for ignored rows), and the row
-        overwritten with d loss / d logits = softmax - onehot(target) (zeros when ignored)."""
+        overwritten with d loss / d logits = softmax - onehot(target) (zeros when ignored); with
+        HAS_CAP over the capped logits, the gradient times 1 - (capped / cap)^2."""
         row = tl.program_id(0)
         base = LOGITS + row.to(tl.int64) * stride
         t = tl.load(TARGETS + row)
@@ -48,7 +61,8 @@ def _define_kernels():
         s = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
+            x = tl.where(cols < V, _capped(x, cap, HAS_CAP), float("-inf"))
             new_m = tl.maximum(m, x)
             s = s * tl.exp(m - new_m) + tl.exp(x - new_m)
             m = new_m
@@ -56,13 +70,15 @@ def _define_kernels():
         lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), 0))
         keep = t != ignore
         tt = tl.where(keep, t, 0)
-        x_t = tl.load(base + tt).to(tl.float32)
+        x_t = _capped(tl.load(base + tt).to(tl.float32), cap, HAS_CAP)
         tl.store(LOSS + row, tl.where(keep, lse - x_t, 0.0))
         w = tl.where(keep, 1.0, 0.0)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
+            x = _capped(tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32), cap, HAS_CAP)
             p = tl.exp(x - lse) - tl.where(cols == tt, 1.0, 0.0)
+            if HAS_CAP:
+                p = p * (1.0 - (x / cap) * (x / cap))
             tl.store(base + cols, (p * w).to(LOGITS.dtype.element_ty), mask=cols < V)
 
 
@@ -72,7 +88,31 @@ def triton_ce_ok(rows: torch.Tensor, weight: torch.Tensor) -> bool:
         and rows.is_cuda
 
 
-def _triton_chunks(h_all, weight, targets, chunk_rows, ignore_index, grad_rows):
+def ce_rows(logits, targets, row_loss, ignore: int, softcap: float | None) -> None:
+    """One _ce_rows launch over a chunk of logits [c, V] (turned into d loss / d logits in place)."""
+    _ce_rows[(logits.shape[0],)](logits, targets, row_loss, logits.stride(0), logits.shape[1], ignore,
+                                 0.0 if softcap is None else float(softcap), BLOCK=CE_BLOCK,
+                                 HAS_CAP=softcap is not None, num_warps=8)
+
+
+def chunk_ce(logits: torch.Tensor, targets: torch.Tensor, softcap: float | None, grad: bool):
+    """The PyTorch chunk: (per-row CE [c], d CE / d logits [c, V] or None) of fp32 logits [c, V],
+    capped first with softcap; the gradient is computed in place of `logits`."""
+    if softcap is not None:
+        tanh = logits.div_(softcap).tanh_()
+        logits = tanh * softcap
+    lse = torch.logsumexp(logits, dim=-1)
+    row_loss = lse - logits.gather(1, targets[:, None]).squeeze(1)
+    if not grad:
+        return row_loss, None
+    probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the (capped) logits
+    probs[torch.arange(targets.shape[0], device=targets.device), targets] -= 1.0
+    if softcap is not None:
+        probs.mul_(tanh.square_().neg_().add_(1.0))  # d cap tanh(x / cap) / dx = 1 - tanh^2
+    return row_loss, probs
+
+
+def _triton_chunks(h_all, weight, targets, chunk_rows, ignore_index, grad_rows, softcap):
     """The chunk loop with one Triton kernel per chunk for the softmax and its gradient."""
     row_loss = torch.empty(h_all.shape[0], dtype=torch.float32, device=h_all.device)
     vocab = weight.shape[0]
@@ -84,8 +124,7 @@ def _triton_chunks(h_all, weight, targets, chunk_rows, ignore_index, grad_rows):
         h = h_all[start:start + chunk_rows]
         logits = buf[:h.shape[0]]  # [c, V] in the compute dtype; the kernel turns it into the gradient
         blas.gemm(h, weight.t(), logits)
-        _ce_rows[(h.shape[0],)](logits, targets[start:start + chunk_rows], row_loss[start:],
-                                logits.stride(0), vocab, ignore, BLOCK=CE_BLOCK, num_warps=8)
+        ce_rows(logits, targets[start:start + chunk_rows], row_loss[start:], ignore, softcap)
         if grad_rows is not None:
             blas.gemm(logits, weight, grad_rows[start:start + chunk_rows])
     return row_loss.sum()
@@ -94,13 +133,14 @@ def _triton_chunks(h_all, weight, targets, chunk_rows, ignore_index, grad_rows):
 class FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int,
-                ignore_index: int | None = None):
+                ignore_index: int | None = None, softcap: float | None = None):
         compute_dtype = weight.dtype
         grad_rows = torch.empty(rows.shape, dtype=compute_dtype, device=rows.device) if ctx.needs_input_grad[0] else None
         ctx.rows_dtype = rows.dtype
         if triton_ce_ok(rows, weight):
             with torch.autocast(rows.device.type, enabled=False):
-                total = _triton_chunks(rows.to(compute_dtype), weight, targets, chunk_rows, ignore_index, grad_rows)
+                total = _triton_chunks(rows.to(compute_dtype), weight, targets, chunk_rows, ignore_index, grad_rows,
+                                       softcap)
             ctx.save_for_backward(grad_rows)
             return total
         # Rows whose target is ignore_index (padding of a CUDA-graph bucket) add no loss and no
@@ -115,15 +155,11 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, rows.shape[0], chunk_rows):
                 h = h_all[start:start + chunk_rows]
                 t = targets[start:start + chunk_rows]
-                logits = (h @ weight.t()).float()
-                lse = torch.logsumexp(logits, dim=-1)
-                row_loss = lse - logits.gather(1, t[:, None]).squeeze(1)
+                row_loss, dlogits = chunk_ce((h @ weight.t()).float(), t, softcap, grad_rows is not None)
                 k = keep[start:start + chunk_rows] if keep is not None else None
                 total += (row_loss if k is None else row_loss * k).sum()
                 if grad_rows is not None:
-                    probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-                    probs[torch.arange(t.shape[0], device=t.device), t] -= 1.0
-                    g = probs.to(compute_dtype) @ weight
+                    g = dlogits.to(compute_dtype) @ weight
                     grad_rows[start:start + chunk_rows] = g if k is None else g * k[:, None]
         ctx.save_for_backward(grad_rows)
         return total
@@ -132,8 +168,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         (grad_rows,) = ctx.saved_tensors
         if grad_rows is None:
-            return None, None, None, None, None
-        return (grad_rows * grad_total).to(ctx.rows_dtype), None, None, None, None
+            return None, None, None, None, None, None
+        return (grad_rows * grad_total).to(ctx.rows_dtype), None, None, None, None, None
 
 
 def chunk_rows_for(vocab: int, chunk_bytes: int = 256 << 20, bytes_per_logit: int = 4) -> int:
@@ -144,15 +180,17 @@ def chunk_rows_for(vocab: int, chunk_bytes: int = 256 << 20, bytes_per_logit: in
 
 def fused_target_loss_sum(hidden: torch.Tensor, lm_head_weight: torch.Tensor, target_index: torch.Tensor,
                           target_ids: torch.Tensor, chunk_bytes: int = 256 << 20,
-                          ignore_index: int | None = None) -> torch.Tensor:
+                          ignore_index: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Same value and hidden-gradient as target_loss_sum, with one chunk of logits alive at a time.
 
     The head must be frozen (LoRA never adapts it): its gradient is not computed. Targets equal
-    to ignore_index (when given; -100 as in F.cross_entropy) count nothing.
+    to ignore_index (when given; -100 as in F.cross_entropy) count nothing. softcap: the CE of
+    softcap * tanh(logits / softcap) (Gemma 2's final_logit_softcapping).
     """
     if lm_head_weight.requires_grad:
         raise ValueError("fused_target_loss_sum needs a frozen LM head; use target_loss_sum")
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, target_index)
     per = lm_head_weight.element_size() if triton_ce_ok(rows, lm_head_weight) else 4
     return FusedLinearCrossEntropy.apply(rows, lm_head_weight, target_ids,
-                                         chunk_rows_for(lm_head_weight.shape[0], chunk_bytes, per), ignore_index)
+                                         chunk_rows_for(lm_head_weight.shape[0], chunk_bytes, per), ignore_index,
+                                         softcap)

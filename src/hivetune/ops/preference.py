@@ -10,7 +10,8 @@ Sequence log-probs without the [N, V] logits: the LM head is frozen, so for each
 computed chunk by chunk in forward, as ops.fused_ce does for the summed loss; backward scales
 each saved row by the upstream gradient of its logp (the loss is a function of per-sequence sums,
 so rows of one sequence share that gradient). Memory: one chunk of logits plus an [N, H] gradient.
-The plain reference is ``target_logprobs``: the full logits and log_softmax.
+The plain reference is ``target_logprobs``: the full logits and log_softmax. With `softcap`
+(Gemma 2) the log-probs are of the capped logits cap * tanh(logits / cap), as ops.fused_ce.
 
 Losses, per pair (pi: the policy's summed log-probs, ref: the reference model's; beta; eps):
 
@@ -29,19 +30,16 @@ import torch
 import torch.nn.functional as F
 
 from hivetune.ops import blas
-from hivetune.ops.fused_ce import CE_BLOCK, chunk_rows_for, triton_ce_ok
-
-try:  # the fused CE's Triton row kernel, where Triton is installed
-    from hivetune.ops.fused_ce import _ce_rows
-except ImportError:  # pragma: no cover - depends on the install
-    _ce_rows = None
+from hivetune.ops.fused_ce import ce_rows, chunk_ce, chunk_rows_for, triton_ce_ok
+from hivetune.ops.loss import cap_logits
 
 
 class FusedTargetLogprobs(torch.autograd.Function):
     """rows [N, H], frozen head [V, H], targets [N] -> log p(target) per row [N] (fp32)."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int):
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int,
+                softcap: float | None = None):
         dtype = weight.dtype
         need_grad = ctx.needs_input_grad[0]
         grad_rows = torch.empty(rows.shape, dtype=dtype, device=rows.device) if need_grad else None
@@ -49,18 +47,15 @@ class FusedTargetLogprobs(torch.autograd.Function):
         ctx.rows_dtype = rows.dtype
         with torch.autocast(rows.device.type, enabled=False):
             h_all = rows.to(dtype)
-            if triton_ce_ok(rows, weight) and _ce_rows is not None:
-                _triton_rows(h_all, weight, targets, chunk_rows, row_loss, grad_rows)
+            if triton_ce_ok(rows, weight):
+                _triton_rows(h_all, weight, targets, chunk_rows, row_loss, grad_rows, softcap)
             else:
                 for start in range(0, rows.shape[0], chunk_rows):
                     h, t = h_all[start:start + chunk_rows], targets[start:start + chunk_rows]
-                    logits = (h @ weight.t()).float()
-                    lse = torch.logsumexp(logits, dim=-1)
-                    row_loss[start:start + chunk_rows] = lse - logits.gather(1, t[:, None]).squeeze(1)
-                    if grad_rows is not None:
-                        probs = logits.sub_(lse[:, None]).exp_()  # d CE / d logits = softmax - onehot
-                        probs[torch.arange(t.shape[0], device=t.device), t] -= 1.0
-                        grad_rows[start:start + chunk_rows] = probs.to(dtype) @ weight
+                    loss, dlogits = chunk_ce((h @ weight.t()).float(), t, softcap, grad_rows is not None)
+                    row_loss[start:start + chunk_rows] = loss
+                    if grad_rows is not None:  # d CE / d logits = softmax - onehot (times the cap's factor)
+                        grad_rows[start:start + chunk_rows] = dlogits.to(dtype) @ weight
         ctx.save_for_backward(grad_rows)
         return -row_loss
 
@@ -68,12 +63,12 @@ class FusedTargetLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp):
         (grad_rows,) = ctx.saved_tensors
         if grad_rows is None:
-            return None, None, None, None
+            return None, None, None, None, None
         # d logp / d h = -(d CE / d h); each row scaled by its own upstream gradient
-        return (grad_rows * (-grad_logp)[:, None].to(grad_rows.dtype)).to(ctx.rows_dtype), None, None, None
+        return (grad_rows * (-grad_logp)[:, None].to(grad_rows.dtype)).to(ctx.rows_dtype), None, None, None, None
 
 
-def _triton_rows(h_all, weight, targets, chunk_rows, row_loss, grad_rows) -> None:
+def _triton_rows(h_all, weight, targets, chunk_rows, row_loss, grad_rows, softcap) -> None:
     """The fused CE's Triton chunk loop, keeping each row's loss (ops.fused_ce._ce_rows)."""
     vocab = weight.shape[0]
     buf = h_all.new_empty((min(chunk_rows, h_all.shape[0]), vocab))
@@ -81,28 +76,29 @@ def _triton_rows(h_all, weight, targets, chunk_rows, row_loss, grad_rows) -> Non
         h = h_all[start:start + chunk_rows]
         logits = buf[:h.shape[0]]
         blas.gemm(h, weight.t(), logits)
-        _ce_rows[(h.shape[0],)](logits, targets[start:start + chunk_rows], row_loss[start:],
-                                logits.stride(0), vocab, -1, BLOCK=CE_BLOCK, num_warps=8)
+        ce_rows(logits, targets[start:start + chunk_rows], row_loss[start:], -1, softcap)
         if grad_rows is not None:
             blas.gemm(logits, weight, grad_rows[start:start + chunk_rows])
 
 
 def fused_target_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, target_index: torch.Tensor,
-                          target_ids: torch.Tensor, chunk_bytes: int = 256 << 20) -> torch.Tensor:
-    """log p(target) [N] at the flat target positions of hidden [B, T, H], one chunk of logits alive."""
+                          target_ids: torch.Tensor, chunk_bytes: int = 256 << 20,
+                          softcap: float | None = None) -> torch.Tensor:
+    """log p(target) [N] at the flat target positions of hidden [B, T, H], one chunk of logits alive
+    (of softcap * tanh(logits / softcap) with softcap)."""
     if lm_head_weight.requires_grad:
         raise ValueError("fused_target_logprobs needs a frozen LM head; use target_logprobs")
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, target_index)
     per = lm_head_weight.element_size() if triton_ce_ok(rows, lm_head_weight) else 4
     return FusedTargetLogprobs.apply(rows, lm_head_weight, target_ids,
-                                     chunk_rows_for(lm_head_weight.shape[0], chunk_bytes, per))
+                                     chunk_rows_for(lm_head_weight.shape[0], chunk_bytes, per), softcap)
 
 
 def target_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, target_index: torch.Tensor,
-                    target_ids: torch.Tensor) -> torch.Tensor:
-    """The reference: full logits of the target rows, log_softmax, gather (fp32)."""
+                    target_ids: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
+    """The reference: full logits of the target rows (capped with softcap), log_softmax, gather (fp32)."""
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, target_index)
-    logp = F.log_softmax(F.linear(rows, lm_head_weight).float(), dim=-1)
+    logp = F.log_softmax(cap_logits(F.linear(rows, lm_head_weight).float(), softcap), dim=-1)
     return logp.gather(1, target_ids[:, None]).squeeze(1)
 
 

@@ -198,7 +198,8 @@ def saved_activation_bytes(model, batch, precision: str, fused_loss: bool = True
     loss_fn = fused_target_loss_sum if fused_loss else target_loss_sum
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
         hidden = model(batch.input_ids, batch.position_ids, batch.layout)
-        loss = loss_fn(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+        loss = loss_fn(hidden, model.lm_head.weight, batch.target_index, batch.target_ids,
+                       softcap=model.args.final_logit_softcapping)
     del loss, hidden
     keep.clear()
     return sum(seen.values())

@@ -71,7 +71,8 @@ def with_buckets(batch: MicroBatch, bucket: int = BUCKET_TOKENS, pad_id: int = 0
 def ignoring_loss_fn(loss_fn):
     """The loss function with IGNORE_INDEX targets counting nothing, or None if unknown."""
     if loss_fn is fused_target_loss_sum:
-        return lambda h, w, index, ids: fused_target_loss_sum(h, w, index, ids, ignore_index=IGNORE_INDEX)
+        return lambda h, w, index, ids, softcap=None: fused_target_loss_sum(h, w, index, ids, ignore_index=IGNORE_INDEX,
+                                                                             softcap=softcap)
     if loss_fn is target_loss_sum:  # F.cross_entropy ignores -100 already
         return target_loss_sum
     return None

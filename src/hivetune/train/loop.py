@@ -286,7 +286,8 @@ def validation_loss(run: Run) -> tuple[float, int]:
         batch = batch.to(run.device)
         with autocast(run):
             hidden = forward(batch.input_ids, batch.position_ids, batch.layout)
-            total += fused_target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+            total += fused_target_loss_sum(hidden, model.lm_head.weight, batch.target_index, batch.target_ids,
+                                           softcap=model.args.final_logit_softcapping)
         n_targets += int(batch.target_ids.numel())
     model.train(was_training)
     if run.parallel.enabled:

@@ -56,7 +56,7 @@ def sequence_logprobs(run, batch: PairBatch, module=None) -> torch.Tensor:
     model = run.model
     hidden = (module or model)(batch.input_ids, batch.position_ids, batch.layout)
     logprobs = fused_target_logprobs if run.cfg.preference.shared_prompt else target_logprobs
-    tokens = logprobs(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+    tokens = logprobs(hidden, model.lm_head.weight, batch.target_index, batch.target_ids, softcap=model.args.final_logit_softcapping)
     return sequence_sums(tokens, batch.target_seq, batch.seq_tokens.shape[0]).view(-1, 2)
 
 

@@ -99,7 +99,8 @@ def forward_backward(run: Run, batch, n_targets: int, loss_fn) -> torch.Tensor:
     model = run.model
     with autocast(run), given_seeds(batch.dropout_seeds):
         hidden = (run.module or model)(batch.input_ids, batch.position_ids, batch.layout)
-        loss_sum = loss_fn(hidden, model.lm_head.weight, batch.target_index, batch.target_ids)
+        loss_sum = loss_fn(hidden, model.lm_head.weight, batch.target_index, batch.target_ids,
+                           softcap=model.args.final_logit_softcapping)
     loss = loss_sum / n_targets
     # FSDP averages the gradients over ranks; times world makes that the sum over ranks of
     # sum(token losses) / (the step's target tokens), the one-process gradient (ddp sums).

@@ -193,7 +193,7 @@ def example_losses(model: CausalLM, hidden: torch.Tensor, batch, examples: list[
     for e in examples:
         n = e.n_targets
         total = target_loss_sum(hidden, model.lm_head.weight, batch.target_index[first:first + n],
-                                batch.target_ids[first:first + n])
+                                batch.target_ids[first:first + n], softcap=model.args.final_logit_softcapping)
         out.append((float(total), n))
         first += n
     assert first == batch.target_ids.numel()

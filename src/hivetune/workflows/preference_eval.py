@@ -39,7 +39,8 @@ def pair_logprobs(net, pairs: list[EncodedPair], batch_size: int = 16) -> torch.
     for start in range(0, len(pairs), batch_size):
         batch = collate_pairs(pairs[start:start + batch_size], shared=False).to(device)
         hidden = net(batch.input_ids, batch.position_ids, batch.layout)
-        tokens = fused_target_logprobs(hidden, net.lm_head.weight, batch.target_index, batch.target_ids)
+        tokens = fused_target_logprobs(hidden, net.lm_head.weight, batch.target_index, batch.target_ids,
+                                       softcap=net.args.final_logit_softcapping)
         out.append(sequence_sums(tokens.float(), batch.target_seq, batch.seq_tokens.shape[0]).view(-1, 2).cpu())
     return torch.cat(out) if out else torch.zeros(0, 2)
 
