@@ -158,3 +158,18 @@ def test_folder_tokenizer_imports_no_transformers(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     name, n, transformers_loaded = out.stdout.split()[-3:]
     assert (name, transformers_loaded) == ("FolderTokenizer", "False") and int(n) > 3
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3", "gemma2", "gemma3_text", "phi3", "qwen2"])
+def test_model_type_routes_where_auto_tokenizer_builds_the_same(tmp_path, model_type):
+    """A generic-class folder of a model type AutoTokenizer builds as written loads as a
+    FolderTokenizer with AutoTokenizer's ids; qwen2, which AutoTokenizer rebuilds as Qwen2Tokenizer
+    (NFC, Qwen's regex), goes to AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    build_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    ours, auto = load_tokenizer(str(tmp_path)), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert isinstance(ours, FolderTokenizer) == (model_type != "qwen2")
+    texts = ["Hello wörld 12345 naïve  spaces\n\nnew", "systemctl restart nginx; ÀÉÎ café", "it's 2024-01-01"]
+    assert [ours.encode(t) for t in texts] == [auto.encode(t) for t in texts]

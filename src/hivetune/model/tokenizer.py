@@ -26,6 +26,10 @@ from hivetune.model.load import is_gguf
 # transformers' tokenizer classes without model-specific code: AutoTokenizer builds a folder that
 # names one of these (and no remote code) from its tokenizer.json as written.
 GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# Model types (config.json) whose generic-class folders AutoTokenizer builds as written, checked
+# against it (tests/model/test_folder_tokenizer.py). Others, qwen2 among them, it rebuilds with the
+# model's own class whatever tokenizer_config.json names; a folder without config.json is generic.
+AS_WRITTEN_MODEL_TYPES = (None, "llama", "mistral", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3")
 
 
 def _quiet_transformers():
@@ -80,12 +84,15 @@ def eos_ids(tokenizer, args=None) -> set[int]:
 
 def generic_folder(folder: Path) -> bool:
     """Whether the folder has tokenizer.json and a tokenizer_config.json naming a generic class
-    (no auto_map): AutoTokenizer builds it from tokenizer.json as written, as FolderTokenizer does."""
+    (no auto_map), of a model type in AS_WRITTEN_MODEL_TYPES: AutoTokenizer builds it from
+    tokenizer.json as written, as FolderTokenizer does."""
     try:
         config = json.loads((folder / "tokenizer_config.json").read_text())
+        model = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
     except (OSError, ValueError):
         return False
-    return ((folder / "tokenizer.json").is_file() and isinstance(config, dict)
+    model_type = model.get("model_type") if isinstance(model, dict) else "unknown"
+    return (model_type in AS_WRITTEN_MODEL_TYPES and (folder / "tokenizer.json").is_file() and isinstance(config, dict)
             and config.get("tokenizer_class") in GENERIC_CLASSES and "auto_map" not in config)
 
 
