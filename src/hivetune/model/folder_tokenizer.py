@@ -1,6 +1,6 @@
 """An HF folder's tokenizer from tokenizer.json and tokenizer_config.json, built with the
 `tokenizers` library alone (no transformers import: its tokenizer classes bring torch._dynamo,
-scikit-learn and pyarrow, seconds of start-up; docs/log/startup.md).
+scikit-learn and pyarrow, seconds of start-up; docs/log.md).
 
 It builds what transformers' generic fast tokenizer (TokenizersBackend, PreTrainedTokenizerFast)
 builds from the same files: tokenizer.json as written; the named special tokens (bos, eos, unk,

@@ -72,7 +72,7 @@ class LlamaBackend:
         if lora is not None:
             check_lora_gguf(lora)
         # The same threads for the prompt and the decoding: llama.cpp's threads spin while they wait for each
-        # other, and more of them than free cores is many times slower (docs/log/serve.md).
+        # other, and more of them than free cores is many times slower (docs/log.md).
         threads = threads or max(1, (os.cpu_count() or 2) // 2)
         try:
             self.llm = llama_cpp.Llama(model_path=str(model), lora_path=str(lora) if lora else None, n_ctx=n_ctx,
