@@ -18,5 +18,5 @@ def test_every_key_is_listed_once_with_its_default():
     lines = config_reference.config_reference_markdown().splitlines()
     keys = [line.split("`")[1] for line in lines]
     assert len(keys) == len(set(keys))
-    assert "lora.r" in keys and "batch_size" in keys and len(keys) == len(TrainConfig.__dataclass_fields__) + 4
+    assert "lora.r" in keys and "batch_size" in keys and len(keys) == len(TrainConfig.__dataclass_fields__) + 4 + 4  # lora.*, preference.*: 5 keys each
     assert "- `batch_size` = `8`: Examples per micro-batch." in lines

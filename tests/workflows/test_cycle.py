@@ -244,15 +244,22 @@ def test_real_cycle_promotes_good_data_and_rejects_data_contradicting_the_regres
 
 
 RUNNER = """
-import json, os, signal, sys, threading
+import json, os, signal, sys, threading, time
+from pathlib import Path
 from hivetune.workflows import registry
 from hivetune.workflows.cycle import CycleOptions, run_cycles
 root, kill_at, mid_train = sys.argv[1], sys.argv[2], float(sys.argv[3])
+def kill_once_training(folder):  # mid_train seconds after train's command is in its log
+    log = Path(folder) / "train.log"
+    while not (log.is_file() and "$ " in log.read_text()):
+        time.sleep(0.05)
+    time.sleep(mid_train)
+    os.kill(os.getpid(), signal.SIGKILL)
 def on_stage(stage, folder):
     if stage == kill_at:
         os.kill(os.getpid(), signal.SIGKILL)
     if stage == "train" and mid_train:
-        threading.Timer(mid_train, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        threading.Thread(target=kill_once_training, args=(folder,), daemon=True).start()
 write_atomically = registry.atomic_write_with
 def killed_before_the_rename(path, write):  # kill_at "promote": the new current.json whole in its temp file
     if path.name == "current.json":

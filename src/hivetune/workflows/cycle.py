@@ -235,7 +235,9 @@ class Cycle:
         argv = self.tools[name] + [str(a) for a in args]
         log = self.folder / f"{stage}.log"
         with open(log, "ab") as f:
-            f.write(("$ " + " ".join(argv) + "\n").encode())
+            # a killed run's last line may be cut (or a progress bar's \r): each command starts a line
+            cut = f.tell() > 0 and not log.read_bytes().endswith(b"\n")
+            f.write(("\n" * cut + "$ " + " ".join(argv) + "\n").encode())
             f.flush()
             rc = subprocess.call(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  preexec_fn=die_with_parent)
