@@ -248,12 +248,11 @@ import json, os, signal, sys, threading, time
 from pathlib import Path
 from hivetune.workflows import registry
 from hivetune.workflows.cycle import CycleOptions, run_cycles
-root, kill_at, mid_train = sys.argv[1], sys.argv[2], float(sys.argv[3])
-def kill_once_training(folder):  # mid_train seconds after train's command is in its log
-    log = Path(folder) / "train.log"
-    while not (log.is_file() and "$ " in log.read_text()):
-        time.sleep(0.05)
-    time.sleep(mid_train)
+root, kill_at, mid_train = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+def kill_once_training(folder):  # once train has made its run folder, on any machine's speed
+    marker = Path(folder) / "run" / ".hivetune-run"
+    while not marker.is_file():
+        time.sleep(0.02)
     os.kill(os.getpid(), signal.SIGKILL)
 def on_stage(stage, folder):
     if stage == kill_at:
@@ -275,8 +274,8 @@ print(json.dumps(run_cycles(root, opts, commands=json.loads(sys.argv[4]), on_sta
 KILLS = STAGES[:STAGES.index("register") + 1] + ("promote",) + STAGES[STAGES.index("register") + 1:]
 
 
-def run_killed(root: Path, kill_at: str, mid_train: float = 0.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", RUNNER, str(root), kill_at, str(mid_train), json.dumps(FAKE_EVAL)],
+def run_killed(root: Path, kill_at: str, mid_train: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", RUNNER, str(root), kill_at, str(int(mid_train)), json.dumps(FAKE_EVAL)],
                           env=ENV, capture_output=True, text=True)
 
 
@@ -308,8 +307,8 @@ def test_a_killed_cycle_resumes_from_its_first_unfinished_stage(tmp_path, base):
             done = STAGES[:STAGES.index("register" if kill_at == "promote" else kill_at)]
             assert sorted(files) == sorted(f"{s}.json" for s in done)
             before = files
-            if kill_at == "train":  # once more, killed 1.5 s into training: the run goes on from its folder
-                assert run_killed(root, "", mid_train=1.5).returncode == -9
+            if kill_at == "train":  # once more, killed in training: the run goes on from its folder
+                assert run_killed(root, "", mid_train=True).returncode == -9
                 assert stage_files(root) == before
             if kill_at == "promote":  # v0001 added whole, its promote killed before the rename
                 assert [v["id"] for v in reg.list_versions(root)] == ["v0001"]
