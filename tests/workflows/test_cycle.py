@@ -275,7 +275,8 @@ KILLS = STAGES[:STAGES.index("register") + 1] + ("promote",) + STAGES[STAGES.ind
 
 
 def run_killed(root: Path, kill_at: str, mid_train: bool = False) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", RUNNER, str(root), kill_at, str(int(mid_train)), json.dumps(FAKE_EVAL)],
+    return subprocess.run([sys.executable, "-c", RUNNER, str(root), kill_at, str(int(mid_train)),
+                           json.dumps(FAKE_EVAL)],
                           env=ENV, capture_output=True, text=True)
 
 
