@@ -70,7 +70,7 @@ def test_training_loss_and_lora_grads_match_transformers(tiny_gemma2_dir, alpaca
     hf = peft_model(run, tiny_gemma2_dir, tmp_path / "adapter")
     want = hf_loss_sum(hf, examples) / n_targets
     want.backward()
-    assert float(loss) == pytest.approx(float(want), rel=1e-5, abs=0)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5, abs=0)
     ours, theirs = our_grads(run.model), peft_grads(hf)
     assert sorted(ours) == sorted(theirs) and len(ours) > 0
     for name, g in ours.items():
@@ -81,7 +81,7 @@ def test_training_loss_and_lora_grads_match_transformers(tiny_gemma2_dir, alpaca
     with torch.no_grad():
         hidden = run.model(batch.input_ids, batch.position_ids, batch.layout)
         uncapped = target_loss_sum(hidden, run.model.lm_head.weight, batch.target_index, batch.target_ids)
-    assert abs(float(uncapped) / n_targets - float(want)) > 0.1
+    assert abs(uncapped.item() / n_targets - want.item()) > 0.1
 
 
 def test_validation_loss_matches_transformers(tiny_gemma2_dir, alpaca_file, tmp_path):
@@ -92,4 +92,4 @@ def test_validation_loss_matches_transformers(tiny_gemma2_dir, alpaca_file, tmp_
     assert n == sum(e.n_targets for e in examples) > 0
     with torch.no_grad():
         want = hf_loss_sum(peft_model(run, tiny_gemma2_dir, tmp_path / "adapter"), examples) / n
-    assert val_loss == pytest.approx(float(want), rel=1e-5, abs=0)
+    assert val_loss == pytest.approx(want.item(), rel=1e-5, abs=0)
