@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from hivetune.model.config import ModelArgs
-from hivetune.model.families import GEMMA, LAYERS, OffsetRMSNorm, attend, window_cuts
+from hivetune.model.families import BLOCKS, GEMMA, LAYERS, OffsetRMSNorm, attend, window_cuts
 from hivetune.model.lora import LoRALinear, project_shared_input
 from hivetune.ops import norm as norm_op
 from hivetune.ops import rope as rope_op
@@ -218,10 +218,11 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
+        attention, mlp = BLOCKS.get(args.model_type, (Attention, MLP))  # model.families
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args, layer_idx)
+        self.self_attn = attention(args, layer_idx)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = mlp(args)
 
     def forward(self, x, cos, sin, layout=None, cache=None):
         # each residual add rides in the block's last matmul (o_proj, down_proj) where it can

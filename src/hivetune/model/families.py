@@ -272,29 +272,7 @@ class Phi3MLP(nn.Module):
         return out_projection(self.down_proj, h, x)
 
 
-class Phi3Layer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int):
-        super().__init__()
-        self.input_layernorm = PlainRMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Phi3Attention(args, layer_idx)
-        self.post_attention_layernorm = PlainRMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = Phi3MLP(args)
-
-    def forward(self, x, cos, sin, layout=None, cache=None):
-        x = self.self_attn(x, cos, sin, layout, cache, norm=self.input_layernorm)
-        return self.mlp(x, norm=self.post_attention_layernorm)
-
-
-class PlainRMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps) (Phi-3's, as Llama's; one Triton kernel on GPUs)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return norm_op.rms_norm(x, self.weight, self.eps)
-
-
-LAYERS = {"gemma2": GemmaLayer, "gemma3_text": GemmaLayer, "phi3": Phi3Layer}
+# The layers decoder.CausalLM builds for a family: a layer class of its own (Gemma's sandwich
+# norms), or the (attention, MLP) blocks inside decoder.DecoderLayer (Phi-3's joined projections).
+LAYERS = {"gemma2": GemmaLayer, "gemma3_text": GemmaLayer}
+BLOCKS = {"phi3": (Phi3Attention, Phi3MLP)}
