@@ -44,7 +44,7 @@ from hivetune.core.errors import UserError
 from hivetune.core.hub import base_model_name
 from hivetune.core.fileio import (LOCK_NAME, RUN_FORMAT, RUN_MARKER, atomic_write_bytes, confined,
                                   disk_error_message, fsync_dir, is_disk_error, pause_for_tests, recover_folder,
-                                  run_marker_format, write_run_marker)
+                                  run_marker_format, sha256_file, write_run_marker)
 from hivetune.model.lora import ADAPTER_WEIGHTS, lora_modules, save_adapter
 
 MANIFEST = "manifest.json"
@@ -53,14 +53,6 @@ FORMAT = 1
 # The run's adapter folders, each replaced whole (fileio.write_folder_atomically): the final
 # adapter/ and, with early stopping, best_adapter/.
 ADAPTER_FOLDERS = ("adapter", "best_adapter")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def config_hash(run_folder: Path) -> str:

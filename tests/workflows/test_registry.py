@@ -4,6 +4,7 @@ service and only whole version folders; concurrent promotes are serialised by th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -98,7 +99,7 @@ def test_init_add_list_promote_rollback_from_the_command_line(tmp_path, template
     v1 = reg.read_version(root, "v0001")
     assert v1["parent"] is None and v1["metrics"] == COMPARE and v1["config"]["max_steps"] == 1
     data = runs[0].parent / "data1.jsonl"
-    assert v1["data"] == {"files": {"data1.jsonl": reg.hashlib.sha256(data.read_bytes()).hexdigest()},
+    assert v1["data"] == {"files": {"data1.jsonl": hashlib.sha256(data.read_bytes()).hexdigest()},
                           "train": ["data1.jsonl"]}
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         assert (root / "versions/v0001/adapter" / name).read_bytes() == (runs[0] / "adapter" / name).read_bytes()

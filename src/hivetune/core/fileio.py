@@ -39,6 +39,15 @@ def fsync_dir(folder: Path) -> None:
 SLOW_ENV = "HIVETUNE_TEST_SLOW_CHECKPOINT"
 
 
+def sha256_file(path: Path) -> str:
+    """The file's sha256, read 1 MiB at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def pause_for_tests() -> None:
     seconds = float(os.environ.get(SLOW_ENV) or 0)
     if seconds > 0:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hivetune.checkpoint import load_lora_weights, restore_rng, resume_point, resume_run, sha256_file
+from hivetune.checkpoint import load_lora_weights, restore_rng, resume_point, resume_run
 from hivetune.core.config import TrainConfig, save_config, step_order, to_dict
 from hivetune.core.device import DTYPES, resolve_device, resolve_precision, set_threads
 from hivetune.core.embedded import default_heldout_data
@@ -22,7 +22,7 @@ from hivetune.ops.adamw import adamw
 from hivetune.ops.lora_group import fused_lora_usable
 from hivetune.ops.prewarm import prewarm
 from hivetune.ops.switches import configure_ops
-from hivetune.core.fileio import create_run_folder, hold_run_lock
+from hivetune.core.fileio import create_run_folder, hold_run_lock, sha256_file
 from hivetune.core.metrics import require_tensorboard
 from hivetune.core.trackers import open_trackers, require_tracker
 from hivetune.data.dataset import index_dataset, plan_steps

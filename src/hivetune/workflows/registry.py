@@ -21,7 +21,6 @@ a kernel lock that dies with its process: concurrent promotes are serialised, a 
 from __future__ import annotations
 
 import errno
-import hashlib
 import itertools
 import json
 import os
@@ -37,7 +36,7 @@ except ImportError:  # not on Linux / macOS: the registry is not locked
     fcntl = None
 
 from hivetune.core.errors import UserError
-from hivetune.core.fileio import atomic_write_with, fsync_dir, pause_for_tests, pid_alive
+from hivetune.core.fileio import atomic_write_with, fsync_dir, pause_for_tests, pid_alive, sha256_file
 from hivetune.data.interaction_log import utc_now
 
 REGISTRY_JSON, CURRENT_JSON, HISTORY_JSONL, LOCK_NAME = "registry.json", "current.json", "history.jsonl", ".registry.lock"
@@ -470,14 +469,6 @@ def read_json(path: Path) -> dict:
 
 def write_json(path: Path, data: dict) -> None:
     atomic_write_with(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2) + "\n"))
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fsync_tree(folder: Path) -> None:
