@@ -32,6 +32,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -439,15 +440,20 @@ def existing_run(folder: Path, key: str = "output_dir") -> bool:
         return False
     if not folder.is_dir():
         raise UserError(f"{key}: {folder} is a file, not a folder")
-    others = sorted(p.name for p in folder.iterdir() if p.name not in (RUN_MARKER, LOCK_NAME))
+    names = [p.name for p in folder.iterdir() if p.name not in (RUN_MARKER, LOCK_NAME)]
+    # the temp files of a process killed while writing the marker or config.yaml (atomic_write_with)
+    leftovers = [n for n in names if re.fullmatch(rf"\.({re.escape(RUN_MARKER)}|config\.yaml)\.tmp-\d+", n)]
+    others = sorted(set(names) - set(leftovers))
     marker = run_marker_format(folder)
     if marker is not None and marker > RUN_FORMAT:
         raise UserError(f"{key}: {folder} is a run folder of a newer hivetune (format {marker}; this one "
                         f"reads {RUN_FORMAT}); upgrade hivetune or choose another folder")
     if marker is not None and (folder / "config.yaml").is_file():
         return True
-    if not others:
-        return False  # empty, or marked by a process killed before it wrote config.yaml
+    if not others:  # empty, or marked by a process killed before it wrote config.yaml
+        for name in leftovers:
+            (folder / name).unlink(missing_ok=True)
+        return False
     if marker is None and legacy_run(folder):
         return True
     if marker is not None:

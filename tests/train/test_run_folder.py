@@ -154,3 +154,37 @@ def test_an_empty_or_only_marked_folder_is_new(tmp_path):
     (d / RUN_MARKER).write_text('{"tool": "hivetune", "format": 1}')
     (d / LOCK_NAME).write_text("123\n")
     assert existing_run(d) is False
+
+
+def test_a_folder_left_by_a_kill_while_writing_config_or_marker_is_new(tiny_model_dir, data, tmp_path):
+    """Killed inside atomic_write_with: the marker (or nothing) and a .NAME.tmp-PID of the marker or
+    config.yaml. The folder is new, the temp file goes, and train writes its run there."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / RUN_MARKER).write_text('{"tool": "hivetune", "format": 1}')
+    (d / ".config.yaml.tmp-12104").write_text("model: half written")
+    assert existing_run(d) is False
+    assert sorted(p.name for p in d.iterdir()) == [RUN_MARKER]
+    (d / RUN_MARKER).unlink()
+    (d / f".{RUN_MARKER}.tmp-7").write_text('{"tool": "hiv')
+    assert existing_run(d) is False
+    assert list(d.iterdir()) == []
+    (d / RUN_MARKER).write_text('{"tool": "hivetune", "format": 1}')
+    (d / ".config.yaml.tmp-3").write_text("x")
+    assert main(cli_args(tiny_model_dir, data, d)) == 0
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == [RUN_MARKER]
+    assert (d / "adapter").is_dir()
+
+
+def test_a_temp_looking_file_beside_other_files_is_not_removed(tmp_path):
+    """Only hivetune's own temp names, and only in a folder holding nothing else, are cleared."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / RUN_MARKER).write_text('{"tool": "hivetune", "format": 1}')
+    (d / ".config.yaml.tmp-5").write_text("x")
+    (d / ".config.yaml.tmp-notes").write_text("mine")
+    with pytest.raises(UserError) as e:
+        existing_run(d)
+    assert str(e.value) == (f"output_dir: {d} holds a run marker but no config.yaml: .config.yaml.tmp-notes; "
+                            f"it is not a run folder, nothing was changed; choose another folder")
+    assert sorted(p.name for p in d.iterdir()) == sorted([RUN_MARKER, ".config.yaml.tmp-5", ".config.yaml.tmp-notes"])
