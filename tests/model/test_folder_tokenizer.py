@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import build_tokenizer
+from hivetune.core.errors import UserError
 from hivetune.model.folder_tokenizer import FolderTokenizer
 from hivetune.model.tokenizer import GENERIC_CLASSES, load_saved, load_tokenizer
 
@@ -140,12 +141,56 @@ def test_real_tokenizer_equals_autotokenizer():
         assert_same(load_saved(folder), AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
 
 
-def test_model_specific_class_goes_to_transformers(tmp_path):
-    build_tokenizer(tmp_path)
-    edit_config(tmp_path, tokenizer_class="GPT2Tokenizer")
-    tok = load_tokenizer.__wrapped__(str(tmp_path))
-    assert type(tok).__name__ == "GPT2Tokenizer"
-    assert "GPT2Tokenizer" not in GENERIC_CLASSES
+@pytest.mark.parametrize("cls", ["GPT2Tokenizer", "Qwen2Tokenizer", "LlamaTokenizer", "qwen2-generic"])
+def test_model_specific_class_is_converted_once_and_loads_without_transformers(tmp_path, monkeypatch, cls):
+    """A folder of a model-specific class (or of qwen2, which AutoTokenizer rebuilds whatever class
+    it names) goes through AutoTokenizer once; what it builds is cached as a generic folder, and
+    every load is a FolderTokenizer equal to AutoTokenizer, the later ones without transformers."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("HIVETUNE_CACHE", str(tmp_path / "cache"))
+    folder = variant(tmp_path / "tok", "new_specials")
+    if cls == "qwen2-generic":
+        (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    else:
+        edit_config(folder, tokenizer_class=cls, chat_template=FEATURES)
+    auto = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    first = load_tokenizer.__wrapped__(str(folder))
+    assert isinstance(first, FolderTokenizer)
+    assert_same(first, auto)
+    [cached] = (tmp_path / "cache" / "tokenizers").iterdir()
+    assert json.loads((cached / "tokenizer_config.json").read_text())["tokenizer_class"] == GENERIC_CLASSES[0]
+    assert_same(load_tokenizer.__wrapped__(str(folder)), auto)
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1
+    code = (f"import sys\nsys.path.insert(0, {str(SRC)!r})\nfrom hivetune.model.tokenizer import load_tokenizer\n"
+            f"tok = load_tokenizer({str(folder)!r})\nprint(type(tok).__name__, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HIVETUNE_CACHE": str(tmp_path / "cache")})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["FolderTokenizer", "False"]
+    edit_config(folder, model_max_length=77)  # a rewritten source file: converted again
+    load_tokenizer.__wrapped__(str(folder))
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2
+
+
+def test_an_unwritable_cache_leaves_the_autotokenizer(tmp_path, monkeypatch):
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache folder would be")
+    monkeypatch.setenv("HIVETUNE_CACHE", str(blocker))
+    build_tokenizer(tmp_path / "tok")
+    edit_config(tmp_path / "tok", tokenizer_class="GPT2Tokenizer")
+    tok = load_tokenizer.__wrapped__(str(tmp_path / "tok"))
+    assert type(tok).__name__ == "GPT2Tokenizer" and tok.encode("restart nginx") == FolderTokenizer(
+        tmp_path / "tok").encode("restart nginx")
+
+
+def test_a_folder_without_tokenizer_files_is_one_line(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UserError) as e:
+        load_tokenizer.__wrapped__(str(tmp_path / "m"))
+    assert str(e.value) == (f"{tmp_path / 'm'}: no usable tokenizer files (none of tokenizer.json, tokenizer.model, "
+                            f"vocab.json, vocab.txt)")
 
 
 def test_folder_tokenizer_imports_no_transformers(tmp_path):
@@ -163,13 +208,14 @@ def test_folder_tokenizer_imports_no_transformers(tmp_path):
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3", "gemma2", "gemma3_text", "phi3", "qwen2"])
 def test_model_type_routes_where_auto_tokenizer_builds_the_same(tmp_path, model_type):
     """A generic-class folder of a model type AutoTokenizer builds as written loads as a
-    FolderTokenizer with AutoTokenizer's ids; qwen2, which AutoTokenizer rebuilds as Qwen2Tokenizer
-    (NFC, Qwen's regex), goes to AutoTokenizer."""
+    FolderTokenizer of the folder with AutoTokenizer's ids; qwen2, which AutoTokenizer rebuilds as
+    Qwen2Tokenizer (NFC, Qwen's regex), is a FolderTokenizer of the conversion in the cache."""
     from transformers import AutoTokenizer
 
     build_tokenizer(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
     ours, auto = load_tokenizer(str(tmp_path)), AutoTokenizer.from_pretrained(str(tmp_path))
-    assert isinstance(ours, FolderTokenizer) == (model_type != "qwen2")
+    assert isinstance(ours, FolderTokenizer)
+    assert (ours.name_or_path == str(tmp_path)) == (model_type != "qwen2")
     texts = ["Hello wörld 12345 naïve  spaces\n\nnew", "systemctl restart nginx; ÀÉÎ café", "it's 2024-01-01"]
     assert [ours.encode(t) for t in texts] == [auto.encode(t) for t in texts]

@@ -104,8 +104,12 @@ def qwen2_export(tmp_path_factory):
 def test_qwen2_tokenizer_with_its_own_vocabulary_gets_qwen2(qwen2_export):
     """transformers loads a Qwen2 model's tokenizer with Qwen's split regex (and NFC): its hash is
     in no table, its pre-tokenizer spec is llama.cpp's qwen2."""
+    from transformers import AutoTokenizer
+
     path, tok = qwen2_export
-    assert type(tok).__name__ == "Qwen2Tokenizer"
+    auto = AutoTokenizer.from_pretrained(str(path.parent), local_files_only=True)
+    assert type(auto).__name__ == "Qwen2Tokenizer"  # hivetune's is its conversion (model.tokenizer)
+    assert [tok.encode(t) for t in STRINGS] == [auto.encode(t) for t in STRINGS]
     assert check_hash(tok) not in PRE_TOKENIZER_HASHES
     assert tokenizer_keys(path, "model", "pre") == {"model": "gpt2", "pre": "qwen2"}
 

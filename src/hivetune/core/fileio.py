@@ -112,11 +112,15 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def file_cache_folder(path: Path, kind: str) -> Path:
-    """The cache folder of what hivetune derives from the file at `path` (`kind`: tokenizers,
-    models), keyed by its resolved path, size and mtime: a rewritten file gets a new folder."""
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+def file_cache_folder(path: Path, kind: str, *more: Path) -> Path:
+    """The cache folder of what hivetune derives from the file at `path` (and the files `more`;
+    `kind`: tokenizers, models), keyed by their resolved paths, sizes and mtimes: a rewritten file
+    gets a new folder."""
+    stamps = []
+    for p in (Path(path), *map(Path, more)):
+        st = p.stat()
+        stamps.append(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}")
+    key = hashlib.sha256("\n".join(stamps).encode()).hexdigest()[:16]
     return cache_dir() / kind / key
 
 

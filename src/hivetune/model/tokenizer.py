@@ -1,14 +1,14 @@
-"""Tokenizers from an HF folder, or from a GGUF file's metadata (converted once, then cached).
+"""Tokenizers from an HF folder, or from a GGUF file's metadata.
 
 A folder whose tokenizer_config.json names a generic class (GENERIC_CLASSES: transformers
 builds those from tokenizer.json as written) loads as a FolderTokenizer, built with the
-`tokenizers` library without importing transformers. Other folders go through transformers'
-AutoTokenizer: SentencePiece or vocab files only, remote code, or a model-specific class, which
-transformers 5 rebuilds from the vocabulary with the class's own normaliser and pre-tokenizer
-(LlamaTokenizer's non-legacy Metaspace, Qwen2Tokenizer's NFC), not always what tokenizer.json
-holds. transformers builds a GGUF tokenizer in about 12–27 s; the tokenizer it then builds from
-its own saved files is cached as tokenizer.json with a generic class, under the cache folder
-keyed by the file's name, size and mtime, and loads as a FolderTokenizer after.
+`tokenizers` library without importing transformers. Any other source goes through transformers
+once: a GGUF file (its metadata, 12-27 s), or a folder of SentencePiece or vocab files, or of a
+model-specific class, which transformers 5 rebuilds from the vocabulary with the class's own
+normaliser and pre-tokenizer (LlamaTokenizer's non-legacy Metaspace, Qwen2Tokenizer's NFC), not
+always what tokenizer.json holds. The tokenizer AutoTokenizer builds is saved as tokenizer.json
+with a generic class under the cache folder, keyed by the source files' names, sizes and mtimes,
+and every load after that is a FolderTokenizer: transformers' import (1-3 s) is paid once.
 """
 
 from __future__ import annotations
@@ -40,35 +40,58 @@ def _quiet_transformers():
     warnings.filterwarnings("ignore", module="transformers")
 
 
+# The files a folder's tokenizer is built from: the cache of a converted one is keyed by them.
+SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
+                "chat_template.json", "config.json")
+
+
 @lru_cache(maxsize=4)
 def load_tokenizer(model_path: str):
-    """The model's tokenizer: a FolderTokenizer (a GGUF file's, or a folder of a generic class),
-    else transformers' AutoTokenizer; local files only, no remote code."""
+    """The model's tokenizer: a FolderTokenizer (a folder of a generic class, or the cached
+    conversion of any other source), else transformers' AutoTokenizer where the cache cannot be
+    written; local files only, no remote code."""
     path = Path(model_path)
     if not path.exists():
         raise UserError(f"{path}: model path not found")
     if is_gguf(path):
         cached = file_cache_folder(path, "tokenizers")
-        if not (cached / "tokenizer.json").exists():
-            _quiet_transformers()
-            from transformers import AutoTokenizer  # the conversion, once a file
-
-            try:
-                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-            except Exception as e:
-                raise UserError(f"{path}: cannot build a tokenizer from the GGUF metadata ({e})") from None
-            fill_cache_folder(cached, lambda tmp: save_generic(tok, tmp))
-        return load_saved(cached)
+        build = lambda: auto_tokenizer(path.parent, f"{path}: cannot build a tokenizer from the GGUF metadata",
+                                       gguf_file=path.name)
+        return converted(cached, build)
     folder = path if path.is_dir() else path.parent
     if generic_folder(folder):
         return load_saved(folder)
+    sources = sorted(folder / name for name in SOURCE_FILES if (folder / name).is_file())
+    sources += sorted(p for p in (folder / "additional_chat_templates").glob("*") if p.is_file())
+    if not sources:
+        raise UserError(f"{folder}: no usable tokenizer files (none of tokenizer.json, tokenizer.model, "
+                        f"vocab.json, vocab.txt)")
+    cached = file_cache_folder(sources[0], "tokenizers", *sources[1:])
+    return converted(cached, lambda: auto_tokenizer(folder, f"{folder}: no usable tokenizer files"))
+
+
+def auto_tokenizer(folder: Path, failure: str, **kwargs):
+    """transformers' AutoTokenizer for `folder`, local files only, no remote code; a failure is a
+    UserError starting with `failure`."""
     _quiet_transformers()
-    from transformers import AutoTokenizer  # a model-specific class, SentencePiece / vocab files, remote code
+    from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False, **kwargs)
     except Exception as e:
-        raise UserError(f"{folder}: no usable tokenizer files ({type(e).__name__}: {e})") from None
+        raise UserError(f"{failure} ({type(e).__name__}: {e})") from None
+
+
+def converted(cached: Path, build):
+    """The FolderTokenizer saved in `cached`; the first time, build() converted and saved there
+    (save_generic). A cache that cannot be written leaves build()'s tokenizer to use as it is."""
+    if not (cached / "tokenizer.json").exists():
+        tok = build()
+        fill_cache_folder(cached, lambda tmp: save_generic(tok, tmp))
+        if not (cached / "tokenizer.json").exists():
+            return tok
+    return load_saved(cached)
 
 
 def eos_ids(tokenizer, args=None) -> set[int]:
