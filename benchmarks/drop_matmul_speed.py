@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_timing import add_result_flags, append_kernel_rows, gpu_us  # noqa: E402
 from hivetune.ops.dropout import dropout_seeded, seeded_masked_add_  # noqa: E402
 from hivetune.ops.lora_dropout import drop_matmul, drop_matmul_grad, matmul_drop_add_  # noqa: E402
-from hivetune.ops.lora_group import mm_fp32  # noqa: E402
+from hivetune.ops.lora_grads import mm_fp32  # noqa: E402
 
 # (workload, group, tokens, d, n x r)
 SHAPES = [("W1", "q/k/v", 1600, 896, 24), ("W1", "gate/up", 1600, 896, 16), ("W1", "o", 1600, 896, 8),

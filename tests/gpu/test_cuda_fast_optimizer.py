@@ -61,7 +61,7 @@ def test_flat_adamw_and_clip_over_a_gradient_arena_on_cuda():
     whole buffer) gives torch's fused AdamW's bits (the CUDA kernel's arithmetic does not
     depend on where an element sits), and clip_grad_norm's one norm of the buffer equals
     torch's to fp32 rounding."""
-    from hivetune.ops.lora_group import GradArena
+    from hivetune.ops.lora_grads import GradArena
 
     fast_params, ref_params = lora_like(1), lora_like(1)
     arena = GradArena(fast_params, None, move_params=True)

@@ -263,6 +263,7 @@ def test_grads_added_into_arena_match_autograd_accumulation(monkeypatch, in_matm
     """Two calls of lora_group accumulating: adding into the GradArena's views (cuBLAS's beta
     = 1 epilogue, drop_matmul_grad's into=) against autograd's add of fresh gradients, on the
     same seeds: equal to fp32 rounding, and every .grad still the arena's view."""
+    from hivetune.ops import lora_grads
     from hivetune.ops import lora_group as lg
     from hivetune.ops.lora_group import lora_group
 
@@ -280,7 +281,7 @@ def test_grads_added_into_arena_match_autograd_accumulation(monkeypatch, in_matm
     def run(arena: bool):
         a = [t.clone().requires_grad_() for t in a0]
         b = [t.clone().requires_grad_() for t in b0]
-        grads = lg.GradArena(a + b, None).grads if arena else None
+        grads = lora_grads.GradArena(a + b, None).grads if arena else None
         if arena:
             for t, g in zip(a + b, grads):
                 t.grad = g

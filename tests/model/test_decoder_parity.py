@@ -20,9 +20,10 @@ from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, Mistral
                           Qwen3Config)
 
 from hivetune.model.config import ModelArgs
-from hivetune.model.decoder import CausalLM, KVCache, rope_inv_freq
+from hivetune.model.decoder import KVCache, rope_inv_freq
 from hivetune.model.load import load_model
 from hivetune.ops.attention import Masked, Packed
+from tiny_hf import decoded_logits, our_logits, random_hf_model, rel_diff, saved_family
 
 VOCAB = 256
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -58,57 +59,30 @@ PARITY_TOL = 1e-4
 LAYOUT_TOL = 1e-5
 
 
-def randomize_(model: torch.nn.Module, seed: int) -> None:
-    """Redraw every parameter at a scale where it visibly shapes the logits."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith(".bias"):
-                p.copy_(0.2 * noise)
-            else:  # nn.Linear [out, in] and the embedding [vocab, hidden] (tied to lm_head)
-                p.copy_(noise / p.shape[1] ** 0.5)
+def unit_scale(name: str, p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Every parameter at a scale where it visibly shapes the logits."""
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.2 * noise
+    if name.endswith(".bias"):
+        return 0.2 * noise
+    return noise / p.shape[1] ** 0.5  # nn.Linear [out, in] and the embedding [vocab, hidden] (tied to lm_head)
 
 
 def make_hf_model(family: str, seed: int = 0):
     cls, extra = FAMILIES[family]
-    torch.manual_seed(seed)
-    config = cls(**BASE, **extra)
-    config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomize_(model, seed)
-    return model.eval()
-
-
-class Family:
-    def __init__(self, name, hf, folder, ours):
-        self.name, self.hf, self.folder, self.ours = name, hf, folder, ours
+    return random_hf_model(cls, seed, seed, unit_scale, **BASE, **extra)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
     name = request.param
     hf = make_hf_model(name, seed=1234 + list(FAMILIES).index(name))
-    folder = tmp_path_factory.mktemp(f"hf_{name}")
-    hf.save_pretrained(folder)
-    ours = load_model(folder, torch.float32, "cpu").eval()
-    return Family(name, hf, folder, ours)
+    return saved_family(name, hf, tmp_path_factory.mktemp(f"hf_{name}"))
 
 
 def ids_of(length: int, seed: int, batch: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, VOCAB, (batch, length), generator=g)
-
-
-@torch.no_grad()
-def our_logits(model: CausalLM, ids, position_ids=None, layout=None, cache=None):
-    return model.logits(model(ids, position_ids=position_ids, layout=layout, cache=cache))
-
-
-def rel_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a - ref).abs().max() / ref.abs().max()).item()
 
 
 # ----------------------------------------------------------------------------------- config
@@ -259,12 +233,8 @@ def test_kv_cache_decoding_matches_full_forward(family):
     model = family.ours
     ids = ids_of(28, seed=30)
     full = our_logits(model, ids)
-    cache = KVCache(model.args, batch=1, max_len=32, device="cpu", dtype=torch.float32)
-    steps = [our_logits(model, ids[:, :16], cache=cache)]
-    for t in range(16, 28):
-        steps.append(our_logits(model, ids[:, t:t + 1], cache=cache))
+    inc, cache = decoded_logits(model, ids, prefill=16, max_len=32)
     assert cache.length == 28
-    inc = torch.cat(steps, dim=1)
     diff = (inc - full).abs().max().item()
     print(f"{family.name} kv cache: {diff:.3g}")
     assert diff <= LAYOUT_TOL, f"{diff:.3g}"

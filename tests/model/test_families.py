@@ -15,7 +15,6 @@ GGUF export and import: test_families_gguf.
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -25,10 +24,10 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gem
 from hivetune.core.errors import UserError
 from hivetune.data.formats import chat_spans
 from hivetune.model.config import ModelArgs
-from hivetune.model.decoder import KVCache
 from hivetune.model.load import load_model
 from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_parameters, save_adapter
 from hivetune.ops.attention import Packed
+from tiny_hf import decoded_logits, our_logits, random_hf_model, rel_diff, saved_family
 
 VOCAB = 384
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -130,50 +129,28 @@ def build_tokenizer(folder, family: str) -> None:
 
 
 def make_hf(family: str, seed: int = 0):
+    gemma = family.startswith("gemma")
+
+    def redraw(name, p, noise):  # weights at a scale where each visibly shapes the logits
+        if name.endswith("norm.weight"):
+            return 0.3 * noise + (0.0 if gemma else 1.0)
+        if "embed" in name and gemma:  # scaled by sqrt(hidden) = 8 in forward
+            return 0.05 * noise
+        return 2 * noise / p.shape[-1] ** 0.5
+
     cls, extra = FAMILIES[family]
-    torch.manual_seed(seed)
-    config = cls(**BASE, **extra)
-    config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # weights at a scale where each visibly shapes the logits
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if name.endswith("norm.weight"):
-                p.copy_(0.3 * noise + (0.0 if family.startswith("gemma") else 1.0))
-            elif "embed" in name and family.startswith("gemma"):  # scaled by sqrt(hidden) = 8 in forward
-                p.copy_(0.05 * noise)
-            else:
-                p.copy_(2 * noise / p.shape[-1] ** 0.5)
-    return model.eval()
-
-
-class Family:
-    def __init__(self, name, hf, folder, ours):
-        self.name, self.hf, self.folder, self.ours = name, hf, folder, ours
+    return random_hf_model(cls, seed, seed + 1, redraw, **BASE, **extra)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
     name = request.param
     hf = make_hf(name, seed=list(FAMILIES).index(name))
-    folder = tmp_path_factory.mktemp(name)
-    hf.save_pretrained(folder)
-    build_tokenizer(folder, name)
-    return Family(name, hf, folder, load_model(folder, torch.float32, "cpu").eval())
+    return saved_family(name, hf, tmp_path_factory.mktemp(name), build_tokenizer)
 
 
 def ids_of(length: int, seed: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
-@torch.no_grad()
-def our_logits(model, ids, position_ids=None, layout=None, cache=None):
-    return model.logits(model(ids, position_ids=position_ids, layout=layout, cache=cache))
-
-
-def rel_diff(a, ref) -> float:
-    return ((a - ref).abs().max() / ref.abs().max()).item()
 
 
 # ----------------------------------------------------------------------------------- parity
@@ -242,10 +219,7 @@ def test_kv_cache_decoding_past_the_window(family):
     model = family.ours
     ids = ids_of(36, seed=30)
     full = our_logits(model, ids)
-    cache = KVCache(model.args, batch=1, max_len=40, device="cpu", dtype=torch.float32)
-    steps = [our_logits(model, ids[:, :12], cache=cache)]
-    steps += [our_logits(model, ids[:, t:t + 1], cache=cache) for t in range(12, 36)]
-    assert rel_diff(torch.cat(steps, dim=1), full) <= LAYOUT_TOL
+    assert rel_diff(decoded_logits(model, ids, prefill=12, max_len=40)[0], full) <= LAYOUT_TOL
 
 
 def test_unsupported_rope_type_is_refused():

@@ -17,8 +17,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_families import (BASE, NO_GGUF_WINDOW, PARITY_TOL, WINDOW, family, ids_of, our_logits,  # noqa: F401
-                           rel_diff)
+from test_families import BASE, NO_GGUF_WINDOW, WINDOW, family, ids_of  # noqa: F401
+from tiny_hf import our_logits, rel_diff
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hivetune.core.errors import UserError

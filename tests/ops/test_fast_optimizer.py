@@ -71,7 +71,7 @@ def test_flat_step_over_a_gradient_arena_equals_torch_fused_bit_for_bit():
     elements can move from one to the other; tests/gpu checks the CUDA kernel bit for bit). A
     step through torch's path afterwards (a new gradient tensor) counts each parameter's step
     once, and the state round-trips through state_dict."""
-    from hivetune.ops.lora_group import GradArena
+    from hivetune.ops.lora_grads import GradArena
 
     fast_params, ref_params = make_params(), make_params()
     arena = GradArena(fast_params, None, move_params=True)
@@ -111,7 +111,7 @@ def test_first_step_over_an_arena_with_a_loaded_state_goes_through_torch():
     """A state loaded from a checkpoint (a resumed run): the first step is torch's, which reads
     the loaded moments, and the flat lists are built after it; its parameters equal an unbroken
     run's to fp32 rounding."""
-    from hivetune.ops.lora_group import GradArena
+    from hivetune.ops.lora_grads import GradArena
 
     ref_params = make_params()
     ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.01, fused=True)

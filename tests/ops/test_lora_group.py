@@ -13,6 +13,7 @@ from hivetune.core.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM
 from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_enabled, lora_parameters, stack_frozen
+from hivetune.ops import lora_casts, lora_grads
 from hivetune.ops import lora_group as lg
 def tiny(model_type="llama", bias=False):
     args = ModelArgs(model_type=model_type, vocab_size=97, hidden_size=64, intermediate_size=96,
@@ -178,8 +179,8 @@ def test_mixed_group_falls_back_and_disabled_is_base():
 
 def test_mm_fp32():
     a, b = torch.randn(5, 7), torch.randn(7, 3)
-    assert torch.equal(lg.mm_fp32(a, b), a @ b)
-    assert lg.mm_fp32(a.bfloat16(), b.bfloat16()).dtype == torch.float32
+    assert torch.equal(lora_grads.mm_fp32(a, b), a @ b)
+    assert lora_grads.mm_fp32(a.bfloat16(), b.bfloat16()).dtype == torch.float32
 
 
 @pytest.mark.parametrize("autocast", [False, True])
@@ -187,16 +188,14 @@ def test_cast_cache_equals_per_call_casts_and_follows_updates(monkeypatch, autoc
     """CausalLM.forward refreshes the model's CastCache: every group call takes its A_all / Bd
     from it, the results equal the per-call casts bit for bit, and an in-place update of the
     LoRA weights (an optimizer step) is in the next forward's casts."""
-    import hivetune.ops.lora_group as lg
-
     model = with_lora(tiny("qwen2", True), 0.0)
     fuse_projections(model)
     casts = model.lora_casts
     assert sorted((k.n, k.layers) for k in casts.kinds) == [(1, 2), (1, 2), (2, 2), (3, 2)]
     ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(2))
     hits = []
-    real_lookup = lg.CastCache.lookup
-    monkeypatch.setattr(lg.CastCache, "lookup", lambda self, *a: hits.append(real_lookup(self, *a)) or hits[-1])
+    real_lookup = lora_casts.CastCache.lookup
+    monkeypatch.setattr(lora_casts.CastCache, "lookup", lambda self, *a: hits.append(real_lookup(self, *a)) or hits[-1])
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     results = []
     for step in range(2):
@@ -275,7 +274,7 @@ def test_grads_added_into_arena_equal_autograd_accumulation(monkeypatch, dtype, 
         monkeypatch.setattr(lg, "grads_into", lambda *a: None)  # autograd accumulates everything
         want = two_micro_batches(None)
         monkeypatch.setattr(lg, "grads_into", lambda *a: calls.append(real_into(*a)) or calls[-1])
-        arena = lg.GradArena(params, model.lora_casts)
+        arena = lora_grads.GradArena(params, model.lora_casts)
         got = two_micro_batches(arena)
     assert len(calls) == 2 * 2 * 8 and all(c is not None for c in calls)  # A and B, 8 groups, 2 micro-batches
     assert all(p.grad is g for p, g in zip(params, arena.grads))
@@ -290,19 +289,19 @@ def test_grads_added_into_arena_equal_autograd_accumulation(monkeypatch, dtype, 
 
 def test_grads_into_declines_what_autograd_must_accumulate():
     a, b = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(2, 3))
-    assert lg.grads_into([a, b]) is None  # no .grad yet: autograd takes the fresh tensor
+    assert lora_grads.grads_into([a, b]) is None  # no .grad yet: autograd takes the fresh tensor
     flat = torch.zeros(12)
     a.grad, b.grad = flat[:6].view(2, 3), flat[6:].view(2, 3)
     with torch.no_grad():
-        assert lg.grads_into([a, b]) == (a.grad, b.grad)
-        joined = lg.grads_into([a, b], joined_rows=4)[0]
+        assert lora_grads.grads_into([a, b]) == (a.grad, b.grad)
+        joined = lora_grads.grads_into([a, b], joined_rows=4)[0]
         assert joined.shape == (4, 3) and joined.data_ptr() == flat.data_ptr()
         b.grad = torch.zeros(2, 3)  # not next to a's
-        assert lg.grads_into([a, b]) is not None and lg.grads_into([a, b], joined_rows=4) is None
-    assert lg.grads_into([a, b]) is None  # grad mode on: a double backward needs autograd's graph
+        assert lora_grads.grads_into([a, b]) is not None and lora_grads.grads_into([a, b], joined_rows=4) is None
+    assert lora_grads.grads_into([a, b]) is None  # grad mode on: a double backward needs autograd's graph
     b.grad = torch.zeros(3, 2).t()  # not contiguous
     with torch.no_grad():
-        assert lg.grads_into([b]) is None
+        assert lora_grads.grads_into([b]) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -366,7 +365,7 @@ def test_wide_layout_only_where_micro_batches_are_small(monkeypatch):
 
 
 def test_given_seeds_decide_the_dropout_masks_not_the_generator(monkeypatch):
-    """A forward inside lora_group.given_seeds takes every group call's dropout seed from the
+    """A forward inside lora_casts.given_seeds takes every group call's dropout seed from the
     given tensor (train.dropout_seeds; a CUDA graph's static inputs) and draws none from torch's
     generator: the same seeds give the same loss and gradients, bit for bit, whatever the
     generator's state; other seeds give other masks; without the block the generator decides."""
@@ -385,7 +384,7 @@ def test_given_seeds_decide_the_dropout_masks_not_the_generator(monkeypatch):
         results = []
         for generator_seed, given in ((1, seeds), (2, seeds), (1, seeds + 1)):
             torch.manual_seed(generator_seed)
-            with lg.given_seeds(given):
+            with lora_casts.given_seeds(given):
                 results.append(loss_and_grads(model, ids))
         assert draws == []
         drawn = []

@@ -239,6 +239,46 @@ def test_auto_config_fits_and_keeps_the_effective_batch(tmp_path, monkeypatch):
     assert unchanged is cfg and "CPU" in why
 
 
+def chunk_storages_peak(fn, size: int) -> int:
+    """The most bytes of CPU storages of exactly `size` bytes alive at once while fn() runs
+    (torch profiler's memory timeline: every allocation, those inside an op's kernel too)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    alive = peak = 0
+    for _, action, _, nbytes in prof._memory_profile().timeline:
+        if nbytes == size and action in (Action.CREATE, Action.DESTROY):
+            alive += nbytes if action == Action.CREATE else -nbytes
+            peak = max(peak, alive)
+    return peak
+
+
+@pytest.mark.parametrize("capped", [False, True])
+def test_loss_chunk_bytes_are_what_the_pytorch_chunk_holds(tiny_gemma2_dir, capped):
+    """The plan's [chunk, vocab] buffers of the fused loss on the PyTorch chunk (fused_layers off)
+    against the fp32 chunk-size storages alive at once in the loss of a tiny Gemma 2, over 4
+    chunks of 5 rows, with its final logit cap and without: 3 chunks of 5 x 384 fp32 logits either
+    way (the logits, logsumexp's x - max, the previous chunk's gradient)."""
+    from hivetune.ops.fused_ce import fused_target_loss_sum
+    from hivetune.plan.memory import loss_chunk_bytes
+
+    args = load_args(tiny_gemma2_dir)
+    assert (args.vocab_size, args.hidden_size, args.final_logit_softcapping) == (384, 64, 3.0)
+    n, chunk_bytes = 20, 5 * 384 * 4
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, n, 64, generator=gen).requires_grad_()
+    weight = torch.randn(384, 64, generator=gen) * 0.2
+    ids = torch.randint(0, 384, (n,), generator=gen)
+    cap = args.final_logit_softcapping if capped else None
+    measured = chunk_storages_peak(
+        lambda: fused_target_loss_sum(hidden, weight, torch.arange(n), ids, chunk_bytes=chunk_bytes, softcap=cap),
+        chunk_bytes)
+    planned = loss_chunk_bytes(args, MemoryConfig(precision="fp32"), n, chunk_bytes)
+    assert (measured, planned) == (23040, 23040)
+
+
 def test_timing_constants_match_the_h200_grid():
     from hivetune.plan import timing
     grid = Path(__file__).parents[2] / "benchmarks" / "results" / "plan-grid-h200.json"

@@ -193,7 +193,7 @@ def _allreduce_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from hivetune.parallel.distributed import Dist, allreduce_gradients
-    from hivetune.ops.lora_group import GradArena
+    from hivetune.ops.lora_grads import GradArena
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:

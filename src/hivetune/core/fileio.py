@@ -34,6 +34,15 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def fsync_tree(folder: Path) -> None:
+    """fsync every file and folder under `folder`, so the rename that publishes it comes after them."""
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb+") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(dirpath))
+
+
 # Tests set this to a number of seconds to sleep at the stages of a checkpoint or adapter write,
 # so that a SIGKILL sent at a chosen moment lands inside that stage.
 SLOW_ENV = "HIVETUNE_TEST_SLOW_CHECKPOINT"

@@ -23,7 +23,7 @@ from hivetune.ops import norm as norm_op
 from hivetune.ops import rope as rope_op
 from hivetune.ops import swiglu as swiglu_op
 from hivetune.ops.attention import Packed, causal_attention
-from hivetune.ops.lora_group import dropout_seed
+from hivetune.ops.lora_casts import dropout_seed
 from hivetune.ops.loss import cap_logits
 
 

@@ -22,7 +22,8 @@ from hivetune.core.config import DEFAULT_TARGETS
 from hivetune.ops import dropout as dropout_op
 from hivetune.ops import lora_dropout
 from hivetune.ops import norm as norm_op
-from hivetune.ops.lora_group import CastCache, casts_active, dropout_seed, lora_group
+from hivetune.ops.lora_casts import CastCache, casts_active, dropout_seed
+from hivetune.ops.lora_group import lora_group
 from hivetune.model.quant import JoinedWeight, QuantLinear
 from hivetune.ops.quant_linear import dequant_linear
 

@@ -211,7 +211,7 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
 
 def one_buffer(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The contiguous buffer these tensors are views of when together they are all of it (the
-    gradients of a lora_group.GradArena), else None."""
+    gradients of a lora_grads.GradArena), else None."""
     base = tensors[0]._base if tensors else None
     if (base is None or not base.is_contiguous() or any(t._base is not base for t in tensors)
             or sum(t.numel() for t in tensors) != base.numel()

@@ -21,8 +21,8 @@ of memory. So a chunk is sized by its compute-dtype logits: ``chunk_rows_for(voc
 
 With `softcap` (Gemma 2's final logit cap) the CE is over c = cap * tanh(x / cap) of the head's
 logits x, and the chain rule adds one factor: dx = (softmax(c) - onehot) * (1 - (c / cap)^2).
-The kernel caps each logit as it reads it; the PyTorch chunk holds the tanh beside the logits
-(two fp32 chunks).
+The kernel caps each logit as it reads it; the PyTorch chunk caps them in place and makes the
+factor once the log-sum-exp's temporary is gone (no more fp32 chunks alive than uncapped).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from hivetune.ops import blas
 from hivetune.ops.triton_util import fused_ok, kernels, triton
 
 CE_BLOCK = 4096  # vocabulary columns per step of the kernel's two passes over a row
+CHUNK_BYTES = 256 << 20  # one chunk's logits (chunk_rows_for); plan.memory sizes the loss with it
 
 
 @kernels
@@ -97,18 +98,23 @@ def ce_rows(logits, targets, row_loss, ignore: int, softcap: float | None) -> No
 
 def chunk_ce(logits: torch.Tensor, targets: torch.Tensor, softcap: float | None, grad: bool):
     """The PyTorch chunk: (per-row CE [c], d CE / d logits [c, V] or None) of fp32 logits [c, V],
-    capped first with softcap; the gradient is computed in place of `logits`."""
+    capped first with softcap; the gradient is computed in place of `logits`.
+
+    Capped or not, one [c, V] buffer is held beside `logits` at a time (logsumexp's x - max, then
+    with softcap the factor 1 - (c / cap)^2), so a chunk of chunk_rows_for's size holds what the
+    uncapped one does (plan.memory's LOSS_CHUNK_COPIES)."""
     if softcap is not None:
-        tanh = logits.div_(softcap).tanh_()
-        logits = tanh * softcap
+        logits.div_(softcap).tanh_().mul_(softcap)  # c = cap tanh(x / cap), in place
     lse = torch.logsumexp(logits, dim=-1)
     row_loss = lse - logits.gather(1, targets[:, None]).squeeze(1)
     if not grad:
         return row_loss, None
+    # d cap tanh(x / cap) / dx = 1 - tanh^2 = 1 - (c / cap)^2, made before c turns into the softmax
+    slope = logits.div(softcap).square_().neg_().add_(1.0) if softcap is not None else None
     probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the (capped) logits
     probs[torch.arange(targets.shape[0], device=targets.device), targets] -= 1.0
-    if softcap is not None:
-        probs.mul_(tanh.square_().neg_().add_(1.0))  # d cap tanh(x / cap) / dx = 1 - tanh^2
+    if slope is not None:
+        probs.mul_(slope)
     return row_loss, probs
 
 
@@ -172,14 +178,14 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         return (grad_rows * grad_total).to(ctx.rows_dtype), None, None, None, None, None
 
 
-def chunk_rows_for(vocab: int, chunk_bytes: int = 256 << 20, bytes_per_logit: int = 4) -> int:
+def chunk_rows_for(vocab: int, chunk_bytes: int = CHUNK_BYTES, bytes_per_logit: int = 4) -> int:
     """Rows per chunk so that one chunk's logits take at most chunk_bytes (fp32 logits in the
     PyTorch chunk; the Triton kernel's are the head's dtype, 2 bytes)."""
     return max(1, chunk_bytes // (vocab * bytes_per_logit))
 
 
 def fused_target_loss_sum(hidden: torch.Tensor, lm_head_weight: torch.Tensor, target_index: torch.Tensor,
-                          target_ids: torch.Tensor, chunk_bytes: int = 256 << 20,
+                          target_ids: torch.Tensor, chunk_bytes: int = CHUNK_BYTES,
                           ignore_index: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Same value and hidden-gradient as target_loss_sum, with one chunk of logits alive at a time.
 

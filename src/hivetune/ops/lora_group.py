@@ -35,12 +35,9 @@ Where the kernels take the shapes (ops.lora_dropout.drop_matmul_ok), xd is never
 A matmuls are Triton kernels that drop x's tiles as they load them (xa = s xd A^T, dA, and the
 masked add into dx), three fewer kernels and three fewer [N, d] passes over memory per group.
 
-A_all and Bd themselves come from a ``CastCache`` when the model's forward refreshed one
-(``lora.fuse_projections`` builds it, ``CausalLM.forward`` refreshes it): every layer's A_all
-and Bd of one group kind (q/k/v, o, gate/up, down) live in one buffer, written by two or three
-kernels for the whole model, instead of ~9 cast / fill / copy kernels per layer and group (on
-W1, ~500 of a step's ~2,400 kernels). Without a fresh cache (a layer called alone, a
-checkpointed layer's recompute) the Function builds them itself.
+A_all and Bd come from the model's ``ops.lora_casts.CastCache`` when its forward refreshed
+one (every layer's casts of one group kind in one buffer), else the Function builds them itself.
+The fp32 gradients and their accumulation into .grad (GradArena) are ``ops.lora_grads``.
 
 On a quantized base (model.quant) W comes as a callable that dequantizes it in the compute dtype
 (q/k/v's or gate/up's members into one buffer): made again for backward's g W, or kept where
@@ -49,16 +46,16 @@ the caller says (gradient checkpointing: one layer's saved tensors live at a tim
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 
 from hivetune.core.fallbacks import forced
 from hivetune.ops import blas
 from hivetune.ops import dropout as dropout_op
+from hivetune.ops import lora_casts
 from hivetune.ops.lora_aside import aside_wanted, weight_grads_aside
 from hivetune.ops.lora_dropout import drop_matmul, drop_matmul_grad, drop_matmul_ok, matmul_drop_add_
+from hivetune.ops.lora_grads import add_mm_fp32_, grads_into, mm_fp32
 from hivetune.ops.triton_util import fused_ok
 
 
@@ -66,175 +63,6 @@ def fused_lora_usable() -> bool:
     """Whether training joins q/k/v and gate/up into matmul groups (plain PyTorch, any device):
     unless HIVETUNE_REFERENCE=fused_lora."""
     return not forced("fused_lora")
-
-_ACTIVE: "CastCache | None" = None  # the cache refreshed by the model forward now running
-# The seeds the next refreshed forward's seeded dropouts take (int64 on the device, one a group
-# call), set by given_seeds: train draws them on the host per micro-batch, and a CUDA graph reads
-# them from its static inputs, so no graph draws from torch's CUDA generator.
-_GIVEN_SEEDS: "torch.Tensor | None" = None
-
-
-class _Kind:
-    """One group kind across L layers: A_1..A_n and B_1..B_n of each, same shapes in every layer.
-    `slots`: each layer's place for Bd in the wide weight layout (lora.FusedProjections), or None;
-    where they lie evenly apart in one storage, Bd is written there (in that dtype)."""
-
-    def __init__(self, groups: list[tuple[list, list, torch.Tensor | None]], sizes: tuple[int, ...]):
-        self.a = [a for a_params, _, _ in groups for a in a_params]  # layer-major, then A_1..A_n
-        self.b = [b for _, b_params, _ in groups for b in b_params]
-        self.sizes, self.layers, self.n = sizes, len(groups), len(sizes)
-        self.r, self.d = groups[0][0][0].shape
-        self.wide = _evenly_apart([slot for _, _, slot in groups])
-        self.dtype = None
-
-    def refresh(self, dtype: torch.dtype) -> None:
-        L, n, r, d, rows = self.layers, self.n, self.r, self.d, sum(self.sizes)
-        if self.dtype != dtype:
-            device = self.a[0].device
-            self.a_buf = torch.empty((L, n * r, d), dtype=dtype, device=device)
-            self.bd_buf = (self.wide if self.wide is not None and self.wide.dtype == dtype
-                           else torch.empty((L, rows, n * r), dtype=dtype, device=device))
-            if n > 1:
-                self.b_tmp = torch.empty((L, rows, r), dtype=self.b[0].dtype, device=device)
-                onehot = torch.zeros((rows, n), dtype=self.b[0].dtype, device=device)
-                row = 0
-                for i, size in enumerate(self.sizes):
-                    onehot[row:row + size, i] = 1
-                    row += size
-                self.onehot = onehot
-            # Destinations with each source's shape and strides: torch._foreach_copy_ then casts
-            # them all in a few multi-tensor kernels (torch.cat into another dtype copies one by one).
-            self.a_views = list(self.a_buf.view(L * n, r, d).unbind(0))
-            self.b_views = list(self.bd_buf.unbind(0)) if n == 1 else None
-            self.dtype = dtype
-        torch._foreach_copy_(self.a_views, self.a)
-        if n == 1:
-            torch._foreach_copy_(self.b_views, self.b)
-        else:  # Bd [rows, n r] of every layer at once: B_i's rows in column block i, zeros elsewhere
-            torch.cat(self.b, out=self.b_tmp.view(-1, r))  # same dtype: batched copies
-            torch.mul(self.b_tmp[:, :, None, :], self.onehot[None, :, :, None], out=self.bd_buf.view(L, rows, n, r))
-
-
-def _evenly_apart(slots: list) -> torch.Tensor | None:
-    """The [L, rows, k] view over L same-shaped [rows, k] slots lying evenly apart in one
-    storage, or None (a slot missing, other strides or dtypes, another storage)."""
-    first = slots[0]
-    if any(s is None for s in slots) or any(s.stride() != first.stride() or s.shape != first.shape
-                                            or s.dtype != first.dtype
-                                            or s.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                                            for s in slots):
-        return None
-    step = slots[1].storage_offset() - first.storage_offset() if len(slots) > 1 else 0
-    if any(s.storage_offset() != first.storage_offset() + i * step for i, s in enumerate(slots)):
-        return None
-    return first.as_strided((len(slots), *first.shape), (step, *first.stride()))
-
-
-class CastCache:
-    """Compute-dtype A_all and block-diagonal B of every joined LoRA group of a model, refreshed
-    once per model forward (see the module doc). ``groups``: (A params, B params, sizes, the
-    wide layout's Bd slot or None) per group call, in layer order; groups of the same shapes
-    form one kind (one buffer)."""
-
-    def __init__(self, groups: list[tuple[list, list, tuple[int, ...], torch.Tensor | None]]):
-        by_shape: dict[tuple, list] = {}
-        for a_params, b_params, sizes, slot in groups:
-            key = (tuple(sizes), tuple(a_params[0].shape), a_params[0].dtype, b_params[0].dtype)
-            by_shape.setdefault(key, []).append((list(a_params), list(b_params), slot))
-        self.kinds = [_Kind(g, key[0]) for key, g in by_shape.items()]
-        self.slots: dict[int, tuple] = {}  # id(first A) -> (A params, B params, kind, layer index)
-        for kind in self.kinds:
-            for layer in range(kind.layers):
-                a = tuple(kind.a[layer * kind.n:(layer + 1) * kind.n])
-                b = tuple(kind.b[layer * kind.n:(layer + 1) * kind.n])
-                self.slots[id(a[0])] = (a, b, kind, layer)
-        self.dtype = None
-        self.seeds, self.seeds_used = None, 0
-        # Keep each group's dropped input for backward instead of recomputing it from its
-        # `source` (train's lora_inputs: fewer kernels, more memory).
-        self.keep_inputs = False
-        self.kept_by_auto_bytes = 0  # train.planned_memory: what recomputing would free, where auto kept them
-
-    @contextmanager
-    def fresh(self, dtype: torch.dtype):
-        """Refresh every kind in `dtype`; lora_group uses the buffers until the block ends."""
-        global _ACTIVE
-        with torch.no_grad():
-            for kind in self.kinds:
-                kind.refresh(dtype)
-        self.seeds, self.seeds_used = _GIVEN_SEEDS, 0
-        self.dtype, previous, _ACTIVE = dtype, _ACTIVE, self
-        try:
-            yield
-        finally:
-            _ACTIVE = previous
-
-    def next_seed(self, device) -> torch.Tensor:
-        """The seeded dropout's seed for the next group call of this forward: the next of the
-        seeds given for it (given_seeds), else one draw of a seed per group for the whole model
-        at the first call (one kernel a forward, not one a group: W1 ran 96 of them a step),
-        then a view of the next one."""
-        if self.seeds is None or self.seeds_used == self.seeds.numel():
-            self.seeds, self.seeds_used = dropout_op.new_dropout_seed(device, len(self.slots)), 0
-        self.seeds_used += 1
-        return self.seeds[self.seeds_used - 1:self.seeds_used]
-
-    def lookup(self, a_params, b_params, dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(A_all, Bd) of this group call, or None when it is not the cached group in `dtype`."""
-        slot = self.slots.get(id(a_params[0]))
-        if slot is None or dtype != self.dtype or len(a_params) != len(slot[0]):
-            return None
-        a, b, kind, layer = slot
-        if any(x is not y for x, y in zip(a, a_params)) or any(x is not y for x, y in zip(b, b_params)):
-            return None
-        return kind.a_buf[layer], kind.bd_buf[layer]
-
-
-@contextmanager
-def given_seeds(seeds: torch.Tensor | None):
-    """The forwards refreshed inside this block take their dropout seeds from `seeds` (int64 on
-    the model's device, at least one per joined group call: train.dropout_seeds) instead of
-    drawing them from torch's CUDA generator. None: drawn, as without the block."""
-    global _GIVEN_SEEDS
-    previous, _GIVEN_SEEDS = _GIVEN_SEEDS, seeds
-    try:
-        yield
-    finally:
-        _GIVEN_SEEDS = previous
-
-
-def casts_active() -> bool:
-    """Whether a model forward refreshed its CastCache (which the wide path's Bd comes from)."""
-    return _ACTIVE is not None
-
-
-def dropout_seed(device) -> torch.Tensor:
-    """The seeded dropout's seed for the next group call: the refreshed CastCache's (one draw a
-    forward), else a fresh one."""
-    return _ACTIVE.next_seed(device) if _ACTIVE is not None else dropout_op.new_dropout_seed(device)
-
-
-_MM_OUT_DTYPE: bool | None = None  # whether torch.mm takes out_dtype (tried once)
-
-
-def mm_fp32(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """alpha a @ b with a float32 result: one kernel on CUDA for bf16 / fp16 inputs (cuBLAS
-    writes fp32), else the matmul then a cast (a no-op for fp32 inputs)."""
-    global _MM_OUT_DTYPE
-    if a.is_cuda and a.dtype != torch.float32 and blas.available(a.device):
-        return blas.gemm(a, b, alpha=alpha, out_dtype=torch.float32)
-    if alpha != 1.0:
-        out = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
-        add_mm_fp32_(out, a, b, alpha)
-        return out
-    if _MM_OUT_DTYPE is not False and a.is_cuda and a.dtype != torch.float32:
-        try:
-            out = torch.mm(a, b, out_dtype=torch.float32)
-            _MM_OUT_DTYPE = True
-            return out
-        except (TypeError, RuntimeError):  # torch without mm(out_dtype=)
-            _MM_OUT_DTYPE = False
-    return (a @ b).float()
 
 
 class LoRAGroup(torch.autograd.Function):
@@ -265,7 +93,8 @@ class LoRAGroup(torch.autograd.Function):
         weight_of = weight if callable(weight) else None
         if weight_of is not None:
             weight = weight_of(dtype)
-        cached = _ACTIVE.lookup(a_params, b_params, dtype) if _ACTIVE is not None else None
+        casts = lora_casts.active()
+        cached = casts.lookup(a_params, b_params, dtype) if casts is not None else None
         if autocast:
             with torch.autocast(device_type, enabled=False):
                 y, kept, mask, xa, a_all, bd, w, recompute, seeded, wide = _group_forward(
@@ -297,90 +126,6 @@ class LoRAGroup(torch.autograd.Function):
             grad_x, grad_xd, grads_a, grads_b = _group_backward(ctx, g, *saved)
         grad_residual = grad if ctx.needs_input_grad[8] else None  # y = residual + ...: its gradient as it is
         return (grad_x, None, None, None, None, None, None, None, grad_residual, grad_xd, None, None, *grads_a, *grads_b)
-
-
-_ADDMM_OUT_DTYPE: bool | None = None  # whether torch.addmm takes out_dtype with out= (tried once)
-
-
-def add_mm_fp32_(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> None:
-    """into (fp32) += alpha a @ b. On CUDA with bf16 / fp16 inputs the addition rides in
-    cuBLAS's epilogue (beta = 1); elsewhere the product then the add, which is what autograd's
-    gradient accumulation does (the same bits)."""
-    global _ADDMM_OUT_DTYPE
-    if a.is_cuda and a.dtype != torch.float32 and blas.available(a.device):
-        blas.gemm(a, b, into, alpha, 1.0)
-        return
-    if _ADDMM_OUT_DTYPE is not False and a.is_cuda and a.dtype != torch.float32:
-        try:
-            torch.addmm(into, a, b, alpha=alpha, out_dtype=torch.float32, out=into)
-            _ADDMM_OUT_DTYPE = True
-            return
-        except (TypeError, RuntimeError):  # torch without addmm(out_dtype=)
-            _ADDMM_OUT_DTYPE = False
-    into.add_(mm_fp32(a, b), alpha=alpha)
-
-
-def grads_into(params, joined_rows: int = 0) -> tuple | None:
-    """The .grad tensors the backward adds into (autograd then has nothing to accumulate), or
-    None where it must hand fresh gradients to autograd: a parameter without a .grad yet (the
-    first micro-batch of an eager step, which autograd takes as it is, no copy), a .grad autograd
-    would not simply add to, or grad mode on (a double backward). `joined_rows`: the .grads must
-    also be consecutive in one buffer (GradArena), returned as one [n r, d] view."""
-    grads = []
-    for p in params:
-        g = p.grad
-        if g is None or g.dtype != p.dtype or g.shape != p.shape or not g.is_contiguous():
-            return None
-        grads.append(g)
-    if torch.is_grad_enabled():
-        return None
-    if not joined_rows:
-        return tuple(grads)
-    first = grads[0]
-    step = first.numel() * first.element_size()
-    if any(g.data_ptr() != first.data_ptr() + i * step for i, g in enumerate(grads)):
-        return None
-    return (first.as_strided((joined_rows, first.shape[1]), (first.shape[1], 1)),)
-
-
-class GradArena:
-    """The LoRA parameters' gradients as views of one flat buffer, each group's A gradients
-    consecutive (one [n r, d] block: LoRAGroup adds dA of q/k/v with one matmul), for training
-    that keeps its gradients between micro-batches (CUDA graphs). Zeroing them is one kernel,
-    and LoRAGroup's backward adds each gradient into its view (grads_into) instead of handing
-    autograd a fresh tensor to add: W1 ran 336 such adds a micro-batch, 0.47 ms of GPU time and
-    a kernel launch each. `casts`: the model's CastCache (its groups), or None.
-
-    `move_params`: the parameters' values move into a buffer laid out like the gradients' (each
-    becomes a view of it), so that FusedAdamW steps them all with one kernel over flat tensors.
-    Before any CUDA graph is captured: a graph reads its parameters at the addresses it saw."""
-
-    def __init__(self, params: list, casts: "CastCache | None", move_params: bool = False):
-        order, seen = [], set()
-        wanted = {id(p) for p in params}
-        for a, b, _, _ in (casts.slots.values() if casts is not None else ()):
-            for p in (*a, *b):
-                if id(p) in wanted and id(p) not in seen:
-                    order.append(p)
-                    seen.add(id(p))
-        order += [p for p in params if id(p) not in seen]
-        self.flat = torch.zeros(sum(p.numel() for p in order), dtype=params[0].dtype, device=params[0].device)
-        views, at = {}, 0
-        for p in order:
-            views[id(p)] = self.flat[at:at + p.numel()].view(p.shape)
-            at += p.numel()
-        self.grads = [views[id(p)] for p in params]  # in the order of `params`
-        if move_params:
-            self.params = torch.empty_like(self.flat)
-            with torch.no_grad():
-                for p in params:
-                    view = self.params[views[id(p)].storage_offset():][:p.numel()].view(p.shape)
-                    view.copy_(p)
-                    p.data = view
-
-    @staticmethod
-    def usable(params: list) -> bool:
-        return bool(params) and all(p.dtype == params[0].dtype and p.device == params[0].device for p in params)
 
 
 def wide_matrix(w: torch.Tensor, bd: torch.Tensor) -> torch.Tensor | None:
@@ -415,7 +160,8 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
     wide = (wide_matrix(w, bd) if room and seeded in ("given", False) and x2.stride(1) == 1 and x2.stride(0) >= d + k
             and cached is not None else None)
     if seeded is True:  # the mask is drawn again from the seed in backward: nothing stored
-        mask = _ACTIVE.next_seed(x2.device) if cached is not None else dropout_op.new_dropout_seed(x2.device)
+        device = x2.device
+        mask = lora_casts.active().next_seed(device) if cached is not None else dropout_op.new_dropout_seed(device)
     if seeded is True and drop_matmul_ok(x2, a_all):  # the dropout rides in the A matmuls
         seeded = "in_matmul"
         xa = drop_matmul(x2, a_all, mask, p, scale)
@@ -451,7 +197,7 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
     if r2 is not None:
         y = r2 + y
     recompute = (bool(seeded) and source is not None and source.dtype == dtype
-                 and not (cached is not None and _ACTIVE.keep_inputs))
+                 and not (cached is not None and lora_casts.active().keep_inputs))
     kept = source if recompute else xd  # x itself is not needed: W is frozen
     return y, kept, mask, xa, a_all, bd, w, recompute, seeded, wide is not None
 

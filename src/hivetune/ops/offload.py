@@ -18,7 +18,7 @@ How, per training forward (``CausalLM.forward`` calls ``begin``, then ``layer`` 
 
 - Pack (``torch.autograd.graph.saved_tensors_hooks`` around layer i < N): a saved tensor whose
   storage holds at least ``threshold`` bytes (1 MiB) and is not persistent state (the model's
-  parameters and buffers, the LoRA CastCache buffers of ops.lora_group, the RoPE tables every
+  parameters and buffers, the LoRA CastCache buffers of ops.lora_casts, the RoPE tables every
   layer shares) is replaced by a handle to a host copy of its whole storage; the saved tensor
   becomes (handle, dtype, offset, size, stride). One storage saved twice in a layer (under the
   seeded dropout: the norm's input x, kept by RMSNorm and by the q/k/v group as its `source`;
@@ -162,7 +162,7 @@ class ActivationOffload:
             raise ValueError(f"offload 1..{self.total} layers, not {layers}")
         self.threshold = THRESHOLD_BYTES if threshold is None else threshold
         self.persistent = frozenset(t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()))
-        self.casts = getattr(model, "lora_casts", None)  # ops.lora_group.CastCache: its buffers stay
+        self.casts = getattr(model, "lora_casts", None)  # ops.lora_casts.CastCache: its buffers stay
         # The largest micro-batch's tokens (train's step plan), which `layers` is sized for: a
         # smaller one offloads fewer layers (layers_for). None: every forward offloads `layers`.
         self.max_tokens: int | None = None

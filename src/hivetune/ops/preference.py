@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from hivetune.ops import blas
-from hivetune.ops.fused_ce import ce_rows, chunk_ce, chunk_rows_for, triton_ce_ok
+from hivetune.ops.fused_ce import CHUNK_BYTES, ce_rows, chunk_ce, chunk_rows_for, triton_ce_ok
 from hivetune.ops.loss import cap_logits
 
 
@@ -82,7 +82,7 @@ def _triton_rows(h_all, weight, targets, chunk_rows, row_loss, grad_rows, softca
 
 
 def fused_target_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, target_index: torch.Tensor,
-                          target_ids: torch.Tensor, chunk_bytes: int = 256 << 20,
+                          target_ids: torch.Tensor, chunk_bytes: int = CHUNK_BYTES,
                           softcap: float | None = None) -> torch.Tensor:
     """log p(target) [N] at the flat target positions of hidden [B, T, H], one chunk of logits alive
     (of softcap * tanh(logits / softcap) with softcap)."""

@@ -31,9 +31,10 @@ do the layer-by-layer q/k/v their dropout masks (lora_group's Function saves its
 With gradient checkpointing a layer keeps only its input (s h per token) and one layer is
 recomputed in backward (with lora_group, one layer's casts too). The fused LM-head loss keeps
 d loss/d hidden for the N target rows (N h s); inside it, the PyTorch chunk (CPU, fp32, no
-Triton) holds a chunk of fp32 logits (256 MiB) with two temporaries of its size (logsumexp's
-x - max and exp of that): 768 MiB for a 152k vocabulary. The Triton chunk (fused_layers) holds
-only its logits in the compute dtype, 256 MiB, turned into their gradient in place.
+Triton) holds a chunk of fp32 logits (256 MiB) with two more of its size (logsumexp's x - max,
+and the previous chunk's gradient): 768 MiB for a 152k vocabulary, Gemma 2's capped logits
+alike (capped in place). The Triton chunk (fused_layers) holds only its logits in the compute
+dtype, 256 MiB, turned into their gradient in place.
 
 Peaks (measured on an H200, benchmarks/results/plan-grid-h200.json): without checkpointing at the
 loss, everything saved + the chunk buffers; the backward pass adds less (about 1.7 s I per token).
@@ -54,7 +55,7 @@ from dataclasses import dataclass, field, replace
 from hivetune.model.config import ModelArgs
 from hivetune.model.quant import (dequant_workspace_elements, layer_weight_elements, linear_shapes,
                                   quantized_weight_bytes)
-from hivetune.ops.fused_ce import chunk_rows_for
+from hivetune.ops.fused_ce import CHUNK_BYTES, chunk_rows_for
 from hivetune.ops.offload import THRESHOLD_BYTES as OFFLOAD_THRESHOLD, peak_resident_layers
 
 GIB = 1 << 30
@@ -68,7 +69,9 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
 BACKWARD_I = 1.75
 FORWARD_I = 4.0
 RECOMPUTE_I = 1.0  # seeded dropout: down_proj's dropped input, recomputed in its backward
-LOSS_CHUNK_COPIES = 3  # PyTorch chunk: fp32 logits chunk, x - max, exp(x - max) inside torch.logsumexp
+# PyTorch chunk (ops.fused_ce.chunk_ce), capped or not: its fp32 logits, logsumexp's x - max, and the
+# previous chunk's gradient (alive until the loop's next one replaces it)
+LOSS_CHUNK_COPIES = 3
 # cuBLAS / cuBLASLt workspaces and the allocator's 2 MiB pages (expandable segments).
 ALLOCATOR_SLACK_BYTES = 96 * MIB
 ALLOCATOR_SLACK_FRACTION = 0.02
@@ -390,9 +393,7 @@ def breakdown(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | Non
     moved = offloaded_bytes(args, mc, tokens, t_attn)  # to host memory until backward (ops.offload)
     parts["activations"] = int(kept + (rope + final_norm) * tokens + loss_saved - moved)
     hidden = s * h * tokens  # fit's `hidden` (final norm output) lives through backward
-    copies, per_logit = (1, s) if mc.fused_layers else (LOSS_CHUNK_COPIES, 4)  # Triton chunk, or PyTorch's
-    chunk = min(n, chunk_rows_for(args.vocab_size, bytes_per_logit=per_logit)) if mc.fused_loss else 0
-    loss_transient = hidden + n * h * s + copies * per_logit * chunk * args.vocab_size
+    loss_transient = hidden + n * h * s + loss_chunk_bytes(args, mc, n)
     if not mc.fused_loss:
         loss_transient = hidden + min(n, 4096) * args.vocab_size * (2 + 4)
     if mc.gradient_checkpointing:  # a layer's forward under checkpoint: its MLP intermediates
@@ -417,6 +418,17 @@ def breakdown(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | Non
         parts["base weights"] -= table
         host["pinned host (embeddings)"] = table
     return Breakdown(tokens, n, parts, "loss" if loss_transient >= backward else "backward", host)
+
+
+def loss_chunk_bytes(args: ModelArgs, mc: MemoryConfig, targets: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """The fused loss's [chunk, vocab] buffers alive at once over `targets` rows: the Triton
+    chunk's logits in the compute dtype (turned into their gradient in place), or LOSS_CHUNK_COPIES
+    fp32 chunks of the PyTorch one, with or without Gemma 2's final logit cap. 0 without the fused loss."""
+    if not mc.fused_loss:
+        return 0
+    copies, per_logit = (1, mc.s) if mc.fused_layers else (LOSS_CHUNK_COPIES, 4)
+    chunk = min(targets, chunk_rows_for(args.vocab_size, chunk_bytes, per_logit))
+    return copies * per_logit * chunk * args.vocab_size
 
 
 def quantized_base_change(args: ModelArgs, mc: MemoryConfig) -> int:

@@ -23,7 +23,7 @@ from hivetune.data.pairs import PAIR_FILES, PairBatch, collate_pairs
 from hivetune.data.sources import DataSource
 from hivetune.model.lora import lora_enabled
 from hivetune.ops.lora_aside import join_aside
-from hivetune.ops.lora_group import given_seeds
+from hivetune.ops.lora_casts import given_seeds
 from hivetune.ops.preference import (dpo_loss, fused_target_logprobs, orpo_loss, sequence_sums,
                                      target_logprobs)
 from hivetune.parallel import distributed

@@ -26,7 +26,7 @@ Instantiation runs on a worker thread where torch can capture without instantiat
 (keep_graph): it overlaps the next capture and the replays; a replay waits only for its own.
 
 All graphs share one memory pool; each replay's loss is cloned at once. Gradients accumulate in
-place into persistent .grad tensors, views of one buffer (lora_group.GradArena), re-attached
+place into persistent .grad tensors, views of one buffer (lora_grads.GradArena), re-attached
 (one memset) after the optimizer sets them to None. Dropout seeds are static inputs like the
 token ids, so every replay gets its micro-batch's masks without the CUDA generator.
 """
@@ -46,7 +46,7 @@ from hivetune.core.device import cuda_index
 from hivetune.data.batch import MicroBatch
 from hivetune.model.lora import lora_parameters
 from hivetune.ops.attention import Packed
-from hivetune.ops.lora_group import GradArena
+from hivetune.ops.lora_grads import GradArena
 from hivetune.plan.graph_sizes import (BUCKET_TOKENS, GRAIN, MAX_TFLOP_PER_MICRO_BATCH, bucket_tokens,
                                        capture_cost_tokens, deferrable, defers_captures, grid_keys, plan_sizes,
                                        target_capacities)

@@ -22,7 +22,7 @@ from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.data.pairs import collate_pairs
 from hivetune.model.decoder import CausalLM
 from hivetune.ops.lora_aside import join_aside
-from hivetune.ops.lora_group import given_seeds
+from hivetune.ops.lora_casts import given_seeds
 from hivetune.parallel import distributed
 from hivetune.plan import plan
 from hivetune.train.run import Run
@@ -61,7 +61,7 @@ def micro_parts(run: Run, example_ids: list[int], size: int = 0) -> list[list[in
 def dropout_seeds(run: Run, step: int, micro: int) -> torch.Tensor | None:
     """The seeded LoRA dropout's seeds for micro-batch `micro` of step `step` on this rank: one
     int64 a joined group call of the model's forward, drawn on the host from a generator seeded
-    by (run seed, rank, step, micro-batch). Given to the forward (lora_group.given_seeds), they
+    by (run seed, rank, step, micro-batch). Given to the forward (lora_casts.given_seeds), they
     make its masks a function of the step plan alone: a resumed run draws what an unbroken one
     does, and a CUDA graph reads them from its static inputs (train.replay) instead of drawing
     from torch's CUDA generator. None where nothing is seeded: no LoRA dropout, or no joined

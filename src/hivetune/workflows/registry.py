@@ -36,7 +36,7 @@ except ImportError:  # not on Linux / macOS: the registry is not locked
     fcntl = None
 
 from hivetune.core.errors import UserError
-from hivetune.core.fileio import atomic_write_with, fsync_dir, pause_for_tests, pid_alive, sha256_file
+from hivetune.core.fileio import atomic_write_with, fsync_dir, fsync_tree, pause_for_tests, pid_alive, sha256_file
 from hivetune.data.interaction_log import utc_now
 
 REGISTRY_JSON, CURRENT_JSON, HISTORY_JSONL, LOCK_NAME = "registry.json", "current.json", "history.jsonl", ".registry.lock"
@@ -469,12 +469,3 @@ def read_json(path: Path) -> dict:
 
 def write_json(path: Path, data: dict) -> None:
     atomic_write_with(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2) + "\n"))
-
-
-def fsync_tree(folder: Path) -> None:
-    """fsync every file and folder under `folder`, so the rename that publishes it comes after them."""
-    for dirpath, _, filenames in os.walk(folder):
-        for name in filenames:
-            with open(os.path.join(dirpath, name), "rb+") as f:
-                os.fsync(f.fileno())
-        fsync_dir(Path(dirpath))
