@@ -77,6 +77,17 @@ def tiny_gemma2_dir(tmp_path_factory) -> Path:
     return folder
 
 
+def tiny_config(model_dir: Path, data: Path, out: Path, **kw):
+    """A small CPU training config (fp32, LoRA r=4, 3 steps of 4) with `kw` on top."""
+    from hivetune.core.config import load_config
+
+    values = {"model": str(model_dir), "data": str(data), "output_dir": str(out), "precision": "fp32",
+              "device": "cpu", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}, "eval_prompts": 0,
+              "batch_size": 4, "max_steps": 3, "lr": 1e-2, "warmup_steps": 0, "threads": 1}
+    values.update(kw)
+    return load_config(None, values)
+
+
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path

@@ -290,7 +290,7 @@ def test_train_sizes_the_scaled_offload_for_one_process_only(tiny_model_dir, alp
     from hivetune.parallel.distributed import Dist
     from hivetune.train.graph_plan import planned_micro_batches
     from hivetune.train.setup import planned_memory, setup
-    from test_train import tiny_config
+    from conftest import tiny_config
 
     run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "run", batch_size=2, max_steps=3))
     run.model.activation_offload = offload = ActivationOffload(run.model, 1, threshold=0, cpu_test=True)

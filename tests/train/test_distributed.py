@@ -15,7 +15,7 @@ from hivetune.core.errors import UserError
 from hivetune.train.setup import setup
 from hivetune.workflows.train_job import train
 
-from test_train import tiny_config
+from conftest import tiny_config
 
 FLAGS = ["--precision", "fp32", "--device", "cpu", "--threads", "1", "--max-steps", "4", "--lr", "1e-2",
          "--set", "lora.r=4", "--set", "lora.alpha=8", "--set", "lora.dropout=0", "--set", "eval_prompts=0",

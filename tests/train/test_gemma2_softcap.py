@@ -15,7 +15,7 @@ from hivetune.ops.loss import target_loss_sum
 from hivetune.train.loop import validation_loss
 from hivetune.train.setup import setup
 from hivetune.train.step import forward_backward, micro_batches
-from test_train import tiny_config
+from conftest import tiny_config
 
 
 def gemma2_run(model_dir, data, out, **kw):

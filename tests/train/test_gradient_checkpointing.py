@@ -13,7 +13,7 @@ from hivetune.ops.loss import target_loss_sum
 from hivetune.train.loop import fit
 from hivetune.train.setup import setup
 from hivetune.train.step import micro_batches
-from test_train import tiny_config as train_config
+from conftest import tiny_config as train_config
 
 
 def tiny_config(model_dir: Path, data: Path, out: Path, **kw):

@@ -17,7 +17,7 @@ from hivetune.model.lora import lora_state_dict
 from hivetune.train.loop import TrainingStopped, fit
 from hivetune.train.setup import setup
 from hivetune.workflows.train_job import train
-from test_train import tiny_config
+from conftest import tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from hivetune.train.loop import TrainingStopped, fit
 from hivetune.train.preference import pair_losses
 from hivetune.train.setup import setup
 from test_resume import assert_bitwise_equal
-from test_train import tiny_config
+from conftest import tiny_config
 
 SERVICES = ["nginx", "sshd", "redis", "podman", "httpd", "chronyd"]
 

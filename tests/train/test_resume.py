@@ -18,7 +18,7 @@ from hivetune.core.errors import UserError
 from hivetune.model.lora import lora_state_dict
 from hivetune.train.loop import TrainingStopped, fit
 from hivetune.train.setup import setup
-from test_train import tiny_config
+from conftest import tiny_config
 
 DROPOUT = {"r": 4, "alpha": 8, "dropout": 0.1}  # dropout draws random numbers: the RNG state matters
 

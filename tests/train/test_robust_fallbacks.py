@@ -20,7 +20,7 @@ from hivetune.ops.adamw import adamw
 from hivetune.ops.attention import probe_varlen, varlen_usable
 from hivetune.train.loop import fit
 from hivetune.train.setup import setup
-from test_train import tiny_config
+from conftest import tiny_config
 
 CPU = torch.device("cpu")
 

@@ -13,7 +13,7 @@ from hivetune.train.loop import fit
 from hivetune.train.setup import setup
 
 from test_resume import poison
-from test_train import tiny_config
+from conftest import tiny_config
 
 
 def rows(folder):

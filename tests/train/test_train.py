@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ops_records, write_jsonl
+from conftest import ops_records, tiny_config, write_jsonl
 from hivetune.cli import main
 from hivetune.core.config import load_config
 from hivetune.data.batch import collate_packed, collate_padded
@@ -19,14 +18,6 @@ from hivetune.ops.loss import target_loss_sum
 from hivetune.train.loop import fit
 from hivetune.train.setup import setup, split_validation
 from hivetune.workflows.train_job import train
-
-
-def tiny_config(model_dir: Path, data: Path, out: Path, **kw):
-    values = {"model": str(model_dir), "data": str(data), "output_dir": str(out), "precision": "fp32",
-              "device": "cpu", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}, "eval_prompts": 0,
-              "batch_size": 4, "max_steps": 3, "lr": 1e-2, "warmup_steps": 0, "threads": 1}
-    values.update(kw)
-    return load_config(None, values)
 
 
 def loss_and_grads(run, batch):

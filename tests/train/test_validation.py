@@ -13,7 +13,7 @@ from hivetune.ops.loss import target_loss_sum
 from hivetune.train.loop import fit, validation_loss
 from hivetune.train.setup import setup, split_validation
 
-from test_train import tiny_config
+from conftest import tiny_config
 
 
 def metrics(folder):

@@ -1,17 +1,17 @@
-"""README's config reference is the text generated from TrainConfig's field docstrings."""
+"""docs/config.md's config reference is the text generated from TrainConfig's field docstrings."""
 
 from pathlib import Path
 
 from hivetune.core.config import TrainConfig
 from hivetune.workflows import config_reference
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CONFIG_DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 
-def test_readme_holds_the_generated_config_reference():
-    text = README.read_text()
+def test_config_doc_holds_the_generated_config_reference():
+    text = CONFIG_DOC.read_text()
     assert config_reference.replace_section(text) == text, (
-        "README.md's config reference is stale: python -m hivetune.workflows.config_reference --write README.md")
+        "docs/config.md is stale: python -m hivetune.workflows.config_reference --write docs/config.md")
 
 
 def test_every_key_is_listed_once_with_its_default():
