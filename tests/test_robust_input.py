@@ -219,7 +219,7 @@ err = io.StringIO()
 with contextlib.redirect_stderr(err):
     code = main(["train", "--model", model, "--data", broken, "--output", broken + ".run", "--device", "cpu",
                  "--precision", "fp32", "--max-steps", "1", "--quiet"])
-print(json.dumps({"lengths": index.lengths, "truncated": index.truncated, "kept_records": len(index.records),
+print(json.dumps({"lengths": list(index.lengths), "truncated": index.truncated, "kept_records": len(index.records),
                   "example": [len(example.ids), sum(example.mask)], "index_s": t1 - t0,
                   "broken_s": time.perf_counter() - t1, "code": code, "stderr": err.getvalue(),
                   "peak_growth": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024}))
@@ -302,8 +302,8 @@ def test_a_conversation_of_200k_turns_is_not_quadratic(tok, tmp_path):
     t0 = time.perf_counter()
     index = index_dataset(path, "auto", tok, 64, False)
     assert time.perf_counter() - t0 < 30  # ~1 s
-    assert index.lengths == [64] and index.truncated == 1
-    assert index.n_targets == [encode_record({"messages": turns[:40]}, "chat", tok, 64, False).n_targets] != [0]
+    assert list(index.lengths) == [64] and index.truncated == 1
+    assert list(index.n_targets) == [encode_record({"messages": turns[:40]}, "chat", tok, 64, False).n_targets] != [0]
 
 
 # ---------------------------------------------------------------------------------- config

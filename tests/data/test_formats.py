@@ -158,12 +158,12 @@ def test_index_counts_truncated_and_skips_records_without_targets(tok, tmp_path)
     data = write_jsonl(tmp_path / "d.jsonl", [short, long_answer, long_prompt, short])
     index = index_dataset(data, "auto", tok, max_length, False)
     assert index.format == "alpaca"
-    assert index.lines == [1, 2, 4]
+    assert list(index.lines) == [1, 2, 4]
     assert index.truncated == 1
     assert index.skipped_no_target == 1
-    assert index.lengths == [len(enc["short"].ids), max_length, len(enc["short"].ids)]
+    assert list(index.lengths) == [len(enc["short"].ids), max_length, len(enc["short"].ids)]
     prompt_len = enc["long_answer"].mask.index(True)
-    assert index.n_targets == [enc["short"].n_targets, max_length - prompt_len, enc["short"].n_targets]
+    assert list(index.n_targets) == [enc["short"].n_targets, max_length - prompt_len, enc["short"].n_targets]
 
     only_long = write_jsonl(tmp_path / "l.jsonl", [long_prompt])
     with pytest.raises(UserError) as e:
@@ -184,11 +184,11 @@ def test_json_array_and_jsonl_give_the_same_examples(tok, tmp_path):
     b = index_dataset(array, "auto", tok, 1024, False)
     # records re-read by byte offset (as for files too large to keep in RAM)
     c = index_dataset(jsonl, "auto", tok, 1024, False, keep_records_below=0)
-    assert a.lines == c.lines == [1, 2, 3, 5, 6, 7]
-    assert b.lines == [1, 2, 3, 4, 5, 6] and b.offsets == [None] * 6
+    assert list(a.lines) == list(c.lines) == [1, 2, 3, 5, 6, 7]
+    assert list(b.lines) == [1, 2, 3, 4, 5, 6] and list(b.offsets) == [-1] * 6
     assert a.format == b.format == "alpaca"
-    assert a.lengths == b.lengths == c.lengths
-    assert a.n_targets == b.n_targets == c.n_targets
+    assert list(a.lengths) == list(b.lengths) == list(c.lengths)
+    assert list(a.n_targets) == list(b.n_targets) == list(c.n_targets)
     assert not c.records
     direct = [encode_record(r, "alpaca", tok, 1024, False) for r in records]
     for index in (a, b, c):
@@ -259,7 +259,7 @@ def test_blank_lines_before_the_first_record(tok, tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("\n" * 70_000 + OK + "\n\n" + OK + "\n")
     index = index_dataset(path, "auto", tok, 1024, False, keep_records_below=0)
-    assert index.lines == [70_001, 70_003]
+    assert list(index.lines) == [70_001, 70_003]
     assert load_example(index, 1, tok, 1024, False) == encode_record(json.loads(OK), "alpaca", tok, 1024, False)
     array = tmp_path / "d.json"
     array.write_text(" " * 70_000 + "[" + OK + "]")

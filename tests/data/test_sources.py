@@ -75,7 +75,7 @@ def test_a_folder_is_its_files_in_order(tok, tmp_path):
     write_csv(folder / "more" / "c.csv", RECORDS[6:])
     (folder / "notes.txt").write_text("not data")
     index = index_dataset(folder, "auto", tok, 1024, False, keep_records_below=0)
-    assert index.part_of == [0] * 3 + [1] * 3 + [2] * 4
+    assert list(index.part_of) == [0] * 3 + [1] * 3 + [2] * 4
     assert examples(index, tok) == direct(tok, RECORDS)
     assert [where for _, where, *_ in iter_source(folder)][2:5] == [
         f"{folder / 'a.jsonl'}:3", f"{folder / 'b.parquet'}: row 1", f"{folder / 'b.parquet'}: row 2"]
@@ -231,4 +231,4 @@ def test_a_hub_dataset_as_val_data_reads_its_test_split(hub_dataset, tiny_model_
 def test_a_csv_field_may_hold_a_document(tok, tmp_path):
     long = {"instruction": "Summarise.", "input": "", "output": "word " * 40_000}  # 200,000 characters
     index = index_dataset(write_csv(tmp_path / "long.csv", [long]), "auto", tok, 64, False)
-    assert index.truncated == 1 and index.lengths == [64]
+    assert index.truncated == 1 and list(index.lengths) == [64]
