@@ -129,10 +129,10 @@ def build_tokenizer(folder, family: str) -> None:
     fast.save_pretrained(str(folder))
 
 
-def make_hf(family: str, seed: int = 0):
+def make_hf(family: str, seed: int = 0, **overrides):
     cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    config = cls(**BASE, **extra)
+    config = cls(**BASE, **{**extra, **overrides})
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed + 1)

@@ -23,7 +23,7 @@ import torch
 from hivetune.core.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM, rope_inv_freq
-from hivetune.model.gguf_vocab import add_tokenizer
+from hivetune.model.gguf_vocab import add_tokenizer, llama_cpp_name
 from hivetune.model.load import (GEMMA_27B_LAYERS, GGUF_FAMILY_LAYER_NAMES, GGUF_LAYER_NAMES, GGUF_TOP_NAMES,
                                  gguf_gemma_query_scalar, permute_rope_rows)
 
@@ -292,7 +292,7 @@ def write_model_gguf(path: Path, model: CausalLM, dtype: str, name: str, tokeniz
 
     args = model.args
     writer = gguf.GGUFWriter(str(path), gguf_arch(args, str(source_model)))
-    add_hparams(writer, args, name)
+    add_hparams(writer, args, llama_cpp_name(name, tokenizer))
     writer.add_file_type(file_type(dtype))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if is_gguf(source_model):
