@@ -128,7 +128,7 @@ def build_tokenizer(folder, family: str) -> None:
     fast.save_pretrained(str(folder))
 
 
-def make_hf(family: str, seed: int = 0):
+def make_hf(family: str, seed: int = 0, **overrides):
     gemma = family.startswith("gemma")
 
     def redraw(name, p, noise):  # weights at a scale where each visibly shapes the logits
@@ -139,7 +139,7 @@ def make_hf(family: str, seed: int = 0):
         return 2 * noise / p.shape[-1] ** 0.5
 
     cls, extra = FAMILIES[family]
-    return random_hf_model(cls, seed, seed + 1, redraw, **BASE, **extra)
+    return random_hf_model(cls, seed, seed + 1, redraw, **BASE, **{**extra, **overrides})
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -3,7 +3,8 @@
 The tiny random models of test_families (windows of 8 or 24 tokens) are exported with
 ``write_model_gguf`` and then:
 - read back by hivetune (f32): the architecture fields and the logits past the window equal the
-  source model's (Mistral goes as llama, whose GGUF has no window: inside it), again from the
+  source model's (Mistral goes as llama, whose GGUF has no window: inside it; Mistral's and Phi-3's
+  context length is their window, which llama.cpp does not run), again from the
   decoded-weights cache, and a q8_0 export under base_quant=keep computes as its dequantized self;
 - read by transformers' own GGUF loader, where it knows the architecture: its logits equal ours;
 - loaded in llama-cpp-python: 3 prompts x 10 greedy tokens as hivetune continues them; Gemma's
@@ -65,6 +66,9 @@ def test_gguf_round_trip_keeps_the_architecture_and_the_logits(family, tmp_path)
         else:
             assert args.model_type == ours.model_type
             assert arch(args) == arch(ours), attempt
+        # llama.cpp runs Mistral and Phi-3 without their window: the context written is the window
+        context = NO_GGUF_WINDOW if family.name in ("mistral", "phi3") else ours.max_position_embeddings
+        assert (ours.max_position_embeddings, args.max_position_embeddings) == (1024, context), attempt
         if family.name == "phi4mini":
             rope, src = args.rope_scaling, ours.rope_scaling
             assert rope["rope_type"] == "longrope"

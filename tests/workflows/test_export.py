@@ -26,12 +26,13 @@ VOCAB = 384
 TOL = {"f32": 1e-5, "f16": 3e-3, "bf16": 2e-2, "q8_0": 5e-2}
 
 
-def make_run(root: Path, model_type: str, rslora: bool = False) -> tuple[Path, Path]:
-    """A tiny base model folder and a run folder whose adapter has a non-zero update."""
+def make_run(root: Path, model_type: str, rslora: bool = False, **config) -> tuple[Path, Path]:
+    """A tiny base model folder (`config`: more config.json fields) and a run folder whose adapter
+    has a non-zero update."""
     base, run = root / "base", root / "run"
     base.mkdir(parents=True)
     build_tokenizer(base, VOCAB)
-    build_tiny_model(base, model_type, VOCAB, seed=3, tie_word_embeddings=model_type == "llama")
+    build_tiny_model(base, model_type, VOCAB, seed=3, tie_word_embeddings=model_type == "llama", **config)
     net = load_model(base)
     spec = LoRASpec(r=4, alpha=8.0, dropout=0.0, rslora=rslora)
     apply_lora(net, spec)

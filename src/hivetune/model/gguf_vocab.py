@@ -5,22 +5,26 @@ The kinds llama.cpp's convert_hf_to_gguf.py writes, picked the way it picks them
 - SentencePiece (Llama 2, Mistral, Gemma): ``tokenizer.model`` read by ``gguf.SentencePieceVocab``
   (or, without it or the sentencepiece package, the BPE-with-byte-fallback ``tokenizer.json``
   through ``gguf.LlamaHfVocab``, scored by merge rank); ``tokenizer.ggml.model = llama``,
-  pre-tokenizer ``default``.
+  pre-tokenizer ``default``, and ``add_space_prefix`` as the tokenizer does it (Llama's and
+  Mistral's ``▁`` before the text; Gemma's none).
 - byte-level BPE (Llama 3, Qwen, SmolLM2): ``gguf.BpeVocab``; ``tokenizer.ggml.model = gpt2`` and the
   pre-tokenizer named as llama.cpp names it: the sha256 of the token ids of CHECK_TEXT looked up in
   PRE_TOKENIZER_HASHES. A tokenizer with a vocabulary of its own (its hash in no table) whose
-  pre-tokenizer is exactly one llama.cpp implements (GPT-2's, Qwen 2's, Llama 3's) gets that name;
-  any other unknown hash is refused.
+  pre-tokenizer is exactly one llama.cpp implements (GPT-2's, Qwen 2's, Llama 3's, GPT-4o's) gets
+  that name; any other unknown hash is refused.
 
 Added tokens get llama.cpp's types (CONTROL when special or shaped like ``<|...|>``, else
 USER_DEFINED), embedding rows past the tokenizer become ``[PAD<i>]`` (UNUSED), and
-``gguf.SpecialVocab`` adds the merges, special token ids and chat template.
+``gguf.SpecialVocab`` adds the merges, special token ids and chat template. llama.cpp strips the
+whitespace after special tokens when general.name holds "phi3" or "phi-3"; ``llama_cpp_name`` writes
+the name so that it does so exactly when the tokenizer's special tokens strip it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import tempfile
 from hashlib import sha256
 from pathlib import Path
@@ -140,6 +144,9 @@ SPLIT_REGEX_PRE = {
         "qwen2",
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
         "llama-bpe",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+": "gpt-4o",  # o200k (Phi-4-mini)
 }
 
 
@@ -296,9 +303,39 @@ def add_tokenizer(writer, tokenizer, n_vocab: int, source: Path, eos_fallback: i
     if scores is not None:
         writer.add_token_scores(scores)
     writer.add_token_types(types)
+    if kind != "bpe":
+        writer.add_add_space_prefix(adds_space_prefix(tokenizer))
     fill_special_tokens(special, tokenizer, eos_fallback)
     special.add_to_gguf(writer, quiet=True)
     return pre
+
+
+# llama.cpp (llama-vocab.cpp) gives every special token but these RSTRIP (the whitespace after it is
+# dropped) when general.name, lowercased, holds "phi-3" or "phi3"; no tokenizer key says it.
+PHI3_NAME = re.compile(r"(phi)-?(3)", re.IGNORECASE)
+RSTRIP_EXEMPT = ("<unk>", "<s>", "<|endoftext|>")
+
+
+def llama_cpp_name(name: str, tokenizer) -> str:
+    """general.name for a model with `tokenizer`: "phi" and "3" written apart when its special tokens
+    keep the whitespace after them, " (phi-3 tokenizer)" added when they all strip it, so that
+    llama.cpp's Phi-3 rule applies exactly when the tokenizer strips."""
+    specials = [t for t in tokenizer.added_tokens_decoder.values()
+                if t.special and t.content not in RSTRIP_EXEMPT]
+    strips = bool(specials) and all(t.rstrip for t in specials)
+    named = bool(PHI3_NAME.search(name))
+    if named and not strips:
+        return PHI3_NAME.sub(r"\1 \2", name)
+    if strips and not named:
+        return f"{name} (phi-3 tokenizer)"
+    return name
+
+
+def adds_space_prefix(tokenizer) -> bool:
+    """Whether a SentencePiece-style tokenizer puts ``▁`` before the text (its dummy prefix), probed
+    on "a"; llama.cpp adds it unless tokenizer.ggml.add_space_prefix is false (Gemma's)."""
+    ids = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return bool(ids) and tokenizer.convert_ids_to_tokens(ids[0]).startswith("\u2581")
 
 
 def fill_special_tokens(special, tokenizer, eos_fallback: int | None) -> None:

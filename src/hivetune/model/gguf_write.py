@@ -23,14 +23,17 @@ import torch
 from hivetune.core.errors import UserError
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM, rope_inv_freq
-from hivetune.model.gguf_vocab import add_tokenizer
+from hivetune.model.gguf_vocab import add_tokenizer, llama_cpp_name
 from hivetune.model.load import (GEMMA_27B_LAYERS, GGUF_FAMILY_LAYER_NAMES, GGUF_LAYER_NAMES, GGUF_TOP_NAMES,
                                  gguf_gemma_query_scalar, permute_rope_rows)
 
-# Our model_type -> llama.cpp architecture. llama.cpp's converter writes Mistral as "llama"
-# (whose graph has no sliding window: past the window its attention differs from Mistral's).
+# Our model_type -> llama.cpp architecture. llama.cpp's converter writes Mistral as "llama".
 GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
               "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+# Families whose sliding window llama.cpp does not run: its llama graph (Mistral's) has none, and it
+# reads Phi-3's and turns it off ("Phi SWA is currently disabled"). Past the window its attention
+# differs from the model's, so their GGUF's context length is the window.
+WINDOW_NOT_RUN = ("mistral", "phi3")
 # Where a family's names differ from the llama table (HF module -> llama.cpp tensor)
 FAMILY_LAYER_NAMES = {f: {hf: g for g, hf in names.items()} for f, names in GGUF_FAMILY_LAYER_NAMES.items()}
 GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -43,6 +46,23 @@ def gguf_arch(args: ModelArgs, source: str) -> str:
     if arch is None:
         raise UserError(f"{source}: GGUF export supports {', '.join(GGUF_ARCHS)} models, not {args.model_type!r}")
     return arch
+
+
+def gguf_context_length(args: ModelArgs) -> int:
+    """The GGUF's context length: the trained one, or the sliding window where llama.cpp runs the
+    family without it (longer texts would attend past the window, as the model never did)."""
+    window = args.sliding_window if args.model_type in WINDOW_NOT_RUN else None
+    return min(window, args.max_position_embeddings) if window else args.max_position_embeddings
+
+
+def window_note(args: ModelArgs) -> str | None:
+    """The export's one line when the context length written is the window, else None."""
+    context = gguf_context_length(args)
+    if context == args.max_position_embeddings:
+        return None
+    return (f"{args.model_type}'s sliding window of {context} tokens is not run by llama.cpp's "
+            f"{GGUF_ARCHS[args.model_type]} graph: the GGUF's context length is {context}, not "
+            f"{args.max_position_embeddings}; longer texts answer differently in llama.cpp")
 
 
 def family_of(model_type: str) -> str:
@@ -212,7 +232,7 @@ def add_hparams(writer, args: ModelArgs, name: str) -> None:
     writer.add_name(name)
     writer.add_type("model")
     writer.add_vocab_size(args.vocab_size)
-    writer.add_context_length(args.max_position_embeddings)
+    writer.add_context_length(gguf_context_length(args))
     writer.add_embedding_length(args.hidden_size)
     writer.add_block_count(args.num_hidden_layers)
     writer.add_feed_forward_length(args.intermediate_size)
@@ -254,7 +274,7 @@ def add_family_hparams(writer, args: ModelArgs) -> None:
         if rope.get("rope_type") == "linear":
             writer.add_rope_scaling_type(RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(rope["factor"])
-    if args.model_type == "phi3" and args.sliding_window:  # llama.cpp reads it and runs without (as its converter)
+    if args.model_type == "phi3" and args.sliding_window:  # as llama.cpp's converter; hivetune's reader runs it
         writer.add_sliding_window(args.sliding_window)
     if args.model_type == "phi3" and rope.get("rope_type") == "longrope":
         from hivetune.model.decoder import longrope_attention_factor
@@ -292,7 +312,7 @@ def write_model_gguf(path: Path, model: CausalLM, dtype: str, name: str, tokeniz
 
     args = model.args
     writer = gguf.GGUFWriter(str(path), gguf_arch(args, str(source_model)))
-    add_hparams(writer, args, name)
+    add_hparams(writer, args, llama_cpp_name(name, tokenizer))
     writer.add_file_type(file_type(dtype))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if is_gguf(source_model):

@@ -366,11 +366,14 @@ def modelfile(model_file: str, chat_template: str | None, eos: str | None, adapt
 
 def write_gguf(tmp: Path, net, tokenizer, dtype: str, base: Path, adapter: Path, out: Path) -> ExportResult:
     from hivetune.model.gguf_quantize import quantize_gguf
-    from hivetune.model.gguf_write import write_lora_gguf, write_model_gguf
+    from hivetune.model.gguf_write import gguf_context_length, window_note, write_lora_gguf, write_model_gguf
     from hivetune.model.load import is_gguf
 
     model_file, lora_file = f"model-{dtype}.gguf", "lora-adapter.gguf"
     name = f"{base.stem} + hivetune LoRA"
+    window = window_note(net.args)
+    if window:
+        print(f"hivetune: export: {window}", file=sys.stderr)
     if dtype in LLAMA_CPP_QUANTS:
         f16_file = tmp / ".model-f16.gguf"
         write_model_gguf(f16_file, net, "f16", name, tokenizer, base)
@@ -388,8 +391,9 @@ def write_gguf(tmp: Path, net, tokenizer, dtype: str, base: Path, adapter: Path,
     base_gguf = str(base.absolute()) if is_gguf(base) else "BASE.gguf"
     (tmp / "Modelfile.adapter").write_text(modelfile(base_gguf, template, eos, f"./{lora_file}"))
     here = out.absolute()
-    server = (f"llama-server -m {here / model_file} --jinja -c 4096 --port 8080")
-    server_lora = f"llama-server -m {base_gguf} --lora {here / lora_file} --jinja -c 4096 --port 8080"
+    ctx = min(4096, gguf_context_length(net.args))
+    server = (f"llama-server -m {here / model_file} --jinja -c {ctx} --port 8080")
+    server_lora = f"llama-server -m {base_gguf} --lora {here / lora_file} --jinja -c {ctx} --port 8080"
     ollama = f"cd {here} && ollama create my-model -f Modelfile && ollama run my-model"
     note = "" if is_gguf(base) else f"#   (BASE.gguf: {base} converted to GGUF, f16)\n"
     (tmp / "llama-server.sh").write_text(
