@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hivetune.model.decoder import rope_inv_freq
+from hivetune.model import load
 from hivetune.model.load import load_args, load_model, permute_rope_rows, unpermute_rope_rows
 
 TOL = 1e-4
@@ -273,8 +274,9 @@ def test_f32_gguf_parameters_do_not_alias_the_file(tmp_path):
 
 def test_decoded_gguf_cache_gives_the_same_model(tmp_path, monkeypatch):
     """The second load of a GGUF reads its decoded weights from the cache: the same parameters
-    bit for bit and the same ModelArgs, owning their memory; a rewritten file gets a new key;
-    a GGUF with rope_freqs (llama3) is not cached (its factors are not in a config.json)."""
+    bit for bit and the same ModelArgs, owning their memory, and load_args reads its config; a
+    rewritten file gets a new key; a GGUF with rope_freqs (llama3) is not cached (its factors are
+    not in a config.json)."""
     from hivetune.core.fileio import file_cache_folder
 
     monkeypatch.setenv("HIVETUNE_CACHE", str(tmp_path / "cache"))
@@ -292,7 +294,11 @@ def test_decoded_gguf_cache_gives_the_same_model(tmp_path, monkeypatch):
     with torch.no_grad():  # in-place writes stay in this process (a private mapping at most)
         for p in second.parameters():
             p.mul_(2.0)
-    third = load_model(path)
+    parsed = load.gguf_args(load.open_gguf(path))
+    with monkeypatch.context() as m:
+        m.setattr(load, "open_gguf", None)  # load_args and load_model read the cache, not the GGUF
+        assert load_args(path) == parsed == first.args
+        third = load_model(path)
     assert torch.equal(third.model.embed_tokens.weight, first.model.embed_tokens.weight)
     write_llama_gguf(path, tiny_llama("tied", seed=14))  # rewritten: size or mtime change the key
     assert file_cache_folder(path, "models") != folder

@@ -6,7 +6,8 @@ set is rejected; a cycle SIGKILLed before each stage in turn (and once in the mi
 once in the middle of register's promote) is finished by the next run without redoing a finished
 stage, while a `hivetune serve --registry` beside it keeps answering with the version in service
 (there eval is stood in by tests/workflows/fake_cycle_tools.py, so the end does not hang on how 3
-steps score). The loop through a running server's own log is in test_loop.py."""
+steps score). The loop through a running server's own log is in test_loop.py (an HF base) and
+test_loop_gguf.py (the embedded GGUF through llama.cpp, with a cycle killed in its real eval)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,17 @@
-"""The learning loop through a running server: `hivetune serve --registry REG` (a tiny random HF model,
-served by hivetune's own decoder) logs the chats and feedback of its clients into REG/logs;
-`hivetune cycle` learns from that log with the real tools, and
+"""The learning loop on an HF base, served by hivetune's own decoder: `hivetune serve --registry REG`
+(a tiny random HF model) logs the chats and feedback of its clients into REG/logs; `hivetune cycle`
+learns from that log with the real tools and promotes v0001; the running server loads v0001's
+adapter folder (/v1/models, the answers' "model", the log's records) and answers as `hivetune chat`
+does with that adapter.
 
-- promotes v0001 (corrections that agree with the regression set): the running server picks it up
-  (/v1/models, the answers' "model", the log's records) and answers as `hivetune chat` does with
-  v0001's adapter;
-- rejects v0002 (corrections that contradict the regression set): the server keeps v0001.
-
-A cycle SIGKILLed at each stage while a server runs is in test_cycle.py.
+The same loop on the embedded GGUF through llama.cpp, with a rejected cycle (the server keeps the
+version) and a cycle killed in its eval, is test_loop_gguf.py; a cycle SIGKILLed at each stage while
+a server runs is in test_cycle.py.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,6 @@ from hivetune.workflows.cycle import CycleOptions, run_cycles
 SRC = Path(__file__).parents[2] / "src"
 SERVICES = ["nginx", "sshd", "redis", "podman", "httpd", "chronyd"]
 GOOD = "systemctl restart {s}"
-WORSE = "Never restart it: reboot the whole machine instead."
 OPTS = CycleOptions(train_set=["max_steps=30", "batch_size=4", "device=cpu", "lr=0.005"], replay=0.0, min_examples=20)
 
 
@@ -51,7 +48,7 @@ def chat_and_correct(srv: Server, n: int, start: int, correction: str) -> dict[s
 
 
 @needs_http
-def test_a_cycle_learns_from_the_served_log_and_the_server_takes_the_new_version(tmp_path):
+def test_a_cycle_learns_from_the_served_log_and_the_hf_server_takes_the_new_version(tmp_path):
     from hivetune.workflows.chat import reply
     from hivetune.workflows.generate import load_for_generation
 
@@ -77,31 +74,22 @@ def test_a_cycle_learns_from_the_served_log_and_the_server_takes_the_new_version
         assert (first["exchanges"], first["curated"], first["train"], first["heldout"]) == (41, 40, 32, 8)
         assert wait_for_model(srv, "v0001") < 10
         after = srv.call("POST", "/v1/chat/completions", {"messages": question})[1]
-
-        models.update(chat_and_correct(srv, 40, 40, WORSE))
-        [second] = run_cycles(root, OPTS)
-        assert second["status"] == "rejected", second
-        assert second["reasons"][0].startswith("regression loss ")
-        assert reg.current_version(root) == "v0001" and [v["id"] for v in reg.list_versions(root)] == ["v0001"]
-        time.sleep(1.5)  # the server's watcher polls current.json each second: nothing to take
-        assert srv.call("GET", "/v1/models")[1]["data"][0]["id"] == "v0001"
-        still = srv.call("POST", "/v1/chat/completions", {"messages": question})[1]
     finally:
         srv.stop()
 
-    assert (before["model"], after["model"], still["model"]) == ("base", "v0001", "v0001")
+    assert (before["model"], after["model"]) == ("base", "v0001")
     answer = lambda body: body["choices"][0]["message"]["content"]
     net, tok = load_for_generation(str(base), "", "cpu", "fp32")
     assert answer(before) == reply(net, tok, question, 6)
     net, tok = load_for_generation(str(base), str(root / "versions" / "v0001" / "adapter"), "cpu", "fp32")
-    assert answer(after) == answer(still) == reply(net, tok, question, 6) != answer(before)
+    assert answer(after) == reply(net, tok, question, 6) != answer(before)
+    assert "hivetune serve: now serving v0001" in srv.out.read_text()
 
     contents = read_logs(sorted((root / "logs").glob("interactions-*.jsonl")))
     assert contents.broken_lines == 0
     logged = {i: ex.model for i, ex in contents.exchanges.items()}
-    assert logged == {**models, before["id"]: "base", after["id"]: "v0001", still["id"]: "v0001"}
-    assert set(models.values()) == {"base", "v0001"}  # the second 40 chats were answered by v0001
-    assert list(models.values()).count("v0001") == 40
-    assert {ex.correction for ex in contents.exchanges.values()} >= {WORSE, GOOD.format(s="nginx")}
+    assert logged == {**models, before["id"]: "base", after["id"]: "v0001"}
+    assert set(models.values()) == {"base"} and {ex.correction for ex in contents.exchanges.values()} >= {
+        GOOD.format(s="nginx")}
     v1 = reg.read_version(root, "v0001")
     assert v1["parent"] is None and json.loads((root / "current.json").read_text())["version"] == "v0001"

@@ -58,11 +58,16 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def load_args(path: str | Path) -> ModelArgs:
-    """Architecture only, no weights read: a folder, its config.json, or a GGUF file."""
+    """Architecture only, no weights read: a folder, its config.json, or a GGUF file (the config of
+    its decoded copy in the cache when load_model made one: parsing the header, the tokenizer's
+    arrays included, takes 2.8 s for the embedded SmolLM2 on the 2-core CPU)."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: model path not found")
     if is_gguf(path):
+        cached = file_cache_folder(path, "models") / "config.json"
+        if cached.is_file():  # load_model's decoded copy: its config, without parsing the GGUF's header again
+            return ModelArgs.from_hf_dict(json.loads(cached.read_text()), source=str(path))
         return gguf_args(open_gguf(path))
     if path.is_dir():
         path = path / "config.json"
