@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from hivetune.core.errors import UserError
-from hivetune.core.fileio import atomic_write_with, fsync_dir
+from hivetune.core.fileio import atomic_write_with, fsync_dir, fsync_tree
 from hivetune.data.interaction_log import read_logs, utc_now
 from hivetune.workflows import registry as reg
 from hivetune.workflows.registry import file_lock, read_json, write_json
@@ -150,7 +150,7 @@ def collect(root: Path, opts: CycleOptions) -> tuple[Path | None, int]:
             "corrected": sum(e.correction is not None for e in contents.exchanges.values()),
             "broken_lines": contents.broken_lines, "options": asdict(opts),
             "seconds": round(time.monotonic() - start_time, 3)})
-        reg.fsync_tree(tmp)
+        fsync_tree(tmp)
         os.rename(tmp, cycles / cid)
         fsync_dir(cycles)
         return cycles / cid, count
