@@ -1,0 +1,142 @@
+"""Host memory of a large training file: what indexing it and planning its steps hold, measured
+as peak RSS in a fresh process per size, and one JSON line appended to
+benchmarks/results/data-memory-<device>.jsonl.
+
+    python benchmarks/data_memory.py                          # 50,000 and 100,000 records of 1 KB
+    python benchmarks/data_memory.py --records 100000 400000 --format parquet
+
+Each size runs in its own process: the tiny tokenizer loads, then the resident set is read
+(/proc/self/statm) before `index_dataset` (records are re-read by byte offset: keep_records_below=0,
+as for any file over 64 MiB), after it, and after `plan_steps` of one epoch (8 examples a step,
+the balanced order: the shipped default); then the process's peak (ru_maxrss). The growth per
+record between two sizes is what a record costs; `per_10gb_mb` extrapolates the resident set after
+planning to a 10 GB file of records this size, `peak_per_10gb_mb` the peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = r"""
+import json, resource, sys, time
+from hivetune.data.dataset import index_dataset, plan_steps
+from hivetune.model.tokenizer import load_tokenizer
+
+def rss():  # resident now, and the peak so far
+    with open("/proc/self/statm") as f:
+        now = int(f.read().split()[1]) * resource.getpagesize()
+    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+tok = load_tokenizer(sys.argv[1])
+tok("warm up the tokenizer")
+(before, _) = rss()
+t = time.perf_counter()
+index = index_dataset(sys.argv[2], "auto", tok, 1024, False, keep_records_below=0)
+index_s = time.perf_counter() - t
+(indexed, _) = rss()
+steps = plan_steps(len(index), 8, 1.0, 0, 0, index.lengths, "balanced")
+(planned, peak) = rss()
+print(json.dumps({"records": len(index), "rss_before": before, "rss_indexed": indexed, "rss_planned": planned,
+                  "rss_peak": peak, "index_seconds": round(index_s, 2), "steps": len(steps)}))
+"""
+WORDS = ("restart nginx journalctl podman systemctl status sshd redis chronyd firewall reload kernel "
+         "module gpu driver rocm cuda container volume mount service unit timer").split()
+
+
+def write_records(path: Path, n: int, record_bytes: int, fmt: str) -> int:
+    """n alpaca records of about record_bytes each; returns the file's size."""
+    def record(i):
+        words = [WORDS[(i * 7 + k * 13) % len(WORDS)] for k in range(record_bytes // 8)]
+        return {"instruction": f"Question {i}: " + " ".join(words[:len(words) // 4]), "input": "",
+                "output": " ".join(words[len(words) // 4:])}
+
+    if fmt == "jsonl":
+        with open(path, "w") as f:
+            for i in range(n):
+                f.write(json.dumps(record(i)) + "\n")
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        writer = None
+        for start in range(0, n, 50_000):
+            batch = [record(i) for i in range(start, min(n, start + 50_000))]
+            table = pa.Table.from_pylist(batch)
+            writer = writer or pq.ParquetWriter(path, table.schema)
+            writer.write_table(table)
+        writer.close()
+    return path.stat().st_size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, nargs="+", default=[50_000, 100_000], help="sizes, in records")
+    parser.add_argument("--record-bytes", type=int, default=1000, help="about this many bytes a record (default 1000)")
+    parser.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
+    parser.add_argument("--results", default="benchmarks/results", help="folder of the JSONL results files")
+    parser.add_argument("--commit", default="", help="the commit measured (default: git rev-parse HEAD)")
+    parser.add_argument("--note", default="", help="free text (what else ran on the machine)")
+    args = parser.parse_args()
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from startup import build_tiny_job
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model, _ = build_tiny_job(work)
+        for n in args.records:
+            data = work / f"data-{n}.{args.format}"
+            size = write_records(data, n, args.record_bytes, args.format)
+            env = {**os.environ, "HIVETUNE_CACHE": str(work / "cache")}
+            t = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-c", CHILD, str(model), str(data)], capture_output=True,
+                                  text=True, env=env)
+            if proc.returncode:
+                sys.exit(proc.stderr[-3000:])
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            row.update(file_bytes=size, wall_seconds=round(time.perf_counter() - t, 2),
+                       index_growth=row["rss_indexed"] - row["rss_before"],
+                       plan_growth=row["rss_planned"] - row["rss_indexed"])
+            rows.append(row)
+            print(f"{n:>9,} records ({size / 1e6:,.0f} MB): index +{row['index_growth'] / 1e6:,.1f} MB "
+                  f"in {row['index_seconds']} s, step plan +{row['plan_growth'] / 1e6:,.1f} MB")
+
+    import torch
+
+    from hivetune.workflows.bench import environment
+    from hivetune.workflows.bench_results import append_result
+
+    figures = {}
+    if len(rows) > 1:
+        a, b = rows[0], rows[-1]
+        dn = b["records"] - a["records"]
+        per_record = {k: (b[k] - a[k]) / dn for k in ("rss_indexed", "rss_planned", "rss_peak")}
+        records_10gb = 10e9 / (b["file_bytes"] / b["records"])
+        figures = {"bytes_per_record_indexed": round(per_record["rss_indexed"], 1),
+                   "bytes_per_record_planned": round(per_record["rss_planned"], 1),
+                   "records_in_10gb": int(records_10gb),
+                   "bytes_per_record_peak": round(per_record["rss_peak"], 1),
+                   "per_10gb_mb": round(per_record["rss_planned"] * records_10gb / 1e6),
+                   "peak_per_10gb_mb": round(per_record["rss_peak"] * records_10gb / 1e6)}
+        print(f"per record: {figures['bytes_per_record_indexed']} bytes indexed, "
+              f"{figures['bytes_per_record_planned']} with the step plan; a 10 GB file "
+              f"({figures['records_in_10gb']:,} records): ~{figures['per_10gb_mb']:,} MB held, "
+              f"~{figures['peak_per_10gb_mb']:,} MB at the peak")
+    env = environment(torch.device("cpu"), args.commit)
+    env.update(cpu_count=os.cpu_count(), note=args.note)
+    record = {"workload": "data-memory", "device": "cpu", "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+              "commit": env["commit"], "setting": f"{args.format}, ~{args.record_bytes} bytes a record",
+              "environment": env, "sizes": rows, "figures": figures}
+    print(f"appended to {append_result(Path(args.results), record)}")
+
+
+if __name__ == "__main__":
+    main()
