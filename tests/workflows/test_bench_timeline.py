@@ -98,7 +98,8 @@ def test_capture_profile_reports_each_deferred_capture(tmp_path, monkeypatch):
 def test_pass_profile_reports_each_pass_and_what_the_first_paid(tmp_path, monkeypatch):
     """--pass-profile: each of the first passes (train.step.forward_backward) under its own
     cProfile, then the functions by how much more own time the first pass spent than the second
-    (here a first pass that sleeps 60 ms more: time.sleep tops that list, ~60 ms); passes beyond
+    (here a first pass that sleeps 140 ms more: time.sleep tops that list with what the first pass
+    slept more, as the two passes' walls say: a loaded machine oversleeps either pass); passes beyond
     the count run unprofiled, and train.step.forward_backward is restored after."""
     import importlib.util
     import re
@@ -116,7 +117,7 @@ def test_pass_profile_reports_each_pass_and_what_the_first_paid(tmp_path, monkey
 
     def forward_backward(run, batch, n_targets, loss_fn):
         calls.append(n_targets)
-        time.sleep(0.07 if len(calls) == 1 else 0.01)
+        time.sleep(0.15 if len(calls) == 1 else 0.01)
         return torch.tensor(float(len(calls)))
 
     monkeypatch.setattr(train_module, "forward_backward", forward_backward)
@@ -129,10 +130,11 @@ def test_pass_profile_reports_each_pass_and_what_the_first_paid(tmp_path, monkey
     text = (tmp_path / "passes-rank0.txt").read_text()
     walls = [float(w) for w in re.findall(r"== pass \d: ([\d.]+) ms host \(under cProfile\), tokens 96, "
                                           r"capturing False, GPU busy at its end None, allocator \{\}", text)]
-    assert len(walls) == 2 and walls[0] >= 70 and 10 <= walls[1] < walls[0]
+    assert len(walls) == 2 and walls[0] >= 150 and 10 <= walls[1] < walls[0]
     diff = text.split("== own time, pass 1 minus pass 2 (ms)\n")[1].splitlines()
     extra, name = diff[0].split(maxsplit=1)
-    assert "sleep" in name and 55 <= float(extra) < 200
+    slept_more = walls[0] - walls[1]
+    assert "sleep" in name and 0.8 * slept_more - 5 <= float(extra) <= slept_more + 5
 
 
 def test_median_by_size_takes_steps_of_one_graph_size_after_the_first_two():
