@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from hivetune.cli import build_parser, main, train_overrides
-from hivetune.core.config import DEFAULT_RECIPE, KEY_ALIASES, TrainConfig, load_config, parse_overrides, read_yaml
+from hivetune.core.config import DEFAULT_RECIPE, TrainConfig, load_config, parse_overrides, read_yaml
+from hivetune.core.config_apply import KEY_ALIASES
 from hivetune.core.errors import UserError
 
 DATA = {"data": "train.jsonl"}  # any value: load_config does not open the data

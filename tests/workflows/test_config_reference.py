@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from hivetune.core.config import TrainConfig
+from hivetune.core.config_schema import TrainConfig
 from hivetune.workflows import config_reference
 
 CONFIG_DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"

@@ -1,5 +1,5 @@
-"""hivetune eval on the tiny model: metric values, loss parity with training, batched generation,
-base == LoRA off, eval.json / eval.md, overwrite and bad-input handling."""
+"""hivetune eval on the tiny model: loss parity with training, batched generation, base == LoRA
+off, eval.json / eval.md, overwrite and bad-input handling (the text scores: test_eval_metrics.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from conftest import ops_records, write_jsonl
 from hivetune.cli import main
 from hivetune.core.errors import UserError
-from hivetune.workflows.evaluate import (command_hit, exact_match, generate_sorted, lcs_length, normalize_answer,
-                               read_examples, reference_commands, rouge_l, score_model, token_f1)
+from hivetune.workflows.eval_examples import read_examples
+from hivetune.workflows.eval_scoring import generate_sorted, score_model
 
 EVAL_ARGS = ["--max-new-tokens", "8", "--batch-size", "4", "--precision", "fp32", "--device", "cpu"]
 
@@ -71,37 +71,6 @@ def tuned_model(trained, tiny_model_dir):
     return model.eval(), load_tokenizer(str(tiny_model_dir))
 
 
-def test_text_metrics_exact_values():
-    assert normalize_answer("The  Quick, brown\tfox!") == "quick brown fox"
-    assert exact_match("The cat.", "cat") == 1.0 and exact_match("cat", "dog") == 0.0
-    # pred "cat sat on mat" (4), ref "cat sat" (2): overlap 2, P 1/2, R 1 -> F1 2/3
-    assert token_f1("the cat sat on the mat", "a cat sat") == pytest.approx(2 / 3)
-    assert token_f1("x x y", "x y y") == pytest.approx(2 / 3)  # multiset overlap: 1 x + 1 y
-    assert token_f1("", "") == 1.0 and token_f1("x", "") == 0.0 and token_f1("x", "y") == 0.0
-    assert lcs_length(list("ABCBDAB"), list("BDCABA")) == 4
-    assert rouge_l("police killed the gunman", "police kill the gunman") == pytest.approx(2 / 3)
-    assert rouge_l("x y z w", "x z") == pytest.approx(2 / 3)  # LCS 2: P 1/2, R 1
-    # order matters for ROUGE-L, not for F1: LCS 1 of 4 tokens -> 1/4
-    assert token_f1("d c b x", "x b c d") == 1.0
-    assert rouge_l("d c b x", "x b c d") == pytest.approx(0.25)
-    assert rouge_l("same words here", "Same words, here.") == 1.0
-
-
-def test_command_hit_rule():
-    answer = "Run this:\n$ sudo  systemctl restart\tnginx\nthen `journalctl -u nginx`"
-    assert command_hit(answer, ["systemctl restart nginx"]) is True
-    assert command_hit(answer, ["systemctl restart nginx", "journalctl -u nginx"]) is True
-    assert command_hit(answer, ["systemctl restart nginx", "systemctl status nginx"]) is False
-    assert command_hit(answer, ["Systemctl restart nginx"]) is False  # commands are case-sensitive
-    assert command_hit(answer, []) is None
-    reference = "First:\n$ dnf  upgrade\nthen\n$ reboot\n  $ not a command line"
-    assert reference_commands({}, reference, "f:1") == ["dnf  upgrade", "reboot"]
-    assert reference_commands({"command": "dnf upgrade"}, reference, "f:1") == ["dnf upgrade"]
-    assert reference_commands({"command": ["a", "b"]}, reference, "f:1") == ["a", "b"]
-    with pytest.raises(UserError, match="^f:3: field 'command'"):
-        reference_commands({"command": 3}, reference, "f:3")
-
-
 def test_loss_equals_training_loss(report, trained, tuned_model):
     """Per-example and mean loss come from training's encoding, batching and loss op."""
     from hivetune.data.batch import collate_packed
@@ -152,7 +121,7 @@ def test_batched_generation_equals_one_by_one(trained, tuned_model):
 def test_one_pass_losses_and_answers_equal_the_two_passes(trained, tuned_model):
     """The loss pass's prompt keys and values seed the decoding (KVCache.prefix): same losses as
     response_losses, same answers as greedy decoding of each prompt alone, stop tokens included."""
-    from hivetune.workflows.evaluate import losses_and_answers, response_losses
+    from hivetune.workflows.eval_scoring import losses_and_answers, response_losses
     from hivetune.workflows.generate import greedy_ids
 
     model, tokenizer = tuned_model
@@ -174,8 +143,8 @@ def test_one_pass_losses_and_answers_equal_the_two_passes(trained, tuned_model):
 def test_merged_lora_is_the_tuned_model(trained, tuned_model):
     """The tuned side runs merged (W + s B A): same answers and losses as the LoRA path in fp32,
     and the base weights are exactly back afterwards."""
-    from hivetune.workflows.evaluate import merged_lora
     from hivetune.model.lora import lora_modules
+    from hivetune.workflows.eval_scoring import merged_lora
 
     model, tokenizer = tuned_model
     examples = read_examples(trained[1], tokenizer, 1024)

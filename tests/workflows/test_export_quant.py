@@ -56,7 +56,7 @@ def smol(llama_cpp, tmp_path_factory):
 def heldout_examples():
     from hivetune.core.embedded import default_heldout_data, embedded_model_path
     from hivetune.model.tokenizer import load_tokenizer
-    from hivetune.workflows.evaluate import read_examples
+    from hivetune.workflows.eval_examples import read_examples
 
     tok = load_tokenizer(str(embedded_model_path()))
     return read_examples(default_heldout_data(), tok, max_length=512), tok.eos_token_id

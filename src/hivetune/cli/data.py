@@ -83,7 +83,7 @@ def add_source_flags(parser) -> None:
 
 def data_source(ns):
     """The DataSource of `data validate` / `data stats`' FILE and source flags."""
-    from hivetune.core.config import COLUMN_FIELDS
+    from hivetune.core.config_schema import COLUMN_FIELDS
     from hivetune.data.sources import DataSource
 
     columns = {}

@@ -57,7 +57,8 @@ def add_eval_parser(sub) -> None:
 
 
 def run_eval(ns) -> int:
-    from hivetune.workflows.evaluate import evaluate, means_table
+    from hivetune.workflows.eval_report import means_table
+    from hivetune.workflows.evaluate import evaluate
 
     if ns.candidate or ns.against:
         return run_compare(ns)

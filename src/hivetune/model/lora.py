@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from hivetune.core.errors import UserError
-from hivetune.core.config import DEFAULT_TARGETS
+from hivetune.core.config_schema import DEFAULT_TARGETS
 from hivetune.ops import dropout as dropout_op
 from hivetune.ops import lora_dropout
 from hivetune.ops import norm as norm_op

@@ -4,13 +4,13 @@ A and B are each a run folder, an adapter folder (PEFT), a merged HF folder, a .
 weights llama.cpp serves, loaded and dequantised by model.load) or the word ``base`` (the base
 model alone: --model, else the base the other side's adapter names, else the embedded model).
 
-Both are scored as ``hivetune eval`` scores (evaluate.score_model): token-weighted response loss
+Both are scored as ``hivetune eval`` scores (eval_scoring.score_model): token-weighted response loss
 and perplexity, greedy answers with exact match, token F1 and ROUGE-L against the reference, on
 the held-out set and, with --regression, on a second set. Per example, the side whose answer
 has the higher token F1 wins; equal F1 is a tie.
 
 Sides on the same weights share one loaded model: an adapter is merged in for its pass
-(evaluate.merged_lora), switched off for ``base``, and a second adapter of the same rank and
+(eval_scoring.merged_lora), switched off for ``base``, and a second adapter of the same rank and
 targets is copied over the first (checkpoint.load_lora_weights) instead of loading the base again.
 
 compare.json (the registry's gate reads it):
@@ -29,8 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hivetune.core.errors import UserError
-from hivetune.workflows.evaluate import (DEFAULT_MAX_NEW_TOKENS, _cell, _fenced, _fmt, base_model_path, mean_metrics,
-                                         read_examples, run_max_new_tokens, score_model)
+from hivetune.workflows.eval_examples import read_examples
+from hivetune.workflows.eval_metrics import mean_metrics
+from hivetune.workflows.eval_report import fenced, format_value, table_cell
+from hivetune.workflows.eval_scoring import score_model
+from hivetune.workflows.evaluate import DEFAULT_MAX_NEW_TOKENS, base_model_path, run_max_new_tokens
 from hivetune.workflows.generate import trained_base_quant
 
 ROLES = ("candidate", "against")
@@ -177,9 +180,9 @@ def side_model(net, side: Side, group: list, dtype, dev):
 
 
 def active(net, side: Side):
-    """The model as `side` scores: its adapter merged in (evaluate.merged_lora), else LoRA off."""
+    """The model as `side` scores: its adapter merged in (eval_scoring.merged_lora), else LoRA off."""
     from hivetune.model.lora import lora_enabled
-    from hivetune.workflows.evaluate import merged_lora
+    from hivetune.workflows.eval_scoring import merged_lora
 
     return merged_lora(net) if side.kind == "adapter" else lora_enabled(net, False)
 
@@ -250,7 +253,7 @@ def means_table(entry: dict) -> str:
         c, a = entry["candidate"][key], entry["against"][key]
         change = "n/a" if c is None or a is None else (
             f"{100 * (c - a):+.1f} pts" if kind == "pct" else f"{c - a:+.4f}")
-        lines.append(f"| {key.replace('_', ' ')} | {_fmt(c, kind)} | {_fmt(a, kind)} | {change} |")
+        lines.append(f"| {key.replace('_', ' ')} | {format_value(c, kind)} | {format_value(a, kind)} | {change} |")
     w = entry["wins"]
     lines.append(f"| wins (token F1) | {w['candidate']} | {w['against']} | {w['ties']} ties |")
     return "\n".join(lines)
@@ -271,8 +274,8 @@ def markdown_report(report: dict, sides, sets: dict, rows: dict, examples: dict,
                      if c["generation"] != a["generation"]][:n_examples]
         for i in differing:
             c, a, e = rows["candidate"][name][i], rows["against"][name][i], examples[name][i]
-            parts += [f"### {e.where}", "", "**Question**", "", _fenced(e.question), "", "**Reference**", "",
-                      _fenced(e.reference), "", "| | candidate | against |", "|---|---|---|",
-                      f"| answer | {_cell(c['generation'])} | {_cell(a['generation'])} |",
-                      f"| token F1 | {_fmt(c['f1'], 'pct')} | {_fmt(a['f1'], 'pct')} |", ""]
+            parts += [f"### {e.where}", "", "**Question**", "", fenced(e.question), "", "**Reference**", "",
+                      fenced(e.reference), "", "| | candidate | against |", "|---|---|---|",
+                      f"| answer | {table_cell(c['generation'])} | {table_cell(a['generation'])} |",
+                      f"| token F1 | {format_value(c['f1'], 'pct')} | {format_value(a['f1'], 'pct')} |", ""]
     return "\n".join(parts) + "\n"

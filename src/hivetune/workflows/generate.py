@@ -60,7 +60,7 @@ def greedy_decode(model: CausalLM, cache: KVCache, lengths: tuple[int, ...], fir
                   max_new_tokens: int, stop_ids: set[int]) -> list[list[int]]:
     """The decode loop of ``greedy_ids`` after a packed prefill: `cache` holds prompt e's
     `lengths[e]` keys and values in row e, right-aligned at column max(lengths) = cache.length,
-    and `first` [rows] the tokens its last positions chose. ``hivetune.workflows.evaluate`` prefills with
+    and `first` [rows] the tokens its last positions chose. ``hivetune.workflows.eval_scoring`` prefills with
     its loss pass over prompt + reference (``KVCache.prefix``) and decodes from there."""
     device, dtype = first.device, cache.k[0].dtype
     batch, width = len(lengths), max(lengths)

@@ -14,7 +14,8 @@ from hivetune.parallel import distributed
 from hivetune.train.loop import fit
 from hivetune.train.run import Run, TrainResult
 from hivetune.train.setup import setup
-from hivetune.workflows.evaluate import heldout_ab, means_table
+from hivetune.workflows.eval_report import means_table
+from hivetune.workflows.evaluate import heldout_ab
 from hivetune.workflows.generate import generate_text
 from hivetune.workflows.preference_eval import evaluate_pairs
 from hivetune.workflows.report import environment
