@@ -1,16 +1,19 @@
-"""Host memory of a large training file: what indexing it and planning its steps hold, measured
-as peak RSS in a fresh process per size, and one JSON line appended to
-benchmarks/results/data-memory-<device>.jsonl.
+"""Host memory of a large training file: what indexing it, planning its steps and train setup's
+data plan hold, and the transient peak of each, in a fresh process per size; one JSON line
+appended to benchmarks/results/data-memory-<device>.jsonl.
 
     python benchmarks/data_memory.py                          # 50,000 and 100,000 records of 1 KB
     python benchmarks/data_memory.py --records 100000 400000 --format parquet
 
 Each size runs in its own process: the tiny tokenizer loads, then the resident set is read
 (/proc/self/statm) before `index_dataset` (records are re-read by byte offset: keep_records_below=0,
-as for any file over 64 MiB), after it, and after `plan_steps` of one epoch (8 examples a step,
-the balanced order: the shipped default); then the process's peak (ru_maxrss). The growth per
-record between two sizes is what a record costs; `per_10gb_mb` extrapolates the resident set after
-planning to a 10 GB file of records this size, `peak_per_10gb_mb` the peak.
+as for any file over 64 MiB), after it, after `plan_steps` of one epoch (8 examples a step, the
+balanced order: the shipped default with packing), and after `train.setup.data_plan`, the calls
+setup makes for the data plan (the same plan, 5% held out for validation), with `plan_steps`'
+result still held. Each phase's peak is VmHWM, reset before it (/proc/self/clear_refs). The growth
+per record between two sizes is what a record costs; `per_10gb_mb` extrapolates the resident set
+after `plan_steps` to a 10 GB file of records this size, `run_per_10gb_mb` what a run holds (the
+index and setup's plan), `run_peak_per_10gb_mb` its highest point while planning.
 """
 
 from __future__ import annotations
@@ -28,23 +31,41 @@ CHILD = r"""
 import json, resource, sys, time
 from hivetune.data.dataset import index_dataset, plan_steps
 from hivetune.model.tokenizer import load_tokenizer
+from hivetune.train.setup import data_plan
 
-def rss():  # resident now, and the peak so far
+def rss():  # resident now
     with open("/proc/self/statm") as f:
-        now = int(f.read().split()[1]) * resource.getpagesize()
-    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+def peak():  # the highest resident set since the last reset_peak (VmHWM)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 tok = load_tokenizer(sys.argv[1])
 tok("warm up the tokenizer")
-(before, _) = rss()
+before, peak_start = rss(), peak()
+reset_peak()
 t = time.perf_counter()
 index = index_dataset(sys.argv[2], "auto", tok, 1024, False, keep_records_below=0)
 index_s = time.perf_counter() - t
-(indexed, _) = rss()
+indexed, peak_index = rss(), peak()
+reset_peak()
 steps = plan_steps(len(index), 8, 1.0, 0, 0, index.lengths, "balanced")
-(planned, peak) = rss()
+planned, peak_plan = rss(), peak()
+reset_peak()
+t = time.perf_counter()
+held = data_plan(index, 8, 1.0, 0, 0, 0.05, "balanced")
+setup_s = time.perf_counter() - t
+after_setup, peak_setup = rss(), peak()
 print(json.dumps({"records": len(index), "rss_before": before, "rss_indexed": indexed, "rss_planned": planned,
-                  "rss_peak": peak, "index_seconds": round(index_s, 2), "steps": len(steps)}))
+                  "rss_setup": after_setup, "rss_peak": max(peak_start, peak_index, peak_plan, peak_setup),
+                  "peak_index": peak_index, "peak_plan": peak_plan, "peak_setup": peak_setup,
+                  "index_seconds": round(index_s, 2), "setup_plan_seconds": round(setup_s, 2),
+                  "steps": len(steps), "setup_steps": len(held[0])}))
 """
 WORDS = ("restart nginx journalctl podman systemctl status sshd redis chronyd firewall reload kernel "
          "module gpu driver rocm cuda container volume mount service unit timer").split()
@@ -104,10 +125,15 @@ def main() -> None:
             row = json.loads(proc.stdout.strip().splitlines()[-1])
             row.update(file_bytes=size, wall_seconds=round(time.perf_counter() - t, 2),
                        index_growth=row["rss_indexed"] - row["rss_before"],
-                       plan_growth=row["rss_planned"] - row["rss_indexed"])
+                       plan_growth=row["rss_planned"] - row["rss_indexed"],
+                       setup_growth=row["rss_setup"] - row["rss_planned"],
+                       plan_peak_growth=row["peak_plan"] - row["rss_indexed"],
+                       setup_peak_growth=row["peak_setup"] - row["rss_planned"])
             rows.append(row)
             print(f"{n:>9,} records ({size / 1e6:,.0f} MB): index +{row['index_growth'] / 1e6:,.1f} MB "
-                  f"in {row['index_seconds']} s, step plan +{row['plan_growth'] / 1e6:,.1f} MB")
+                  f"in {row['index_seconds']} s, step plan +{row['plan_growth'] / 1e6:,.1f} MB "
+                  f"(peak +{row['plan_peak_growth'] / 1e6:,.1f}), setup's plan +{row['setup_growth'] / 1e6:,.1f} MB "
+                  f"(peak +{row['setup_peak_growth'] / 1e6:,.1f}) in {row['setup_plan_seconds']} s")
 
     import torch
 
@@ -118,18 +144,30 @@ def main() -> None:
     if len(rows) > 1:
         a, b = rows[0], rows[-1]
         dn = b["records"] - a["records"]
-        per_record = {k: (b[k] - a[k]) / dn for k in ("rss_indexed", "rss_planned", "rss_peak")}
+        per_record = {k: (b[k] - a[k]) / dn for k in ("rss_indexed", "rss_planned", "rss_peak", "index_growth",
+                                                      "plan_growth", "setup_growth", "plan_peak_growth",
+                                                      "setup_peak_growth")}
         records_10gb = 10e9 / (b["file_bytes"] / b["records"])
+        run = per_record["index_growth"] + per_record["setup_growth"]
+        run_peak = per_record["index_growth"] + per_record["setup_peak_growth"]
         figures = {"bytes_per_record_indexed": round(per_record["rss_indexed"], 1),
                    "bytes_per_record_planned": round(per_record["rss_planned"], 1),
                    "records_in_10gb": int(records_10gb),
                    "bytes_per_record_peak": round(per_record["rss_peak"], 1),
                    "per_10gb_mb": round(per_record["rss_planned"] * records_10gb / 1e6),
-                   "peak_per_10gb_mb": round(per_record["rss_peak"] * records_10gb / 1e6)}
-        print(f"per record: {figures['bytes_per_record_indexed']} bytes indexed, "
-              f"{figures['bytes_per_record_planned']} with the step plan; a 10 GB file "
-              f"({figures['records_in_10gb']:,} records): ~{figures['per_10gb_mb']:,} MB held, "
-              f"~{figures['peak_per_10gb_mb']:,} MB at the peak")
+                   "peak_per_10gb_mb": round(per_record["rss_peak"] * records_10gb / 1e6),
+                   "bytes_per_record_index": round(per_record["index_growth"], 1),
+                   "bytes_per_record_plan": round(per_record["plan_growth"], 1),
+                   "bytes_per_record_plan_peak": round(per_record["plan_peak_growth"], 1),
+                   "bytes_per_record_setup_plan": round(per_record["setup_growth"], 1),
+                   "bytes_per_record_setup_peak": round(per_record["setup_peak_growth"], 1),
+                   "run_per_10gb_mb": round(run * records_10gb / 1e6),
+                   "run_peak_per_10gb_mb": round(run_peak * records_10gb / 1e6)}
+        print(f"per record: {figures['bytes_per_record_index']} bytes indexed; plan_steps "
+              f"{figures['bytes_per_record_plan']} (peak {figures['bytes_per_record_plan_peak']}); setup's plan "
+              f"{figures['bytes_per_record_setup_plan']} (peak {figures['bytes_per_record_setup_peak']}); a 10 GB file "
+              f"({figures['records_in_10gb']:,} records): a run holds ~{figures['run_per_10gb_mb']:,} MB, "
+              f"~{figures['run_peak_per_10gb_mb']:,} MB at the peak while planning")
     env = environment(torch.device("cpu"), args.commit)
     env.update(cpu_count=os.cpu_count(), note=args.note)
     record = {"workload": "data-memory", "device": "cpu", "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),

@@ -238,10 +238,8 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
         module = distributed.wrap(model, strategy, parallel, device)
 
     per_step = cfg.batch_size * cfg.grad_accum * parallel.world  # the global batch
-    train_ids, val_ids = split_validation(len(data), cfg.val_split, cfg.seed)
-    lengths = [data.lengths[i] for i in train_ids]
-    steps = [[train_ids[i] for i in step] for step in plan_steps(
-        len(train_ids), per_step, cfg.epochs, cfg.max_steps, cfg.seed, lengths, step_order(cfg))]
+    steps, n_train, val_ids = data_plan(data, per_step, cfg.epochs, cfg.max_steps, cfg.seed, cfg.val_split,
+                                        step_order(cfg))
     params = lora_parameters(model)
     # Fused on the CPU too: one pass over all LoRA tensors instead of ~10 foreach kernels each
     # (SmolLM2's 420 on a 2-core CPU: ~35 -> ~10 ms a step).
@@ -262,7 +260,7 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
         torch.manual_seed(cfg.seed + 1_000_003 * parallel.rank)  # each rank its own dropout masks
     run = Run(cfg, folder, model_path, device, precision, tokenizer, data, model, spec, steps,
               optimizer, scheduler, scaler, val=(data, val_ids) if val_ids else None,
-              train_examples=len(train_ids), parallel=parallel, strategy=strategy, module=module,
+              train_examples=n_train, parallel=parallel, strategy=strategy, module=module,
               trackers=trackers)
     planned_memory(run)
     return run
@@ -330,6 +328,16 @@ def restore_rank_rng(run: Run) -> None:
         torch.manual_seed(run.cfg.seed + 1_000_003 * run.parallel.rank + run.start_step)
         run.notes.append(f"resumed on {run.parallel.world} processes from a checkpoint of {world}: "
                          f"dropout masks are drawn afresh")
+
+
+def data_plan(data, per_step: int, epochs: float, max_steps: int, seed: int, val_split: float, order: str):
+    """(the step plan over the training examples, as ids into `data`; their count; the validation
+    ids): what a run holds for its data plan."""
+    train_ids, val_ids = split_validation(len(data), val_split, seed)
+    lengths = [data.lengths[i] for i in train_ids]
+    steps = [[train_ids[i] for i in step] for step in plan_steps(
+        len(train_ids), per_step, epochs, max_steps, seed, lengths, order)]
+    return steps, len(train_ids), val_ids
 
 
 def split_validation(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
