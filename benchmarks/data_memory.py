@@ -8,10 +8,11 @@ appended to benchmarks/results/data-memory-<device>.jsonl.
 Each size runs in its own process: the tiny tokenizer loads, then the resident set is read
 (/proc/self/statm) before `index_dataset` (records are re-read by byte offset: keep_records_below=0,
 as for any file over 64 MiB), after it, after `plan_steps` of one epoch (8 examples a step, the
-balanced order: the shipped default with packing), and after `train.setup.data_plan`, the calls
-setup makes for the data plan (the same plan, 5% held out for validation), with `plan_steps`'
-result still held. Each phase's peak is VmHWM, reset before it (/proc/self/clear_refs). The growth
-per record between two sizes is what a record costs; `per_10gb_mb` extrapolates the resident set
+balanced order: the shipped default with packing) and after `train.setup.data_plan`, the calls
+setup makes for the data plan (the same plan, 5% held out for validation), each of these two in a
+fork of the indexed process, so that neither reuses memory the other freed (their growth and
+peak, VmHWM reset as they start through /proc/self/clear_refs, count from the fork). The growth per
+record between two sizes is what a record costs; `per_10gb_mb` extrapolates the resident set
 after `plan_steps` to a 10 GB file of records this size, `run_per_10gb_mb` what a run holds (the
 index and setup's plan), `run_peak_per_10gb_mb` its highest point while planning.
 """
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 CHILD = r"""
-import json, resource, sys, time
+import json, os, resource, sys, time
 from hivetune.data.dataset import index_dataset, plan_steps
 from hivetune.model.tokenizer import load_tokenizer
 from hivetune.train.setup import data_plan
@@ -45,6 +46,22 @@ def reset_peak():
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
+def in_fork(plan):  # plan() in a fork of this process: (what it holds, its peak, its length, seconds)
+    read, write = os.pipe()
+    if os.fork() == 0:  # the fork's resident set starts lower (file pages not yet touched): growth from it
+        reset_peak()
+        start, t = rss(), time.perf_counter()
+        held = plan()
+        seconds = time.perf_counter() - t
+        os.write(write, json.dumps([rss() - start, peak() - start, len(held[0] if isinstance(held, tuple) else held),
+                                    round(seconds, 2)]).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        out = json.loads(f.read())
+    os.wait()
+    return out
+
 tok = load_tokenizer(sys.argv[1])
 tok("warm up the tokenizer")
 before, peak_start = rss(), peak()
@@ -53,19 +70,15 @@ t = time.perf_counter()
 index = index_dataset(sys.argv[2], "auto", tok, 1024, False, keep_records_below=0)
 index_s = time.perf_counter() - t
 indexed, peak_index = rss(), peak()
-reset_peak()
-steps = plan_steps(len(index), 8, 1.0, 0, 0, index.lengths, "balanced")
-planned, peak_plan = rss(), peak()
-reset_peak()
-t = time.perf_counter()
-held = data_plan(index, 8, 1.0, 0, 0, 0.05, "balanced")
-setup_s = time.perf_counter() - t
-after_setup, peak_setup = rss(), peak()
-print(json.dumps({"records": len(index), "rss_before": before, "rss_indexed": indexed, "rss_planned": planned,
-                  "rss_setup": after_setup, "rss_peak": max(peak_start, peak_index, peak_plan, peak_setup),
-                  "peak_index": peak_index, "peak_plan": peak_plan, "peak_setup": peak_setup,
-                  "index_seconds": round(index_s, 2), "setup_plan_seconds": round(setup_s, 2),
-                  "steps": len(steps), "setup_steps": len(held[0])}))
+plan_growth, plan_peak_growth, steps, plan_s = in_fork(lambda: plan_steps(len(index), 8, 1.0, 0, 0, index.lengths, "balanced"))
+setup_growth, setup_peak_growth, setup_steps, setup_s = in_fork(lambda: data_plan(index, 8, 1.0, 0, 0, 0.05, "balanced"))
+print(json.dumps({"records": len(index), "rss_before": before, "rss_indexed": indexed,
+                  "rss_planned": indexed + plan_growth, "rss_setup": indexed + setup_growth,
+                  "rss_peak": max(peak_start, peak_index, indexed + plan_peak_growth, indexed + setup_peak_growth),
+                  "plan_growth": plan_growth, "setup_growth": setup_growth, "plan_peak_growth": plan_peak_growth,
+                  "setup_peak_growth": setup_peak_growth,
+                  "index_seconds": round(index_s, 2), "plan_seconds": plan_s, "setup_plan_seconds": setup_s,
+                  "steps": steps, "setup_steps": setup_steps}))
 """
 WORDS = ("restart nginx journalctl podman systemctl status sshd redis chronyd firewall reload kernel "
          "module gpu driver rocm cuda container volume mount service unit timer").split()
@@ -124,15 +137,11 @@ def main() -> None:
                 sys.exit(proc.stderr[-3000:])
             row = json.loads(proc.stdout.strip().splitlines()[-1])
             row.update(file_bytes=size, wall_seconds=round(time.perf_counter() - t, 2),
-                       index_growth=row["rss_indexed"] - row["rss_before"],
-                       plan_growth=row["rss_planned"] - row["rss_indexed"],
-                       setup_growth=row["rss_setup"] - row["rss_planned"],
-                       plan_peak_growth=row["peak_plan"] - row["rss_indexed"],
-                       setup_peak_growth=row["peak_setup"] - row["rss_planned"])
+                       index_growth=row["rss_indexed"] - row["rss_before"])
             rows.append(row)
             print(f"{n:>9,} records ({size / 1e6:,.0f} MB): index +{row['index_growth'] / 1e6:,.1f} MB "
                   f"in {row['index_seconds']} s, step plan +{row['plan_growth'] / 1e6:,.1f} MB "
-                  f"(peak +{row['plan_peak_growth'] / 1e6:,.1f}), setup's plan +{row['setup_growth'] / 1e6:,.1f} MB "
+                  f"(peak +{row['plan_peak_growth'] / 1e6:,.1f}) in {row['plan_seconds']} s, setup's plan +{row['setup_growth'] / 1e6:,.1f} MB "
                   f"(peak +{row['setup_peak_growth'] / 1e6:,.1f}) in {row['setup_plan_seconds']} s")
 
     import torch
