@@ -30,7 +30,8 @@ from pathlib import Path
 
 CHILD = r"""
 import json, os, resource, sys, time
-from hivetune.data.dataset import index_dataset, plan_steps
+from hivetune.data.dataset import index_dataset
+from hivetune.data.step_plan import plan_steps
 from hivetune.model.tokenizer import load_tokenizer
 from hivetune.train.setup import data_plan
 
