@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from hivetune.checkpoint import plan_hash
+from hivetune.data import step_plan
 from hivetune.data.step_plan import StepPlan, even_totals, example_order, plan_steps
 
 
@@ -48,6 +49,14 @@ def test_plan_is_pinned_to_its_digest(config, n_steps, digest):
     assert hashlib.sha256(json.dumps(as_lists, separators=(",", ":")).encode()).hexdigest() == digest
     assert plan_hash(plan) == plan_hash(as_lists) == digest  # a checkpoint's plan_sha256 resumes
     assert plan.flat.dtype == np.int32 and plan.flat.nbytes == 4 * n_steps * per_step
+
+
+def test_even_totals_weighs_pairs_in_chunks_as_in_one_pass(monkeypatch):
+    config, n_steps, digest = PINNED[6]  # 5,000 examples, 16 a step: 156 pairs a round in epoch 0
+    n, per_step, epochs, max_steps, seed, order = config
+    monkeypatch.setattr(step_plan, "PAIRS", 7)
+    plan = plan_steps(n, per_step, epochs, max_steps, seed, pinned_lengths(n, seed), order)
+    assert len(plan) == n_steps and plan_hash(plan) == digest
 
 
 def test_plan_hash_joins_blocks_as_one_json_array():

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 BLOCK = 4096  # steps turned into lists at a time (iterating, hashing)
+PAIRS = 8192  # pairs of steps even_totals weighs at a time (its temporaries: ~30 bytes an example of them)
 
 
 class StepPlan(Sequence):
@@ -141,8 +142,9 @@ def balanced_window(steps: np.ndarray, lengths, seed: int, epoch: int) -> np.nda
     w, per_step = steps.shape
     drawn = steps.reshape(-1)
     lengths = np.asarray(lengths)
-    by_length = np.argsort(-lengths[drawn].astype(np.int64), kind="stable")  # longest first, ties as drawn
+    by_length = np.argsort(-lengths[drawn], kind="stable")  # longest first, ties as drawn
     strata = drawn[by_length].reshape(per_step, w)
+    del by_length
     rng = random.Random(f"balanced:{seed}:{epoch}")
     code = "i" if strata.dtype.itemsize == 4 else "q"
     for k in range(per_step):
@@ -150,7 +152,9 @@ def balanced_window(steps: np.ndarray, lengths, seed: int, epoch: int) -> np.nda
         rng.shuffle(stratum)
         strata[k] = np.frombuffer(stratum, dtype=strata.dtype)
     turns = [k // 2 if k % 2 == 0 else per_step - 1 - k // 2 for k in range(per_step)]
-    return even_totals(strata[turns].T, lengths)
+    dealt = np.ascontiguousarray(strata[turns].T)
+    del strata
+    return even_totals(dealt, lengths)
 
 
 def even_totals(steps: np.ndarray, lengths, rounds: int = 8) -> np.ndarray:
@@ -159,27 +163,32 @@ def even_totals(steps: np.ndarray, lengths, rounds: int = 8) -> np.ndarray:
     with the lightest, the second heaviest with the second lightest, and so on (ties by position),
     and swaps in each pair the place that leaves the two totals nearest each other (the first such
     place), if any swap narrows their gap. At most `rounds` rounds (fewer once one swaps nothing);
-    deterministic. The pairs of a round are disjoint, so a round is one pass over arrays."""
+    deterministic. The pairs of a round are disjoint, so a round is a few passes over arrays, PAIRS
+    pairs at a time."""
     steps = np.array(steps, order="C")
-    sizes = np.asarray(lengths)[steps].astype(np.int64)
-    totals = sizes.sum(axis=1)
+    sizes = np.asarray(lengths)[steps]  # int32 for a DatasetIndex's lengths; totals in int64
+    totals = sizes.sum(axis=1, dtype=np.int64)
     half = len(steps) // 2
     for _ in range(rounds):
         order = np.argsort(totals, kind="stable")
-        lo, hi = order[:half], order[::-1][:half]
-        gap = (totals[hi] - totals[lo])[:, None]
-        d = sizes[hi] - sizes[lo]
-        usable = (d > 0) & (d < gap)
-        pairs = np.flatnonzero(usable.any(axis=1))
-        if not len(pairs):
+        swapped = False
+        for start in range(0, half, PAIRS):
+            lo, hi = order[start:min(half, start + PAIRS)], order[::-1][start:min(half, start + PAIRS)]
+            gap = (totals[hi] - totals[lo])[:, None]
+            d = (sizes[hi] - sizes[lo]).astype(np.int64)
+            usable = (d > 0) & (d < gap)
+            # |gap - 2d| of each usable swap; argmin takes the first place of the smallest
+            k = np.where(usable, np.abs(gap - 2 * d), np.iinfo(np.int64).max).argmin(axis=1)
+            pairs = np.flatnonzero(usable.any(axis=1))
+            if not len(pairs):
+                continue
+            h, l, k = hi[pairs], lo[pairs], k[pairs]
+            steps[h, k], steps[l, k] = steps[l, k], steps[h, k]
+            sizes[h, k], sizes[l, k] = sizes[l, k], sizes[h, k]
+            moved = d[pairs, k]
+            totals[h] -= moved
+            totals[l] += moved
+            swapped = True
+        if not swapped:
             break
-        # |gap - 2d| of each usable swap; argmin takes the first place of the smallest
-        score = np.where(usable[pairs], np.abs(gap[pairs] - 2 * d[pairs]), np.iinfo(np.int64).max)
-        k = score.argmin(axis=1)
-        h, l = hi[pairs], lo[pairs]
-        steps[h, k], steps[l, k] = steps[l, k], steps[h, k]
-        sizes[h, k], sizes[l, k] = sizes[l, k], sizes[h, k]
-        moved = d[pairs, k]
-        totals[h] -= moved
-        totals[l] += moved
     return steps
