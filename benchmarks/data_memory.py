@@ -9,12 +9,14 @@ Each size runs in its own process: the tiny tokenizer loads, then the resident s
 (/proc/self/statm) before `index_dataset` (records are re-read by byte offset: keep_records_below=0,
 as for any file over 64 MiB), after it, after `plan_steps` of one epoch (8 examples a step, the
 balanced order: the shipped default with packing) and after `train.setup.data_plan`, the calls
-setup makes for the data plan (the same plan, 5% held out for validation), each of these two in a
-fork of the indexed process, so that neither reuses memory the other freed (their growth and
-peak, VmHWM reset as they start through /proc/self/clear_refs, count from the fork). The growth per
-record between two sizes is what a record costs; `per_10gb_mb` extrapolates the resident set
-after `plan_steps` to a 10 GB file of records this size, `run_per_10gb_mb` what a run holds (the
-index and setup's plan), `run_peak_per_10gb_mb` its highest point while planning.
+setup makes for the data plan (the same plan, 5% held out for validation). Each of these two runs
+in a fork of the indexed process, so that neither reuses memory the other freed; its growth and
+peak (VmHWM, reset through /proc/self/clear_refs) count from the fork. Each runs once more in a
+fork under tracemalloc: `*_traced` count the bytes Python and numpy allocate, without the
+allocator's slack that makes a resident set of a few MB noisy. The growth per record between two
+sizes is what a record costs; `per_10gb_mb` extrapolates the resident set after `plan_steps` to a
+10 GB file of records this size, `run_per_10gb_mb` what a run holds (the index and setup's plan),
+`run_peak_per_10gb_mb` its highest point while planning.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import time
 from pathlib import Path
 
 CHILD = r"""
-import json, os, resource, sys, time
+import json, os, resource, sys, time, tracemalloc
 from hivetune.data.dataset import index_dataset
 from hivetune.data.step_plan import plan_steps
 from hivetune.model.tokenizer import load_tokenizer
@@ -47,14 +49,17 @@ def reset_peak():
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
-def in_fork(plan):  # plan() in a fork of this process: (what it holds, its peak, its length, seconds)
+def in_fork(plan, traced=False):  # plan() in a fork of this process: (held, peak, its length, seconds)
     read, write = os.pipe()
     if os.fork() == 0:  # the fork's resident set starts lower (file pages not yet touched): growth from it
         reset_peak()
+        if traced:  # the bytes Python and numpy allocate, exactly (the allocator's slack left out)
+            tracemalloc.start()
         start, t = rss(), time.perf_counter()
         held = plan()
         seconds = time.perf_counter() - t
-        os.write(write, json.dumps([rss() - start, peak() - start, len(held[0] if isinstance(held, tuple) else held),
+        grew = tracemalloc.get_traced_memory() if traced else (rss() - start, peak() - start)
+        os.write(write, json.dumps([*grew, len(held[0] if isinstance(held, tuple) else held),
                                     round(seconds, 2)]).encode())
         os._exit(0)
     os.close(write)
@@ -71,13 +76,23 @@ t = time.perf_counter()
 index = index_dataset(sys.argv[2], "auto", tok, 1024, False, keep_records_below=0)
 index_s = time.perf_counter() - t
 indexed, peak_index = rss(), peak()
-plan_growth, plan_peak_growth, steps, plan_s = in_fork(lambda: plan_steps(len(index), 8, 1.0, 0, 0, index.lengths, "balanced"))
-setup_growth, setup_peak_growth, setup_steps, setup_s = in_fork(lambda: data_plan(index, 8, 1.0, 0, 0, 0.05, "balanced"))
+def plan():
+    return plan_steps(len(index), 8, 1.0, 0, 0, index.lengths, "balanced")
+
+def setup_plan():
+    return data_plan(index, 8, 1.0, 0, 0, 0.05, "balanced")
+
+plan_growth, plan_peak_growth, steps, plan_s = in_fork(plan)
+setup_growth, setup_peak_growth, setup_steps, setup_s = in_fork(setup_plan)
+plan_traced, plan_traced_peak, _, _ = in_fork(plan, traced=True)
+setup_traced, setup_traced_peak, _, _ = in_fork(setup_plan, traced=True)
 print(json.dumps({"records": len(index), "rss_before": before, "rss_indexed": indexed,
                   "rss_planned": indexed + plan_growth, "rss_setup": indexed + setup_growth,
                   "rss_peak": max(peak_start, peak_index, indexed + plan_peak_growth, indexed + setup_peak_growth),
                   "plan_growth": plan_growth, "setup_growth": setup_growth, "plan_peak_growth": plan_peak_growth,
-                  "setup_peak_growth": setup_peak_growth,
+                  "setup_peak_growth": setup_peak_growth, "plan_traced": plan_traced,
+                  "plan_traced_peak": plan_traced_peak, "setup_traced": setup_traced,
+                  "setup_traced_peak": setup_traced_peak,
                   "index_seconds": round(index_s, 2), "plan_seconds": plan_s, "setup_plan_seconds": setup_s,
                   "steps": steps, "setup_steps": setup_steps}))
 """
@@ -143,7 +158,8 @@ def main() -> None:
             print(f"{n:>9,} records ({size / 1e6:,.0f} MB): index +{row['index_growth'] / 1e6:,.1f} MB "
                   f"in {row['index_seconds']} s, step plan +{row['plan_growth'] / 1e6:,.1f} MB "
                   f"(peak +{row['plan_peak_growth'] / 1e6:,.1f}) in {row['plan_seconds']} s, setup's plan +{row['setup_growth'] / 1e6:,.1f} MB "
-                  f"(peak +{row['setup_peak_growth'] / 1e6:,.1f}) in {row['setup_plan_seconds']} s")
+                  f"(peak +{row['setup_peak_growth'] / 1e6:,.1f}; traced +{row['setup_traced'] / 1e6:,.1f}, peak "
+                  f"+{row['setup_traced_peak'] / 1e6:,.1f}) in {row['setup_plan_seconds']} s")
 
     import torch
 
@@ -156,7 +172,7 @@ def main() -> None:
         dn = b["records"] - a["records"]
         per_record = {k: (b[k] - a[k]) / dn for k in ("rss_indexed", "rss_planned", "rss_peak", "index_growth",
                                                       "plan_growth", "setup_growth", "plan_peak_growth",
-                                                      "setup_peak_growth")}
+                                                      "setup_peak_growth", "setup_traced", "setup_traced_peak")}
         records_10gb = 10e9 / (b["file_bytes"] / b["records"])
         run = per_record["index_growth"] + per_record["setup_growth"]
         run_peak = per_record["index_growth"] + per_record["setup_peak_growth"]
@@ -171,11 +187,14 @@ def main() -> None:
                    "bytes_per_record_plan_peak": round(per_record["plan_peak_growth"], 1),
                    "bytes_per_record_setup_plan": round(per_record["setup_growth"], 1),
                    "bytes_per_record_setup_peak": round(per_record["setup_peak_growth"], 1),
+                   "bytes_per_record_setup_traced": round(per_record["setup_traced"], 1),
+                   "bytes_per_record_setup_traced_peak": round(per_record["setup_traced_peak"], 1),
                    "run_per_10gb_mb": round(run * records_10gb / 1e6),
                    "run_peak_per_10gb_mb": round(run_peak * records_10gb / 1e6)}
         print(f"per record: {figures['bytes_per_record_index']} bytes indexed; plan_steps "
               f"{figures['bytes_per_record_plan']} (peak {figures['bytes_per_record_plan_peak']}); setup's plan "
-              f"{figures['bytes_per_record_setup_plan']} (peak {figures['bytes_per_record_setup_peak']}); a 10 GB file "
+              f"{figures['bytes_per_record_setup_plan']} (peak {figures['bytes_per_record_setup_peak']}; traced "
+              f"{figures['bytes_per_record_setup_traced']}, peak {figures['bytes_per_record_setup_traced_peak']}); a 10 GB file "
               f"({figures['records_in_10gb']:,} records): a run holds ~{figures['run_per_10gb_mb']:,} MB, "
               f"~{figures['run_peak_per_10gb_mb']:,} MB at the peak while planning")
     env = environment(torch.device("cpu"), args.commit)
