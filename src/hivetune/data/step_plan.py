@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 BLOCK = 4096  # steps turned into lists at a time (iterating, hashing)
-PAIRS = 8192  # pairs of steps even_totals weighs at a time (its temporaries: ~30 bytes an example of them)
+PAIRS = 1024  # pairs of steps even_totals weighs at a time (its temporaries: ~30 bytes an example of them)
 
 
 class StepPlan(Sequence):
