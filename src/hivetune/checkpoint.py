@@ -12,7 +12,7 @@ either no ``step-NNNNNN`` or a complete one. A checkpoint without a manifest, or
 not match it (a disk error, a copy cut short), is never loaded: the previous one is used.
 
 The step number is the data position: the step plan is a pure function of the config
-(``plan_steps``), so resuming at step N rebuilds the plan and starts at its N-th entry; the
+(``data.step_plan.plan_steps``), so resuming at step N rebuilds the plan and starts at its N-th entry; the
 plan's length and hash are stored to catch a changed data file.
 
 ``trainer_state.pt`` holds only tensors, dicts, lists, numbers and None, so it loads with
@@ -46,6 +46,7 @@ from hivetune.core.hub import base_model_name
 from hivetune.core.fileio import (LOCK_NAME, RUN_FORMAT, RUN_MARKER, atomic_write_bytes, confined,
                                   disk_error_message, fsync_dir, is_disk_error, pause_for_tests, recover_folder,
                                   run_marker_format, sha256_file, write_run_marker)
+from hivetune.data.step_plan import BLOCK, StepPlan
 from hivetune.model.lora import ADAPTER_WEIGHTS, lora_modules, save_adapter
 
 MANIFEST = "manifest.json"
@@ -62,8 +63,16 @@ def config_hash(run_folder: Path) -> str:
     return sha256_file(Path(run_folder) / "config.yaml")
 
 
-def plan_hash(steps: list[list[int]]) -> str:
-    return hashlib.sha256(json.dumps(steps, separators=(",", ":")).encode()).hexdigest()
+def plan_hash(steps: StepPlan | list[list[int]]) -> str:
+    """sha256 of the plan as compact JSON ([[3,1],[0,2]]), written a block of steps at a time: a
+    StepPlan and a list of lists of the same steps hash alike."""
+    digest = hashlib.sha256(b"[")
+    for start in range(0, len(steps), BLOCK):
+        block = steps[start:start + BLOCK]
+        text = json.dumps(block.tolist() if isinstance(block, StepPlan) else block, separators=(",", ":"))
+        digest.update(("," if start else "").encode() + text[1:-1].encode())
+    digest.update(b"]")
+    return digest.hexdigest()
 
 
 def capture_rng() -> dict:

@@ -1,20 +1,17 @@
-"""Record formats -> token ids + loss mask, file errors with file:line, step planning, collation."""
+"""Record formats -> token ids + loss mask, file errors with file:line, collation."""
 
 from __future__ import annotations
 
 import copy
 import itertools
 import json
-import random
-import statistics
-from collections import Counter
 
 import pytest
 import torch
 
 from conftest import ops_records, write_jsonl
 from hivetune.data.batch import collate_packed, collate_padded
-from hivetune.data.dataset import even_totals, example_order, index_dataset, load_example, plan_steps
+from hivetune.data.dataset import index_dataset, load_example
 from hivetune.data.formats import chat_spans, check_record, detect_format, encode_record, iter_records
 from hivetune.core.errors import UserError
 from hivetune.model.tokenizer import load_tokenizer
@@ -281,46 +278,6 @@ def test_directory_and_missing_file(tok, tmp_path):
     assert str(e.value) == f"{tmp_path / 'nope.jsonl'}: data file not found"
 
 
-# ---- step planning ---------------------------------------------------------------------------
-
-def test_plan_steps_is_deterministic_per_seed():
-    a = plan_steps(20, 4, 3.0, 0, seed=7)
-    assert a == plan_steps(20, 4, 3.0, 0, seed=7)
-    assert a != plan_steps(20, 4, 3.0, 0, seed=8)
-    assert example_order(20, 7, 0) != example_order(20, 7, 1)  # each epoch reshuffled
-
-
-@pytest.mark.parametrize("n,per_step,epochs", [(10, 4, 2.0), (10, 3, 1.0), (7, 2, 3.0), (24, 8, 1.5),
-                                               (5, 8, 1.0), (9, 4, 0.5)])
-def test_plan_steps_walks_whole_epochs_without_dropping(n, per_step, epochs):
-    steps = plan_steps(n, per_step, epochs, 0, seed=3)
-    assert len(steps) == max(1, int(epochs * n) // per_step)
-    assert all(len(s) == per_step for s in steps)
-    flat = [i for s in steps for i in s]
-    # the examples are consecutive epoch permutations, cut into steps (across epoch boundaries)
-    epochs_needed = -(-len(flat) // n)
-    stream = [i for e in range(epochs_needed) for i in example_order(n, 3, e)]
-    assert flat == stream[: len(flat)]
-    for e in range(len(flat) // n):
-        assert sorted(flat[e * n:(e + 1) * n]) == list(range(n))
-    counts = Counter(flat)
-    assert max(counts.values()) - min(counts.get(i, 0) for i in range(n)) <= 1  # no example skipped
-
-
-def test_plan_steps_crosses_the_epoch_boundary():
-    steps = plan_steps(10, 4, 2.0, 0, seed=0)
-    assert len(steps) == 5
-    assert steps[2] == example_order(10, 0, 0)[8:] + example_order(10, 0, 1)[:2]
-    assert Counter(i for s in steps for i in s) == Counter({i: 2 for i in range(10)})
-
-
-def test_plan_steps_max_steps_wins_over_epochs():
-    steps = plan_steps(10, 4, 1.0, max_steps=7, seed=1)
-    assert len(steps) == 7  # 28 examples: almost 3 epochs
-    assert steps[:2] == plan_steps(10, 4, 1.0, 0, seed=1)
-    assert plan_steps(10, 4, 100.0, max_steps=2, seed=1) == steps[:2]
-
-
 # ---- collation -------------------------------------------------------------------------------
 
 def test_packed_and_padded_collation_agree_on_targets(tok):
@@ -349,55 +306,3 @@ def test_packed_and_padded_collation_agree_on_targets(tok):
     assert packed8.input_ids.shape[1] > packed.input_ids.shape[1] or packed.input_ids.shape[1] % 8 == 0
     assert torch.equal(packed8.target_index, packed.target_index)
     assert int(packed8.target_index.max()) + 1 < packed.n_tokens
-
-
-def test_balanced_plan_deals_each_epochs_steps_to_even_token_counts():
-    rng = random.Random(5)
-    lengths = [rng.randint(10, 300) for _ in range(200)]
-    drawn = plan_steps(200, 16, 2.0, 0, seed=4)
-    steps = plan_steps(200, 16, 2.0, 0, seed=4, lengths=lengths, order="balanced")
-    assert len(steps) == len(drawn) == 25 and all(len(s) == 16 and len(set(s)) == 16 for s in steps)
-    # epoch 0 holds steps 0-11 whole, step 12 crosses into epoch 1, which holds steps 13-24 whole
-    assert steps[12] == drawn[12]
-    for window in (slice(0, 12), slice(13, 25)):
-        assert sorted(i for s in steps[window] for i in s) == sorted(i for s in drawn[window] for i in s)
-        assert steps[window] != drawn[window]
-        totals = [sum(lengths[i] for i in s) for s in steps[window]]
-        drawn_totals = [sum(lengths[i] for i in s) for s in drawn[window]]
-        # one example from each of 16 strata of the sorted lengths: two steps differ by at most
-        # the sum of the strata's spans, at most the longest minus the shortest example
-        assert max(totals) - min(totals) <= max(lengths) - min(lengths)
-        assert statistics.pstdev(totals) < statistics.pstdev(drawn_totals) / 4
-        assert len(set(totals)) == 1  # here even_totals' swaps leave every step at the same total
-    assert steps == plan_steps(200, 16, 2.0, 0, seed=4, lengths=lengths, order="balanced")
-    assert steps != plan_steps(200, 16, 2.0, 0, seed=5, lengths=lengths, order="balanced")
-
-
-def test_even_totals_swaps_within_a_place_until_no_swap_narrows_a_gap():
-    lengths = [100, 90, 80, 70, 30, 20, 10, 0]
-    steps = [[0, 4], [1, 5], [2, 6], [3, 7]]  # totals 130, 110, 90, 70
-    even = even_totals(steps, lengths)
-    assert steps == [[0, 4], [1, 5], [2, 6], [3, 7]]  # not changed in place
-    assert [sorted(place) for place in zip(*even)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert [sum(lengths[i] for i in step) for step in even] == [100, 100, 100, 100]
-    assert even == [[3, 4], [2, 5], [1, 6], [0, 7]]  # place 0 swapped in both pairs (ties: the first place)
-    # a gap no swap narrows (each place's difference is the gap or more) stays
-    assert even_totals([[0, 3], [1, 2]], [10, 5, 4, 3]) == [[0, 3], [1, 2]]
-
-
-def test_balanced_plan_alternates_long_and_short_within_a_step():
-    lengths = list(range(1, 33))  # example i has i + 1 tokens
-    step = plan_steps(32, 8, 1.0, 0, seed=0, lengths=lengths, order="balanced")[0]
-    ranks = sorted(range(32), key=lambda i: -lengths[i])
-    strata = [ranks.index(i) // 4 for i in step]  # 8 strata of 4 examples, 0 the longest
-    assert strata == [0, 7, 1, 6, 2, 5, 3, 4]
-
-
-def test_balanced_plan_with_max_steps_is_a_prefix():
-    lengths = [(7 * i) % 97 + 3 for i in range(40)]
-    full = plan_steps(40, 4, 1.0, 0, seed=2, lengths=lengths, order="balanced")
-    assert plan_steps(40, 4, 1.0, max_steps=3, seed=2, lengths=lengths, order="balanced") == full[:3]
-    longer = plan_steps(40, 4, 1.0, max_steps=15, seed=2, lengths=lengths, order="balanced")
-    assert longer[:10] == full and len(longer) == 15
-    with pytest.raises(ValueError, match="needs one length per example"):
-        plan_steps(40, 4, 1.0, 0, seed=2, order="balanced")

@@ -11,7 +11,8 @@ from conftest import ops_records, tiny_config, write_jsonl
 from hivetune.cli import main
 from hivetune.core.config import load_config
 from hivetune.data.batch import collate_packed, collate_padded
-from hivetune.data.dataset import load_example, plan_steps
+from hivetune.data.dataset import load_example
+from hivetune.data.step_plan import plan_steps
 from hivetune.core.errors import UserError
 from hivetune.model.lora import lora_parameters, lora_state_dict
 from hivetune.ops.loss import target_loss_sum

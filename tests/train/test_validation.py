@@ -1,5 +1,6 @@
 """Validation during training: val_split, validation loss in metrics.jsonl, early stopping."""
 
+import hashlib
 import json
 
 import pytest
@@ -11,7 +12,9 @@ from hivetune.data.batch import collate_padded
 from hivetune.core.errors import UserError
 from hivetune.ops.loss import target_loss_sum
 from hivetune.train.loop import fit, validation_loss
-from hivetune.train.setup import setup, split_validation
+from hivetune.checkpoint import plan_hash
+from hivetune.data.step_plan import StepPlan
+from hivetune.train.setup import data_plan, setup, split_validation
 
 from conftest import tiny_config
 
@@ -26,10 +29,62 @@ def test_split_validation_is_seeded_disjoint_and_complete():
     assert sorted(train_ids + val_ids) == list(range(100))
     assert split_validation(100, 0.05, seed=3) == (train_ids, val_ids)
     assert split_validation(100, 0.05, seed=4)[1] != val_ids
-    assert split_validation(10, 0.0, seed=0) == (list(range(10)), [])
+    assert tuple(map(list, split_validation(10, 0.0, seed=0))) == (list(range(10)), [])
     assert split_validation(10, 0.01, seed=0)[1].__len__() == 1  # at least one
     with pytest.raises(UserError, match=r"val_split: 0.95 of 2 examples leaves none to train on"):
         split_validation(2, 0.95, seed=0)
+
+
+def digest(value) -> str:
+    return hashlib.sha256(json.dumps(value).encode()).hexdigest()
+
+
+# (examples, fraction, seed) -> sha256 of [train ids, validation ids] as split_validation drew
+# them in lists of Python ints
+SPLITS = [((1000, 0.1, 3), "544a176569ad20eaa7a06d35c43323b7e6d00593a35f9c242478ecbbb253e727"),
+          ((37, 0.05, 0), "4e8fe67e1526487823fe65a3b0bd5ac988be9417d0f6e5cc4eac6fadf8f212c3"),
+          ((50000, 0.02, 8), "74a741d5d8e55506370ffb04a9ea2919594329ba3ff5145484c294cee1bc9aa4")]
+
+
+@pytest.mark.parametrize("args,expected", SPLITS)
+def test_split_validation_is_pinned_to_its_digest(args, expected):
+    train_ids, val_ids = split_validation(*args)
+    assert train_ids.itemsize == val_ids.itemsize == 4  # typed arrays of int32
+    assert digest([list(train_ids), list(val_ids)]) == expected
+
+
+class Lengths:
+    """A dataset as the data plan sees it: its examples' lengths."""
+
+    def __init__(self, n: int, k: int):
+        self.lengths = [(i * 7919 + k * 104729) % 97 * 11 % 1013 + 1 for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+# (examples, per step, epochs, max_steps, seed, val_split, order) -> (steps, training examples,
+# plan_hash of the steps as dataset ids, the validation ids' digest's first 16 hex digits)
+DATA_PLANS = [
+    ((500, 8, 2.0, 0, 3, 0.1, "balanced"), 112, 450,
+     "85796ecb095c30ff9fe4837a9758709c4911abe8111d826b600e18fe79f5b1cb", "c01b73f595ed549f"),
+    ((500, 8, 2.0, 0, 3, 0.0, "balanced"), 125, 500,
+     "d7a3d0f165fb715f0677cd0ea0d583c7c98e4beea9fb87194a43127d029c1019", "4f53cda18c2baa0c"),
+    ((123, 4, 1.5, 0, 1, 0.05, "random"), 43, 117,
+     "0d7be5a625090bc42574d9ab333cece8277e0a610bf755ea71dda95a0af35fc4", "f058c293dda52a2e"),
+    ((3000, 16, 1.0, 50, 2, 0.2, "balanced"), 50, 2400,
+     "db66480c9ef821dddae3a3151f164bd3f0fe8e02dd60afe3fa2bc260ed0698e8", "9b930b1380f7363e"),
+]
+
+
+@pytest.mark.parametrize("config,n_steps,n_train,plan_digest,val_digest", DATA_PLANS)
+def test_data_plan_is_pinned_to_its_digest(config, n_steps, n_train, plan_digest, val_digest):
+    n, per_step, epochs, max_steps, seed, val_split, order = config
+    steps, train_examples, val_ids = data_plan(Lengths(n, seed), per_step, epochs, max_steps, seed, val_split, order)
+    assert isinstance(steps, StepPlan) and len(steps) == n_steps and train_examples == n_train
+    assert plan_hash(steps) == plan_digest
+    assert digest(list(val_ids))[:16] == val_digest
+    assert not {i for step in steps for i in step} & set(val_ids)
 
 
 def test_val_split_steps_never_draw_validation_examples(tiny_model_dir, alpaca_file, tmp_path):

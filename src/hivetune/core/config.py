@@ -108,7 +108,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
 
 
 def step_order(cfg: TrainConfig) -> str:
-    """The step plan's order (data.dataset.plan_steps) for batch_order: auto is balanced with
+    """The step plan's order (data.step_plan.plan_steps) for batch_order: auto is balanced with
     packing, random without."""
     if cfg.batch_order != "auto":
         return cfg.batch_order

@@ -15,6 +15,7 @@ from hivetune.core.fileio import check_writable, hold_run_lock, write_folder_ato
 from hivetune.core.hub import base_model_name
 from hivetune.core.metrics import MetricsSink
 from hivetune.data.dataset import DatasetIndex, TokenizedExamples
+from hivetune.data.step_plan import StepPlan
 from hivetune.data.sources import DataSource
 from hivetune.model.decoder import CausalLM
 from hivetune.model.lora import LoRASpec, lora_state_dict, save_adapter
@@ -34,7 +35,7 @@ class Run:
     data: DatasetIndex | TokenizedExamples
     model: CausalLM
     spec: LoRASpec
-    steps: list[list[int]]
+    steps: StepPlan | list[list[int]]  # example ids of each step (a list where a test cuts a plan by hand)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler | None

@@ -8,8 +8,10 @@ import json
 import math
 import random
 import sys
+from array import array
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hivetune.checkpoint import load_lora_weights, restore_rng, resume_point, resume_run
@@ -25,7 +27,8 @@ from hivetune.ops.switches import configure_ops
 from hivetune.core.fileio import create_run_folder, hold_run_lock, sha256_file
 from hivetune.core.metrics import require_tensorboard
 from hivetune.core.trackers import open_trackers, require_tracker
-from hivetune.data.dataset import index_dataset, plan_steps
+from hivetune.data.dataset import index_dataset
+from hivetune.data.step_plan import StepPlan, id_dtype, plan_steps, shuffled_range
 from hivetune.data.pairs import index_pairs
 from hivetune.data.sources import held_out_source, source_exists, train_source
 from hivetune.doctor.preflight import check_stack
@@ -102,7 +105,7 @@ def setup(cfg: TrainConfig) -> Run:
     run.val_path = val_path
     if cfg.val_data:
         val_index = index_data(cfg, val_path, tokenizer)
-        run.val = (val_index, list(range(len(val_index))))
+        run.val = (val_index, range(len(val_index)))
     if data.truncated:
         run.notes.append(f"{data.truncated} examples truncated to max_length={cfg.max_length}")
     if data.skipped_no_target:
@@ -238,10 +241,8 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
         module = distributed.wrap(model, strategy, parallel, device)
 
     per_step = cfg.batch_size * cfg.grad_accum * parallel.world  # the global batch
-    train_ids, val_ids = split_validation(len(data), cfg.val_split, cfg.seed)
-    lengths = [data.lengths[i] for i in train_ids]
-    steps = [[train_ids[i] for i in step] for step in plan_steps(
-        len(train_ids), per_step, cfg.epochs, cfg.max_steps, cfg.seed, lengths, step_order(cfg))]
+    steps, n_train, val_ids = data_plan(data, per_step, cfg.epochs, cfg.max_steps, cfg.seed, cfg.val_split,
+                                        step_order(cfg))
     params = lora_parameters(model)
     # Fused on the CPU too: one pass over all LoRA tensors instead of ~10 foreach kernels each
     # (SmolLM2's 420 on a 2-core CPU: ~35 -> ~10 ms a step).
@@ -262,7 +263,7 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
         torch.manual_seed(cfg.seed + 1_000_003 * parallel.rank)  # each rank its own dropout masks
     run = Run(cfg, folder, model_path, device, precision, tokenizer, data, model, spec, steps,
               optimizer, scheduler, scaler, val=(data, val_ids) if val_ids else None,
-              train_examples=len(train_ids), parallel=parallel, strategy=strategy, module=module,
+              train_examples=n_train, parallel=parallel, strategy=strategy, module=module,
               trackers=trackers)
     planned_memory(run)
     return run
@@ -332,13 +333,27 @@ def restore_rank_rng(run: Run) -> None:
                          f"dropout masks are drawn afresh")
 
 
-def split_validation(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train ids, validation ids): a seeded random `fraction` of range(n) held out, at least one."""
+def data_plan(data, per_step: int, epochs: float, max_steps: int, seed: int, val_split: float,
+              order: str) -> tuple[StepPlan, int, array]:
+    """(the step plan over the training examples, as ids into `data`; their count; the validation
+    ids): what a run holds for its data plan, in flat integer arrays (data.step_plan)."""
+    lengths = np.asarray(data.lengths)
+    if val_split <= 0:
+        return plan_steps(len(data), per_step, epochs, max_steps, seed, lengths, order), len(data), array("i")
+    train_ids, val_ids = split_validation(len(data), val_split, seed)
+    positions = np.frombuffer(train_ids, dtype=np.dtype(f"i{train_ids.itemsize}"))
+    steps = plan_steps(len(positions), per_step, epochs, max_steps, seed, lengths[positions], order)
+    return steps.remapped(positions), len(positions), val_ids
+
+
+def split_validation(n: int, fraction: float, seed: int) -> tuple[array, array]:
+    """(train ids, validation ids), each sorted in a typed array: a seeded random `fraction` of
+    range(n) held out, at least one."""
+    code = "i" if id_dtype(n) == np.int32 else "q"
     if fraction <= 0:
-        return list(range(n)), []
+        return array(code, range(n)), array(code)
     k = max(1, round(fraction * n))
     if k >= n:
         raise UserError(f"val_split: {fraction:g} of {n} examples leaves none to train on")
-    order = list(range(n))
-    random.Random(seed * 1_000_003 + 7919).shuffle(order)
-    return sorted(order[k:]), sorted(order[:k])
+    order = shuffled_range(n, random.Random(seed * 1_000_003 + 7919))
+    return array(code, np.sort(order[k:]).tobytes()), array(code, np.sort(order[:k]).tobytes())
