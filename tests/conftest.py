@@ -59,6 +59,17 @@ def build_tiny_model(folder: Path, model_type: str = "llama", vocab_size: int = 
 
 
 @pytest.fixture(scope="session")
+def llama_cpp():
+    """The llama_cpp module; a test requests it before any slow setup, so a missing build skips first."""
+    try:
+        import llama_cpp
+    except Exception as e:  # ImportError, or an OSError from a broken shared library
+        pytest.skip(f"llama-cpp-python cannot be imported ({type(e).__name__}: {e}); "
+                    "`bash scripts/install_llama_cpp.sh` builds and installs it (about 9 minutes)")
+    return llama_cpp
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
     build_tokenizer(folder)

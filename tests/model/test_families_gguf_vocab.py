@@ -162,15 +162,6 @@ def export_family(folder: Path, name: str, gguf_name: str = "tiny") -> Export:
     return Export(name, folder, tok, model, path)
 
 
-@pytest.fixture(scope="module")
-def llama_cpp():
-    try:
-        import llama_cpp
-    except Exception as e:  # ImportError, or an OSError from a broken shared library
-        pytest.skip(f"llama-cpp-python cannot be imported ({type(e).__name__}: {e})")
-    return llama_cpp
-
-
 @pytest.fixture(scope="module", params=list(BUILDERS))
 def exported(request, tmp_path_factory):
     return export_family(tmp_path_factory.mktemp(request.param), request.param)

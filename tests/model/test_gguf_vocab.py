@@ -27,15 +27,6 @@ STRINGS = ["How do I restart the nginx service?", "héllo wörld, 世界 🦙 �
 NORMAL, CONTROL, UNUSED, BYTE = 1, 3, 5, 6  # gguf.TokenType
 
 
-@pytest.fixture(scope="module")
-def llama_cpp():
-    try:
-        import llama_cpp
-    except Exception as e:  # ImportError, or an OSError from a broken shared library
-        pytest.skip(f"llama-cpp-python cannot be imported ({type(e).__name__}: {e})")
-    return llama_cpp
-
-
 def export_tiny(folder: Path, vocab: int, model_type: str = "llama") -> tuple[Path, object]:
     """A tiny random model with the folder's tokenizer, written as an f16 GGUF."""
     build_tiny_model(folder, model_type, vocab, seed=1)

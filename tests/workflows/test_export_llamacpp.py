@@ -25,17 +25,6 @@ NEW_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
-def llama_cpp():
-    """The llama_cpp module; requested before `smol` so a missing build skips before the run."""
-    try:
-        import llama_cpp
-    except Exception as e:  # ImportError, or an OSError from a broken shared library
-        pytest.skip(f"llama-cpp-python cannot be imported ({type(e).__name__}: {e}); "
-                    "`bash scripts/install_llama_cpp.sh` builds and installs it (about 9 minutes)")
-    return llama_cpp
-
-
-@pytest.fixture(scope="module")
 def smol(tmp_path_factory):
     """A 3-step run on the embedded model (high lr, so the adapter changes the answers) and its
     f16 GGUF export, with hivetune's greedy continuations on base and merged weights."""

