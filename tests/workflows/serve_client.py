@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -101,6 +102,25 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def concurrently(clients: int, client) -> None:
+    """client(k) for k in range(clients), each in its own thread; the first failure of any is raised
+    here, in the test's thread."""
+    failures: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            client(k)
+        except BaseException as e:
+            failures.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
 
 
 def wait_for_model(srv: Server, model_id: str, timeout: float = 20.0) -> float:

@@ -22,12 +22,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from serve_client import Server, embedded, needs_http, needs_llama, wait_for_model
+from serve_client import Server, concurrently, embedded, needs_http, needs_llama, wait_for_model
 
 from conftest import write_jsonl
 from hivetune.data.interaction_log import read_logs
@@ -55,22 +54,13 @@ def chat_and_correct(srv: Server, start: int, correction: str) -> dict[str, str]
     """20 chats from 4 concurrent clients, then the even-numbered half corrected: exchange id -> the
     model that answered."""
     asked: dict[int, dict] = {}
-    failures: list[BaseException] = []
 
     def client(k: int) -> None:
-        try:
-            for i in range(start + k, start + 20, 4):
-                asked[i] = srv.chat(f"How do I restart {SERVICES[i % len(SERVICES)]}? (ticket {i})",
-                                    max_tokens=MAX_TOKENS)
-        except BaseException as e:  # reported by the main thread
-            failures.append(e)
+        for i in range(start + k, start + 20, 4):
+            asked[i] = srv.chat(f"How do I restart {SERVICES[i % len(SERVICES)]}? (ticket {i})",
+                                max_tokens=MAX_TOKENS)
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures, failures
+    concurrently(4, client)
     assert sorted(asked) == list(range(start, start + 20))
     for i in range(start, start + 20, 2):
         ex_id = asked[i]["id"]

@@ -20,11 +20,10 @@ from __future__ import annotations
 import http.client
 import json
 import signal
-import threading
 import time
 
 import pytest
-from serve_client import KEY, PROMPTS, Server, embedded, events, needs_http, needs_llama
+from serve_client import KEY, PROMPTS, Server, concurrently, embedded, events, needs_http, needs_llama
 
 from hivetune.data.interaction_log import read_logs
 
@@ -123,24 +122,14 @@ def test_chats_from_concurrent_clients_feedback_and_a_stream(tmp_path):
     srv = Server([embedded(), "--log", str(log), "--max-new-tokens", "8"], tmp_path / "out.txt")
     try:
         answers: dict[str, tuple[str, str]] = {}  # exchange id -> (prompt, answer)
-        failures: list[BaseException] = []
-
         def client(k: int) -> None:
-            try:
-                for i in range(5):  # each of the 5 prompts is asked by each client once
-                    prompt = PROMPTS[(i + k) % len(PROMPTS)]
-                    body = srv.chat(prompt, max_tokens=8)
-                    assert body["usage"]["completion_tokens"] <= 8 and body["usage"]["prompt_tokens"] > 10
-                    answers[body["id"]] = (prompt, body["choices"][0]["message"]["content"])
-            except BaseException as e:  # reported by the main thread
-                failures.append(e)
+            for i in range(5):  # each of the 5 prompts is asked by each client once
+                prompt = PROMPTS[(i + k) % len(PROMPTS)]
+                body = srv.chat(prompt, max_tokens=8)
+                assert body["usage"]["completion_tokens"] <= 8 and body["usage"]["prompt_tokens"] > 10
+                answers[body["id"]] = (prompt, body["choices"][0]["message"]["content"])
 
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not failures, failures
+        concurrently(4, client)
         assert len(answers) == 20
         by_prompt: dict[str, set[str]] = {}
         for prompt, answer in answers.values():
