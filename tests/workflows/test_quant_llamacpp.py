@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_export_llamacpp import NEW_TOKENS, PROMPTS, llama_cpp, llama_cpp_greedy  # noqa: F401 (fixture)
+from test_export_llamacpp import NEW_TOKENS, PROMPTS, llama_cpp_greedy
 from hivetune.core.config import load_config
 from hivetune.model.load import load_model
 from hivetune.model.lora import load_adapter
