@@ -215,7 +215,7 @@ def test_flash_varlen_takes_grouped_heads_and_matches_sdpa():
     k = torch.randn(t, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(t, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     cu = torch.tensor([0, 37, 42, 132], dtype=torch.int32, device="cuda")
-    out = FlashVarlen.apply(q, k, v, cu, max(lengths))
+    out = FlashVarlen.apply(q, k, v, cu, cu, max(lengths), max(lengths))
     dout = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     assert dk.shape == k.shape and dv.shape == v.shape

@@ -33,7 +33,7 @@ import sys
 import threading
 
 FORCE_ENV = "HIVETUNE_REFERENCE"
-PATHS = ("varlen", "fused_adamw", "cpu_bf16", "gpu_bf16", "fused_layers", "fused_lora", "cublaslt")
+PATHS = ("varlen", "pairs", "fused_adamw", "cpu_bf16", "gpu_bf16", "fused_layers", "fused_lora", "cublaslt")
 NOTED: dict[str, str] = {}  # fast path -> the line printed when it fell back (tests read it)
 
 _WANTED: tuple[str, frozenset] = ("", frozenset())  # the last HIVETUNE_REFERENCE value, parsed

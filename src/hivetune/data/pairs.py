@@ -8,8 +8,8 @@ Both answers share the prompt's token ids, so a row [prompt, chosen, rejected] a
 
 Micro-batches (collate_pairs), per pair j of P, sequences 2j (chosen) and 2j+1 (rejected):
 - shared (the fast path): one packed row [p_0, c_0, r_0, p_1, c_1, r_1, ...]; the rejected
-  answer's positions restart after its prompt, and the attention mask (ops.preference.
-  shared_prompt_mask) lets each answer see its prompt and itself only: the prompt runs once.
+  answer's positions restart after its prompt, and the attention (ops.shared_prompt) lets each
+  answer see its prompt and itself only: the prompt runs once.
 - plain (the reference): 2P right-padded rows, prompt + answer each.
 """
 
@@ -27,8 +27,8 @@ from hivetune.core.errors import UserError
 from hivetune.core.fileio import atomic_write_bytes
 from hivetune.data.formats import checked_source, pair_answer_text, render_chat
 from hivetune.data.sources import DataSource
-from hivetune.ops.attention import Masked
 from hivetune.ops.preference import shared_prompt_mask
+from hivetune.ops.shared_prompt import PairSegments, SharedPrompt, pair_segments, row_parts
 
 PAIR_FILES = ("preference-train.jsonl", "preference-heldout.jsonl")  # in data/default/, from train / heldout
 
@@ -167,15 +167,17 @@ class PairBatch:
     n_tokens: int  # tokens run through the model (no padding)
     parts: tuple | None = None  # shared: (pair, part) of each token, the attention mask's source
     dropout_seeds: torch.Tensor | None = None
+    segments: PairSegments | None = None  # shared: the flash path's query / key segments
 
     @property
-    def layout(self) -> Masked | None:
+    def layout(self) -> SharedPrompt | None:
         """shared: the prompt-sharing mask [1, 1, T, T], built once where the parts are, with the
-        positions a sliding window counts (an answer's restart after its prompt); plain: None."""
+        positions a sliding window counts (an answer's restart after its prompt) and the flash
+        path's segments (ops.shared_prompt); plain: None."""
         if self.parts is None:
             return None
         if getattr(self, "_layout", None) is None:
-            self._layout = Masked(shared_prompt_mask(*self.parts), self.position_ids)
+            self._layout = SharedPrompt(shared_prompt_mask(*self.parts), self.position_ids, self.segments)
         return self._layout
 
     def to(self, device) -> "PairBatch":
@@ -183,29 +185,30 @@ class PairBatch:
                                                           self.target_ids, self.target_seq, self.seq_tokens)]
         parts = tuple(t.to(device, non_blocking=True) for t in self.parts) if self.parts is not None else None
         seeds = self.dropout_seeds.to(device, non_blocking=True) if self.dropout_seeds is not None else None
-        return PairBatch(*moved, self.n_examples, self.n_tokens, parts, seeds)
+        segments = self.segments.to(device) if self.segments is not None else None
+        return PairBatch(*moved, self.n_examples, self.n_tokens, parts, seeds, segments)
 
 
 def collate_pairs(pairs: list[EncodedPair], pad_id: int = 0, shared: bool = True) -> PairBatch:
     """The micro-batch of these pairs: one row sharing each prompt (shared), or 2P padded rows."""
     index, targets, seqs, counts = [], [], [], []
     if shared:
-        ids, positions, pair_of, part_of = [], [], [], []
+        ids, positions = [], []
         for j, e in enumerate(pairs):
             start, p, c = len(ids), len(e.prompt), len(e.chosen)
             ids += e.prompt + e.chosen + e.rejected
             positions += list(range(p + c)) + list(range(p, p + len(e.rejected)))
-            pair_of += [j] * len(e)
-            part_of += [0] * p + [1] * c + [2] * len(e.rejected)
             # answer token k is predicted at the token before it: the prompt's last for k = 0
             for seq, first, answer in ((2 * j, start + p, e.chosen), (2 * j + 1, start + p + c, e.rejected)):
                 index += [start + p - 1] + list(range(first, first + len(answer) - 1))
                 targets += answer
                 seqs += [seq] * len(answer)
                 counts.append(len(answer))
-        parts = (torch.tensor(pair_of), torch.tensor(part_of))
+        lengths = [(len(e.prompt), len(e.chosen), len(e.rejected)) for e in pairs]
+        parts, segments = row_parts(lengths), pair_segments(lengths)
         return PairBatch(torch.tensor([ids]), torch.tensor([positions]), torch.tensor(index), torch.tensor(targets),
-                         torch.tensor(seqs), torch.tensor(counts, dtype=torch.float32), len(pairs), len(ids), parts)
+                         torch.tensor(seqs), torch.tensor(counts, dtype=torch.float32), len(pairs), len(ids), parts,
+                         segments=segments)
     rows = [(e.prompt, answer) for e in pairs for answer in (e.chosen, e.rejected)]
     width = max(len(p) + len(a) for p, a in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)

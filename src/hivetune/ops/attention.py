@@ -170,6 +170,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout=N
     Packed rows on a GPU with flash varlen attention go to it directly (no padding, no copies);
     everything else takes the SDPA reference path in [B, H, T, D].
     """
+    fast = getattr(layout, "fast_attention", None)  # a layout with its own fast path (ops.shared_prompt)
+    if fast is not None and cache is None:
+        out = fast(q, k, v)
+        if out is not None:
+            return out
     if isinstance(layout, Packed) and cache is not None:  # prefill: the prompts see only themselves
         cache.fill_packed(layer, k[0], v[0], layout.lengths)
         cache = None
@@ -251,29 +256,37 @@ class FlashVarlen(torch.autograd.Function):
     micro-batch). Flash itself takes K/V heads dividing the query heads. Going to the kernels
     also skips the custom op's per-call Python (argument defaults, redispatch, a zeroed RNG
     state tensor per call). q [T, H, D], k / v [T, KVH, D] -> [T, H, D].
+
+    Query and key segments may differ (cu_q, cu_k): where a segment has more keys than queries,
+    the causal mask is aligned bottom-right (the queries are the segment's last ones).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen):
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k):
         out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, seed, offset)
-        ctx.max_seqlen = max_seqlen
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed, offset)
+        ctx.max_q, ctx.max_k = max_q, max_k
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
+        q, k, v, out, lse, cu_q, cu_k, seed, offset = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_seqlen, ctx.max_seqlen, 0.0, True, seed, offset)
-        return dq, dk, dv, None, None
+            grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True, seed, offset)
+        return dq, dk, dv, None, None, None, None
+
+
+def has_flash_ops() -> bool:
+    """Whether this torch exposes aten's flash attention kernels (FlashVarlen)."""
+    return hasattr(torch.ops.aten, "_flash_attention_forward") and hasattr(torch.ops.aten, "_flash_attention_backward")
 
 
 def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True, enable_gqa=True):
     """FlashVarlen with varlen_attn's calling convention (causal, one cu_seqlens for q and k)."""
     if not is_causal or cu_q is not cu_k or max_q != max_k:
         raise ValueError("flash_varlen computes causal self-attention only")
-    return FlashVarlen.apply(q, k, v, cu_q, max_q)
+    return FlashVarlen.apply(q, k, v, cu_q, cu_k, max_q, max_k)
 
 
 def _varlen_fn():
@@ -281,7 +294,7 @@ def _varlen_fn():
     kernels through FlashVarlen where torch has them, else torch.nn.attention.varlen.varlen_attn."""
     global _VARLEN
     if _VARLEN is None:
-        if hasattr(torch.ops.aten, "_flash_attention_forward") and hasattr(torch.ops.aten, "_flash_attention_backward"):
+        if has_flash_ops():
             _VARLEN = (flash_varlen, True, True)
             return _VARLEN
         try:
