@@ -6,15 +6,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import write_jsonl
+from conftest import tiny_config, write_jsonl
 from hivetune.data.pairs import collate_pairs
 from hivetune.model.lora import lora_parameters
 from hivetune.ops import shared_prompt
 from hivetune.ops.shared_prompt import flash_pair_attention, pair_segments, pairs_usable, reference_pair_attention
 from hivetune.train.preference import pair_losses
-from test_preference import pair_records, pref_run
+from hivetune.train.setup import setup
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def pair_records(n: int) -> list[dict]:
+    return [{"prompt": f"How do I restart service number {i}?", "chosen": f"Run `systemctl restart svc{i}` as root.",
+             "rejected": f"Use rpm-ostree status on host {i + 1}, then reboot twice."} for i in range(n)]
+
+
+def pref_run(model_dir, data, out, **kw):
+    run = setup(tiny_config(model_dir, data, out, method="dpo", batch_size=4, max_steps=3, **kw))
+    with torch.no_grad():  # B non-zero: the policy differs from the reference
+        generator = torch.Generator().manual_seed(3)
+        for p in lora_parameters(run.model):
+            p.copy_((torch.randn(p.shape, generator=generator) * 0.05).to(p.device))
+    return run
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
