@@ -62,7 +62,8 @@ def test_identical_sides_give_identical_metrics_and_all_ties(runs, files, tmp_pa
     good, _ = runs
     report = compare(str(good), str(good), data=str(files[1]), regression=str(files[2]), out=str(tmp_path), **ARGS)
     on_disk = json.loads((tmp_path / "compare.json").read_text())
-    assert set(on_disk) == {"candidate", "against", "sets"} and set(on_disk["sets"]) == {"heldout", "regression"}
+    assert set(on_disk) == {"candidate", "against", "engine", "sets"} and set(on_disk["sets"]) == {"heldout", "regression"}
+    assert on_disk["engine"] == "hivetune"
     for name, n in (("heldout", 6), ("regression", 3)):
         entry = on_disk["sets"][name]
         assert set(entry) == SET_KEYS and set(entry["candidate"]) == METRIC_KEYS

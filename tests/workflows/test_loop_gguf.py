@@ -1,7 +1,8 @@
 """The learning loop with the real parts: `hivetune serve --registry REG` serves the embedded
 SmolLM2-135M GGUF through llama.cpp; 4 concurrent clients chat over HTTP and correct half the
 answers through POST /v1/feedback; `hivetune cycle` learns from REG/logs as the server wrote them
-with the real tools (train on the GGUF base, its LoRA GGUF, eval --candidate --against), and
+with the real tools (train on the GGUF base, its LoRA GGUF, eval --candidate --against scored by
+llama.cpp as it serves the versions), and
 
 - cycle 1, SIGKILLed in its eval stage and finished by the next cycle with the real eval, promotes
   v0001 (corrections that agree with the regression set): the running server takes it (/v1/models,
@@ -17,6 +18,8 @@ base's 3.8 and regression loss 0.23 against 4.2; cycle 2's regression loss 1.8-2
 """
 
 from __future__ import annotations
+
+import json
 
 import os
 import signal
@@ -70,16 +73,20 @@ def chat_and_correct(srv: Server, start: int, correction: str) -> dict[str, str]
 
 
 def killed_in_eval(root: Path) -> Path:
-    """`hivetune cycle` in a subprocess, SIGKILLed once its eval process holds the model (600 MiB
-    resident; ~750 while it scores); the cycle's folder. The eval dies with the cycle."""
+    """`hivetune cycle` in a subprocess, SIGKILLed once its eval (llama.cpp, the model as served) has
+    written the candidate's LoRA GGUF into its scratch folder and starts scoring; the cycle's
+    folder. The eval dies with the cycle."""
     argv = [sys.executable, "-m", "hivetune", "cycle", "--registry", str(root), "--replay", "0", "--heldout", "0.3",
             "--min-examples", "10", *flag_each("--train-set", TRAIN)]
     out = root.parent / "cycle.txt"
-    proc = subprocess.Popen(argv, stdout=out.open("wb"), stderr=subprocess.STDOUT)
+    scratch = root.parent / "tmp"  # the eval's TemporaryDirectory: left behind by the kill, here
+    scratch.mkdir(exist_ok=True)
+    proc = subprocess.Popen(argv, stdout=out.open("wb"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "TMPDIR": str(scratch)})
     try:
         deadline = time.time() + 300
-        while not [p for p in (root / "cycles").glob("c*/eval.log") if max(tool_rss(p.parent), default=0) > 600 << 20]:
-            assert proc.poll() is None and time.time() < deadline, f"no eval loaded its model:\n{out.read_text()}"
+        while not list(scratch.glob("hivetune-eval-*/candidate.gguf")):
+            assert proc.poll() is None and time.time() < deadline, f"no eval started scoring:\n{out.read_text()}"
             time.sleep(0.05)
     finally:
         os.kill(proc.pid, signal.SIGKILL)
@@ -152,6 +159,7 @@ def test_the_loop_on_the_embedded_gguf_through_llama_cpp(tmp_path):
         assert len(runs["train"]) == 1 and len(runs["eval"]) == 2  # the killed eval, then the one that finished
         assert runs["eval"][0] == runs["eval"][1]
         check_report(first)
+        assert json.loads((folder / "eval" / "compare.json").read_text())["engine"] == "llama.cpp"  # as served
         assert (first["version"], first["parent"], reg.current_version(root)) == ("v0001", None, "v0001")
         assert (first["exchanges"], first["curated"], first["train"], first["heldout"]) == (21, 10, 7, 3)
         held, regr = first["figures"]["heldout"], first["figures"]["regression"]  # measured: 0.006 vs 3.8, 0.23 vs 4.2

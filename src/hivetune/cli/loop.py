@@ -99,6 +99,9 @@ def add_cycle_parser(sub) -> None:
                      help="also learn from unrated exchanges, with their answer (default: rated good or corrected)")
     cyc.add_argument("--train-set", dest="train_set", action="append", default=[], metavar="KEY=VALUE",
                      help="a training config key for this cycle's training (repeatable), e.g. max_steps=50")
+    cyc.add_argument("--eval-engine", default="auto", choices=["auto", "hivetune", "llama.cpp"],
+                     help="who scores the gate's comparison (default auto: llama.cpp, the model as served, for a "
+                          ".gguf base where llama-cpp-python is installed; else hivetune's decoder)")
     cyc.add_argument("--json", action="store_true", help="print the reports (a finished cycle's, the new one's) as a JSON list")
 
 
@@ -106,7 +109,8 @@ def run_cycle_command(ns) -> int:
     from hivetune.workflows.cycle import CycleOptions, format_report, run_cycles
 
     opts = CycleOptions(data_since=ns.data_since, replay=ns.replay, margin=ns.margin, heldout=ns.heldout,
-                        min_examples=ns.min_examples, keep_unrated=ns.keep_unrated, train_set=ns.train_set)
+                        min_examples=ns.min_examples, keep_unrated=ns.keep_unrated, train_set=ns.train_set,
+                        eval_engine=ns.eval_engine)
     reports = run_cycles(ns.registry, opts)
     print(json.dumps(reports, indent=2) if ns.json else "\n\n".join(format_report(r) for r in reports))
     return 0

@@ -54,6 +54,9 @@ def add_eval_parser(sub) -> None:
     ev.add_argument("--max-length", type=int, default=1024, help="token limit for the loss (as in training)")
     ev.add_argument("--device", default="auto")
     ev.add_argument("--precision", default="auto")
+    ev.add_argument("--engine", default="hivetune", choices=["hivetune", "llama.cpp"],
+                    help="A/B: score with hivetune's decoder (default) or, for .gguf models, with llama.cpp as it "
+                         "serves them (the GGUF's own quant blocks and the LoRA GGUF)")
 
 
 def run_eval(ns) -> int:
@@ -80,7 +83,7 @@ def run_compare(ns) -> int:
         raise UserError("eval: --adapter is for base vs tuned; with --candidate / --against leave it out")
     report = compare(ns.candidate, ns.against, data=ns.data, regression=ns.regression, out=ns.out, model=ns.model,
                      force=ns.force, max_new_tokens=ns.max_new_tokens, limit=ns.limit, batch_size=ns.batch_size,
-                     max_length=ns.max_length, device=ns.device, precision=ns.precision)
+                     max_length=ns.max_length, device=ns.device, precision=ns.precision, engine=ns.engine)
     for name, entry in report["sets"].items():
         print(f"{name} ({entry['examples']} examples): candidate {ns.candidate} vs against {ns.against}")
         print(means_table(entry) + "\n")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from hivetune.core.errors import UserError
 from hivetune.workflows.eval_examples import read_examples
+from hivetune.workflows.eval_llama import ENGINES, score_sides_llama
 from hivetune.workflows.eval_metrics import mean_metrics
 from hivetune.workflows.eval_report import fenced, format_value, table_cell
 from hivetune.workflows.eval_scoring import score_model
@@ -190,7 +191,7 @@ def active(net, side: Side):
 def compare(candidate: str, against: str, data: str = "", regression: str = "", out: str = "", model: str = "",
             force: bool = False, max_new_tokens: int = 0, limit: int = 0, batch_size: int = 96,
             max_length: int = 1024, device: str = "auto", precision: str = "auto",
-            report_examples: int = 3) -> dict:
+            report_examples: int = 3, engine: str = "hivetune") -> dict:
     """`hivetune eval --candidate A --against B`: score both, write compare.json and compare.md
     into `out` (default: A's run folder's compare/); return compare.json's content plus "out"
     and "seconds". Everything is checked before a weight is loaded."""
@@ -204,6 +205,8 @@ def compare(candidate: str, against: str, data: str = "", regression: str = "", 
             raise UserError(f"--{name.replace('_', '-')}: must be >= {low}, got {value}")
     if not candidate or not against:
         raise UserError("eval: --candidate and --against go together (each " + ACCEPTED + ")")
+    if engine not in ENGINES:
+        raise UserError(f"--engine: {engine!r} is not one of {', '.join(ENGINES)}")
     t_start = time.perf_counter()
     sides = resolve_sides(candidate, against, model)
     sets = {"heldout": held_out_source(data) if data else default_heldout_data()}
@@ -218,8 +221,11 @@ def compare(candidate: str, against: str, data: str = "", regression: str = "", 
         raise UserError(f"--out: {out_dir} already holds {' and '.join(existing)}; pass --force to overwrite")
     if not max_new_tokens:
         max_new_tokens = run_max_new_tokens(sides[0].adapter) if sides[0].adapter else DEFAULT_MAX_NEW_TOKENS
-    rows, examples = score_sides(sides, sets, max_new_tokens, limit, batch_size, max_length, device, precision)
-    report = {"candidate": candidate, "against": against,
+    if engine == "llama.cpp":
+        rows, examples = score_sides_llama(sides, sets, max_new_tokens, limit, max_length)
+    else:
+        rows, examples = score_sides(sides, sets, max_new_tokens, limit, batch_size, max_length, device, precision)
+    report = {"candidate": candidate, "against": against, "engine": engine,
               "sets": {name: set_report(len(examples[name]), {role: rows[role][name] for role in ROLES}) for name in sets}}
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "compare.json", (json.dumps(report, indent=2) + "\n").encode())

@@ -8,7 +8,9 @@
     train     `hivetune train --init-adapter REG/versions/<in service>/adapter` -> CYCLE/run
     export    CYCLE/lora-adapter.gguf when the base is a .gguf (export's LoRA GGUF, for llama.cpp)
     eval      `hivetune eval --candidate CYCLE/run --against <in service> --model BASE --data heldout.jsonl
-              [--regression REG/regression.jsonl]` -> CYCLE/eval/compare.json, on the training device
+              [--regression REG/regression.jsonl] --engine E` -> CYCLE/eval/compare.json; E (--eval-engine)
+              llama.cpp for a .gguf base where llama-cpp-python is installed (the versions as served:
+              the GGUF's quant blocks and the LoRA GGUF), else hivetune on the training device
     gate      promote only when the candidate's held-out loss is lower and its regression loss is at
               most (1 + --margin) x that of the version in service
     register  add the run as a new version and promote it, or record the rejection
@@ -62,6 +64,9 @@ class CycleOptions:
     keep_unrated: bool = False  # curate unrated exchanges too, with their answer
     train_set: list[str] = field(default_factory=list)  # KEY=VALUE training config overrides
     seed: int = 0
+    # who scores the gate's comparison: llama.cpp (the served GGUF quant + LoRA GGUF), hivetune's
+    # decoder, or auto: llama.cpp for a .gguf base where llama-cpp-python is installed
+    eval_engine: str = "auto"
 
     def check(self) -> None:
         if self.data_since and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", self.data_since):
@@ -70,6 +75,8 @@ class CycleOptions:
             raise UserError(f"--replay: expected a fraction in [0, 1), got {self.replay:g}")
         if self.margin < 0:
             raise UserError(f"--margin: expected a fraction >= 0, got {self.margin:g}")
+        if self.eval_engine not in ("auto", "hivetune", "llama.cpp"):
+            raise UserError(f"--eval-engine: expected auto, hivetune or llama.cpp, got {self.eval_engine!r}")
         if not 0 < self.heldout < 1:
             raise UserError(f"--heldout: expected a fraction in (0, 1), got {self.heldout:g}")
         if self.min_examples < 2:
@@ -307,12 +314,23 @@ class Cycle:
         extra = ["--regression", regression] if regression.is_file() else []
         device = [x for pair in self.opts.train_set if pair.partition("=")[0] == "device"
                   for x in ("--device", pair.partition("=")[2])][-2:]  # where training ran
+        engine = self.eval_engine()
         self.tool("eval", "eval", ["--candidate", self.folder / "run", "--against", against, "--model", self.base,
-                                   "--data", self.folder / "heldout.jsonl", *extra, "--out", out, *device])
+                                   "--data", self.folder / "heldout.jsonl", *extra, "--out", out, *device,
+                                   "--engine", engine])
         if not (out / "compare.json").is_file():
             raise UserError(f"cycle {self.folder.name}: eval wrote no {out / 'compare.json'}")
         return {"compare": str(out / "compare.json"), "against": str(against),
-                "regression": str(regression) if extra else None}
+                "regression": str(regression) if extra else None, "engine": engine}
+
+    def eval_engine(self) -> str:
+        """--eval-engine, auto resolved: llama.cpp (the model as served) for a .gguf base where
+        llama-cpp-python is installed, else hivetune's decoder."""
+        from hivetune.workflows.eval_llama import llama_cpp_installed
+
+        if self.opts.eval_engine != "auto":
+            return self.opts.eval_engine
+        return "llama.cpp" if self.base.endswith(".gguf") and llama_cpp_installed() else "hivetune"
 
     def stage_gate(self) -> dict:
         verdict = gate(read_json(Path(self.done["eval"]["compare"])), self.opts.margin)

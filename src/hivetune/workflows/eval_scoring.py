@@ -148,6 +148,12 @@ def score_model(model: CausalLM, tokenizer, examples: list[EvalExample], max_new
                                          batch_size, parts)
     if seconds is not None:
         seconds.update(parts)
+    return score_rows(tokenizer, examples, losses, answers)
+
+
+def score_rows(tokenizer, examples: list[EvalExample], losses: list[tuple[float, int]],
+               answers: list[list[int]]) -> list[dict]:
+    """score_model's rows from each example's (summed response loss, tokens) and greedy answer ids."""
     rows = []
     for e, (loss_sum, n), ids in zip(examples, losses, answers):
         text = tokenizer.decode(ids, skip_special_tokens=True).strip()
