@@ -167,6 +167,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 if grad_rows is not None:
                     g = dlogits.to(compute_dtype) @ weight
                     grad_rows[start:start + chunk_rows] = g if k is None else g * k[:, None]
+                del dlogits  # freed before the next chunk's logits: two [chunk, V] buffers at most
         ctx.save_for_backward(grad_rows)
         return total
 

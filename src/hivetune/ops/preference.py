@@ -56,6 +56,7 @@ class FusedTargetLogprobs(torch.autograd.Function):
                     row_loss[start:start + chunk_rows] = loss
                     if grad_rows is not None:  # d CE / d logits = softmax - onehot (times the cap's factor)
                         grad_rows[start:start + chunk_rows] = dlogits.to(dtype) @ weight
+                    del dlogits  # freed before the next chunk's logits
         ctx.save_for_backward(grad_rows)
         return -row_loss
 

@@ -31,9 +31,9 @@ do the layer-by-layer q/k/v their dropout masks (lora_group's Function saves its
 With gradient checkpointing a layer keeps only its input (s h per token) and one layer is
 recomputed in backward (with lora_group, one layer's casts too). The fused LM-head loss keeps
 d loss/d hidden for the N target rows (N h s); inside it, the PyTorch chunk (CPU, fp32, no
-Triton) holds a chunk of fp32 logits (256 MiB) with two more of its size (logsumexp's x - max,
-and the previous chunk's gradient): 768 MiB for a 152k vocabulary, Gemma 2's capped logits
-alike (capped in place). The Triton chunk (fused_layers) holds only its logits in the compute
+Triton) holds a chunk of fp32 logits (256 MiB) with one more of its size (logsumexp's x - max;
+each chunk's gradient is freed before the next chunk's logits): 512 MiB for a 152k vocabulary,
+Gemma 2's capped logits alike (capped in place). The Triton chunk (fused_layers) holds only its logits in the compute
 dtype, 256 MiB, turned into their gradient in place.
 
 Peaks (measured on an H200, benchmarks/results/plan-grid-h200.json): without checkpointing at the
@@ -69,9 +69,9 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
 BACKWARD_I = 1.75
 FORWARD_I = 4.0
 RECOMPUTE_I = 1.0  # seeded dropout: down_proj's dropped input, recomputed in its backward
-# PyTorch chunk (ops.fused_ce.chunk_ce), capped or not: its fp32 logits, logsumexp's x - max, and the
-# previous chunk's gradient (alive until the loop's next one replaces it)
-LOSS_CHUNK_COPIES = 3
+# PyTorch chunk (ops.fused_ce.chunk_ce), capped or not: its fp32 logits and logsumexp's x - max (the
+# loop frees each chunk's gradient before the next chunk's logits)
+LOSS_CHUNK_COPIES = 2
 # cuBLAS / cuBLASLt workspaces and the allocator's 2 MiB pages (expandable segments).
 ALLOCATOR_SLACK_BYTES = 96 * MIB
 ALLOCATOR_SLACK_FRACTION = 0.02
