@@ -15,12 +15,13 @@ import torch
 
 from hivetune.core.config import TrainConfig
 from hivetune.core.device import FP16_NO_GRAPHS, auto_gpu_precision, device_auto_precision
-from hivetune.core.embedded import default_train_data
+from hivetune.core.embedded import DEFAULT_DATA_DIR, default_train_data
 from hivetune.core.hub import model_path as hub_model_path
 from hivetune.core.errors import UserError
 from hivetune.core.fallbacks import forced
 from hivetune.core.fileio import atomic_write_with
 from hivetune.data.dataset import index_dataset
+from hivetune.data.pairs import PAIR_FILES, index_pairs
 from hivetune.data.sources import train_source
 from hivetune.model.config import ModelArgs
 from hivetune.model.load import GGUF_DENSE_TYPES, gguf_to_hf_name, is_gguf, load_args, open_gguf
@@ -33,7 +34,7 @@ from hivetune.plan.graph_sizes import bucket_tokens, launch_bound
 from hivetune.plan.memory import (GIB, MemoryConfig, breakdown, keep_inputs_extra_bytes, largest_micro_batch,
                                   lora_parameter_count, base_parameter_count, quantized_base_change,
                                   resolve_keep_inputs)
-from hivetune.plan.timing import micro_batch_seconds
+from hivetune.plan.timing import REFERENCE_PASS, micro_batch_seconds
 
 SCALING_EXAMPLES = (10_000, 50_000, 100_000)
 
@@ -134,6 +135,7 @@ def bucketed(tokens: int, graphs: bool, args: ModelArgs | None = None) -> int:
 
 
 def data_lengths(cfg: TrainConfig, model_path: Path) -> tuple[list[int], list[int]]:
+    """Tokens and loss targets of each training example (dpo / orpo: of each pair's shared row)."""
     try:
         tokenizer = load_tokenizer(str(model_path))
     except UserError:
@@ -141,8 +143,22 @@ def data_lengths(cfg: TrainConfig, model_path: Path) -> tuple[list[int], list[in
     except Exception as e:
         raise UserError(f"--data: reading token lengths needs the model's tokenizer ({model_path}: {e}); "
                         f"give an HF folder or GGUF as --model, or leave out --data") from None
-    index = index_dataset(train_source(cfg), cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
+    if cfg.method != "sft":
+        index = index_pairs(train_source(cfg), tokenizer, cfg.max_length, cfg.format)
+    else:
+        index = index_dataset(train_source(cfg), cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
     return index.lengths, index.n_targets
+
+
+def preference_worst(cfg: TrainConfig, model_path: Path, lengths: list[int]) -> int:
+    """Tokens of the largest preference micro-batch: the batch_size longest shared rows, or with
+    preference.shared_prompt false 2 x batch_size rows padded to the longest prompt + answer."""
+    b = cfg.batch_size
+    if cfg.preference.shared_prompt:
+        return sum(sorted(lengths, reverse=True)[:b])
+    index = index_pairs(train_source(cfg), load_tokenizer(str(model_path)), cfg.max_length, cfg.format)
+    widest = max(len(e.prompt) + max(len(e.chosen), len(e.rejected)) for e in index.pairs)
+    return 2 * b * widest
 
 
 def resolve_gpu(gpu: str | None, memory_gib: float | None) -> tuple[GPU | None, float, str]:
@@ -196,14 +212,23 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
                         f"(valid: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj)")
 
     data = cfg.data
+    preference = cfg.method != "sft"
+    if preference and not data:  # dpo / orpo: empty data is the shipped preference pairs, as in train
+        data = str(DEFAULT_DATA_DIR / PAIR_FILES[0])
+        cfg = dataclasses.replace(cfg, data=data)
     if not data and not cfg.model:  # the embedded default job trains on the shipped dataset
         data = str(default_train_data())
         cfg = dataclasses.replace(cfg, data=data)
+    if preference:
+        notes.append(f"method {cfg.method}: one row a pair, [prompt, chosen, rejected]; eager steps (no CUDA graphs)"
+                     + ("; the reference pass (LoRA off, no gradient) adds a third to the step's work"
+                        if cfg.method == "dpo" else ""))
     if data:
         lengths, n_targets = data_lengths(cfg, model_path)
         ordered = sorted(lengths, reverse=True)
         b = cfg.batch_size
-        worst = sum(ordered[:b]) if cfg.packing else b * ordered[0]
+        worst = (preference_worst(cfg, model_path, lengths) if preference
+                 else sum(ordered[:b]) if cfg.packing else b * ordered[0])
         target_fraction = sum(n_targets) / max(1, sum(lengths))
         source = f"data {cfg.data} ({len(lengths)} examples, longest {ordered[0]} tokens)"
         avg_len = sum(lengths) / len(lengths)
@@ -216,7 +241,7 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     worst = min(worst, cfg.batch_size * cfg.max_length)
 
     ckpt = cfg.gradient_checkpointing
-    graphs = uses_graphs(cfg, precision, ckpt)
+    graphs = uses_graphs(cfg, precision, ckpt) and not preference
     tokens = bucketed(worst, graphs, args)
     graphs = graphs and tokens != worst
     mc = memory_config(cfg, precision, ckpt, graphs=graphs, args=args, tokens=tokens, memory_bytes=int(mem_gib * GIB))
@@ -269,7 +294,7 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
         tflops = entry.tflops(precision)
         micro_tokens = cfg.batch_size * avg_len
         p.step_seconds = cfg.grad_accum * micro_batch_seconds(args, micro_tokens, avg_len, ckpt, precision, tflops,
-                                                              graphs)
+                                                              graphs) * (REFERENCE_PASS if cfg.method == "dpo" else 1.0)
         per_step = cfg.batch_size * cfg.grad_accum
         if examples:
             p.epoch_seconds = examples / per_step * p.step_seconds
