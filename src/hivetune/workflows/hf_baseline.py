@@ -129,8 +129,8 @@ def run_hf_job(build_model, job: HFJob, device: torch.device, timed_steps: int =
 def _train_once(build_model, job: HFJob, batch: int, device: torch.device, timed_steps: int,
                 warmup_steps: int) -> dict:
     # optional dependencies (hivetune[dev]), loaded only for the baseline
-    from peft import LoraConfig, get_peft_model
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from peft import get_peft_model
+    from transformers import Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(job.precision)
@@ -143,19 +143,11 @@ def _train_once(build_model, job: HFJob, batch: int, device: torch.device, timed
         model = build_model()
         if half is torch.bfloat16:  # bf16 weights, as the workloads' figures were taken; fp16 keeps fp32 masters
             model = model.to(half)
-    lora = job.lora
-    model = get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                                             target_modules=list(lora.get("targets") or TARGETS),
-                                             task_type="CAUSAL_LM"))
+    model = get_peft_model(model, peft_lora(job.lora))
     features = [{"input_ids": e.ids, "labels": [t if m else -100 for t, m in zip(e.ids, e.mask)]}
                 for e in job.examples]
     stamps: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            stamps.append(time.perf_counter())
+    Clock = step_clock(device, stamps)
 
     accum = job.examples_per_step // batch
     warmup = job.warmup_steps if job.warmup_steps >= 0 else max(1, round(0.03 * job.total_steps))
@@ -202,6 +194,27 @@ def _train_once(build_model, job: HFJob, batch: int, device: torch.device, timed
         record.update(measured="full", seconds=round(seconds, 3), seconds_per_step=round(seconds / len(stamps), 4),
                       tokens_per_s=round(job.examples_per_step * len(stamps) * mean_tokens / seconds, 1))
     return record
+
+
+def peft_lora(lora: dict):
+    """PEFT's LoraConfig of a workload's or job's LoRA (r, alpha, dropout, targets)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                      target_modules=list(lora.get("targets") or TARGETS), task_type="CAUSAL_LM")
+
+
+def step_clock(device: torch.device, stamps: list[float]):
+    """A TrainerCallback class appending each optimizer step's end (the GPU's, on CUDA) to `stamps`."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            stamps.append(time.perf_counter())
+
+    return Clock
 
 
 def collate(batch: list[dict]) -> dict:

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from hivetune.workflows.hf_baseline import TARGETS, _release, peak_memory, random_hf_model
+from hivetune.workflows.hf_baseline import _release, peak_memory, peft_lora, random_hf_model, step_clock
 from hivetune.workflows.workloads import Workload
 
 
@@ -51,8 +51,6 @@ def run_trl_dpo(w: Workload, device: torch.device, timed_steps: int = 0, warmup_
 def _train_once(w: Workload, device: torch.device, timed_steps: int, warmup_steps: int) -> dict:
     # optional dependencies (hivetune[dev]), loaded only for the baseline
     from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
     class PreTokenized(DPOTrainer):
@@ -66,15 +64,9 @@ def _train_once(w: Workload, device: torch.device, timed_steps: int, warmup_step
     model = random_hf_model(w.args, device)
     if bf16:
         model = model.to(torch.bfloat16)
-    lora = LoraConfig(r=w.lora["r"], lora_alpha=w.lora["alpha"], lora_dropout=w.lora["dropout"],
-                      target_modules=list(w.lora.get("targets") or TARGETS), task_type="CAUSAL_LM")
+    lora = peft_lora(w.lora)
     stamps: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            stamps.append(time.perf_counter())
+    Clock = step_clock(device, stamps)
 
     total_steps = max(1, int(w.epochs * len(pairs)) // w.examples_per_step)
     with tempfile.TemporaryDirectory() as tmp:
