@@ -233,14 +233,18 @@ def test_greedy_from_the_chat_prompt_equals_hivetune(exported, llm):
 
     prompt = encode_prompt(exported.tok, "Restart nginx?", chat=True)
     assert len(prompt) + 10 <= 64
-    ours = greedy_ids(exported.model, [prompt], 10, set())[0]
+    assert greedy_ids(exported.model, [prompt], 10, set())[0] == llama_greedy(llm, prompt, 10)
+
+
+def llama_greedy(llm, prompt: list[int], n: int) -> list[int]:
+    """n tokens of llama.cpp's greedy sampling (top-k 1, no penalties) after `prompt`."""
     llm.reset()
-    theirs = []
+    out = []
     for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
-        theirs.append(token)
-        if len(theirs) == 10:
+        out.append(token)
+        if len(out) == n:
             break
-    assert ours == theirs
+    return out
 
 
 @pytest.mark.parametrize("rstrip, name, written", [

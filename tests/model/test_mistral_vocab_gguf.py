@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_families import MISTRAL_TEMPLATE
-from test_families_gguf_vocab import STRINGS, added, chat_texts, keys, llama_cpp_ids
+from test_families_gguf_vocab import STRINGS, added, chat_texts, keys, llama_cpp_ids, llama_greedy
 from tiny_hf import random_hf_model
 
 from hivetune.model.gguf_write import write_model_gguf
@@ -93,11 +93,4 @@ def test_greedy_from_the_chat_prompt_equals_hivetune(exported, llm):
 
     _, tok, model, _ = exported
     prompt = encode_prompt(tok, "Restart nginx?", chat=True)
-    ours = greedy_ids(model, [prompt], 10, set())[0]
-    llm.reset()
-    theirs = []
-    for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
-        theirs.append(token)
-        if len(theirs) == 10:
-            break
-    assert ours == theirs
+    assert greedy_ids(model, [prompt], 10, set())[0] == llama_greedy(llm, prompt, 10)
