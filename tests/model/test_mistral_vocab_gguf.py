@@ -1,7 +1,11 @@
-"""Mistral's real SentencePiece vocabularies in the GGUF export, as llama.cpp reads them: v0.1's
-tokenizer.model (32,000 pieces, [INST] plain text) and v0.3's (32,768, [INST] / [/INST] control
-pieces), taken from mistral-common's wheel (scripts/setup.sh puts it in .venv/test-data, off
-sys.path), each on a tiny random Mistral of that vocabulary. For each: llama.cpp's ids equal
+"""Mistral's real vocabularies in the GGUF export, as llama.cpp reads them: v0.1's SentencePiece
+tokenizer.model (32,000 pieces, [INST] plain text), v0.3's (32,768, [INST] / [/INST] control
+pieces) and Tekken (Mistral NeMo's 131,072: 1,000 special tokens, then a byte-level BPE), taken
+from mistral-common's wheel (scripts/setup.sh puts it in .venv/test-data, off sys.path), each on a
+tiny random Mistral of that vocabulary. Tekken's tokenizer.json is made here as Mistral's HF
+releases have it: transformers' TikTokenConverter over tekken.json's ranks (shifted past the
+special tokens), bos added by the post-processor; llama.cpp's check-string fingerprint of it is
+llama.cpp's "tekken" entry, so the converted tokenizer splits as NeMo's does. For each: llama.cpp's ids equal
 hivetune's tokenizer's on plain strings (byte fallback, digits, spaces, CJK, emoji) and on the chat
 template's text, and 10 greedy tokens from a chat prompt equal hivetune's.
 
@@ -30,8 +34,37 @@ from hivetune.model.tokenizer import load_tokenizer
 DATA = Path(sys.prefix) / "test-data" / "mistral_common" / "data"
 VERSIONS = {"v0.1": ("tokenizer.model.v1", 32000, {0: "<unk>", 1: "<s>", 2: "</s>"}),
             "v0.3": ("mistral_instruct_tokenizer_240323.model.v3", 32768,
-                     {0: "<unk>", 1: "<s>", 2: "</s>", 3: "[INST]", 4: "[/INST]"})}
+                     {0: "<unk>", 1: "<s>", 2: "</s>", 3: "[INST]", 4: "[/INST]"}),
+            "tekken": ("tekken_240911.json", 131072, {0: "<unk>", 1: "<s>", 2: "</s>", 3: "[INST]", 4: "[/INST]"})}
+PRE = {"v0.1": ("llama", "default"), "v0.3": ("llama", "default"), "tekken": ("gpt2", "tekken")}
 MORE = ["[INST] Restart nginx? [/INST] systemctl restart nginx</s>", "Ünïcödé ﬁ ligatures ½ ²", "    indented code()"]
+
+
+def tekken_tokenizer_json(source: Path) -> dict:
+    """tokenizer.json of a tekken.json: BPE ids past its special tokens, which take ids 0-999."""
+    import base64
+
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    tekken = json.loads(source.read_text())
+    n_special, size = tekken["config"]["default_num_special_tokens"], tekken["config"]["default_vocab_size"]
+    ranks = {base64.b64decode(v["token_bytes"]): v["rank"] + n_special for v in tekken["vocab"][:size - n_special]}
+
+    class Tekken(TikTokenConverter):
+        @staticmethod
+        def load_tiktoken_bpe(_):
+            return ranks
+
+    spec = json.loads(Tekken(vocab_file=str(source), pattern=tekken["config"]["pattern"]).converted().to_str())
+    names = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"] + [f"<SPECIAL_{i}>" for i in range(5, n_special)]
+    spec["model"]["vocab"].update({name: i for i, name in enumerate(names)})
+    spec["added_tokens"] = [{"id": i, "content": name, "single_word": False, "lstrip": False, "rstrip": False,
+                             "normalized": False, "special": True} for i, name in enumerate(names)]
+    bos = {"SpecialToken": {"id": "<s>", "type_id": 0}}
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}
+    return spec
 
 
 def mistral_folder(folder: Path, version: str) -> Path:
@@ -46,10 +79,16 @@ def mistral_folder(folder: Path, version: str) -> Path:
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64,
         max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
     model.save_pretrained(folder)
+    common = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=MISTRAL_TEMPLATE,
+                  added_tokens_decoder=added(special))
+    if version == "tekken":
+        (folder / "tokenizer.json").write_text(json.dumps(tekken_tokenizer_json(DATA / source), ensure_ascii=False))
+        (folder / "tokenizer_config.json").write_text(json.dumps(dict(tokenizer_class="PreTrainedTokenizerFast",
+                                                                      **common)))
+        return folder
     shutil.copyfile(DATA / source, folder / "tokenizer.model")
     (folder / "tokenizer_config.json").write_text(json.dumps(dict(
-        tokenizer_class="LlamaTokenizer", bos_token="<s>", eos_token="</s>", unk_token="<unk>", add_bos_token=True,
-        add_eos_token=False, legacy=True, chat_template=MISTRAL_TEMPLATE, added_tokens_decoder=added(special))))
+        tokenizer_class="LlamaTokenizer", add_bos_token=True, add_eos_token=False, legacy=True, **common)))
     load_tokenizer(str(folder)).save_pretrained(str(folder))  # tokenizer.json beside, as Mistral ships it
     return folder
 
@@ -74,10 +113,10 @@ def llm(llama_cpp, exported):
 def test_vocabulary_and_markers_as_the_version_has_them(exported):
     version, tok, _, path = exported
     got = keys(path, "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type")
-    assert (got["tokenizer.ggml.model"], got["tokenizer.ggml.pre"]) == ("llama", "default")
+    assert (got["tokenizer.ggml.model"], got["tokenizer.ggml.pre"]) == PRE[version]
     assert len(got["tokenizer.ggml.tokens"]) == VERSIONS[version][1] == len(tok)
     control = [got["tokenizer.ggml.tokens"][i] for i, t in enumerate(got["tokenizer.ggml.token_type"]) if t == 3]
-    assert {"[INST]", "[/INST]"} <= set(control) if version == "v0.3" else "[INST]" not in control
+    assert {"[INST]", "[/INST]"} <= set(control) if version != "v0.1" else "[INST]" not in control
 
 
 def test_llama_cpp_tokenizes_text_and_the_chat_template_as_hivetune(exported, llm):
