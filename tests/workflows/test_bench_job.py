@@ -115,6 +115,58 @@ def test_the_hf_baseline_takes_the_largest_batch_that_fits(monkeypatch):
     assert bench_job.halvings(8, 8) == [8, 4, 2, 1] and bench_job.halvings(6, 12) == [6, 3]
 
 
+@pytest.fixture
+def pairs_file(tmp_path):
+    from conftest import write_jsonl
+
+    return write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"How do I restart service {i}?",
+                                                   "chosen": f"systemctl restart svc{i}", "rejected": "Reboot twice."}
+                                                  for i in range(16)])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None,
+                    reason="needs trl and datasets (hivetune[dev])")
+def test_the_trl_baseline_on_a_dpo_job(tiny_model_dir, pairs_file, tmp_path, capsys):
+    out = tmp_path / "b.json"
+    assert main(["bench", "--model", str(tiny_model_dir), "--data", str(pairs_file), "--baseline", "trl-dpo",
+                 "--json", str(out), "--set", "method=dpo", "--max-steps", "3",
+                 *[f"--set={k}={v}" for k, v in JOB.items() if k not in ("lora", "epochs")],
+                 "--set", "lora.r=4", "--set", "lora.alpha=8", "--set", "lora.dropout=0"]) == 0
+    record = json.loads(out.read_text())
+    [ours], [base] = record["hivetune"]["runs"], record["baseline"]["runs"]
+    assert base["config"] == "DPOTrainer defaults, batch 4, fp32" and base["measured"] == "full"
+    assert (ours["steps"], base["steps"], base["samples"]) == (3, 3, 12)
+    assert base["steps_per_s"] * base["runtime_s"] == pytest.approx(3)
+    # DPO starts at ln 2 (the policy is the reference) and falls as it learns (measured: mean 0.657)
+    assert 0.5 < base["train_loss"] < math.log(2)
+    assert record["speedup_vs_baseline"] > 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("hivetune: ") and lines[1].startswith("trl-dpo: ") and lines[-1] == f"-> {out}"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data", "{pairs}", "--set", "method=dpo", "--baseline", "hf-peft"],
+     "--baseline hf-peft trains SFT; this job's method is dpo (its baseline: --baseline trl-dpo)"),
+    (["--data", "{data}", "--baseline", "trl-dpo"],
+     "--baseline trl-dpo trains DPO; this job's method is sft (its baseline: --baseline hf-peft)"),
+    (["--data", "{pairs}", "--set", "method=orpo", "--baseline", "trl-dpo"],
+     "--baseline trl-dpo trains DPO; this job's method is orpo"),
+])
+def test_a_baseline_of_another_method_is_one_line(tiny_model_dir, alpaca_file, pairs_file, tmp_path, capsys, args,
+                                                  message):
+    fill = {"pairs": pairs_file, "data": alpaca_file}
+    assert main(["bench", "--model", str(tiny_model_dir), "--json", str(tmp_path / "b.json"),
+                 *[a.format(**fill) for a in args]]) == 2
+    assert capsys.readouterr().err == f"hivetune: error: {message}\n"
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_a_workload_keeps_its_method(capsys):
+    assert main(["bench", "W1", "--set", "method=dpo"]) == 2
+    assert capsys.readouterr().err == ("hivetune: error: --set method=dpo: workload W1 is sft (its data is made for it; "
+                                       "PW1 is the preference workload); time your own job with --model and --data\n")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "{tmp}/none", "--data", "{data}"], "--model: {tmp}/none not found"),
     (["--model", "{model}", "--data", "{tmp}/none.jsonl"], "--data: {tmp}/none.jsonl not found"),

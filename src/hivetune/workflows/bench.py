@@ -281,6 +281,11 @@ def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "benchmarks/r
             raise UserError(f"bench: unknown workload {name!r} ({', '.join(WORKLOADS)}, all)")
     if baseline and baseline not in BASELINES:
         raise UserError(f"--baseline: unknown baseline {baseline!r} ({', '.join(BASELINES)})")
+    method = (overrides or {}).get("method")
+    for name in names:
+        if method is not None and method != WORKLOADS[name].method:
+            raise UserError(f"--set method={method}: workload {name} is {WORKLOADS[name].method} (its data is "
+                            f"made for it; PW1 is the preference workload); time your own job with --model and --data")
     quant = (overrides or {}).get("base_quant", "none")
     missing = trl_missing() if baseline == "trl-dpo" else baseline_missing(quant) if baseline else ""
     if missing:

@@ -30,6 +30,7 @@ from hivetune.doctor.probe import gather_environment
 from hivetune.train.loop import fit
 from hivetune.train.setup import setup
 from hivetune.workflows.bench import BASELINES, peak_tflops, train_flops
+from hivetune.workflows.trl_baseline import run_trl_pairs, trl_missing
 from hivetune.workflows.hf_baseline import HFJob, baseline_missing, epoch_means, pretrained_hf_model, run_hf_job
 
 # Figures of one run whose spread --repeat reports (all numbers; None where not measured).
@@ -49,7 +50,15 @@ def check_job(cfg: TrainConfig, repeat: int, baseline: str) -> None:
         raise UserError(f"--repeat: must be >= 1, got {repeat}")
     if baseline and baseline not in BASELINES:
         raise UserError(f"--baseline: unknown baseline {baseline!r} ({', '.join(BASELINES)})")
-    if baseline and baseline_missing(cfg.base_quant):
+    if baseline == "hf-peft" and cfg.method != "sft":
+        raise UserError(f"--baseline hf-peft trains SFT; this job's method is {cfg.method}"
+                        + (" (its baseline: --baseline trl-dpo)" if cfg.method == "dpo" else ""))
+    if baseline == "trl-dpo" and cfg.method != "dpo":
+        raise UserError(f"--baseline trl-dpo trains DPO; this job's method is {cfg.method}"
+                        + (" (its baseline: --baseline hf-peft)" if cfg.method == "sft" else ""))
+    if baseline == "trl-dpo" and trl_missing():
+        raise UserError(trl_missing())
+    if baseline == "hf-peft" and baseline_missing(cfg.base_quant):
         raise UserError(baseline_missing(cfg.base_quant))
     if baseline and cfg.base_quant == "keep":
         raise UserError(f"--baseline {baseline}: HF + PEFT has no base_quant keep (a GGUF's own blocks); "
@@ -73,7 +82,7 @@ def bench_job(cfg: TrainConfig, repeat: int = 1, baseline: str = "", out: str | 
         jobs.append(job)
     record["hivetune"] = {"runs": runs, "spread": spread(runs)}
     if baseline:
-        base = [run_baseline(cfg, jobs[0], device) for _ in range(repeat)]
+        base = [run_baseline(cfg, jobs[0], device, baseline) for _ in range(repeat)]
         record["baseline"] = {"name": baseline, "runs": base, "spread": spread(base)}
         ours, theirs = record["hivetune"]["spread"]["runtime_s"], record["baseline"]["spread"].get("runtime_s")
         if theirs and theirs["median"] and ours["median"]:
@@ -140,9 +149,20 @@ def epoch_losses(run) -> list[float]:
     return epoch_means(pairs)
 
 
-def run_baseline(cfg: TrainConfig, job: HFJob, device: torch.device) -> dict:
-    """HF Trainer + PEFT on the job, with the figures named as hivetune's are."""
-    record = run_hf_job(lambda: pretrained_hf_model(str(model_path(cfg.model)), device, job.precision), job, device)
+def run_baseline(cfg: TrainConfig, job: HFJob, device: torch.device, baseline: str = "hf-peft") -> dict:
+    """HF Trainer + PEFT (or TRL's DPOTrainer + PEFT) on the job, with the figures named as hivetune's are."""
+    build = lambda: pretrained_hf_model(str(model_path(cfg.model)), device, job.precision)  # noqa: E731
+    if baseline == "trl-dpo":
+        record = run_trl_pairs(build, job.examples, job.lora, job.epochs, job.examples_per_step, device, lr=cfg.lr,
+                               beta=cfg.preference.beta, max_steps=job.max_steps)
+        if "seconds" not in record:
+            return record
+        seconds, steps = max(record["seconds"], 1e-9), record["steps_run"]
+        samples = min(steps * job.examples_per_step, int(job.epochs * len(job.examples)))
+        return {**record, "runtime_s": record["seconds"], "steps": steps, "samples": samples,
+                "tokens": round(record["tokens_per_s"] * seconds), "samples_per_s": samples / seconds,
+                "steps_per_s": steps / seconds}
+    record = run_hf_job(build, job, device)
     if "seconds" not in record:
         return record
     seconds, steps = max(record["seconds"], 1e-9), record["steps_run"]
