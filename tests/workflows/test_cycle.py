@@ -100,6 +100,18 @@ def test_too_few_new_exchanges_is_nothing_to_do(tmp_path, base, capsys):
     assert capsys.readouterr().err == "hivetune: error: --replay: expected a fraction in [0, 1), got 1.5\n"
 
 
+def test_eval_engine_llama_cpp_without_llama_cpp_python_is_one_line(tmp_path, base, capsys, monkeypatch):
+    import importlib.util
+
+    root = new_registry(tmp_path, base)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    assert main(["cycle", "--registry", str(root), "--eval-engine", "llama.cpp"]) == 2
+    assert capsys.readouterr().err == ("hivetune: error: --eval-engine llama.cpp: pip install llama-cpp-python "
+                                       "(or bash scripts/install_llama_cpp.sh)\n")
+    assert not (root / "cycles").exists() or [p.name for p in (root / "cycles").iterdir()] == []
+
+
 def test_too_few_curated_examples_leave_the_logs_for_the_next_cycle(tmp_path, base):
     root = new_registry(tmp_path, base)
     serve(root, 24)  # 6 disliked: 18 curated, fewer than 20

@@ -64,3 +64,16 @@ def test_engine_llama_cpp_refuses_an_hf_folder(files, tiny_model_dir, tmp_path, 
     assert code == 2 and err == [f"hivetune: error: --candidate {tiny_model_dir}: --engine llama.cpp scores .gguf "
                                  f"models (this side loads {tiny_model_dir}); use --engine hivetune"]
     assert not (tmp_path / "o").exists()
+
+
+def test_engine_llama_cpp_without_llama_cpp_python_is_one_line(files, tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    root, data = files
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    code = main(["eval", "--candidate", str(root / "adapter"), "--against", "base", "--model", embedded(),
+                 "--data", str(data), "--engine", "llama.cpp", "--out", str(tmp_path / "o")])
+    assert code == 2 and capsys.readouterr().err == ("hivetune: error: --engine llama.cpp: pip install "
+                                                     "llama-cpp-python (or bash scripts/install_llama_cpp.sh)\n")
+    assert not (tmp_path / "o").exists()

@@ -77,6 +77,12 @@ class CycleOptions:
             raise UserError(f"--margin: expected a fraction >= 0, got {self.margin:g}")
         if self.eval_engine not in ("auto", "hivetune", "llama.cpp"):
             raise UserError(f"--eval-engine: expected auto, hivetune or llama.cpp, got {self.eval_engine!r}")
+        if self.eval_engine == "llama.cpp":
+            from hivetune.workflows.eval_llama import llama_cpp_installed
+
+            if not llama_cpp_installed():
+                raise UserError("--eval-engine llama.cpp: pip install llama-cpp-python "
+                                "(or bash scripts/install_llama_cpp.sh)")
         if not 0 < self.heldout < 1:
             raise UserError(f"--heldout: expected a fraction in (0, 1), got {self.heldout:g}")
         if self.min_examples < 2:
