@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from hivetune.core.fallbacks import FORCE_ENV, forced, isolated, note_fallback
 from hivetune.ops.attention import FlashVarlen, Masked, has_flash_ops, varlen_supported
+from hivetune.ops.preference import shared_prompt_mask
 
 _PAIRS_OK: dict[tuple[str, torch.dtype], str] = {}  # (device, dtype) -> "" when the flash path works, else why not
 
@@ -167,8 +168,6 @@ def row_parts(lengths: list[tuple[int, int, int]], device=None) -> tuple[torch.T
 
 def reference_pair_attention(q, k, v, lengths: list[tuple[int, int, int]]) -> torch.Tensor:
     """Attention of a row of pairs with the dense shared-prompt mask, in float32 at least: [1, T, H, D]."""
-    from hivetune.ops.preference import shared_prompt_mask
-
     groups = q.shape[2] // k.shape[2]
     qs, ks, vs = (x.to(torch.promote_types(x.dtype, torch.float32)).transpose(1, 2) for x in (q, k, v))
     ks, vs = ks.repeat_interleave(groups, 1), vs.repeat_interleave(groups, 1)
