@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hivetune.core.errors import UserError
+from hivetune.core.versions import LLAMA_CPP_INSTALL, llama_cpp_installed
 from hivetune.workflows.eval_examples import read_examples
-from hivetune.workflows.eval_llama import ENGINES, llama_cpp_installed, score_sides_llama
+from hivetune.workflows.eval_llama import ENGINES, score_sides_llama
 from hivetune.workflows.eval_metrics import mean_metrics
 from hivetune.workflows.eval_report import fenced, format_value, table_cell
 from hivetune.workflows.eval_scoring import score_model
@@ -208,7 +209,7 @@ def compare(candidate: str, against: str, data: str = "", regression: str = "", 
     if engine not in ENGINES:
         raise UserError(f"--engine: {engine!r} is not one of {', '.join(ENGINES)}")
     if engine == "llama.cpp" and not llama_cpp_installed():
-        raise UserError("--engine llama.cpp: pip install llama-cpp-python (or bash scripts/install_llama_cpp.sh)")
+        raise UserError(f"--engine llama.cpp: {LLAMA_CPP_INSTALL}")
     t_start = time.perf_counter()
     sides = resolve_sides(candidate, against, model)
     sets = {"heldout": held_out_source(data) if data else default_heldout_data()}

@@ -40,6 +40,7 @@ from typing import Callable
 
 from hivetune.core.errors import UserError
 from hivetune.core.fileio import atomic_write_with, fsync_dir, fsync_tree
+from hivetune.core.versions import LLAMA_CPP_INSTALL, llama_cpp_installed
 from hivetune.data.interaction_log import read_logs, utc_now
 from hivetune.workflows import registry as reg
 from hivetune.workflows.registry import file_lock, read_json, write_json
@@ -77,12 +78,8 @@ class CycleOptions:
             raise UserError(f"--margin: expected a fraction >= 0, got {self.margin:g}")
         if self.eval_engine not in ("auto", "hivetune", "llama.cpp"):
             raise UserError(f"--eval-engine: expected auto, hivetune or llama.cpp, got {self.eval_engine!r}")
-        if self.eval_engine == "llama.cpp":
-            from hivetune.workflows.eval_llama import llama_cpp_installed
-
-            if not llama_cpp_installed():
-                raise UserError("--eval-engine llama.cpp: pip install llama-cpp-python "
-                                "(or bash scripts/install_llama_cpp.sh)")
+        if self.eval_engine == "llama.cpp" and not llama_cpp_installed():
+            raise UserError(f"--eval-engine llama.cpp: {LLAMA_CPP_INSTALL}")
         if not 0 < self.heldout < 1:
             raise UserError(f"--heldout: expected a fraction in (0, 1), got {self.heldout:g}")
         if self.min_examples < 2:
@@ -332,8 +329,6 @@ class Cycle:
     def eval_engine(self) -> str:
         """--eval-engine, auto resolved: llama.cpp (the model as served) for a .gguf base where
         llama-cpp-python is installed, else hivetune's decoder."""
-        from hivetune.workflows.eval_llama import llama_cpp_installed
-
         if self.opts.eval_engine != "auto":
             return self.opts.eval_engine
         return "llama.cpp" if self.base.endswith(".gguf") and llama_cpp_installed() else "hivetune"

@@ -24,16 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from hivetune.core.errors import UserError
+from hivetune.core.versions import LLAMA_CPP_INSTALL
 from hivetune.workflows.eval_examples import EvalExample
 from hivetune.workflows.eval_scoring import score_rows
 
 ENGINES = ("hivetune", "llama.cpp")
-
-
-def llama_cpp_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def side_lora_gguf(adapter: Path, fresh: Path) -> Path:
@@ -52,7 +47,7 @@ def open_llama(model: Path, lora: Path | None, n_ctx: int):
     try:
         import llama_cpp
     except ImportError:
-        raise UserError("--engine llama.cpp: pip install llama-cpp-python (or bash scripts/install_llama_cpp.sh)") from None
+        raise UserError(f"--engine llama.cpp: {LLAMA_CPP_INSTALL}") from None
     # every core: the eval runs alone (the cycle waits for it); on the 2-core CPU 20 held-out
     # examples of SmolLM2 (loss pass and 64-token answers) take 24.2 s on 2 threads, 41.3 s on 1
     threads = os.cpu_count() or 1

@@ -31,6 +31,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from hivetune.core.errors import UserError
+from hivetune.core.versions import LLAMA_CPP_INSTALL
 
 MAX_WAITING = 64  # jobs queued on one engine before new requests get 503
 
@@ -65,8 +66,7 @@ class LlamaBackend:
             import llama_cpp  # optional dependency (extra "serve"), loaded only to serve a .gguf
             from llama_cpp.llama_chat_format import Jinja2ChatFormatter
         except ImportError:
-            raise UserError(f"{model}: a .gguf is served by llama.cpp: pip install llama-cpp-python "
-                            "(or bash scripts/install_llama_cpp.sh)") from None
+            raise UserError(f"{model}: a .gguf is served by llama.cpp: {LLAMA_CPP_INSTALL}") from None
 
         self.llama_cpp = llama_cpp
         if lora is not None:
