@@ -134,8 +134,9 @@ def bucketed(tokens: int, graphs: bool, args: ModelArgs | None = None) -> int:
     return bucket_tokens(tokens)
 
 
-def data_lengths(cfg: TrainConfig, model_path: Path) -> tuple[list[int], list[int]]:
-    """Tokens and loss targets of each training example (dpo / orpo: of each pair's shared row)."""
+def data_index(cfg: TrainConfig, model_path: Path):
+    """The training data's index: .lengths and .n_targets of each example (dpo / orpo: of each
+    pair's shared row, and .pairs)."""
     try:
         tokenizer = load_tokenizer(str(model_path))
     except UserError:
@@ -144,19 +145,17 @@ def data_lengths(cfg: TrainConfig, model_path: Path) -> tuple[list[int], list[in
         raise UserError(f"--data: reading token lengths needs the model's tokenizer ({model_path}: {e}); "
                         f"give an HF folder or GGUF as --model, or leave out --data") from None
     if cfg.method != "sft":
-        index = index_pairs(train_source(cfg), tokenizer, cfg.max_length, cfg.format)
-    else:
-        index = index_dataset(train_source(cfg), cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
-    return index.lengths, index.n_targets
+        return index_pairs(train_source(cfg), tokenizer, cfg.max_length, cfg.format)
+    return index_dataset(train_source(cfg), cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
 
 
-def preference_worst(cfg: TrainConfig, model_path: Path, lengths: list[int]) -> int:
-    """Tokens of the largest preference micro-batch: the batch_size longest shared rows, or with
-    preference.shared_prompt false 2 x batch_size rows padded to the longest prompt + answer."""
+def preference_worst(cfg: TrainConfig, index) -> int:
+    """Tokens of the largest preference micro-batch of a PairIndex: the batch_size longest shared
+    rows, or with preference.shared_prompt false 2 x batch_size rows padded to the longest prompt
+    + answer."""
     b = cfg.batch_size
     if cfg.preference.shared_prompt:
-        return sum(sorted(lengths, reverse=True)[:b])
-    index = index_pairs(train_source(cfg), load_tokenizer(str(model_path)), cfg.max_length, cfg.format)
+        return sum(sorted(index.lengths, reverse=True)[:b])
     widest = max(len(e.prompt) + max(len(e.chosen), len(e.rejected)) for e in index.pairs)
     return 2 * b * widest
 
@@ -224,10 +223,11 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
                      + ("; the reference pass (LoRA off, no gradient) adds a third to the step's work"
                         if cfg.method == "dpo" else ""))
     if data:
-        lengths, n_targets = data_lengths(cfg, model_path)
+        index = data_index(cfg, model_path)
+        lengths, n_targets = index.lengths, index.n_targets
         ordered = sorted(lengths, reverse=True)
         b = cfg.batch_size
-        worst = (preference_worst(cfg, model_path, lengths) if preference
+        worst = (preference_worst(cfg, index) if preference
                  else sum(ordered[:b]) if cfg.packing else b * ordered[0])
         target_fraction = sum(n_targets) / max(1, sum(lengths))
         source = f"data {cfg.data} ({len(lengths)} examples, longest {ordered[0]} tokens)"
