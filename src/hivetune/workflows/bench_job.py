@@ -152,27 +152,23 @@ def epoch_losses(run) -> list[float]:
 def run_baseline(cfg: TrainConfig, job: HFJob, device: torch.device, baseline: str = "hf-peft") -> dict:
     """HF Trainer + PEFT (or TRL's DPOTrainer + PEFT) on the job, with the figures named as hivetune's are."""
     build = lambda: pretrained_hf_model(str(model_path(cfg.model)), device, job.precision)  # noqa: E731
-    if baseline == "trl-dpo":
-        record = run_trl_pairs(build, job.examples, job.lora, job.epochs, job.examples_per_step, device, lr=cfg.lr,
-                               beta=cfg.preference.beta, max_steps=job.max_steps)
-        if "seconds" not in record:
-            return record
-        seconds, steps = max(record["seconds"], 1e-9), record["steps_run"]
-        samples = min(steps * job.examples_per_step, int(job.epochs * len(job.examples)))
-        return {**record, "runtime_s": record["seconds"], "steps": steps, "samples": samples,
-                "tokens": round(record["tokens_per_s"] * seconds), "samples_per_s": samples / seconds,
-                "steps_per_s": steps / seconds}
-    record = run_hf_job(build, job, device)
+    trl = baseline == "trl-dpo"
+    record = (run_trl_pairs(build, job.examples, job.lora, job.epochs, job.examples_per_step, device, lr=cfg.lr,
+                            beta=cfg.preference.beta, max_steps=job.max_steps) if trl
+              else run_hf_job(build, job, device))
     if "seconds" not in record:
         return record
     seconds, steps = max(record["seconds"], 1e-9), record["steps_run"]
     samples = min(steps * job.examples_per_step, int(job.epochs * len(job.examples)))
-    if job.max_steps:  # a cut run: the mean example's tokens for each sample
+    if trl:  # TRL's own count (each answer with its prompt), as its record's tokens/s
+        tokens = round(record["tokens_per_s"] * seconds)
+    elif job.max_steps:  # a cut run: the mean example's tokens for each sample
         tokens = round(samples * sum(len(e.ids) for e in job.examples) / len(job.examples))
     else:  # every epoch's examples (the Trainer keeps a last short batch)
         tokens = round(job.epochs * sum(len(e.ids) for e in job.examples))
     return {**record, "runtime_s": record["seconds"], "steps": steps, "samples": samples, "tokens": tokens,
-            "samples_per_s": samples / seconds, "steps_per_s": steps / seconds, "tokens_per_s": tokens / seconds}
+            "samples_per_s": samples / seconds, "steps_per_s": steps / seconds,
+            "tokens_per_s": record["tokens_per_s"] if trl else tokens / seconds}
 
 
 def halvings(batch: int, per_step: int) -> list[int]:
