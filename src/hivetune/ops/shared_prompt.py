@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hivetune.core.fallbacks import FORCE_ENV, forced, isolated, note_fallback
-from hivetune.ops.attention import FlashVarlen, Masked, has_flash_ops, varlen_supported
+from hivetune.ops.attention import FlashVarlen, Masked, has_flash_ops, probe_error, probe_verdict, varlen_supported
 from hivetune.ops.preference import shared_prompt_mask
 
 _PAIRS_OK: dict[tuple[str, torch.dtype], str] = {}  # (device, dtype) -> "" when the flash path works, else why not
@@ -146,15 +146,8 @@ def probe_pairs(device: torch.device, dtype: torch.dtype) -> str:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
     except Exception as e:  # no kernel for this GPU / dtype / build
-        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return f"{type(e).__name__}: {text}"[:200]
-    ref = reference_pair_attention(q, k, v, lengths)
-    err = ((out.detach().float().cpu() - ref).abs().max() / ref.abs().max()).item()
-    if not err <= 3e-2:
-        return f"wrong result on a tiny input (relative error {err:.3g})"
-    if not all(torch.isfinite(x.grad).all() for x in (qd, kd, vd)):
-        return "non-finite gradients on a tiny input"
-    return ""
+        return probe_error(e)
+    return probe_verdict(out, reference_pair_attention(q, k, v, lengths), (qd, kd, vd))
 
 
 def row_parts(lengths: list[tuple[int, int, int]], device=None) -> tuple[torch.Tensor, torch.Tensor]:
