@@ -7,6 +7,7 @@
              (the same global batch of 16), the same seeded step plan.
 - fsdp 14B:  a Qwen2.5-14B-shape model (random init) trained with FSDP2 on 2 GPUs
              (20 steps of W2-style examples, 4 per GPU), per-GPU peak memory recorded.
+- ddp 14B nf4: the same with the base quantized to nf4, under DDP (FSDP2 refuses a quantized base).
 
 Each run prints one JSON line (rank 0); `all` collects them with the device, versions, commit.
 `--timeline DIR` and the other profile flags write each rank's timeline or profile into DIR;
@@ -516,9 +517,13 @@ def run_all(out_dir: Path, results: Path, commit: str = "", skip_14b: bool = Fal
                    "ddp", "W2", *passed],
         "fsdp_14B": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(here),
                      "fsdp", "14B", *passed],
+        # FSDP2 does not shard a quantized base (its packed blocks are buffers): nf4 runs under DDP
+        "ddp_14B_nf4": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(here), "ddp", "14B", "--set", "base_quant=nf4", *passed],
     }
     if skip_14b:  # a shorter call when only the W2 figures changed
         commands.pop("fsdp_14B")
+        commands.pop("ddp_14B_nf4")
     for name, command in commands.items():
         t0 = time.perf_counter()
         proc = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -536,9 +541,9 @@ def run_all(out_dir: Path, results: Path, commit: str = "", skip_14b: bool = Fal
     path = out_dir / f"multigpu-{result['commit']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}; W2 speedup on 2 GPUs: {result['ddp_speedup_W2']}")
-    for run in (single, ddp):
+    for name, run in runs.items():
         if "tokens_per_s" in run:
-            line = results_line(run, result, single if run is ddp else None)
+            line = results_line(run, result, single if name == "ddp_W2" else None)
             print(f"appended to {append_result(results, line)}")
     return result
 
@@ -549,11 +554,14 @@ def results_line(run: dict, result: dict, single: dict | None) -> dict:
     env = result["environment"]
     figures = {k: run[k] for k in ("steps", "seconds", "tokens", "tokens_per_s", "final_loss", "adapter_save_s",
                                    "strategy", "cuda_graphs", "allocator") if k in run}
+    # the 14B runs differ in strategy (FSDP2 in bf16, DDP on an nf4 base): the setting names it
+    overrides = {"distributed": run["strategy"], **run.get("overrides", {})} if run["workload"] == "14B" \
+        else run.get("overrides")
     figures["peak_memory_allocated_gib"] = max(run["peak_allocated_gib_per_gpu"])
     figures["peak_memory_reserved_gib"] = max(run["peak_reserved_gib_per_gpu"])
     line = {"workload": run["workload"], "device": device_kind(env.get("gpu"), run["gpus"]),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "commit": result["commit"],
-            "setting": setting_text(run.get("overrides")), "environment": env, "max_steps": 0,
+            "setting": setting_text(overrides), "environment": env, "max_steps": 0,
             "overrides": run.get("overrides", {}), "hivetune": figures}
     if single:
         line["baseline"] = {"name": "1 GPU", "seconds": single["seconds"], "tokens_per_s": single["tokens_per_s"],

@@ -194,3 +194,48 @@ def hub_cache(tmp_path, monkeypatch) -> Path:
     cache = tmp_path / "hf" / "hub"
     cache.mkdir(parents=True)
     return cache
+
+
+def kill_torchrun_train_after(args: list, run: Path, step: int, env: dict, timeout: float = 300) -> int:
+    """Start `hivetune train --nproc-per-node 2 ... --output run`, SIGKILL the command (not torchrun,
+    not its workers) once the step-`step` checkpoint exists, and wait until no process of the run is
+    left (each dies with its parent). Returns the newest checkpoint's step."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from hivetune.checkpoint import checkpoint_folders
+
+    def steps():
+        return [int(p.name[5:]) for p in checkpoint_folders(run / "checkpoints")]
+
+    def live():  # processes whose command line names the run folder (zombies are dead)
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except (OSError, IndexError):
+                continue
+            if str(run) in cmdline.split("\0") and state not in "ZX":
+                found.append(int(pid))
+        return found
+
+    proc = subprocess.Popen([sys.executable, "-m", "hivetune", "train", "--nproc-per-node", "2", *args,
+                             "--output", str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    deadline = time.monotonic() + timeout
+    while step not in steps():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, f"no step-{step} checkpoint in {timeout} s"
+        time.sleep(0.02)
+    workers = [pid for pid in live() if pid != proc.pid]
+    assert len(workers) >= 3, workers  # torchrun and its two workers
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while live():
+        assert time.monotonic() < deadline, f"still running 60 s after the kill: {live()}"
+        time.sleep(0.05)
+    assert not (run / "adapter").exists()  # killed before the end
+    return max(steps())

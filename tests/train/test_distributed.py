@@ -15,7 +15,7 @@ from hivetune.core.errors import UserError
 from hivetune.train.setup import setup
 from hivetune.workflows.train_job import train
 
-from conftest import tiny_config
+from conftest import kill_torchrun_train_after, tiny_config
 
 FLAGS = ["--precision", "fp32", "--device", "cpu", "--threads", "1", "--max-steps", "4", "--lr", "1e-2",
          "--set", "lora.r=4", "--set", "lora.alpha=8", "--set", "lora.dropout=0", "--set", "eval_prompts=0",
@@ -151,6 +151,27 @@ def test_fsdp2_two_processes_checkpoint_and_resume(tiny_model_dir, alpaca_file, 
     resumed = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     assert all(torch.equal(resumed[k], final[k]) for k in final)
     assert [r["step"] for r in rows(run)] == [1, 2, 2, 3, 4, 4]
+
+
+def test_killed_two_process_run_leaves_no_worker_and_resumes_bitwise(tiny_model_dir, alpaca_file, tmp_path):
+    # SIGKILL to `hivetune train --nproc-per-node 2` (torchrun starts its workers in sessions of
+    # their own): torchrun and both workers die with it, the run lock is free, and the resumed
+    # run ends with the uninterrupted run's adapter, bit for bit (LoRA dropout on).
+    flags = ["--model", str(tiny_model_dir), "--data", str(alpaca_file), "--precision", "fp32", "--device", "cpu",
+             "--threads", "1", "--max-steps", "6", "--batch-size", "4", "--save-every", "2", "--lr", "1e-2",
+             "--set", "lora.r=4", "--set", "lora.dropout=0.1", "--set", "eval_prompts=0", "--quiet"]
+    whole = tmp_path / "whole"
+    torchrun_train([*flags, "--output", str(whole)])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HIVETUNE_TEST_SLOW_CHECKPOINT": "0.5"}
+    env.pop("WORLD_SIZE", None)
+    run = tmp_path / "killed"
+    last = kill_torchrun_train_after(flags, run, 2, env)
+    assert last in (2, 4), last
+    torchrun_train(["--resume", str(run), "--quiet"])
+    a = load_file(str(whole / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["step"] for r in rows(run)] == [r["step"] for r in rows(whole)]
 
 
 def test_auto_strategy_follows_the_planner():

@@ -127,9 +127,11 @@ def run_train(ns) -> int:
     if ns.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
         import subprocess
 
+        from hivetune.core.fileio import die_with_parent
         from hivetune.parallel.distributed import torchrun_argv
 
-        return subprocess.call(torchrun_argv(ns.nproc_per_node, ns.argv))
+        # torchrun dies with this command, and its workers with it (distributed.init)
+        return subprocess.call(torchrun_argv(ns.nproc_per_node, ns.argv), preexec_fn=die_with_parent)
     overrides = train_overrides(ns)
     if ns.auto and "auto" in getattr(TrainConfig, "__dataclass_fields__", {}):
         overrides["auto"] = True  # fit then also retries a CUDA out-of-memory with a smaller micro-batch

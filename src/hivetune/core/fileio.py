@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -369,6 +370,18 @@ def _pid_in(fd: int) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
+
+
+def die_with_parent() -> None:
+    """In a child process (a cycle's tool, torchrun, a torchrun worker): get SIGKILL when the
+    process that started it dies (Linux), so a killed command leaves nothing writing into its
+    folder or holding its run lock."""
+    try:
+        import ctypes  # Linux prctl; elsewhere a child outlives a killed parent
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def pid_alive(pid: int) -> bool:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hivetune.core.errors import UserError
+from hivetune.core.fileio import die_with_parent
 from hivetune.ops.adamw import one_buffer
 from hivetune.plan import plan
 
@@ -130,6 +131,10 @@ def init(device_name: str) -> Dist:
         return d
     if not dist.is_available():
         raise UserError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun starts each worker in a session of its own: a torchrun killed with SIGKILL would
+        # leave its workers training into the run folder, holding its lock
+        die_with_parent()
     use_cuda = device_name != "cpu" and torch.cuda.is_available()
     if use_cuda:
         if d.local_rank >= torch.cuda.device_count():

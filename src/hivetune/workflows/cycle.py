@@ -30,7 +30,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from hivetune.core.errors import UserError
-from hivetune.core.fileio import atomic_write_with, fsync_dir, fsync_tree
+from hivetune.core.fileio import atomic_write_with, die_with_parent, fsync_dir, fsync_tree
 from hivetune.core.versions import LLAMA_CPP_INSTALL, llama_cpp_installed
 from hivetune.data.interaction_log import read_logs, utc_now
 from hivetune.workflows import registry as reg
@@ -473,14 +472,3 @@ def finished_run(run: Path) -> bool:
 
 def flag_each(flag: str, values) -> list:
     return [x for v in values for x in (flag, v)]
-
-
-def die_with_parent() -> None:
-    """In a tool's process: get SIGKILL when the cycle's process dies (Linux), so a killed cycle
-    leaves no tool writing into its folder."""
-    try:
-        import ctypes  # Linux prctl; elsewhere a tool outlives a killed cycle
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
