@@ -397,3 +397,30 @@ def test_given_seeds_decide_the_dropout_masks_not_the_generator(monkeypatch):
     assert all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
     assert not torch.equal(loss_a, loss_c)
     assert not torch.equal(drawn[0][0], drawn[1][0])
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["given-seeds", "drawn-seeds"])
+def test_checkpointed_recompute_takes_the_forwards_seeds(given):
+    """Gradient checkpointing over the seeded-dropout path (the Triton kernels' CPU stand-ins):
+    each layer's recompute in backward takes the seeds its forward took (lora_casts.SeedTape),
+    given or drawn, so the loss and every LoRA gradient equal the plain forward's, bit for bit.
+    Drawn afresh in the recompute, the masks differed from the forward's."""
+    from hivetune.plan.measure import fused_layers_standin
+
+    model = with_lora(tiny("qwen2", True), 0.3).to(torch.bfloat16)
+    fuse_projections(model)
+    model.train()
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(2))
+    seeds = torch.randint(0, 2**31 - 1, (len(model.lora_casts.slots),), generator=torch.Generator().manual_seed(3))
+    results = []
+    with fused_layers_standin():
+        for checkpointing in (False, True):
+            model.gradient_checkpointing = checkpointing
+            torch.manual_seed(5)
+            with lora_casts.given_seeds(seeds if given else None):
+                results.append(loss_and_grads(model, ids))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and any(g.abs().sum() > 0 for g in grads_a.values())
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name

@@ -93,7 +93,8 @@ def test_activation_bytes_match_saved_tensors(precision, path, dropout, targets)
 
 def test_lora_casts_of_the_joined_path():
     """A_all [n r, d] and the block-diagonal B [O, n r] of each group call, in the compute dtype
-    (a lone layer's B only below fp32), for every layer, or one layer under checkpointing."""
+    (a lone layer's B only below fp32), for every layer, with checkpointing too (the recompute
+    reads the forward's CastCache: lora_casts.SeedTape)."""
     from hivetune.plan.memory import lora_cast_bytes
 
     args = qwen25_shape(300, 64, 176, 3, 4, 2, False)  # q 64, k / v 32, intermediate 176
@@ -107,7 +108,7 @@ def test_lora_casts_of_the_joined_path():
         mc = MemoryConfig(precision=precision, r=r)
         assert lora_cast_bytes(args, mc) == 3 * per_layer
         ckpt = MemoryConfig(precision=precision, r=r, gradient_checkpointing=True)
-        assert lora_cast_bytes(args, ckpt) == per_layer
+        assert lora_cast_bytes(args, ckpt) == 3 * per_layer
         qv = MemoryConfig(precision=precision, r=r, targets=("q_proj", "v_proj"))  # two lone layers
         assert lora_cast_bytes(args, qv) == 3 * s * (2 * r * 64 + (0 if s == 4 else (64 + 32) * r))
 

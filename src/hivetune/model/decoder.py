@@ -23,7 +23,7 @@ from hivetune.ops import norm as norm_op
 from hivetune.ops import rope as rope_op
 from hivetune.ops import swiglu as swiglu_op
 from hivetune.ops.attention import Packed, causal_attention
-from hivetune.ops.lora_casts import dropout_seed
+from hivetune.ops.lora_casts import SeedTape, dropout_seed
 from hivetune.ops.loss import cap_logits
 
 
@@ -275,8 +275,8 @@ class CausalLM(nn.Module):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         cos, sin = self.rope_tables(position_ids, dtype)
         casts = getattr(self, "lora_casts", None)  # lora.fuse_projections: the LoRA casts, one refresh
-        if casts is None or not self.training or not torch.is_grad_enabled() or self.gradient_checkpointing:
-            casts = None  # (a checkpointed layer's recompute runs outside this forward: it casts its own)
+        if casts is None or not self.training or not torch.is_grad_enabled():
+            casts = None
         offload = getattr(self, "activation_offload", None)
         with casts.fresh(dtype) if casts is not None else nullcontext():
             # the first layers' saved activations wait in host memory until backward (ops.offload)
@@ -284,7 +284,8 @@ class CausalLM(nn.Module):
                        and not self.gradient_checkpointing else None)
             for i, layer in enumerate(self.model.layers):
                 if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                    x = checkpoint(layer, x, cos, sin, layout, None, use_reentrant=False)
+                    # the recompute in backward takes this forward's casts and dropout seeds (SeedTape)
+                    x = checkpoint(SeedTape(), layer, x, cos, sin, layout, None, use_reentrant=False)
                 elif offload is not None:
                     x = offload.layer(i, layer, x, cos, sin, layout)
                 else:

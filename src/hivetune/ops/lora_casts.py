@@ -6,8 +6,9 @@ Bd = blockdiag(B_1, ..., B_n) [O, n r] in the compute dtype. A ``CastCache``
 (``lora.fuse_projections`` builds it, ``CausalLM.forward`` refreshes it) holds every layer's
 A_all and Bd of one group kind (q/k/v, o, gate/up, down) in one buffer, written by two or three
 kernels for the whole model, instead of ~9 cast / fill / copy kernels per layer and group (on
-W1, ~500 of a step's ~2,400 kernels). Without a fresh cache (a layer called alone, a
-checkpointed layer's recompute) ops.lora_group builds them itself.
+W1, ~500 of a step's ~2,400 kernels). Without a fresh cache (a layer called alone) ops.lora_group
+builds them itself. A checkpointed layer runs through a ``SeedTape``: its recompute in backward
+takes the forward's cache and the very seeds its forward took.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ _ACTIVE: "CastCache | None" = None  # the cache refreshed by the model forward n
 # call), set by given_seeds: train draws them on the host per micro-batch, and a CUDA graph reads
 # them from its static inputs, so no graph draws from torch's CUDA generator.
 _GIVEN_SEEDS: "torch.Tensor | None" = None
+_TAPE: "SeedTape | None" = None  # the checkpointed layer now running (forward or recompute)
 
 
 class _Kind:
@@ -165,7 +167,42 @@ def casts_active() -> bool:
 
 
 def dropout_seed(device) -> torch.Tensor:
-    """The seeded dropout's seed for the next group call: the refreshed CastCache's (one draw a
-    forward), else a fresh one."""
-    return _ACTIVE.next_seed(device) if _ACTIVE is not None else dropout_op.new_dropout_seed(device)
+    """The seeded dropout's seed for the next group call: in a checkpointed layer's recompute the
+    one its forward took (SeedTape), else the refreshed CastCache's (one draw a forward), else a
+    fresh one."""
+    return taped(lambda: _ACTIVE.next_seed(device) if _ACTIVE is not None else dropout_op.new_dropout_seed(device))
+
+
+def taped(draw) -> torch.Tensor:
+    """draw() (a dropout seed), except inside a checkpointed layer (SeedTape): there its forward
+    records what draw() gives and its recompute takes the recorded seed instead of drawing."""
+    return _TAPE.take(draw) if _TAPE is not None else draw()
+
+
+class SeedTape:
+    """The function a checkpointed layer runs through (``checkpoint(SeedTape(), layer, *args)``):
+    its first call (the forward) records the dropout seeds the layer takes, in order; a later call
+    (the recompute in backward, after the forward's given seeds and refreshed cache are gone)
+    takes the same seeds and the forward's cache again. Without it the recompute would draw other
+    seeds: other masks than those of the forward that made the loss, and wrong LoRA gradients."""
+
+    def __init__(self):
+        self.cache, self.seeds, self.recorded, self.position = _ACTIVE, [], False, 0
+
+    def __call__(self, fn, *args):
+        global _TAPE, _ACTIVE
+        previous = _TAPE, _ACTIVE
+        _TAPE, _ACTIVE, self.position = self, self.cache, 0
+        try:
+            return fn(*args)
+        finally:
+            _TAPE, _ACTIVE = previous
+            self.recorded = True
+
+    def take(self, draw) -> torch.Tensor:
+        if not self.recorded:
+            self.seeds.append(draw())
+            return self.seeds[-1]
+        self.position += 1
+        return self.seeds[self.position - 1]
 

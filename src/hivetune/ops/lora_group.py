@@ -161,7 +161,8 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
             and cached is not None else None)
     if seeded is True:  # the mask is drawn again from the seed in backward: nothing stored
         device = x2.device
-        mask = lora_casts.active().next_seed(device) if cached is not None else dropout_op.new_dropout_seed(device)
+        mask = lora_casts.taped(lambda: lora_casts.active().next_seed(device) if cached is not None
+                                else dropout_op.new_dropout_seed(device))
     if seeded is True and drop_matmul_ok(x2, a_all):  # the dropout rides in the A matmuls
         seeded = "in_matmul"
         xa = drop_matmul(x2, a_all, mask, p, scale)

@@ -29,7 +29,7 @@ low-precision copies of every LoRA weight instead, and its mask is the input dty
 The first layer's input norm saves nothing (no gradient flows into the frozen embedding), nor
 do the layer-by-layer q/k/v their dropout masks (lora_group's Function saves its mask anyway).
 With gradient checkpointing a layer keeps only its input (s h per token) and one layer is
-recomputed in backward (with lora_group, one layer's casts too). The fused LM-head loss keeps
+recomputed in backward (its LoRA casts are the forward's, kept for every layer). The fused LM-head loss keeps
 d loss/d hidden for the N target rows (N h s); inside it, the PyTorch chunk (CPU, fp32, no
 Triton) holds a chunk of fp32 logits (256 MiB) with one more of its size (logsumexp's x - max;
 each chunk's gradient is freed before the next chunk's logits): 512 MiB for a 152k vocabulary,
@@ -343,12 +343,12 @@ def layer_cast_bytes(args: ModelArgs, mc: MemoryConfig) -> int:
 def lora_cast_bytes(args: ModelArgs, mc: MemoryConfig) -> int:
     """Low-precision or concatenated copies of the fp32 LoRA weights held for backward.
 
-    Joined (lora_group): layer_cast_bytes for every layer, or for the one recomputed layer under
-    gradient checkpointing (a checkpointed forward saves nothing). Layer by layer: autocast's
+    Joined (lora_group): layer_cast_bytes for every layer (the CastCache's buffers, which a
+    checkpointed layer's recompute reads too: lora_casts.SeedTape). Layer by layer: autocast's
     cached copies of every LoRA weight (held through backward), or in fp32 the concatenated A
     of each shared group."""
     if mc.joined:
-        return layer_cast_bytes(args, mc) * (1 if mc.gradient_checkpointing else args.num_hidden_layers)
+        return layer_cast_bytes(args, mc) * args.num_hidden_layers
     if mc.s == 2:
         return 2 * lora_parameter_count(args, mc.r, mc.targets)
     d = dims(args)
