@@ -82,10 +82,19 @@ def assert_same(ours, auto) -> None:
                     b["input_ids"], skip_special_tokens=skip)
     for chat in CHATS:
         for prompt in (True, False):
-            assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt) == (
-                auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt))
-            assert ours.apply_chat_template(chat, add_generation_prompt=prompt)["input_ids"] == (
-                auto.apply_chat_template(chat, add_generation_prompt=prompt)["input_ids"])
+            assert templated(ours, chat, prompt) == templated(auto, chat, prompt)
+
+
+def templated(tok, chat, prompt: bool):
+    """The chat's text and ids, or the template's own error (Mistral's templates refuse a system
+    turn or roles that do not alternate: both tokenizers must refuse alike)."""
+    from jinja2 import TemplateError
+
+    try:
+        return (tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt),
+                tok.apply_chat_template(chat, add_generation_prompt=prompt)["input_ids"])
+    except TemplateError as e:
+        return f"TemplateError: {e}"
 
 
 @pytest.mark.parametrize("name", ["plain", "bos_eos", "new_specials", "jinja_file", "added_tokens_decoder"])

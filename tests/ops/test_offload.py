@@ -155,14 +155,19 @@ def test_offload_needs_cuda_outside_the_test_mode():
 
 
 def test_prefetch_schedule():
-    """Layer i comes back when backward reaches layer min(L - 1, i + N); the GPU then holds at
-    most N + 1 layers of the window, under the L - N of the start of backward when N < L / 2."""
+    """Layer i comes back when backward reaches layer min(L - 1, i + lead); the GPU then holds at
+    most lead + 1 layers of the window: under the L - N of the start of backward up to N = L / 2
+    (lead N), L - N + 1 beyond (lead L - N)."""
     assert [prefetch_trigger(i, 8, 28) for i in (0, 7)] == [8, 15]
     assert prefetch_trigger(3, 3, 4) == 3
     assert peak_resident_layers(8, 28) == 20
     assert peak_resident_layers(14, 28) == 15
     assert peak_resident_layers(2, 4) == 3
-    assert peak_resident_layers(4, 4) == 4
+    assert peak_resident_layers(4, 4) == 3
+    # beyond half the layers the lead shrinks to L - N (at least 2): every further offloaded layer
+    # lowers the peak (with a lead of N, offloading all 24 layers brought all 24 back at once)
+    assert [peak_resident_layers(n, 24) for n in (8, 12, 13, 16, 20, 23, 24)] == [16, 13, 12, 9, 5, 3, 3]
+    assert [prefetch_lead(n, 24) for n in (12, 13, 20, 24)] == [12, 11, 4, 2]
     # a few layers: the copies still lead by 4 layers where the window fits beside the rest
     assert [prefetch_lead(n, 28) for n in (1, 3, 5)] == [4, 4, 5]
     assert [prefetch_trigger(i, 2, 28) for i in (0, 1)] == [4, 5]

@@ -33,16 +33,17 @@ How, per training forward (``CausalLM.forward`` calls ``begin``, then ``layer`` 
   their copies are done).
 - Host to device, ahead of backward: a hook on the output of layer j (run when backward reaches
   layer j) issues the copies of every offloaded layer i with ``prefetch_trigger(i) >= j``, i.e.
-  layer i's when backward reaches layer min(L - 1, i + lead), lead = max(N, 4) (``prefetch_lead``:
-  less on a model too shallow for that window), highest layer first, each into a GPU
+  layer i's when backward reaches layer min(L - 1, i + lead), lead = max(N, 4) up to N = L / 2
+  (``prefetch_lead``: less on a model too shallow for that window; beyond, L - N, at least 2),
+  highest layer first, each into a GPU
   buffer allocated on the compute stream, the side stream waiting for it, with an event after
   each layer's copies. Why lead N: the copies run back to back from the first one (issued at
   layer 2N - 1) at ~7 ms a layer while backward takes ~4 ms a layer, so layer i is ready 7 (N - i)
   ms after that point and needed 4 (2N - 1 - i) ms after it: in time for every i when N >= 4
   (W2 with N = 8: 56 ms of copies inside 60 ms of backward), hence the floor of 4. The window
-  holds at most lead + 1 layers on the GPU (layers N..j and the fetched ones), no more than the
-  L - N of the start of backward whenever N < L / 2 (``peak_resident_layers``); fetching all N at
-  once would hold 2N.
+  holds at most lead + 1 layers on the GPU (layers N..j and the fetched ones): up to N = L / 2 no
+  more than the L - N of the start of backward, beyond it L - N + 1 (``peak_resident_layers``);
+  fetching all N at once would hold 2N.
 - Unpack: the compute stream waits for the layer's event, and gets a view of the GPU copy with
   the saved dtype, offset, size and strides. The handle keeps the GPU copy until it dies (when
   every node that saved it has run): SwiGLU's backward writes its gradient over the gate|up
@@ -72,14 +73,21 @@ import torch
 THRESHOLD_BYTES = 1 << 20  # storages under 1 MiB stay on the GPU (W2: lse, 1/rms, the rank-r xa)
 CHUNK_BYTES = 256 << 20  # pinned host memory is allocated in chunks of up to this size
 ALIGN = 4096  # host copies start at 4 KiB boundaries
-MIN_LEAD = 4  # prefetch_lead's floor
+MIN_LEAD = 4  # prefetch_lead's floor up to half the layers offloaded
+MIN_DEEP_LEAD = 2  # and beyond half
 
 
 def prefetch_lead(offloaded: int, layers: int) -> int:
-    """How many layers of backward ahead of offloaded layer i its copies are issued: N, at least
-    MIN_LEAD (a few offloaded layers: each one's copies take ~7 ms a W2 layer, its backward ~4)
-    where the window of fetched and kept layers (lead + 1) stays within the L - N that never left."""
-    return max(offloaded, min(MIN_LEAD, layers - offloaded - 1))
+    """How many layers of backward ahead of offloaded layer i its copies are issued. Up to half
+    the layers: N, at least MIN_LEAD (a few offloaded layers: each one's copies take ~7 ms a W2
+    layer, its backward ~4) where the window of fetched and kept layers (lead + 1) stays within
+    the L - N that never left. Beyond half: L - N, at least MIN_DEEP_LEAD, so that the window
+    stays within those too and each further offloaded layer lowers the backward's peak (a lead
+    of N would bring every offloaded layer back at once: all L for N = L); the copies may then
+    keep backward waiting, the price of the memory."""
+    if 2 * offloaded <= layers:
+        return max(offloaded, min(MIN_LEAD, layers - offloaded - 1))
+    return max(MIN_DEEP_LEAD, layers - offloaded)
 
 
 def prefetch_trigger(layer: int, offloaded: int, layers: int) -> int:
