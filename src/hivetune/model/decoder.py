@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from hivetune.model.config import ModelArgs
-from hivetune.model.families import BLOCKS, GEMMA, LAYERS, OffsetRMSNorm, attend, window_cuts
+from hivetune.model.families import BLOCKS, GEMMA, LAYERS, OffsetRMSNorm, attend, attention_projections, window_cuts
 from hivetune.model.lora import LoRALinear, project_shared_input
 from hivetune.ops import norm as norm_op
 from hivetune.ops import rope as rope_op
@@ -132,21 +132,8 @@ def read_input(fused, norm, x):
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
-        h, hd = args.hidden_size, args.head_dim
-        self.n_heads, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, hd
-        self.layer_idx = layer_idx
-        self.q_proj = nn.Linear(h, self.n_heads * hd, bias=args.attention_bias)
-        self.k_proj = nn.Linear(h, self.n_kv * hd, bias=args.attention_bias)
-        self.v_proj = nn.Linear(h, self.n_kv * hd, bias=args.attention_bias)
         # Qwen2 puts a bias on q, k, v only; Llama / Qwen3 with attention_bias on all four.
-        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=args.attention_bias and args.model_type != "qwen2")
-        if args.qk_norm:
-            self.q_norm = RMSNorm(hd, args.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, args.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
-        self.qkv = None  # a lora.FusedProjections of q/k/v once lora.fuse_projections ran
-        self.window = args.layer_window(layer_idx)  # Mistral's sliding window
+        attention_projections(self, args, layer_idx, RMSNorm, args.attention_bias and args.model_type != "qwen2")
 
     def forward(self, x, cos, sin, layout=None, cache=None, norm=None):
         """x: the residual stream. With `norm` (the layer's RMSNorm) the block reads norm(x) and

@@ -150,26 +150,32 @@ class OffsetRMSNorm(nn.Module):
         return None  # no fused norm + LoRA dropout for this norm (decoder.read_input)
 
 
+def attention_projections(block: nn.Module, args: ModelArgs, layer_idx: int, qk_norm: type, o_bias: bool) -> None:
+    """An attention block's head counts, q/k/v/o projections, q/k norms (of the family's norm
+    class `qk_norm`, where args.qk_norm) and sliding window: decoder.Attention's and GemmaAttention's."""
+    h, hd = args.hidden_size, args.head_dim
+    block.n_heads, block.n_kv, block.head_dim = args.num_attention_heads, args.num_key_value_heads, hd
+    block.layer_idx = layer_idx
+    block.q_proj = nn.Linear(h, block.n_heads * hd, bias=args.attention_bias)
+    block.k_proj = nn.Linear(h, block.n_kv * hd, bias=args.attention_bias)
+    block.v_proj = nn.Linear(h, block.n_kv * hd, bias=args.attention_bias)
+    block.o_proj = nn.Linear(block.n_heads * hd, h, bias=o_bias)
+    if args.qk_norm:
+        block.q_norm = qk_norm(hd, args.rms_norm_eps)
+        block.k_norm = qk_norm(hd, args.rms_norm_eps)
+    else:
+        block.q_norm = block.k_norm = None
+    block.qkv = None  # a lora.FusedProjections of q/k/v once lora.fuse_projections ran
+    block.window = args.layer_window(layer_idx)  # Mistral's sliding window, Gemma's local layers
+
+
 class GemmaAttention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
-        h, hd = args.hidden_size, args.head_dim
-        self.n_heads, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, hd
-        self.layer_idx = layer_idx
-        self.q_proj = nn.Linear(h, self.n_heads * hd, bias=args.attention_bias)
-        self.k_proj = nn.Linear(h, self.n_kv * hd, bias=args.attention_bias)
-        self.v_proj = nn.Linear(h, self.n_kv * hd, bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=args.attention_bias)
-        if args.qk_norm:
-            self.q_norm = OffsetRMSNorm(hd, args.rms_norm_eps)
-            self.k_norm = OffsetRMSNorm(hd, args.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
-        self.window = args.layer_window(layer_idx)
-        self.scale = (args.query_pre_attn_scalar or hd) ** -0.5
+        attention_projections(self, args, layer_idx, OffsetRMSNorm, args.attention_bias)
+        self.scale = (args.query_pre_attn_scalar or args.head_dim) ** -0.5
         self.softcap = args.attn_logit_softcapping
         self.local_rope = args.rope_local_theta is not None and self.window is not None
-        self.qkv = None  # a lora.FusedProjections of q/k/v once lora.fuse_projections ran
 
     def forward(self, h, cos, sin, layout=None, cache=None):
         """h: the normed residual stream -> the block's output (the residual add is the layer's)."""
