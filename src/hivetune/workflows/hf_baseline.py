@@ -131,7 +131,6 @@ def _train_once(build_model, job: HFJob, batch: int, device: torch.device, timed
     # optional dependencies (hivetune[dev]), loaded only for the baseline
     from peft import get_peft_model
     from transformers import Trainer, TrainingArguments
-    from transformers.trainer_callback import PrinterCallback
 
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(job.precision)
     if job.base_quant in QUANT_BASES:
@@ -163,13 +162,7 @@ def _train_once(build_model, job: HFJob, batch: int, device: torch.device, timed
             disable_tqdm=True, remove_unused_columns=False, seed=0, dataloader_num_workers=0)
         trainer = Trainer(model=model, args=args, train_dataset=features, data_collator=collate,
                           callbacks=[Clock()])
-        trainer.remove_callback(PrinterCallback)  # its per-step log lines (log_losses) are not for the terminal
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
-        output = trainer.train()
-        seconds = time.perf_counter() - t0
+        output, t0, seconds = timed_train(trainer, device)
         history = list(trainer.state.log_history)
     del trainer, model
     optim = getattr(args.optim, "value", args.optim)
@@ -194,6 +187,21 @@ def _train_once(build_model, job: HFJob, batch: int, device: torch.device, timed
         record.update(measured="full", seconds=round(seconds, 3), seconds_per_step=round(seconds / len(stamps), 4),
                       tokens_per_s=round(job.examples_per_step * len(stamps) * mean_tokens / seconds, 1))
     return record
+
+
+def timed_train(trainer, device: torch.device) -> tuple:
+    """(trainer.train()'s output, its start, its seconds): the clock starts once the GPU is idle and
+    its peak memory reset; the Trainer's printer (per-step log lines, an end-of-run dict on
+    stdout) is off, the record holds the figures."""
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    output = trainer.train()
+    return output, t0, time.perf_counter() - t0
 
 
 def peft_lora(lora: dict):

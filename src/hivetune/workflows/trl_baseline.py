@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import importlib.util
 import tempfile
-import time
 
 import torch
 
-from hivetune.workflows.hf_baseline import _release, peak_memory, peft_lora, random_hf_model, step_clock
+from hivetune.workflows.hf_baseline import _release, peak_memory, peft_lora, random_hf_model, step_clock, timed_train
 from hivetune.workflows.workloads import Workload
 
 
@@ -63,7 +62,6 @@ def _train_once(build_model, pairs: list, lora: dict, epochs: float, per_step: i
                 timed_steps: int, warmup_steps: int, lr: float, beta: float, max_steps: int) -> dict:
     # optional dependencies (hivetune[dev]), loaded only for the baseline
     from datasets import Dataset
-    from transformers.trainer_callback import PrinterCallback
     from trl import DPOConfig, DPOTrainer
 
     class PreTokenized(DPOTrainer):
@@ -91,13 +89,7 @@ def _train_once(build_model, pairs: list, lora: dict, epochs: float, per_step: i
                          disable_tqdm=True, seed=0, dataloader_num_workers=0)
         trainer = PreTokenized(model=model, args=args, train_dataset=dataset, processing_class=id_tokenizer(vocab),
                                peft_config=lora, callbacks=[Clock()])
-        trainer.remove_callback(PrinterCallback)  # its end-of-run dict on stdout; the record has the figures
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
-        output = trainer.train()
-        seconds = time.perf_counter() - t0
+        output, t0, seconds = timed_train(trainer, device)
     del trainer, model
     tokens = sum(len(p.prompt) * 2 + len(p.chosen) + len(p.rejected) for p in pairs) / len(pairs)  # as TRL runs them
     record = {"config": f"DPOTrainer defaults, batch {per_step}, {'bf16' if bf16 else 'fp32'}",
