@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One device call on 2 GPUs (kind nvidia-h200-x2): the 2-GPU tests, then W2 on one GPU and on two
-# (DDP, same global batch), each warmed first, and a 14B-shape model with FSDP2 in bf16 and with DDP
-# on an nf4 base (benchmarks/multi_gpu.py). New result lines land in $OUT/results/W2-<device>.jsonl; append them
-# to benchmarks/results/ here.
+# On 2 GPUs (kind nvidia-h200-x2): the 2-GPU tests, then W2 on one GPU and on two (DDP, same
+# global batch), each warmed first, and a 14B-shape model with FSDP2 in bf16 and with DDP on an
+# nf4 base (benchmarks/multi_gpu.py). New result lines land in $OUT/results/W2-<device>.jsonl and
+# 14B-<device>.jsonl; append them to benchmarks/results/ here.
 # Usage: bash benchmarks/multi_gpu_run.sh <commit>   (the device's copy of the tree may have no .git)
 set -uo pipefail
 COMMIT=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}

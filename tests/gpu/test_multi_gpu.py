@@ -68,7 +68,6 @@ def test_ddp_with_cuda_graphs_tracks_one_gpu(tiny_model_dir, alpaca_file, tmp_pa
     assert len(sizes) == 2 and sizes[0] == sizes[1] and sizes[0], sizes
 
 
-
 @pytest.mark.parametrize("setting", [["distributed=ddp"], ["distributed=fsdp"], ["distributed=ddp", "base_quant=nf4"]],
                          ids=["ddp", "fsdp", "ddp-nf4"])
 def test_two_gpu_run_killed_and_resumed_is_bitwise(setting, tiny_model_dir, alpaca_file, tmp_path):

@@ -142,7 +142,7 @@ def test_median_by_size_takes_steps_of_one_graph_size_after_the_first_two():
     micro-batches all took one size count (step 3 mixed two sizes; steps 0-1 warm up and plan)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("multi_gpu_bench_sizes", ROOT / "benchmarks" / "multi_gpu.py")
+    spec = importlib.util.spec_from_file_location("rank_profiles_sizes", ROOT / "benchmarks" / "rank_profiles.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     seconds = {0: 0.7, 1: 0.2, 2: 0.094, 3: 0.18, 4: 0.093, 5: 0.081, 6: 0.095, 7: 0.5}
