@@ -127,15 +127,25 @@ def test_cpu_run_takes_the_eager_path(tmp_path):
     ({"scaler": object()}, "fp16 with loss scaling: graphed steps are bf16 only"),
     ({"precision": "fp32"}, "fp32: flash varlen attention needs bf16"),
     ({"packing": False}, "packing is off"),
-    ({"gradient_checkpointing": True}, "gradient checkpointing"),
 ])
 def test_graphs_unsupported_names_the_reason(change, reason, tmp_path):
-    run = tiny_run(tmp_path, **{k: v for k, v in change.items() if k in ("packing", "gradient_checkpointing")})
+    run = tiny_run(tmp_path, **{k: v for k, v in change.items() if k == "packing"})
     run.precision = change.get("precision", "bf16")
     run.scaler = change.get("scaler")
     assert graphs_unsupported(run, fused_target_loss_sum) == reason
-    run.precision, run.scaler, run.cfg.packing, run.cfg.gradient_checkpointing = "bf16", None, True, False
+    run.precision, run.scaler, run.cfg.packing = "bf16", None, True
     assert graphs_unsupported(run, lambda *a: None) == "unknown loss function"
+
+
+def test_checkpointed_micro_batches_stay_graphed_further_up():
+    """W2's 16-example micro-batch (~2,900 tokens, ~82 TFLOP): eager without checkpointing
+    (the GPU outruns the host), graphed with it (the host dispatches each forward twice)."""
+    from hivetune.plan.graph_sizes import launch_bound
+    from hivetune.workflows.workloads import WORKLOADS
+
+    weights = WORKLOADS["W2"].args.linear_weight_count
+    assert not launch_bound(weights, 2_900) and launch_bound(weights, 2_900, checkpointing=True)
+    assert launch_bound(weights, 2_000) and not launch_bound(weights, 4_500, checkpointing=True)
 
 
 def test_planned_keys_are_the_keys_the_loop_meets(tmp_path):

@@ -123,7 +123,7 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
     for ckpt, offload in ((False, False), (False, True), (True, False)):
         mcs = {graphed: memory_config(cfg, precision, ckpt, graphs=graphed) for graphed in (False, True)}
         for b in _divisors_desc(effective):
-            tokens = bucketed(b * cfg.max_length, uses_graphs(cfg, precision, ckpt), args)
+            tokens = bucketed(b * cfg.max_length, uses_graphs(cfg, precision), args, ckpt)
             graphed = tokens != b * cfg.max_length
             new = _with(cfg, batch_size=b, grad_accum=effective // b, gradient_checkpointing=ckpt)
             peak, moved = breakdown(args, mcs[graphed], tokens).total, ""  # graphed: no offload

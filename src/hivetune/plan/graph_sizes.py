@@ -20,6 +20,10 @@ GRAIN = 16
 # host's dispatch anyway and graphs cost capture time and pool memory for nothing: W2's
 # 16-example micro-batches (~82 TFLOP) ran 16.80 s graphed against 16.96 s eager (docs/log.md).
 MAX_TFLOP_PER_MICRO_BATCH = 60.0
+# With gradient checkpointing the host dispatches each layer's forward twice and the step is
+# host-bound further up: W2 on an nf4 base (~82 TFLOP a micro-batch) ran 300 ms a step eager
+# against 250 graphed on an H200 (docs/log.md).
+MAX_TFLOP_PER_MICRO_BATCH_CHECKPOINTING = 120.0
 
 
 def bucket_tokens(n_tokens: int, bucket: int = BUCKET_TOKENS) -> int:
@@ -32,9 +36,14 @@ def micro_batch_tflop(linear_weight_count: int, tokens: float) -> float:
     return 4 * linear_weight_count * tokens / 1e12
 
 
-def launch_bound(linear_weight_count: int, tokens: float) -> bool:
-    """Whether a micro-batch of `tokens` is small enough for CUDA graphs to pay (MAX_TFLOP_PER_MICRO_BATCH)."""
-    return micro_batch_tflop(linear_weight_count, tokens) <= MAX_TFLOP_PER_MICRO_BATCH
+def max_tflop(checkpointing: bool = False) -> float:
+    """The largest micro-batch (matmul TFLOP) CUDA graphs pay for."""
+    return MAX_TFLOP_PER_MICRO_BATCH_CHECKPOINTING if checkpointing else MAX_TFLOP_PER_MICRO_BATCH
+
+
+def launch_bound(linear_weight_count: int, tokens: float, checkpointing: bool = False) -> bool:
+    """Whether a micro-batch of `tokens` is small enough for CUDA graphs to pay (max_tflop)."""
+    return micro_batch_tflop(linear_weight_count, tokens) <= max_tflop(checkpointing)
 
 
 def grid_keys(micro: list[tuple[int, int]], bucket: int = BUCKET_TOKENS) -> list[tuple[int, int]]:

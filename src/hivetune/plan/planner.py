@@ -118,18 +118,18 @@ def training_path(precision: str, cuda: bool = True, distributed: str = "auto", 
     return {"joined": fused_lora_usable() and distributed != "fsdp", "fused_layers": fused_layers}
 
 
-def uses_graphs(cfg: TrainConfig, precision: str, checkpointing: bool) -> bool:
-    """train.cuda_graphs applies to bf16 packed runs without checkpointing (where the tree has it)."""
-    return bool(getattr(cfg, "cuda_graphs", False)) and precision == "bf16" and cfg.packing and not checkpointing
+def uses_graphs(cfg: TrainConfig, precision: str) -> bool:
+    """train.cuda_graphs applies to bf16 packed runs (where the tree has it)."""
+    return bool(getattr(cfg, "cuda_graphs", False)) and precision == "bf16" and cfg.packing
 
 
-def bucketed(tokens: int, graphs: bool, args: ModelArgs | None = None) -> int:
+def bucketed(tokens: int, graphs: bool, args: ModelArgs | None = None, checkpointing: bool = False) -> int:
     """CUDA graphs pad each micro-batch to a graph size (plan.graph_sizes, on the fixed grid
     here); they switch themselves off for compute-bound micro-batches (launch_bound), which then
     run eagerly at their own size."""
     if not graphs:
         return tokens
-    if args is not None and not launch_bound(args.linear_weight_count, tokens):
+    if args is not None and not launch_bound(args.linear_weight_count, tokens, checkpointing):
         return tokens
     return bucket_tokens(tokens)
 
@@ -241,8 +241,8 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     worst = min(worst, cfg.batch_size * cfg.max_length)
 
     ckpt = cfg.gradient_checkpointing
-    graphs = uses_graphs(cfg, precision, ckpt) and not preference
-    tokens = bucketed(worst, graphs, args)
+    graphs = uses_graphs(cfg, precision) and not preference
+    tokens = bucketed(worst, graphs, args, ckpt)
     graphs = graphs and tokens != worst
     mc = memory_config(cfg, precision, ckpt, graphs=graphs, args=args, tokens=tokens, memory_bytes=int(mem_gib * GIB))
     if mc.base_quant == "keep":

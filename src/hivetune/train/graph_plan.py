@@ -75,8 +75,6 @@ def graphs_unsupported(run, loss_fn) -> str | None:
         return f"{run.precision}: flash varlen attention needs bf16"
     if not run.cfg.packing:
         return "packing is off"
-    if run.cfg.gradient_checkpointing:
-        return "gradient checkpointing"
     if ignoring_loss_fn(loss_fn) is None:
         return "unknown loss function"
     probe = torch.empty(1, 1, 1, 1, dtype=torch.bfloat16, device=run.device)

@@ -47,7 +47,7 @@ from hivetune.data.batch import MicroBatch
 from hivetune.model.lora import lora_parameters
 from hivetune.ops.attention import Packed
 from hivetune.ops.lora_grads import GradArena
-from hivetune.plan.graph_sizes import (BUCKET_TOKENS, GRAIN, MAX_TFLOP_PER_MICRO_BATCH, bucket_tokens,
+from hivetune.plan.graph_sizes import (BUCKET_TOKENS, GRAIN, bucket_tokens, max_tflop,
                                        capture_cost_tokens, deferrable, defers_captures, grid_keys, plan_sizes,
                                        target_capacities)
 from hivetune.train.graph_batch import Bucket, first_line, batch_key, keeps_graphs, pad_packed_batch, release_generator
@@ -248,7 +248,7 @@ class GraphedForwardBackward:
         process decides on the largest one's micro-batch (gather), so all of them reach the
         plan's collective, or none does."""
         tflop = max(self.gather(self.flops_per_token * batch.input_ids.numel() / 1e12))
-        if tflop > MAX_TFLOP_PER_MICRO_BATCH:
+        if tflop > max_tflop(getattr(self.model, "gradient_checkpointing", False)):
             self._turn_off(f"compute-bound micro-batches, ~{tflop:.0f} TFLOP each")
 
     def _turn_off(self, reason: str) -> None:
