@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 TRAIN_MODULES = ("hivetune.train.run", "hivetune.train.setup", "hivetune.train.step", "hivetune.train.loop",
                  "hivetune.workflows.train_job", "hivetune.cli")
@@ -60,13 +62,15 @@ def test_train_help_imports_no_torch():
     assert [n for n in names if n == "torch" or n.startswith("torch.")] == []
 
 
-def test_train_run_on_cpu_loads_no_compiler_nor_transformers(tiny_model_dir, alpaca_file, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--set", "gradient_checkpointing=true"]])
+def test_train_run_on_cpu_loads_no_compiler_nor_transformers(extra, tiny_model_dir, alpaca_file, tmp_path):
     """A whole `hivetune train` on an HF folder (a generic tokenizer class) on the CPU: the
     tokenizer comes without transformers, the model is built on the meta device without maths
-    that runs through torch._refs, and the optimizer step without torch's _use_grad wrapper;
-    each of those imports torch._dynamo (and with it sympy), seconds of start-up."""
+    that runs through torch._refs, the optimizer step without torch's _use_grad wrapper, and
+    checkpointed layers without torch.utils.checkpoint (it reads torch._dynamo's config); each
+    of those imports torch._dynamo (and with it sympy), seconds of start-up."""
     names = loaded_after("from hivetune.cli import main\n"
                          f"main(['train', '--model', {str(tiny_model_dir)!r}, '--data', {str(alpaca_file)!r}, "
-                         f"'--max-steps', '2', '--quiet', '--output', {str(tmp_path / 'run')!r}])")
+                         f"'--max-steps', '2', '--quiet', '--output', {str(tmp_path / 'run')!r}, *{extra!r}])")
     assert (tmp_path / "run" / "adapter").is_dir()  # the run went through
     assert heavy_in(names, allowed=("yaml", "jinja2", "safetensors")) == []

@@ -23,12 +23,12 @@ def tiny_config(model_dir: Path, data: Path, out: Path, **kw):
 
 @pytest.fixture
 def checkpoint_calls(monkeypatch):
-    """Counts the layers run through torch.utils.checkpoint (so the flag is known to take effect)."""
+    """Counts the layers run through ops.recompute.checkpoint (so the flag is known to take effect)."""
     calls = []
     real = decoder.checkpoint
 
     def counting(*args, **kwargs):
-        calls.append(kwargs.get("use_reentrant"))
+        calls.append(args[1])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(decoder, "checkpoint", counting)
@@ -71,7 +71,6 @@ def test_checkpointing_gives_the_same_lora_grads(dropout, packing, tiny_model_di
         results.append(lora_grads(run))
         assert len(checkpoint_calls) - before == (run.model.args.num_hidden_layers if ckpt else 0)
     (loss_plain, plain), (loss_ckpt, ckpt) = results
-    assert checkpoint_calls == [False, False]  # non-reentrant: no need for inputs that require grad
     assert loss_ckpt == pytest.approx(loss_plain, rel=1e-6)
     assert plain.keys() == ckpt.keys() and len(plain) == 2 * 7 * 2  # A and B, 7 targets, 2 layers
     for name, grad in plain.items():

@@ -14,7 +14,6 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from hivetune.model.config import ModelArgs
 from hivetune.model.families import BLOCKS, GEMMA, LAYERS, OffsetRMSNorm, attend, attention_projections, window_cuts
@@ -24,6 +23,7 @@ from hivetune.ops import rope as rope_op
 from hivetune.ops import swiglu as swiglu_op
 from hivetune.ops.attention import Packed, causal_attention
 from hivetune.ops.lora_casts import SeedTape, dropout_seed
+from hivetune.ops.recompute import checkpoint
 from hivetune.ops.loss import cap_logits
 
 
@@ -272,7 +272,7 @@ class CausalLM(nn.Module):
             for i, layer in enumerate(self.model.layers):
                 if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                     # the recompute in backward takes this forward's casts and dropout seeds (SeedTape)
-                    x = checkpoint(SeedTape(), layer, x, cos, sin, layout, None, use_reentrant=False)
+                    x = checkpoint(SeedTape(), layer, x, cos, sin, layout, None)
                 elif offload is not None:
                     x = offload.layer(i, layer, x, cos, sin, layout)
                 else:
