@@ -22,7 +22,7 @@ from hivetune.ops import norm as norm_op
 from hivetune.ops import rope as rope_op
 from hivetune.ops import swiglu as swiglu_op
 from hivetune.ops.attention import Packed, causal_attention
-from hivetune.ops.lora_casts import SeedTape, dropout_seed
+from hivetune.ops.lora_casts import SeedTape, dropout_seed, replaying
 from hivetune.ops.recompute import checkpoint
 from hivetune.ops.loss import cap_logits
 
@@ -179,9 +179,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
         self.gate_up = None  # a lora.FusedProjections of gate/up once lora.fuse_projections ran
 
-    def forward(self, x, norm=None):
+    def forward(self, x, norm=None, last=False):
         """x: the residual stream; `norm` as in Attention.forward (the add in down_proj's matmul
-        where LoRA joins it)."""
+        where LoRA joins it). `last`: the block ends its layer, so in a checkpointed layer's
+        recompute nothing reads its output and down_proj's base matmul is not run again."""
+        unused = last and replaying()
         x, joined, residual = read_input(self.gate_up, norm, x)
         p = self.down_proj.group_dropout_p() if isinstance(self.down_proj, LoRALinear) else 0.0
         if joined is not None and p > 0 and swiglu_op.swiglu_dropped_ok(joined):
@@ -190,7 +192,7 @@ class MLP(nn.Module):
             seed = dropout_seed(joined.device)
             h, hd = swiglu_op.swiglu_dropped(joined, seed, p, reuse=True)
             redo = partial(swiglu_op.swiglu_dropped_only, seed=seed, p=p)
-            return self.down_proj(h, source=(redo, joined), residual=residual, xd=hd)
+            return self.down_proj(h, source=(redo, joined), residual=residual, xd=hd, unused=unused)
         if joined is not None:
             h = swiglu_op.swiglu_joined(joined, reuse=True)  # its gradient goes over `joined`
         else:
@@ -198,7 +200,7 @@ class MLP(nn.Module):
             h = swiglu_op.swiglu(gate, up)  # saves gate and up only
         if isinstance(self.down_proj, LoRALinear):  # SwiGLU keeps `joined`: h is recomputed from it
             return self.down_proj(h, source=(swiglu_op.swiglu_raw, joined) if joined is not None else None,
-                                  residual=residual)
+                                  residual=residual, unused=unused)
         return self.down_proj(h) if residual is None else residual + self.down_proj(h)
 
 
@@ -214,7 +216,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, layout=None, cache=None):
         # each residual add rides in the block's last matmul (o_proj, down_proj) where it can
         x = self.self_attn(x, cos, sin, layout, cache, norm=self.input_layernorm)
-        return self.mlp(x, norm=self.post_attention_layernorm)
+        return self.mlp(x, norm=self.post_attention_layernorm, last=True)
 
 
 class DecoderBody(nn.Module):

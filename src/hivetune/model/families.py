@@ -273,7 +273,7 @@ class Phi3MLP(nn.Module):
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
-    def forward(self, x, norm=None):
+    def forward(self, x, norm=None, last=False):  # last: decoder.MLP's (not used here)
         h = swiglu_op.swiglu_joined(self.gate_up_proj(norm(x)))
         return out_projection(self.down_proj, h, x)
 

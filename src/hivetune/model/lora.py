@@ -76,18 +76,21 @@ class LoRALinear(nn.Module):
         return self.base_layer.out_features
 
     def forward(self, x: torch.Tensor, dropped: torch.Tensor | None = None, source=None,
-                residual: torch.Tensor | None = None, xd: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, xd: torch.Tensor | None = None,
+                unused: bool = False) -> torch.Tensor:
         """`dropped`: dropout(x) already drawn for a sibling layer reading the same x. `source`:
         (fn, tensor) with x = fn(tensor), a tensor kept for backward anyway (ops.lora_group).
         `residual`: returns residual + the layer's output (the decoder's residual stream; inside
         the base matmul on the joined path). `xd` (only where group_dropout_p() > 0): x dropped by
-        the caller's kernel, which also takes the dropout's backward; fn(tensor) then gives xd."""
+        the caller's kernel, which also takes the dropout's backward; fn(tensor) then gives xd.
+        `unused`: the caller does not read the output (ops.lora_group's `unused`; the joined path
+        only, elsewhere the output is made as usual)."""
         if self.fused and self.enabled and dropped is None:
             base = self.base_layer
             weight = base.dequantized if isinstance(base, QuantLinear) else base.weight
             return lora_group(x, weight, base.bias, (base.out_features,), self.dropout_p(), self.scaling,
                               [self.lora_A.weight], [self.lora_B.weight], source, residual, xd,
-                              keep_weight=self.keep_weight)
+                              keep_weight=self.keep_weight, unused=unused)
         y = self.base_layer(x)
         if self.enabled:
             if dropped is None:

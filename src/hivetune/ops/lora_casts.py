@@ -179,6 +179,11 @@ def taped(draw) -> torch.Tensor:
     return _TAPE.take(draw) if _TAPE is not None else draw()
 
 
+def replaying() -> bool:
+    """Whether a checkpointed layer's recompute is running (its SeedTape replays the forward's)."""
+    return _TAPE is not None and _TAPE.recorded
+
+
 class SeedTape:
     """The function a checkpointed layer runs through (``checkpoint(SeedTape(), layer, *args)``):
     its first call (the forward) records the dropout seeds the layer takes, in order; a later call

@@ -73,7 +73,7 @@ class LoRAGroup(torch.autograd.Function):
     slice per layer, a single check for mm's fp32 output."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sizes, p, scale, source_fn, source, residual, xd, room, keep_weight, *lora):
+    def forward(ctx, x, weight, bias, sizes, p, scale, source_fn, source, residual, xd, room, keep_weight, unused, *lora):
         """x [..., d]; weight [O, d] (frozen, rows per layer); lora = A_1..A_n, B_1..B_n.
         `source`: a tensor kept for backward anyway with x = source_fn(source) (or x itself
         when source_fn is None); with the seeded dropout, x is recomputed from it in backward
@@ -84,7 +84,9 @@ class LoRAGroup(torch.autograd.Function):
         source_fn then recomputes xd itself from `source`. `room`: x's rows lie n r or more
         elements further apart, the columns after each row free (the wide path writes xa there).
         `weight` may be a callable (dtype) -> W (a quantized base's dequantization): W is then
-        kept for backward where `keep_weight`, else made again there."""
+        kept for backward where `keep_weight`, else made again there. `unused`: nothing reads
+        the output (a checkpointed layer's last matmul in its recompute): what backward keeps is
+        made, the base matmul is not."""
         n = len(sizes)
         a_params, b_params = lora[:n], lora[n:]
         device_type = x.device.type
@@ -98,10 +100,10 @@ class LoRAGroup(torch.autograd.Function):
         if autocast:
             with torch.autocast(device_type, enabled=False):
                 y, kept, mask, xa, a_all, bd, w, recompute, seeded, wide = _group_forward(
-                    x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual, xd, room)
+                    x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual, xd, room, unused)
         else:
             y, kept, mask, xa, a_all, bd, w, recompute, seeded, wide = _group_forward(
-                x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual, xd, room)
+                x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual, xd, room, unused)
         ctx.save_for_backward(kept, mask, xa, a_all, bd, None if weight_of is not None and not keep_weight else w)
         ctx.weight_of, ctx.w_dtype = weight_of, w.dtype
         ctx.recompute, ctx.source_fn, ctx.seeded, ctx.wide = recompute, source_fn, seeded, wide
@@ -125,7 +127,8 @@ class LoRAGroup(torch.autograd.Function):
         else:
             grad_x, grad_xd, grads_a, grads_b = _group_backward(ctx, g, *saved)
         grad_residual = grad if ctx.needs_input_grad[8] else None  # y = residual + ...: its gradient as it is
-        return (grad_x, None, None, None, None, None, None, None, grad_residual, grad_xd, None, None, *grads_a, *grads_b)
+        return (grad_x, None, None, None, None, None, None, None, grad_residual, grad_xd, None, None, None,
+                *grads_a, *grads_b)
 
 
 def wide_matrix(w: torch.Tensor, bd: torch.Tensor) -> torch.Tensor | None:
@@ -139,7 +142,7 @@ def wide_matrix(w: torch.Tensor, bd: torch.Tensor) -> torch.Tensor | None:
 
 
 def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params, dtype, cached, residual=None,
-                   given=None, room=False):
+                   given=None, room=False, unused=False):
     """LoRAGroup's forward outside autocast: y and what backward keeps (see the module doc).
     `given`: the dropped input made by the caller (LoRAGroup's `xd`), or None.
     `residual`: added to y; as the base matmul's C (cuBLAS beta = 1: no add kernel, no [N, O]
@@ -148,7 +151,7 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
     too (wide_matrix), xa is written there and y = [x | xa] @ [W | Bd]^T is one matmul: the
     LoRA update rides in the base matmul instead of an addmm reading and writing all of y
     (W1's gate/up: ~25 us of a ~40 us matmul on an H100), and backward [dx | d xa] = g [W | Bd]
-    is one matmul too."""
+    is one matmul too. `unused`: y is left unwritten (LoRAGroup.forward)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != dtype:
         x2 = x2.to(dtype)
@@ -186,17 +189,20 @@ def _group_forward(x, weight, bias, sizes, p, scale, source, a_params, b_params,
         else:
             xa = x2.new_empty((x2.shape[0], k))
             blas.gemm(xd, a_all.t(), xa, scale)  # s (xd A^T): the scale is free
-    r2 = residual.reshape(-1, w.shape[0]) if residual is not None else None
-    if r2 is not None and bias is None and r2.dtype == dtype:
-        y, r2 = blas.gemm(x2, w.t(), beta=1.0, c=r2), None  # residual + x W^T in one kernel
+    if unused:
+        y = x2.new_empty((x2.shape[0], w.shape[0]))
     else:
-        y = blas.gemm(x2, w.t()) if bias is None else F.linear(x2, w, bias.to(dtype))  # (less dispatch than linear)
-    if wide is None:
-        blas.gemm(xa, bd.t(), y, 1.0, 1.0)
-    else:
+        r2 = residual.reshape(-1, w.shape[0]) if residual is not None else None
+        if r2 is not None and bias is None and r2.dtype == dtype:
+            y, r2 = blas.gemm(x2, w.t(), beta=1.0, c=r2), None  # residual + x W^T in one kernel
+        else:
+            y = blas.gemm(x2, w.t()) if bias is None else F.linear(x2, w, bias.to(dtype))  # (less dispatch than linear)
+        if wide is None:
+            blas.gemm(xa, bd.t(), y, 1.0, 1.0)
+        if r2 is not None:
+            y = r2 + y
+    if wide is not None:
         w = w[:, :d]
-    if r2 is not None:
-        y = r2 + y
     recompute = (bool(seeded) and source is not None and source.dtype == dtype
                  and not (cached is not None and lora_casts.active().keep_inputs))
     kept = source if recompute else xd  # x itself is not needed: W is frozen
@@ -319,7 +325,7 @@ def masked_add_(out: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, keep: fl
 
 def lora_group(x: torch.Tensor, weight, bias: torch.Tensor | None, sizes: tuple[int, ...],
                p: float, scale: float, a_params, b_params, source=None, residual=None, xd=None,
-               room: bool = False, keep_weight: bool = True) -> torch.Tensor:
+               room: bool = False, keep_weight: bool = True, unused: bool = False) -> torch.Tensor:
     """y [..., sum(sizes)] = x W^T (+ bias) + the LoRA update of each row block (see the module doc).
     `source`: (fn, tensor) with x = fn(tensor) (fn None: x itself) where that tensor is saved for
     backward by another op anyway (the attention output; the gate/up output that SwiGLU keeps):
@@ -331,7 +337,9 @@ def lora_group(x: torch.Tensor, weight, bias: torch.Tensor | None, sizes: tuple[
     `weight`: W [O, d], or a callable (dtype) -> W for a base kept quantized (model.quant.JoinedWeight,
     QuantLinear.dequantized): called in forward in the compute dtype, and where not `keep_weight`
     again in backward (so no layer's dequantized W waits for backward: only under gradient
-    checkpointing, where one layer's saved tensors live at a time, is keeping it cheap)."""
+    checkpointing, where one layer's saved tensors live at a time, is keeping it cheap).
+    `unused`: the caller does not read the output (a checkpointed layer's last matmul in its
+    recompute, lora_casts.replaying): the output is returned unwritten."""
     fn, tensor = source if source is not None else (None, None)
     return LoRAGroup.apply(x, weight, bias, tuple(sizes), float(p), float(scale), fn, tensor, residual, xd,
-                           bool(room), bool(keep_weight), *a_params, *b_params)
+                           bool(room), bool(keep_weight), bool(unused), *a_params, *b_params)
