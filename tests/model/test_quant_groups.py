@@ -161,6 +161,20 @@ def test_dequantizations_and_matmuls_per_step(monkeypatch, checkpointing):
     assert (f_fused, b_fused, mm_fused) == ((14, 14, 90) if checkpointing else (14, 11, 70))
 
 
+def test_only_checkpointed_layers_keep_their_dequantized_weights():
+    """Under checkpoint_layers 1 of 2, the first layer's groups keep their weights for backward
+    (its saved tensors live one layer at a time); the second layer's, whose activations wait
+    for backward with the others', make them again there."""
+    model = quantized("nf4")
+    model.gradient_checkpointing, model.checkpoint_layers = True, 1
+    fuse_projections(model)
+    first, second = model.model.layers
+    assert [first.self_attn.qkv.keep_weight, first.mlp.gate_up.keep_weight,
+            first.self_attn.o_proj.keep_weight, first.mlp.down_proj.keep_weight] == [True] * 4
+    assert [second.self_attn.qkv.keep_weight, second.mlp.gate_up.keep_weight,
+            second.self_attn.o_proj.keep_weight, second.mlp.down_proj.keep_weight] == [False] * 4
+
+
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_joined_weight_is_the_members_dequantized(quant, dtype):

@@ -260,6 +260,10 @@ def test_config_key_checks(tiny_model_dir, alpaca_file, tmp_path, capsys):
               "eval_prompts": 0, "device": "cpu", "precision": "fp32", "max_steps": 1}
     with pytest.raises(UserError, match=r"activation_offload: 3 exceeds the model's 2 decoder layers"):
         setup(load_config(None, {**values, "activation_offload": 3}))
+    with pytest.raises(UserError, match=r"checkpoint_layers: must be >= 0, got -1"):
+        load_config(None, {"model": "m", "checkpoint_layers": -1})
+    with pytest.raises(UserError, match=r"checkpoint_layers: 3 exceeds the model's 2 decoder layers \(checkpoint at most 2\)"):
+        setup(load_config(None, {**values, "gradient_checkpointing": True, "checkpoint_layers": 3}))
     assert not (tmp_path / "run").exists()  # refused before the run folder is made
     run = setup(load_config(None, {**values, "activation_offload": 2}))
     assert run.model.activation_offload is None

@@ -113,6 +113,25 @@ def test_lora_casts_of_the_joined_path():
         assert lora_cast_bytes(args, qv) == 3 * s * (2 * r * 64 + (0 if s == 4 else (64 + 32) * r))
 
 
+def test_each_layer_left_out_of_checkpointing_adds_its_saved_tensors():
+    """checkpoint_layers c of L: c layer inputs and L - c layers' saved tensors (W2's shape)."""
+    from hivetune.plan.memory import layer_saved_bytes_per_token
+
+    args, tokens = qwen25_shape(152064, 3584, 18944, 28, 28, 4, False), 2912
+    base = dict(precision="bf16", r=32, dropout=0.05, fused_layers=True, base_quant="nf4")
+    every = breakdown(args, MemoryConfig(**base, gradient_checkpointing=True), tokens)
+    assert breakdown(args, MemoryConfig(**base, gradient_checkpointing=True, checkpoint_layers=28), tokens).total == every.total
+    per_layer = layer_saved_bytes_per_token(args, MemoryConfig(**base))
+    for c in (27, 24, 1):
+        part = breakdown(args, MemoryConfig(**base, gradient_checkpointing=True, checkpoint_layers=c), tokens)
+        grown = part.parts["activations"] - every.parts["activations"]
+        assert grown == pytest.approx((28 - c) * (per_layer - 2 * 3584) * tokens, abs=1)
+    off = breakdown(args, MemoryConfig(**base), tokens)
+    four_kept = breakdown(args, MemoryConfig(**base, gradient_checkpointing=True, checkpoint_layers=24), tokens)
+    assert every.total < four_kept.total < off.total
+    assert part.total > off.total  # one layer checkpointed: its recompute costs more than it saves
+
+
 def test_training_path_follows_the_run(monkeypatch):
     """The planner predicts the path train takes: joined unless FSDP or the forced reference;
     the Triton RMSNorm / SwiGLU on a GPU in half precision unless forced off."""

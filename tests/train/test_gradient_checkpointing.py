@@ -78,6 +78,23 @@ def test_checkpointing_gives_the_same_lora_grads(dropout, packing, tiny_model_di
     assert all(g.abs().max() > 1e-4 for g in plain.values())  # every LoRA matrix gets a real gradient
 
 
+def test_checkpointing_the_first_layer_only_gives_the_same_lora_grads(tiny_model_dir, alpaca_file, tmp_path,
+                                                                       checkpoint_calls):
+    """checkpoint_layers 1 of 2: the first layer runs checkpointed, the last keeps its activations."""
+    results = []
+    for extra in ({}, {"gradient_checkpointing": True, "checkpoint_layers": 1}):
+        cfg = tiny_config(tiny_model_dir, alpaca_file, tmp_path / f"run-{len(extra)}",
+                          lora={"r": 4, "alpha": 8, "dropout": 0.1}, **extra)
+        run = setup(cfg)
+        randomize_lora(run)
+        results.append(lora_grads(run))
+    assert [layer.self_attn.layer_idx for layer in checkpoint_calls] == [0]
+    (loss_plain, plain), (loss_part, part) = results
+    assert loss_part == pytest.approx(loss_plain, rel=1e-6)
+    for name, grad in plain.items():
+        assert torch.allclose(grad, part[name], atol=1e-6, rtol=0), name
+
+
 def test_checkpointing_is_off_outside_training(tiny_model_dir, alpaca_file, tmp_path, checkpoint_calls):
     run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "run", gradient_checkpointing=True))
     batch = next(micro_batches(run, run.steps[0]))

@@ -131,6 +131,10 @@ class TrainConfig:
     """bf16, fp16 (with loss scaling), fp32, or auto: bf16 where the device runs it fast."""
     gradient_checkpointing: bool = False
     """Recompute layer activations in backward to save memory."""
+    checkpoint_layers: int = 0
+    """With gradient_checkpointing: checkpoint the first N decoder layers only; the others keep
+    their activations for backward (less recompute, more memory: W2, a 7B model, ~0.35 GiB a
+    layer at 2,900 tokens; `hivetune plan` shows the total). 0: all layers."""
     activation_offload: int = 0
     """Keep the saved activations of the first N decoder layers in pinned CPU memory between
     forward and backward: less GPU memory (W2, a 7B model: ~0.34 GiB a layer at 3,400 tokens),

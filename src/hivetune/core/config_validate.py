@@ -63,7 +63,7 @@ def validate(cfg: TrainConfig) -> list[str]:
         if value <= 0:
             errors.append(f"{key}: must be > 0, got {value}")
     for key in ("max_steps", "save_every", "save_every_minutes", "threads", "eval_prompts", "max_new_tokens",
-                "eval_every", "early_stopping_patience", "activation_offload"):
+                "eval_every", "early_stopping_patience", "activation_offload", "checkpoint_layers"):
         if getattr(cfg, key) < 0:
             errors.append(f"{key}: must be >= 0, got {getattr(cfg, key)}")
     if not 0 <= cfg.val_split < 1:

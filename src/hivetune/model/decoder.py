@@ -249,6 +249,7 @@ class CausalLM(nn.Module):
         # Gemma scales the embedding by sqrt(hidden), in the embedding's dtype
         self.embed_scale = args.hidden_size ** 0.5 if args.model_type in GEMMA else None
         self.gradient_checkpointing = False
+        self.checkpoint_layers = 0  # with gradient_checkpointing, the first N layers only (0: all)
         self.activation_offload = None  # an ops.offload.ActivationOffload (train setup, activation_offload)
 
     def forward(self, input_ids, position_ids=None, layout=None, cache=None) -> torch.Tensor:
@@ -271,8 +272,9 @@ class CausalLM(nn.Module):
             # the first layers' saved activations wait in host memory until backward (ops.offload)
             offload = (offload.begin(x, (cos, sin)) if offload is not None and self.training and cache is None
                        and not self.gradient_checkpointing else None)
+            checkpointed = self.checkpointed_layers() if self.training and torch.is_grad_enabled() else 0
             for i, layer in enumerate(self.model.layers):
-                if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                if i < checkpointed:
                     # the recompute in backward takes this forward's casts and dropout seeds (SeedTape)
                     x = checkpoint(SeedTape(), layer, x, cos, sin, layout, None)
                 elif offload is not None:
@@ -282,6 +284,13 @@ class CausalLM(nn.Module):
         if cache is not None:
             cache.advance(input_ids.shape[1], layout)
         return self.model.norm(x)
+
+    def checkpointed_layers(self) -> int:
+        """How many decoder layers (the first ones) run checkpointed in training."""
+        if not self.gradient_checkpointing:
+            return 0
+        layers = len(self.model.layers)
+        return min(self.checkpoint_layers, layers) if self.checkpoint_layers else layers
 
     def rope_tables(self, position_ids, dtype):
         """cos, sin [B, T, rotary dims]; Gemma 3's stacked [global, local] on a first axis."""

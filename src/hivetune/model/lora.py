@@ -273,7 +273,8 @@ def fuse_projections(model: nn.Module, wide: bool | None = None, keep_weight: bo
     quantized base. `keep_weight` (a quantized base): each group call keeps its dequantized
     weight for backward instead of dequantizing it again there; None: the model's
     gradient_checkpointing (set it first), under which one layer's saved tensors live at a time
-    (recompute and backward then dequantize once, not twice). Returns the number of groups joined."""
+    (recompute and backward then dequantize once, not twice); with checkpoint_layers, only the
+    checkpointed layers keep theirs. Returns the number of groups joined."""
     layers = list(getattr(getattr(model, "model", None), "layers", []))
     quantized = any(isinstance(m, QuantLinear) for m in model.modules())
     if wide is None:
@@ -281,6 +282,10 @@ def fuse_projections(model: nn.Module, wide: bool | None = None, keep_weight: bo
     wide = wide and not quantized  # the weights are dequantized per call: no storage to widen
     if keep_weight is None:
         keep_weight = bool(getattr(model, "gradient_checkpointing", False))
+    # only a checkpointed layer keeps its weights (its saved tensors live one layer at a time)
+    checkpointed = (model.checkpointed_layers() if getattr(model, "gradient_checkpointing", False)
+                    and hasattr(model, "checkpointed_layers") else len(layers))
+    keeps = {id(m): keep_weight and i < checkpointed for i, layer in enumerate(layers) for m in layer.modules()}
     groups, calls, joined, widened = 0, [], set(), False
     for owner, name, members in (("self_attn", "qkv", ("q_proj", "k_proj", "v_proj")),
                                  ("mlp", "gate_up", ("gate_proj", "up_proj"))):
@@ -293,7 +298,7 @@ def fuse_projections(model: nn.Module, wide: bool | None = None, keep_weight: bo
         for i, layer in enumerate(layers):
             fused = FusedProjections(kind[i], storage[i] if storage is not None else None,
                                      len(members) * kind[i][0].lora_A.out_features if storage is not None else 0,
-                                     keep_weight)
+                                     keeps[id(layer)])
             setattr(getattr(layer, owner), name, fused)
             groups += 1
             if all(isinstance(m, LoRALinear) for m in fused.layers):
@@ -301,7 +306,7 @@ def fuse_projections(model: nn.Module, wide: bool | None = None, keep_weight: bo
                               fused.sizes, fused.b_slot))
                 joined.update(id(m) for m in fused.layers)
     for _, m in lora_modules(model):
-        m.fused, m.keep_weight = True, keep_weight and isinstance(m.base_layer, QuantLinear)
+        m.fused, m.keep_weight = True, keeps.get(id(m), keep_weight) and isinstance(m.base_layer, QuantLinear)
         if id(m) not in joined:
             calls.append(([m.lora_A.weight], [m.lora_B.weight], (m.out_features,), None))
     model.lora_casts = CastCache(calls) if calls else None  # refreshed by CausalLM.forward

@@ -87,6 +87,7 @@ class MemoryConfig:
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     dropout: float = 0.0
     gradient_checkpointing: bool = False
+    checkpoint_layers: int = 0  # train's checkpoint_layers: the first N layers checkpointed (0: all)
     fused_loss: bool = True
     packing: bool = True
     attention: str = "varlen"  # varlen (flash, packed bf16/fp16 on CUDA) | sdpa (everything else)
@@ -291,6 +292,14 @@ def offload_layers(args: ModelArgs, mc: MemoryConfig) -> int:
     return 0 if mc.gradient_checkpointing else min(mc.offload_layers, args.num_hidden_layers)
 
 
+def checkpointed_layers(args: ModelArgs, mc: MemoryConfig) -> int:
+    """Decoder layers run under gradient checkpointing (the first ones; decoder.CausalLM.checkpointed_layers)."""
+    if not mc.gradient_checkpointing:
+        return 0
+    n = args.num_hidden_layers
+    return min(mc.checkpoint_layers, n) if mc.checkpoint_layers else n
+
+
 def offloaded_layer_bytes(args: ModelArgs, mc: MemoryConfig, tokens: int, padded_tokens: int | None = None,
                           threshold: int = OFFLOAD_THRESHOLD) -> int:
     """What the pack hook of ops.offload moves out of one layer (not the first): its saved
@@ -384,8 +393,9 @@ def breakdown(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | Non
     rope = 2 * args.head_dim * s
     final_norm = norm_saved_bytes_per_token(args, mc)
     loss_saved = n * h * s if mc.fused_loss else n * args.vocab_size * 4
-    if mc.gradient_checkpointing:
-        kept = layers * s * h * tokens
+    if mc.gradient_checkpointing:  # a checkpointed layer keeps its input; the others (the last) all
+        c = checkpointed_layers(args, mc)
+        kept = c * s * h * tokens + (layers - c) * (per_layer_real * tokens + attn * t_attn)
         recompute = per_layer_real * tokens + attn * t_attn  # one layer, in backward
     else:
         kept = (layers * per_layer_real - first_layer_saving(args, mc)) * tokens + layers * attn * t_attn

@@ -84,7 +84,8 @@ def memory_config(cfg: TrainConfig, precision: str, checkpointing: bool, cuda: b
               and cfg.attention != "sdpa")
     path = training_path(precision, cuda, cfg.distributed, cfg.fused_ops)
     mc = MemoryConfig(precision=precision, r=cfg.lora.r, targets=tuple(cfg.lora.targets), dropout=cfg.lora.dropout,
-                      gradient_checkpointing=checkpointing, fused_loss=cfg.fused_loss, packing=cfg.packing,
+                      gradient_checkpointing=checkpointing, checkpoint_layers=getattr(cfg, "checkpoint_layers", 0),
+                      fused_loss=cfg.fused_loss, packing=cfg.packing,
                       attention="varlen" if varlen else "sdpa", gqa_native=has_gqa,
                       mask_bytes=1 if cuda else (4 if precision == "fp32" else 2),
                       offload_layers=offload_in_force(cfg, cuda, graphs), **path)
@@ -287,6 +288,9 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
              fits=fits, largest_micro_batch_tokens=largest, largest_micro_batch_tokens_checkpointing=largest_ckpt,
              suggestion=suggestion, tokens_source=source, examples=examples, tokens_per_epoch=tokens_epoch,
              notes=notes, activation_offload=mc.offload_layers, host_gib={k: v / GIB for k, v in b.host.items()})
+    if ckpt and 0 < getattr(cfg, "checkpoint_layers", 0) < args.num_hidden_layers:
+        notes.append(f"checkpoint_layers: the first {cfg.checkpoint_layers} of {args.num_hidden_layers} layers "
+                     "checkpointed, the others keep their activations")
     if getattr(cfg, "activation_offload", 0) and not mc.offload_layers:
         notes.append("activation_offload does not apply here (" + ("CUDA-graphed micro-batches" if graphs else "FSDP")
                      + "): not counted")

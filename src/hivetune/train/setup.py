@@ -210,6 +210,7 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     torch.manual_seed(cfg.seed)  # LoRA init independent of anything loaded before (and alike on every rank)
     apply_lora(model, spec, param_dtype=torch.float32)
     model.gradient_checkpointing = cfg.gradient_checkpointing
+    model.checkpoint_layers = cfg.checkpoint_layers
     configure_ops(cfg.attention, cfg.fused_ops)
     if device.type == "cuda" and precision != "fp32":  # probe flash varlen now, not inside a checkpointed forward
         varlen_supported(torch.empty((1, 1, 1, 1), dtype=DTYPES[precision], device=device))
@@ -295,9 +296,11 @@ def planned_memory(run: Run) -> None:
 
 
 def check_offload_layers(cfg: TrainConfig, layers: int) -> None:
-    if cfg.activation_offload > layers:
-        raise UserError(f"activation_offload: {cfg.activation_offload} exceeds the model's {layers} decoder "
-                        f"layers (offload at most {layers})")
+    """activation_offload and checkpoint_layers name at most the model's decoder layers."""
+    for key, verb in (("activation_offload", "offload"), ("checkpoint_layers", "checkpoint")):
+        if getattr(cfg, key) > layers:
+            raise UserError(f"{key}: {getattr(cfg, key)} exceeds the model's {layers} decoder "
+                            f"layers ({verb} at most {layers})")
 
 
 def activation_offload(cfg: TrainConfig, model: CausalLM, device: torch.device, strategy: str):
