@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.mark.parametrize("quant", ["nf4", "int8"])
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [False, True, 1], ids=["plain", "checkpointed", "first-layer-checkpointed"])
 def test_joined_groups_on_a_quantized_base_match_layer_by_layer(quant, checkpointing):
     from hivetune.data.batch import collate_packed
     from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections, lora_parameters
@@ -27,12 +27,14 @@ def test_joined_groups_on_a_quantized_base_match_layer_by_layer(quant, checkpoin
     with torch.no_grad():
         for p in lora_parameters(ref):
             p.normal_(0, 0.02)
-    ref.gradient_checkpointing = checkpointing
+    ref.gradient_checkpointing = bool(checkpointing)
+    ref.checkpoint_layers = 0 if checkpointing is True else int(checkpointing)
     batch = collate_packed(workload_examples(6, 4096, cap=0, seed=1), pad_id=0).to("cuda")
     fused = copy.deepcopy(ref)
     assert fuse_projections(fused) == 4
     qkv = fused.model.layers[0].self_attn.qkv
-    assert isinstance(qkv.weight, JoinedWeight) and qkv.keep_weight == checkpointing
+    assert isinstance(qkv.weight, JoinedWeight) and qkv.keep_weight == bool(checkpointing)
+    assert fused.model.layers[1].self_attn.qkv.keep_weight == (checkpointing is True)  # checkpointed layers only
 
     ref_loss, ref_grads = bf16_loss_and_grads(ref, batch)
     fused_loss, fused_grads = bf16_loss_and_grads(fused, batch)

@@ -87,9 +87,11 @@ def test_varlen_attention_matches_sdpa_reference(tiny_model_dir, monkeypatch):
     assert torch.nn.functional.cosine_similarity(fast_grads, ref_grads, dim=0).item() > 0.999
 
 
-def test_cuda_bf16_gradient_checkpointing_tracks_plain(tiny_model_dir, alpaca_file, tmp_path):
+@pytest.mark.parametrize("layers", [0, 1], ids=["all-layers", "first-layer"])
+def test_cuda_bf16_gradient_checkpointing_tracks_plain(layers, tiny_model_dir, alpaca_file, tmp_path):
     """bf16 + checkpointing on CUDA trains (the varlen probe must not run inside a checkpointed
-    forward's saved-tensor hooks) and gives the plain run's losses."""
+    forward's saved-tensor hooks) and gives the plain run's losses; so does checkpointing the
+    first layer only (checkpoint_layers)."""
     import subprocess
     import sys
 
@@ -98,7 +100,8 @@ def test_cuda_bf16_gradient_checkpointing_tracks_plain(tiny_model_dir, alpaca_fi
             "run = setup(load_config(None, json.loads(sys.argv[1]))); fit(run, progress=False)")
     values = {"model": str(tiny_model_dir), "data": str(alpaca_file), "output_dir": str(tmp_path / "ckpt"),
               "eval_prompts": 0, "batch_size": 4, "max_steps": 6, "lr": 5e-3, "warmup_steps": 0,
-              "lora": {"r": 4, "alpha": 8}, "device": "cuda", "precision": "bf16", "gradient_checkpointing": True}
+              "lora": {"r": 4, "alpha": 8}, "device": "cuda", "precision": "bf16", "gradient_checkpointing": True,
+              "checkpoint_layers": layers}
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(values)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ckpt = [json.loads(line)["loss"] for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
