@@ -20,6 +20,10 @@ Figures (seconds, median / min / max over the runs):
 - job:          `python -m hivetune train` on a tiny random model (2 layers, hidden 64) and 16
   examples with --max-steps 2, the whole process (tokenizer, model, doctor's checks, two
   steps, adapter); job_train_s is the run's own train_seconds (summary.json).
+- small_job (with --small-job DIR): `python -m hivetune train --model DIR --epochs 3` on the shipped
+  data (360 examples) with its held-out A/B (40 questions, base against tuned), the whole process
+  (goal: 8 s on the GPU machine for a 0.5B-shape folder); small_job_train_s and small_job_eval_s
+  are its summary.json's training loop and A/B seconds.
 - job_model_class: the same job with tokenizer_config.json naming a model-specific class
   (Qwen2Tokenizer, as a Qwen2.5 folder does): the first process converts it through transformers
   into hivetune's cache (a fresh cache folder for the benchmark), the later ones load the
@@ -126,7 +130,7 @@ def spread(values: list[float]) -> dict:
             "max": round(max(values), 3), "values": [round(v, 3) for v in values]}
 
 
-def measure(runs: int, cold_pyc: bool, job: bool, work: Path) -> dict:
+def measure(runs: int, cold_pyc: bool, job: bool, work: Path, small_job: Path | None = None) -> dict:
     """Each figure's runs, interleaved (one process of each figure per round) so that a slower
     moment of the machine falls on all of them alike."""
     py = sys.executable
@@ -142,14 +146,21 @@ def measure(runs: int, cold_pyc: bool, job: bool, work: Path) -> dict:
         commands["job_model_class"] = [py, "-m", "hivetune", "train", "--model", str(model_class_copy(model)),
                                        "--data", str(data), "--max-steps", "2", "--quiet", "--output"]
         os.environ["HIVETUNE_CACHE"] = str(work / "cache")  # the children's: empty at the first run
-    values: dict[str, list[float]] = {name: [] for name in [*commands, *(["job_train_s"] if job else [])]}
+    if small_job is not None:
+        commands["small_job"] = [py, "-m", "hivetune", "train", "--model", str(small_job), "--epochs", "3",
+                                 "--quiet", "--output"]
+    extra = (["job_train_s"] if job else []) + (["small_job_train_s", "small_job_eval_s"] if small_job else [])
+    values: dict[str, list[float]] = {name: [] for name in [*commands, *extra]}
     for i in range(runs):
         for name, cmd in commands.items():
-            if name.startswith("job"):
+            if name.startswith(("job", "small_job")):
                 out = work / f"{name}{i}"
                 wall, _ = run_once(cmd + [str(out)], cold_pyc, work)
-                if name == "job":
-                    values["job_train_s"].append(json.loads((out / "summary.json").read_text())["train_seconds"])
+                summary = json.loads((out / "summary.json").read_text()) if name != "job_model_class" else {}
+                if name in ("job", "small_job"):
+                    values[f"{name}_train_s"].append(summary["train_seconds"])
+                if name == "small_job":
+                    values["small_job_eval_s"].append((summary.get("eval") or {}).get("seconds") or 0.0)
             else:
                 wall, stdout = run_once(cmd, cold_pyc, work)
                 if name in ("train_share", "tokenizer_auto", "tokenizer_saved"):
@@ -167,6 +178,8 @@ def main() -> None:
     parser.add_argument("--no-job", dest="job", action="store_false",
                         help="skip the tiny model (its tokenizer and its job)")
     parser.add_argument("--cold-pyc", action="store_true", help="every process compiles its sources")
+    parser.add_argument("--small-job", metavar="DIR", type=Path,
+                        help="an HF model folder: time `hivetune train --model DIR --epochs 3` too (the small job)")
     parser.add_argument("--results", default="benchmarks/results", help="folder of the JSONL results files")
     parser.add_argument("--commit", default="", help="the commit measured (default: git rev-parse HEAD)")
     parser.add_argument("--note", default="", help="free text (what else ran on the machine)")
@@ -174,7 +187,7 @@ def main() -> None:
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        figures = measure(args.runs, args.cold_pyc, args.job, Path(tmp))
+        figures = measure(args.runs, args.cold_pyc, args.job, Path(tmp), args.small_job)
         loaded = json.loads(run_once([sys.executable, "-c", LOADED], False, Path(tmp))[1].strip().splitlines()[-1])
     load_after = os.getloadavg()
 
@@ -189,7 +202,8 @@ def main() -> None:
                load_average_after=[round(x, 2) for x in load_after], note=args.note)
     record = {"workload": "startup", "device": device_kind(torch.cuda.get_device_name() if cuda else None),
               "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "commit": env["commit"],
-              "setting": ("cold pyc" if args.cold_pyc else "warm pyc") + f", {args.runs} runs",
+              "setting": ("cold pyc" if args.cold_pyc else "warm pyc") + f", {args.runs} runs"
+              + (f", small job on {args.small_job.name}" if args.small_job else ""),
               "environment": env, "runs": args.runs, "figures": figures, "heavy_modules_after_import": loaded}
     path = append_result(Path(args.results), record)
     for name, f in figures.items():
