@@ -140,6 +140,9 @@ def test_the_trl_baseline_on_a_dpo_job(tiny_model_dir, pairs_file, tmp_path, cap
     # DPO starts at ln 2 (the policy is the reference) and falls as it learns (measured: mean 0.657)
     assert 0.5 < base["train_loss"] < math.log(2)
     assert record["speedup_vs_baseline"] > 0
+    # tokens/s on hivetune's count (each pair's prompt once); TRL runs the prompt twice (tokens_run_per_s)
+    assert base["tokens_per_s"] == pytest.approx(base["pairs_per_s"] * ours["tokens"] / base["samples"], rel=0.05)
+    assert base["tokens_run_per_s"] > 1.2 * base["tokens_per_s"]
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("hivetune: ") and lines[1].startswith("trl-dpo: ") and lines[-1] == f"-> {out}"
 

@@ -91,7 +91,10 @@ def _train_once(build_model, pairs: list, lora: dict, epochs: float, per_step: i
                                peft_config=lora, callbacks=[Clock()])
         output, t0, seconds = timed_train(trainer, device)
     del trainer, model
-    tokens = sum(len(p.prompt) * 2 + len(p.chosen) + len(p.rejected) for p in pairs) / len(pairs)  # as TRL runs them
+    # a pair's tokens: prompt, chosen and rejected once each, as hivetune's tokens/s counts them; TRL runs the
+    # prompt twice (once with each answer), which tokens_run_per_s counts
+    tokens = sum(len(p) for p in pairs) / len(pairs)
+    run_tokens = sum(len(p.prompt) * 2 + len(p.chosen) + len(p.rejected) for p in pairs) / len(pairs)
     record = {"config": f"DPOTrainer defaults, batch {per_step}, {'bf16' if bf16 else 'fp32'}",
               "steps_run": len(stamps), "train_loss": round(output.training_loss, 6), **peak_memory(device)}
     if timed_steps:
@@ -102,5 +105,7 @@ def _train_once(build_model, pairs: list, lora: dict, epochs: float, per_step: i
         step_s = seconds / len(stamps)
         record.update(measured="full", seconds=round(seconds, 3), seconds_per_step=round(step_s, 4))
     record.update(pairs_per_s=round(per_step / step_s, 2), tokens_per_s=round(per_step * tokens / step_s, 1),
-                  tokens_per_s_note="pairs/s x mean tokens of prompt + chosen and prompt + rejected")
+                  tokens_run_per_s=round(per_step * run_tokens / step_s, 1),
+                  tokens_per_s_note="pairs/s x mean tokens of prompt + chosen + rejected (hivetune's count); "
+                                    "tokens_run_per_s: prompt + chosen and prompt + rejected, as TRL runs them")
     return record
