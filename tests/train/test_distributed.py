@@ -153,6 +153,25 @@ def test_fsdp2_two_processes_checkpoint_and_resume(tiny_model_dir, alpaca_file, 
     assert [r["step"] for r in rows(run)] == [1, 2, 2, 3, 4, 4]
 
 
+def test_fsdp2_with_checkpointed_layers_matches_one_process(tiny_model_dir, alpaca_file, tmp_path, monkeypatch):
+    # ops.recompute under FSDP2: a checkpointed layer's recompute in backward runs the sharded
+    # layer's forward again (its parameters gathered by FSDP's hooks); the same losses and adapter
+    # as one process with checkpointing, as without it.
+    monkeypatch.setenv("HIVETUNE_REFERENCE", "fused_lora,fused_adamw")
+    one = tmp_path / "one"
+    train(tiny_config(tiny_model_dir, alpaca_file, one, max_steps=4, batch_size=4, grad_accum=2, lr=1e-2,
+                      val_split=0.25, eval_every=2, save_every=2, gradient_checkpointing=True), progress=False)
+    run = tmp_path / "fsdp"
+    torchrun_train(["--model", str(tiny_model_dir), "--data", str(alpaca_file), "--batch-size", "4", "--grad-accum",
+                    "1", *FLAGS, "--set", "distributed=fsdp", "--gradient-checkpointing", "--output", str(run)])
+    for ra, rb in zip(rows(one), rows(run)):
+        key = "val_loss" if "val_loss" in ra else "loss"
+        assert rb[key] == pytest.approx(ra[key], abs=1e-6), (ra, rb)
+    final = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    ref = load_file(str(one / "adapter" / "adapter_model.safetensors"))
+    assert all(torch.equal(final[k], ref[k]) for k in ref)
+
+
 def test_killed_two_process_run_leaves_no_worker_and_resumes_bitwise(tiny_model_dir, alpaca_file, tmp_path):
     # SIGKILL to `hivetune train --nproc-per-node 2` (torchrun starts its workers in sessions of
     # their own): torchrun and both workers die with it, the run lock is free, and the resumed
