@@ -28,15 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def score(path: Path, examples, tokens: int, stop: set[int]) -> tuple[float, list[list[int]]]:
     """(perplexity of the reference answers, the greedy answers) of one GGUF file."""
-    from hivetune.workflows.eval_llama import greedy_answer, open_llama, response_loss
+    from hivetune.workflows.eval_llama import losses_and_answers
 
-    n_ctx = max(max(len(e.encoded.ids) for e in examples), max(len(e.prompt_ids) for e in examples) + tokens)
-    llm = open_llama(path, None, n_ctx + 8)
-    try:
-        losses = [response_loss(llm, e.encoded.ids, e.encoded.mask) for e in examples]
-        answers = [greedy_answer(llm, e.prompt_ids, tokens, stop) for e in examples]
-    finally:
-        llm.close()
+    losses, answers = losses_and_answers(path, None, examples, tokens, stop)
     return math.exp(sum(s for s, _ in losses) / sum(n for _, n in losses)), answers
 
 

@@ -90,11 +90,10 @@ def greedy_answer(llm, prompt: list[int], max_new_tokens: int, stop_ids: set[int
     return out
 
 
-def score_llama(model: Path, lora: Path | None, tokenizer, examples: list[EvalExample], max_new_tokens: int,
-                stop_ids: set[int]) -> list[dict]:
-    """eval_scoring.score_model's rows, computed by llama.cpp on `model` (+ `lora`)."""
-    if not examples:
-        return []
+def losses_and_answers(model: Path, lora: Path | None, examples: list[EvalExample], max_new_tokens: int,
+                       stop_ids: set[int]) -> tuple[list[tuple[float, int]], list[list[int]]]:
+    """Each example's (summed response loss, token count) and greedy answer, by llama.cpp on
+    `model` (+ `lora`)."""
     n_ctx = max(max(len(e.encoded.ids) for e in examples), max(len(e.prompt_ids) for e in examples) + max_new_tokens)
     llm = open_llama(model, lora, n_ctx + 8)
     try:
@@ -102,6 +101,15 @@ def score_llama(model: Path, lora: Path | None, tokenizer, examples: list[EvalEx
         answers = [greedy_answer(llm, e.prompt_ids, max_new_tokens, stop_ids) for e in examples]
     finally:
         llm.close()
+    return losses, answers
+
+
+def score_llama(model: Path, lora: Path | None, tokenizer, examples: list[EvalExample], max_new_tokens: int,
+                stop_ids: set[int]) -> list[dict]:
+    """eval_scoring.score_model's rows, computed by llama.cpp on `model` (+ `lora`)."""
+    if not examples:
+        return []
+    losses, answers = losses_and_answers(model, lora, examples, max_new_tokens, stop_ids)
     return score_rows(tokenizer, examples, losses, answers)
 
 
