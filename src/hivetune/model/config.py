@@ -182,6 +182,14 @@ class ModelArgs:
         return dataclasses.replace(self, **changes)
 
 
+def checkpointed_count(layers: int, checkpointing: bool, first: int = 0) -> int:
+    """How many decoder layers (the first ones) run under gradient checkpointing: none without it,
+    else the first `first` (train's checkpoint_layers; 0: all `layers`)."""
+    if not checkpointing:
+        return 0
+    return min(first, layers) if first else layers
+
+
 def family_fields(model_type: str, cfg: dict, local_rope: dict | None) -> dict:
     """ModelArgs fields beyond the Llama shape: windows, Gemma's numerics, Phi-3's partial RoPE."""
     out = {}

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from hivetune.model.config import ModelArgs
+from hivetune.model.config import ModelArgs, checkpointed_count
 from hivetune.model.families import BLOCKS, GEMMA, LAYERS, OffsetRMSNorm, attend, attention_projections, window_cuts
 from hivetune.model.lora import LoRALinear, project_shared_input
 from hivetune.ops import norm as norm_op
@@ -287,10 +287,7 @@ class CausalLM(nn.Module):
 
     def checkpointed_layers(self) -> int:
         """How many decoder layers (the first ones) run checkpointed in training."""
-        if not self.gradient_checkpointing:
-            return 0
-        layers = len(self.model.layers)
-        return min(self.checkpoint_layers, layers) if self.checkpoint_layers else layers
+        return checkpointed_count(len(self.model.layers), self.gradient_checkpointing, self.checkpoint_layers)
 
     def rope_tables(self, position_ids, dtype):
         """cos, sin [B, T, rotary dims]; Gemma 3's stacked [global, local] on a first axis."""

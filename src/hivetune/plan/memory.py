@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from hivetune.model.config import ModelArgs
+from hivetune.model.config import ModelArgs, checkpointed_count
 from hivetune.model.quant import (dequant_workspace_elements, layer_weight_elements, linear_shapes,
                                   quantized_weight_bytes)
 from hivetune.ops.fused_ce import CHUNK_BYTES, chunk_rows_for
@@ -292,14 +292,6 @@ def offload_layers(args: ModelArgs, mc: MemoryConfig) -> int:
     return 0 if mc.gradient_checkpointing else min(mc.offload_layers, args.num_hidden_layers)
 
 
-def checkpointed_layers(args: ModelArgs, mc: MemoryConfig) -> int:
-    """Decoder layers run under gradient checkpointing (the first ones; decoder.CausalLM.checkpointed_layers)."""
-    if not mc.gradient_checkpointing:
-        return 0
-    n = args.num_hidden_layers
-    return min(mc.checkpoint_layers, n) if mc.checkpoint_layers else n
-
-
 def offloaded_layer_bytes(args: ModelArgs, mc: MemoryConfig, tokens: int, padded_tokens: int | None = None,
                           threshold: int = OFFLOAD_THRESHOLD) -> int:
     """What the pack hook of ops.offload moves out of one layer (not the first): its saved
@@ -394,7 +386,7 @@ def breakdown(args: ModelArgs, mc: MemoryConfig, tokens: int, targets: int | Non
     final_norm = norm_saved_bytes_per_token(args, mc)
     loss_saved = n * h * s if mc.fused_loss else n * args.vocab_size * 4
     if mc.gradient_checkpointing:  # a checkpointed layer keeps its input; the others (the last) all
-        c = checkpointed_layers(args, mc)
+        c = checkpointed_count(layers, True, mc.checkpoint_layers)
         kept = c * s * h * tokens + (layers - c) * (per_layer_real * tokens + attn * t_attn)
         recompute = per_layer_real * tokens + attn * t_attn  # one layer, in backward
     else:
