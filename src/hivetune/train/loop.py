@@ -31,6 +31,7 @@ from hivetune.ops.loss import target_loss_sum
 from hivetune.parallel import distributed
 from hivetune.train.graph_plan import micro_step_fn
 from hivetune.train.ledger import StepLedger
+from hivetune.train.pair_graph import preference_step_fn
 from hivetune.train.preference import PreferenceStep, preference_validation_loss
 from hivetune.train.run import Run, TrainResult, save_adapter_all_ranks, save_all_ranks
 from hivetune.train.step import accumulate_step, autocast
@@ -59,7 +60,7 @@ def fit(run: Run, progress: bool = True, stop_after: int | None = None) -> Train
     params = lora_parameters(model)
     loss_fn = fused_target_loss_sum if cfg.fused_loss else target_loss_sum
     # forward_backward, replayed from CUDA graphs when it can be; dpo / orpo: pairs, with rewards
-    micro_step = micro_step_fn(run, loss_fn) if cfg.method == "sft" else PreferenceStep(run)
+    micro_step = micro_step_fn(run, loss_fn) if cfg.method == "sft" else preference_step_fn(run, PreferenceStep(run))
     counters = {"skipped_steps": 0, "bad_in_a_row": 0, "last_loss": float("nan"), "best_val_loss": None,
                 "best_step": 0, "evals_since_best": 0, "rollbacks": 0, "micro_batch": cfg.batch_size,
                 **run.counters}

@@ -73,9 +73,11 @@ def pair_losses(run, batch: PairBatch, module=None):
     return dpo_loss(pi[:, 0], pi[:, 1], ref[:, 0], ref[:, 1], pc.beta, pc.loss, pc.label_smoothing)
 
 
-def pair_stats(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
-    """Sums over the pairs of the chosen reward, the rejected one, the margin and chosen > rejected."""
-    return torch.stack([chosen.sum(), rejected.sum(), (chosen - rejected).sum(), (chosen > rejected).float().sum()])
+def pair_stats(chosen: torch.Tensor, rejected: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Sums over the pairs of the chosen reward, the rejected one, the margin and chosen > rejected
+    (each pair's times its weight where `weights` [P] are given: a graph's pad pairs weigh 0)."""
+    per_pair = torch.stack([chosen, rejected, chosen - rejected, (chosen > rejected).to(chosen.dtype)])
+    return (per_pair * weights if weights is not None else per_pair).sum(dim=1)
 
 
 class PreferenceStep:
@@ -87,22 +89,28 @@ class PreferenceStep:
         self.stats = torch.zeros(4, device=run.device)
 
     def __call__(self, batch: PairBatch, n_pairs: int) -> torch.Tensor:
+        return self.body(batch.to(self.run.device), n_pairs)
+
+    def body(self, batch: PairBatch, n_pairs, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward, loss and backward of a micro-batch on the device; `n_pairs` the step's pair
+        count (a device scalar in a graph), `weights` [P] each pair's weight in the loss and the
+        reward sums (train.pair_graph's pad pairs: 0), None: all 1."""
         run = self.run
-        batch = batch.to(run.device)
         with given_seeds(batch.dropout_seeds):  # the reference forward (LoRA off) draws none
             losses, chosen, rejected = pair_losses(run, batch, run.module)
-        loss = losses.sum() / n_pairs
+        loss = (losses * weights if weights is not None else losses).sum() / n_pairs
         scaled = loss * run.parallel.world if run.strategy == "fsdp" else loss  # as step.forward_backward
         try:
             (run.scaler.scale(scaled) if run.scaler else scaled).backward()
         finally:
             join_aside()
-        self.stats = self.stats + pair_stats(chosen, rejected).float()
+        self.stats.add_(pair_stats(chosen, rejected, weights).float())  # in place: a graph adds into it
         return loss.detach()
 
     def step_stats(self, n_pairs: int) -> dict:
         """The step's mean rewards (device tensors; the loop's writer reads them), and a fresh sum."""
-        stats, self.stats = self.stats, torch.zeros(4, device=self.run.device)
+        stats = self.stats.clone()
+        self.stats.zero_()
         if self.run.parallel.enabled:  # every rank calls this each step: its pairs' sums, summed over ranks
             stats = distributed.sum_across(self.run.parallel, stats)
         return dict(zip(STAT_KEYS, (stats / n_pairs).unbind()))

@@ -81,6 +81,28 @@ class PlanInputs:
     saved: dict[int, list[int]] | None = None
 
 
+def attach_persistent_grads(params: list, grads: list, arena: GradArena | None) -> None:
+    """Point every LoRA .grad at its persistent tensor (a graph accumulates into those): after
+    the optimizer set them to None, one memset of the arena; a .grad made elsewhere is copied in."""
+    if arena is not None and all(p.grad is None for p in params):
+        arena.flat.zero_()
+        for p, g in zip(params, grads):
+            p.grad = g
+        return
+    fresh = []
+    for p, g in zip(params, grads):
+        current = p.grad
+        if current is g:
+            continue
+        if current is None:
+            fresh.append(g)
+        else:
+            g.copy_(current)
+        p.grad = g
+    if fresh:
+        torch._foreach_zero_(fresh)
+
+
 class GraphedForwardBackward:
     """Callable ``(batch on the host, n_targets) -> detached loss``, replaying one CUDA graph per
     graph size.
@@ -256,24 +278,7 @@ class GraphedForwardBackward:
         print(f"hivetune: CUDA graphs off ({reason}); eager steps", file=sys.stderr)
 
     def _attach_grads(self) -> None:
-        """Point every LoRA .grad at its persistent tensor (the graphs accumulate into those)."""
-        if self.arena is not None and all(p.grad is None for p in self.params):  # after zero_grad: one memset
-            self.arena.flat.zero_()
-            for p, g in zip(self.params, self.grads):
-                p.grad = g
-            return
-        fresh = []
-        for p, g in zip(self.params, self.grads):
-            current = p.grad
-            if current is g:
-                continue
-            if current is None:
-                fresh.append(g)
-            else:
-                g.copy_(current)
-            p.grad = g
-        if fresh:
-            torch._foreach_zero_(fresh)
+        attach_persistent_grads(self.params, self.grads, self.arena)
 
     def _body(self, bucket: Bucket) -> torch.Tensor:
         bucket.cu.copy_(bucket.cu_src)

@@ -29,6 +29,7 @@ from hivetune.core.versions import installed_version
 from hivetune.plan.gpus import gpu_for_device_name
 from hivetune.plan.timing import flops_per_token
 from hivetune.ops import prewarm
+from hivetune.train import pair_graph
 from hivetune.train import replay as graphs
 from hivetune.train import loop as train_loop
 from hivetune.train.loop import fit
@@ -172,7 +173,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-            graphs.last_stats = {}
+            graphs.last_stats = pair_graph.last_stats = {}
             before = allocator_counts(device)
             t0 = time.perf_counter()
             with first_step_clock(device) as first:
@@ -203,7 +204,8 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
         "peak_memory_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None,
         "peak_memory_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 3) if device.type == "cuda" else None,
         "final_loss": result.final_loss, "losses_logged": losses,
-        "cuda_graphs": dict(graphs.last_stats) if cfg.cuda_graphs and graphs.last_stats else None,
+        "cuda_graphs": (dict(graphs.last_stats or pair_graph.last_stats)
+                        if cfg.cuda_graphs and (graphs.last_stats or pair_graph.last_stats) else None),
         "memory_cap_gib": memory_cap_gib or None,
         # the first optimizer step's wall seconds (to the GPU's end of it): several seconds where
         # Triton compiled this workload's kernels (a cache warm with other shapes' kernels only)
