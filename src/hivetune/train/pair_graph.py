@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hivetune.core.device import FP16_NO_GRAPHS
 from hivetune.data.pairs import EncodedPair, PairBatch, collate_pairs
 from hivetune.model.lora import lora_parameters
 from hivetune.ops.lora_grads import GradArena
@@ -114,7 +115,7 @@ def graphs_unsupported(run) -> str | None:
     if getattr(run, "strategy", "none") == "fsdp":
         return "FSDP sharding"
     if run.scaler is not None:
-        return "fp16 loss scaling"
+        return FP16_NO_GRAPHS
     if run.precision not in ("bf16", "fp16"):
         return f"{run.precision}: flash varlen attention needs bf16"
     if not run.cfg.preference.shared_prompt:
