@@ -181,6 +181,11 @@ class TrainConfig:
     cuda_graphs: bool = True
     """On CUDA (bf16, packing): replay each micro-batch's forward + loss + backward from a CUDA
     graph, one per token-count bucket (256 tokens), captured on first use; eager otherwise."""
+    compile_workers: int = -1
+    """On CUDA with Triton: the fused kernels that Triton's on-disk cache lacks (a fresh machine,
+    a new shape) are compiled by this many worker processes at once, ahead of the first step's
+    real pass, instead of one after the other at their first launches (ops.compile_ahead); -1:
+    the host's cores less two, 2 to 12; 0: off."""
     seed: int = 0
     """Seeds LoRA init, dropout and the data order."""
     device: str = "auto"

@@ -66,6 +66,8 @@ def validate(cfg: TrainConfig) -> list[str]:
                 "eval_every", "early_stopping_patience", "activation_offload", "checkpoint_layers"):
         if getattr(cfg, key) < 0:
             errors.append(f"{key}: must be >= 0, got {getattr(cfg, key)}")
+    if cfg.compile_workers < -1:
+        errors.append(f"compile_workers: must be >= -1 (-1: auto, 0: off), got {cfg.compile_workers}")
     if not 0 <= cfg.val_split < 1:
         errors.append(f"val_split: must be in [0, 1), got {cfg.val_split}")
     if cfg.val_split > 0 and cfg.val_data:

@@ -9,6 +9,7 @@ import time
 import torch
 
 from hivetune.core.fallbacks import forced
+from hivetune.ops import compile_ahead
 from hivetune.ops.adamw import FusedAdamW, clip_grad_norm
 from hivetune.ops.triton_util import load_kernels
 
@@ -17,8 +18,10 @@ PREWARM_DONE_AT: float | None = None  # time.perf_counter() when the prewarm thr
 PREWARM_TAIL: str | None = None  # tail_kernels in the prewarm thread: "<ms> ms" or the error (bench records it)
 
 
-def prewarm(device: torch.device) -> None:
+def prewarm(device: torch.device, compile_workers: int = -1) -> None:
     """Start, in a background thread, work a process otherwise does at its first training step:
+    - the compile workers of ops.compile_ahead, where Triton's cache looks cold (compile_workers:
+      the config key; -1 auto, 0 off);
     - the fused ops' first call: importing Triton and defining their kernels (load_kernels);
     - Triton's, at its first kernel launch: hashing its own installation for the cache key
       (~0.4 s on the device's hosts) and importing its gluon modules (~0.2 s);
@@ -41,6 +44,8 @@ def prewarm(device: torch.device) -> None:
         global PREWARM_DONE_AT, PREWARM_TAIL
         if with_triton:
             try:
+                compile_ahead.start(torch.device("cuda", index),
+                                    compile_ahead.default_workers() if compile_workers < 0 else compile_workers)
                 load_kernels()  # Triton's import and the ops' kernels, which the first fused call needs
                 from triton.runtime.cache import triton_key
 

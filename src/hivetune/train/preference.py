@@ -22,6 +22,7 @@ from hivetune.core.embedded import DEFAULT_DATA_DIR
 from hivetune.data.pairs import PAIR_FILES, PairBatch, collate_pairs
 from hivetune.data.sources import DataSource
 from hivetune.model.lora import lora_enabled
+from hivetune.ops.compile_ahead import first_pass, trained
 from hivetune.ops.lora_aside import join_aside
 from hivetune.ops.lora_casts import given_seeds
 from hivetune.ops.preference import (dpo_loss, fused_target_logprobs, orpo_loss, sequence_sums,
@@ -94,7 +95,12 @@ class PreferenceStep:
     def body(self, batch: PairBatch, n_pairs, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Forward, loss and backward of a micro-batch on the device; `n_pairs` the step's pair
         count (a device scalar in a graph), `weights` [P] each pair's weight in the loss and the
-        reward sums (train.pair_graph's pad pairs: 0), None: all 1."""
+        reward sums (train.pair_graph's pad pairs: 0), None: all 1. The process's first call
+        compiles its missing Triton kernels in parallel first (ops.compile_ahead)."""
+        return first_pass(lambda: self._body(batch, n_pairs, weights), lambda: trained(self.run.model),
+                          keep=(self.stats,))
+
+    def _body(self, batch: PairBatch, n_pairs, weights: torch.Tensor | None) -> torch.Tensor:
         run = self.run
         with given_seeds(batch.dropout_seeds):  # the reference forward (LoRA off) draws none
             losses, chosen, rejected = pair_losses(run, batch, run.module)

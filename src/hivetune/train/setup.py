@@ -87,7 +87,7 @@ def setup(cfg: TrainConfig) -> Run:
     check_offload_layers(cfg, args.num_hidden_layers)
     device = distributed.device_for(parallel, resolve_device(cfg.device))
     precision = resolve_precision(cfg.precision, device)
-    prewarm(device)  # overlaps the tokenizer and the weights' load
+    prewarm(device, cfg.compile_workers)  # overlaps the tokenizer and the weights' load
     tokenizer = load_tokenizer(str(model_path))
     if len(tokenizer) > args.vocab_size:
         raise UserError(f"{model_path}: tokenizer has {len(tokenizer)} tokens, more than the model's "

@@ -21,6 +21,7 @@ from hivetune.core.errors import UserError
 from hivetune.data.batch import collate_packed, collate_padded
 from hivetune.data.pairs import collate_pairs
 from hivetune.model.decoder import CausalLM
+from hivetune.ops.compile_ahead import first_pass, trained
 from hivetune.ops.lora_aside import join_aside
 from hivetune.ops.lora_casts import given_seeds
 from hivetune.parallel import distributed
@@ -95,7 +96,12 @@ def runs_in_dtype(model: CausalLM, precision: str, strategy: str) -> bool:
 
 def forward_backward(run: Run, batch, n_targets: int, loss_fn) -> torch.Tensor:
     """One micro-batch: forward, loss over its targets divided by the step's target count,
-    backward (gradients accumulate in the LoRA parameters). Returns the detached loss."""
+    backward (gradients accumulate in the LoRA parameters). Returns the detached loss. The
+    process's first call compiles its missing Triton kernels in parallel first (ops.compile_ahead)."""
+    return first_pass(lambda: _forward_backward(run, batch, n_targets, loss_fn), lambda: trained(run.model))
+
+
+def _forward_backward(run: Run, batch, n_targets: int, loss_fn) -> torch.Tensor:
     model = run.model
     with autocast(run), given_seeds(batch.dropout_seeds):
         hidden = (run.module or model)(batch.input_ids, batch.position_ids, batch.layout)

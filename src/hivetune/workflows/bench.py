@@ -28,7 +28,7 @@ from hivetune.core.errors import UserError
 from hivetune.core.versions import installed_version
 from hivetune.plan.gpus import gpu_for_device_name
 from hivetune.plan.timing import flops_per_token
-from hivetune.ops import prewarm
+from hivetune.ops import compile_ahead, prewarm
 from hivetune.train import pair_graph
 from hivetune.train import replay as graphs
 from hivetune.train import loop as train_loop
@@ -150,7 +150,8 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
     caching allocator may hold at most this much from assembly on (as on a card of that size;
     set after the model is built: W2's random init runs in fp32). model: a prebuilt CausalLM of
     the workload's shape on `device` instead of random_model's (benchmarks/keep_w1.py)."""
-    prewarm.prewarm(device)  # overlaps building the data and the model, as in train's setup
+    # overlaps building the data and the model, as in train's setup
+    prewarm.prewarm(device, int((overrides or {}).get("compile_workers", -1)))
     examples = w.data()  # token ids, or PW1's preference pairs
     values = {"model": "random", "data": "generator", "precision": "bf16" if device.type == "cuda" else "fp32",
               "method": w.method,
@@ -220,6 +221,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
         # positive: the loop waited for it), and how its run of the step's tail kernels went
         "prewarm_done_s": round(prewarm.PREWARM_DONE_AT - t0, 3) if prewarm.PREWARM_DONE_AT else None,
         "prewarm_tail": prewarm.PREWARM_TAIL,
+        "compile_ahead": compile_ahead.STATS,  # the first pass's kernels compiled by the workers, and how long it waited
     }
 
 

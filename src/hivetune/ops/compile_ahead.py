@@ -1,0 +1,256 @@
+"""The first training pass's Triton kernels compiled in parallel, before that pass runs.
+
+Triton compiles a kernel at its first launch, in the launching thread: a fresh machine's first
+step meets its ~15 kernels one after the other (~0.5 s each with the launcher's C build; W1 on an
+H200: 7 s of a 15.7 s run, docs/log.md). ``first_pass`` runs the process's first micro-batch
+forward and backward twice where that helps:
+1. a discovery pass, with Triton's jit_cache_hook set: a kernel missing from Triton's on-disk
+   cache is sent to the compile workers (ops.compile_worker, separate processes) and its launch
+   skipped; a cached one runs as usual. The pass computes garbage where launches were skipped,
+   but every later kernel still meets its real shapes and dtypes;
+2. once the workers are done, the gradients, the given tensors and the RNG states are put back
+   as they were, and the pass runs again: every launch now loads from the cache.
+A pass that skipped nothing was the real one, and is not repeated (a warm cache costs nothing).
+The workers start with train's prewarm, while the data and the model load, where Triton's cache
+lacks this hivetune's marker (a fresh machine, a new version); else at the first missing
+kernel. Off under torchrun (ranks sharing one cache would disagree on which pass is real) and
+with ``compile_workers: 0``. Anything unexpected (a Triton without these hooks, a worker that
+fails) leaves the kernel to Triton's own compile at its launch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, wait
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+import hivetune
+
+_AHEAD: "CompileAhead | None" = None
+STATS: dict | None = None  # the last first_pass's figures (bench records them)
+
+
+def default_workers() -> int:
+    """Compile workers where the config says auto: the host's cores less two, 2 to 12."""
+    return max(2, min(12, (os.cpu_count() or 4) - 2))
+
+
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+class Workers:
+    """`n` compile worker processes, each fed by a thread: submit(job) -> Future of its reply."""
+
+    def __init__(self, n: int):
+        env = dict(os.environ)
+        root = str(Path(hivetune.__file__).resolve().parents[1])  # this hivetune, wherever it was imported from
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        self.jobs: queue.Queue = queue.Queue()
+        self.procs = [subprocess.Popen([sys.executable, "-m", "hivetune.ops.compile_worker"], env=env, text=True,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                      for _ in range(n)]
+        self.threads = [threading.Thread(target=self._feed, args=(p,), daemon=True, name="hivetune-compile")
+                        for p in self.procs]
+        for t in self.threads:
+            t.start()
+
+    def _feed(self, proc: subprocess.Popen) -> None:
+        while True:
+            item = self.jobs.get()
+            if item is None:
+                return
+            job, future = item
+            try:
+                proc.stdin.write(json.dumps(job) + "\n")
+                proc.stdin.flush()
+                line = proc.stdout.readline()
+                future.set_result(json.loads(line) if line else {"error": f"worker exited ({proc.poll()})"})
+            except Exception as e:  # noqa: BLE001 - a dead worker: the parent compiles this one itself
+                future.set_result({"error": f"{type(e).__name__}: {e}"})
+
+    def submit(self, job: dict) -> Future:
+        future: Future = Future()
+        self.jobs.put((job, future))
+        return future
+
+    def close(self) -> None:
+        for _ in self.threads:
+            self.jobs.put(None)
+        for p in self.procs:
+            try:
+                p.stdin.close()  # the worker ends at end of input
+            except OSError:
+                pass
+
+
+class CompileAhead:
+    """The process's compile workers and its discovery hook (see the module's doc)."""
+
+    def __init__(self, workers: int, start_now: bool, marker: Path | None):
+        self.n, self.marker = workers, marker
+        self.workers = Workers(workers) if start_now else None
+        self.started_early = start_now
+        self.pending: dict[str, Future] = {}
+        self.skipped = 0
+        self.done = False
+
+    def hook(self, **kwargs) -> bool:
+        """Triton's jit_cache_hook: True skips the launch of a kernel sent to the workers."""
+        try:
+            fn, compile = kwargs["fn"], kwargs["compile"]
+            from triton._C.libtriton import get_cache_invalidating_env_vars
+            from triton.compiler.compiler import ASTSource
+            from triton.runtime.cache import get_cache_key, get_cache_manager
+
+            jit = fn.jit_function
+            _, _, target, backend, _ = jit.device_caches[compile["device"]]
+            spec = json.loads(compile["specialization_data"])
+            options = backend.parse_options({k: _tuples(v) for k, v in spec["options"].items()})
+            src = ASTSource(jit, compile["signature"], compile["constants"], compile["configs"][0])
+            digest = hashlib.sha256(get_cache_key(src, backend, options, get_cache_invalidating_env_vars())
+                                    .encode("utf-8")).hexdigest()
+            if get_cache_manager(digest).get_group(f"{src.name[:150]}.json") is not None:
+                return False  # cached: Triton loads it as usual
+            if digest not in self.pending:
+                if self.workers is None:
+                    self.workers = Workers(self.n)
+                self.pending[digest] = self.workers.submit({
+                    "module": fn.module, "name": fn.name, "spec": compile["specialization_data"],
+                    "target": [target.backend, target.arch, target.warp_size], "hash": digest})
+        except Exception:  # noqa: BLE001 - anything unexpected: Triton compiles it at the launch
+            return False
+        self.skipped += 1
+        return True
+
+    @contextmanager
+    def discovering(self):
+        from triton import knobs
+
+        before = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = self.hook
+        try:
+            yield
+        finally:
+            knobs.runtime.jit_cache_hook = before
+
+    def finish(self) -> None:
+        self.done = True
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+        if self.marker is not None:
+            try:
+                self.marker.parent.mkdir(parents=True, exist_ok=True)
+                self.marker.touch()
+            except OSError:
+                pass
+
+
+def start(device: torch.device, workers: int) -> None:
+    """Make this process's first pass compile ahead (prewarm, with Triton imported): workers
+    start now where Triton's cache lacks this hivetune's marker. Nothing off CUDA, under
+    torchrun or with workers <= 0."""
+    global _AHEAD
+    if (_AHEAD is not None or device.type != "cuda" or workers <= 0
+            or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1):
+        return
+    try:
+        import triton
+        from triton import knobs
+
+        if not hasattr(knobs.runtime, "jit_cache_hook"):
+            return
+        marker = Path(knobs.cache.dir) / f"hivetune-{hivetune.__version__}-triton-{triton.__version__}.warm"
+    except Exception:  # noqa: BLE001 - a Triton without these parts compiles at each launch
+        return
+    _AHEAD = CompileAhead(workers, start_now=not marker.exists(), marker=marker)
+
+
+def trained(model: torch.nn.Module) -> list:
+    """The parameters a backward of `model` gives gradients."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def first_pass(fn, params, keep: tuple = ()):
+    """fn(), the process's first forward and backward, with its missing Triton kernels compiled
+    in parallel first (the module's doc); later calls run fn() alone. `params()`: the parameters
+    whose gradients fn adds to; `keep`: other tensors fn adds to in place; both are restored
+    between the two passes."""
+    global STATS
+    ahead = _AHEAD
+    if ahead is None or ahead.done:
+        return fn()
+    t0 = time.perf_counter()
+    params = list(params())
+    grads = [None if p.grad is None else p.grad.clone() for p in params]
+    kept = [t.clone() for t in keep]
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    error = None
+    with ahead.discovering():
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 - from garbage where launches were skipped, or real: see below
+            out, error = None, e
+    if not ahead.skipped:
+        ahead.finish()
+        STATS = {"kernels": 0, "workers_started_early": ahead.started_early}
+        if error is not None:
+            raise error
+        return out
+    del out
+    t1 = time.perf_counter()
+    wait(list(ahead.pending.values()))
+    replies = [f.result() for f in ahead.pending.values()]
+    errors = [r["error"] for r in replies if "error" in r]
+    for p, g in zip(params, grads):
+        if g is None:
+            p.grad = None
+        else:
+            p.grad.copy_(g)
+    for t, saved in zip(keep, kept):
+        t.copy_(saved)
+    torch.set_rng_state(rng[0])
+    if rng[1] is not None:
+        torch.cuda.set_rng_state(rng[1])
+    STATS = {"kernels": len(replies), "skipped_launches": ahead.skipped, "discovery_s": round(t1 - t0, 3),
+             "compile_wait_s": round(time.perf_counter() - t1, 3), "workers": ahead.n,
+             "workers_started_early": ahead.started_early, "errors": errors[:3]}
+    ahead.finish()
+    with _counting_misses() as missed:
+        out = fn()
+    STATS["missed"] = missed[0]  # kernels the real pass still compiled itself (0 when all went well)
+    return out
+
+
+@contextmanager
+def _counting_misses():
+    """Yields [n]: the Triton compiles inside the block that did not come from the cache."""
+    missed = [0]
+    try:
+        from triton import knobs
+    except ImportError:
+        yield missed
+        return
+    before = knobs.compilation.listener
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit):
+        missed[0] += not cache_hit
+        if before is not None:
+            before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+
+    knobs.compilation.listener = listener
+    try:
+        yield missed
+    finally:
+        knobs.compilation.listener = before

@@ -1,0 +1,76 @@
+"""A compile worker of ops.compile_ahead: `python -m hivetune.ops.compile_worker` reads one job a
+line on stdin (JSON: a Triton kernel's module and name, the specialization Triton serialises
+for its hooks, the target, the cache hash the parent expects), compiles it into Triton's
+on-disk cache with the launcher it needs, and answers one JSON line on stdout. It never opens a
+CUDA context: the target comes from the parent."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import time
+
+
+def _tuples(value):
+    """JSON lists back to the tuples Triton serialised (signatures of tuple arguments, options)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _constant(value, tl):
+    """A constexpr as Triton's specialization data writes it: a dtype's name, {"constexpr": v}, or v."""
+    if isinstance(value, dict) and "constexpr" in value:
+        return tl.constexpr(value["constexpr"])
+    if isinstance(value, str) and tl.dtype.is_dtype(value):
+        return tl.dtype(value)
+    return value
+
+
+def compile_job(job: dict) -> dict:
+    """Compile one job; {"hash": the compiled kernel's cache hash, "seconds": ...}."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    from hivetune.ops.triton_util import load_kernels
+
+    t0 = time.perf_counter()
+    load_kernels()  # the op modules define their kernels as globals here
+    fn = getattr(importlib.import_module(job["module"]), job["name"])
+    spec = json.loads(job["spec"])
+    constants = {tuple(k): _constant(v, tl) for k, v in zip(spec["constant_keys"], spec["constant_vals"])}
+    attrs = {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"])}
+    signature = {k: _tuples(v) for k, v in spec["signature"].items()}
+    options = {k: _tuples(v) for k, v in spec["options"].items()}
+    src = ASTSource(fn, signature, constants, attrs)
+    kernel = triton.compile(src, target=GPUTarget(*job["target"]), options=options)
+    if kernel.hash != job["hash"]:
+        return {"error": f"{job['name']}: compiled under hash {kernel.hash[:12]}, the parent looks for {job['hash'][:12]}"}
+    try:  # the launcher Triton builds with the C compiler at the kernel's first launch (cached on disk too)
+        from triton.runtime.driver import driver
+
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:  # noqa: BLE001 - the parent's first launch builds it
+        pass
+    return {"hash": kernel.hash, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def main() -> int:
+    import triton  # noqa: F401 - imported before the first job arrives
+
+    from hivetune.ops.triton_util import load_kernels
+
+    load_kernels()
+    for line in sys.stdin:
+        try:
+            reply = compile_job(json.loads(line))
+        except Exception as e:  # noqa: BLE001 - the parent's own launch then compiles it
+            reply = {"error": f"{type(e).__name__}: {str(e).strip()[:300]}"}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""ops.compile_ahead on a GPU, each run a fresh process with its own Triton cache: the first pass's
+missing kernels compiled by the workers leave the real pass nothing to compile, and the run's
+losses are those of a run that compiled at each launch; a warm cache starts no workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SCRIPT = """
+import json, sys
+from hivetune.core.config import load_config
+from hivetune.ops import compile_ahead
+from hivetune.train.loop import fit
+from hivetune.train.setup import setup
+model, data, out, workers = sys.argv[1:5]
+values = {"model": model, "data": data, "output_dir": out, "eval_prompts": 0, "device": "cuda",
+          "precision": "bf16", "batch_size": 4, "max_steps": 4, "lr": 5e-3, "warmup_steps": 0,
+          "lora": {"r": 4, "alpha": 8, "dropout": 0.1}, "compile_workers": int(workers)}
+run = setup(load_config(None, values))
+fit(run, progress=False)
+losses = [json.loads(line)["loss"] for line in open(out + "/metrics.jsonl")]
+print(json.dumps({"stats": compile_ahead.STATS, "losses": losses}))
+"""
+
+
+def train(model_dir, data, out: Path, workers: int, cache: Path) -> dict:
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache))
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir), str(data), str(out), str(workers)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_kernels_compiled_ahead_leave_the_real_pass_nothing_and_the_losses_unchanged(
+        tiny_model_dir, alpaca_file, tmp_path):
+    ahead = train(tiny_model_dir, alpaca_file, tmp_path / "ahead", 4, tmp_path / "cache-ahead")
+    plain = train(tiny_model_dir, alpaca_file, tmp_path / "plain", 0, tmp_path / "cache-plain")
+    stats = ahead["stats"]
+    assert stats["kernels"] >= 5 and stats["errors"] == [] and stats["missed"] == 0, stats
+    assert stats["workers_started_early"] is True  # an empty cache has no marker
+    assert plain["stats"] is None  # compile_workers: 0
+    assert ahead["losses"][0] == plain["losses"][0]  # the discovery pass left no trace in the first step
+    assert ahead["losses"] == pytest.approx(plain["losses"], rel=1e-3)
+    assert list((tmp_path / "cache-ahead").glob("hivetune-*.warm"))
+
+    again = train(tiny_model_dir, alpaca_file, tmp_path / "again", 4, tmp_path / "cache-ahead")
+    assert again["stats"] == {"kernels": 0, "workers_started_early": False}
+    assert again["losses"][0] == ahead["losses"][0]
