@@ -60,12 +60,19 @@ class Workers:
         self.procs = [subprocess.Popen([sys.executable, "-m", "hivetune.ops.compile_worker"], env=env, text=True,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
                       for _ in range(n)]
+        self.started = time.perf_counter()
+        self.ready_at: list[float] = []  # each worker's ready time, seconds from the start
         self.threads = [threading.Thread(target=self._feed, args=(p,), daemon=True, name="hivetune-compile")
                         for p in self.procs]
         for t in self.threads:
             t.start()
 
     def _feed(self, proc: subprocess.Popen) -> None:
+        try:
+            proc.stdout.readline()  # {"ready_s": ...}: its imports done
+            self.ready_at.append(round(time.perf_counter() - self.started, 3))
+        except OSError:
+            pass
         while True:
             item = self.jobs.get()
             if item is None:
@@ -223,9 +230,15 @@ def first_pass(fn, params, keep: tuple = ()):
     torch.set_rng_state(rng[0])
     if rng[1] is not None:
         torch.cuda.set_rng_state(rng[1])
+    workers = ahead.workers
     STATS = {"kernels": len(replies), "skipped_launches": ahead.skipped, "discovery_s": round(t1 - t0, 3),
              "compile_wait_s": round(time.perf_counter() - t1, 3), "workers": ahead.n,
-             "workers_started_early": ahead.started_early, "errors": errors[:3]}
+             "workers_started_early": ahead.started_early, "errors": errors[:3],
+             # when the pass began and the workers were ready, in seconds from the workers' start
+             "pass_at_s": round(t0 - workers.started, 3) if workers else None,
+             "ready_at_s": sorted(workers.ready_at)[-1:] if workers else None,
+             "compile_s": sorted(r.get("seconds", 0) for r in replies)[-3:],
+             "launcher_s": sorted(r.get("launcher_s", 0) for r in replies)[-3:]}
     ahead.finish()
     with _counting_misses() as missed:
         out = fn()

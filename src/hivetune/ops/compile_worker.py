@@ -47,21 +47,31 @@ def compile_job(job: dict) -> dict:
     kernel = triton.compile(src, target=GPUTarget(*job["target"]), options=options)
     if kernel.hash != job["hash"]:
         return {"error": f"{job['name']}: compiled under hash {kernel.hash[:12]}, the parent looks for {job['hash'][:12]}"}
+    t1 = time.perf_counter()
     try:  # the launcher Triton builds with the C compiler at the kernel's first launch (cached on disk too)
         from triton.runtime.driver import driver
 
         driver.active.launcher_cls(kernel.src, kernel.metadata)
     except Exception:  # noqa: BLE001 - the parent's first launch builds it
         pass
-    return {"hash": kernel.hash, "seconds": round(time.perf_counter() - t0, 3)}
+    return {"hash": kernel.hash, "seconds": round(t1 - t0, 3), "launcher_s": round(time.perf_counter() - t1, 3)}
 
 
 def main() -> int:
-    import triton  # noqa: F401 - imported before the first job arrives
+    t0 = time.perf_counter()
+    try:  # what every job needs, before the first arrives
+        from triton.runtime.cache import triton_key
+        from triton.runtime.driver import driver
 
-    from hivetune.ops.triton_util import load_kernels
+        from hivetune.ops.triton_util import load_kernels
 
-    load_kernels()
+        load_kernels()
+        triton_key()  # hashes Triton's installation once
+        driver.active  # noqa: B018 - loads (or builds) Triton's CUDA utilities
+    except Exception:  # noqa: BLE001 - each job then reports what fails
+        pass
+    sys.stdout.write(json.dumps({"ready_s": round(time.perf_counter() - t0, 3)}) + "\n")
+    sys.stdout.flush()
     for line in sys.stdin:
         try:
             reply = compile_job(json.loads(line))
