@@ -5,9 +5,10 @@ step meets its ~15 kernels one after the other (~0.5 s each with the launcher's 
 H200: 7 s of a 15.7 s run, docs/log.md). ``first_pass`` runs the process's first micro-batch
 forward and backward twice where that helps:
 1. a discovery pass, with Triton's jit_cache_hook set: a kernel missing from Triton's on-disk
-   cache is sent to the compile workers (ops.compile_worker, separate processes) and its launch
-   skipped; a cached one runs as usual. The pass computes garbage where launches were skipped,
-   but every later kernel still meets its real shapes and dtypes;
+   cache is sent to the compile workers (ops.compile_worker: processes that import Triton and
+   ops.kernels, not torch, ready in about a second) and its launch skipped; a cached one runs as
+   usual. The pass computes garbage where launches were skipped, but every later kernel still
+   meets its real shapes and dtypes;
 2. once the workers are done, the gradients, the given tensors and the RNG states are put back
    as they were, and the pass runs again: every launch now loads from the cache.
 A pass that skipped nothing was the real one, and is not repeated (a warm cache costs nothing).
@@ -52,14 +53,14 @@ def _tuples(value):
 class Workers:
     """`n` compile worker processes, each fed by a thread: submit(job) -> Future of its reply."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, target: tuple):
         env = dict(os.environ)
         root = str(Path(hivetune.__file__).resolve().parents[1])  # this hivetune, wherever it was imported from
         env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         self.jobs: queue.Queue = queue.Queue()
-        self.procs = [subprocess.Popen([sys.executable, "-m", "hivetune.ops.compile_worker"], env=env, text=True,
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-                      for _ in range(n)]
+        command = [sys.executable, "-m", "hivetune.ops.compile_worker", *map(str, target)]
+        self.procs = [subprocess.Popen(command, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=subprocess.DEVNULL) for _ in range(n)]
         self.started = time.perf_counter()
         self.ready_at: list[float] = []  # each worker's ready time, seconds from the start
         self.threads = [threading.Thread(target=self._feed, args=(p,), daemon=True, name="hivetune-compile")
@@ -104,11 +105,12 @@ class Workers:
 class CompileAhead:
     """The process's compile workers and its discovery hook (see the module's doc)."""
 
-    def __init__(self, workers: int, start_now: bool, marker: Path | None):
-        self.n, self.marker = workers, marker
-        self.workers = Workers(workers) if start_now else None
+    def __init__(self, workers: int, start_now: bool, marker: Path | None, target: tuple = ()):
+        self.n, self.marker, self.target = workers, marker, target  # target: (backend, arch, warp size)
+        self.workers = Workers(workers, target) if start_now else None
         self.started_early = start_now
-        self.pending: dict[str, Future] = {}
+        self.pending: dict[str, Future] = {}  # by Triton's cache hash
+        self.sent: set = set()
         self.skipped = 0
         self.done = False
 
@@ -116,6 +118,10 @@ class CompileAhead:
         """Triton's jit_cache_hook: True skips the launch of a kernel sent to the workers."""
         try:
             fn, compile = kwargs["fn"], kwargs["compile"]
+            seen = (fn.module, fn.name, repr(kwargs["key"]))  # Triton's in-memory key of this specialization
+            if seen in self.sent:  # launched again in this pass: sent already
+                self.skipped += 1
+                return True
             from triton._C.libtriton import get_cache_invalidating_env_vars
             from triton.compiler.compiler import ASTSource
             from triton.runtime.cache import get_cache_key, get_cache_manager
@@ -130,11 +136,13 @@ class CompileAhead:
             if get_cache_manager(digest).get_group(f"{src.name[:150]}.json") is not None:
                 return False  # cached: Triton loads it as usual
             if digest not in self.pending:
+                if (target.backend, target.arch, target.warp_size) != self.target:
+                    return False  # another device's kernel: compiled where it launches
                 if self.workers is None:
-                    self.workers = Workers(self.n)
+                    self.workers = Workers(self.n, self.target)
                 self.pending[digest] = self.workers.submit({
-                    "module": fn.module, "name": fn.name, "spec": compile["specialization_data"],
-                    "target": [target.backend, target.arch, target.warp_size], "hash": digest})
+                    "module": fn.module, "name": fn.name, "spec": compile["specialization_data"], "hash": digest})
+            self.sent.add(seen)
         except Exception:  # noqa: BLE001 - anything unexpected: Triton compiles it at the launch
             return False
         self.skipped += 1
@@ -176,12 +184,17 @@ def start(device: torch.device, workers: int) -> None:
         import triton
         from triton import knobs
 
+        from triton.runtime.driver import driver
+
         if not hasattr(knobs.runtime, "jit_cache_hook"):
             return
+        with torch.cuda.device(device):
+            t = driver.active.get_current_target()
+        target = (t.backend, t.arch, t.warp_size)
         marker = Path(knobs.cache.dir) / f"hivetune-{hivetune.__version__}-triton-{triton.__version__}.warm"
     except Exception:  # noqa: BLE001 - a Triton without these parts compiles at each launch
         return
-    _AHEAD = CompileAhead(workers, start_now=not marker.exists(), marker=marker)
+    _AHEAD = CompileAhead(workers, start_now=not marker.exists(), marker=marker, target=target)
 
 
 def trained(model: torch.nn.Module) -> list:

@@ -1,8 +1,9 @@
-"""A compile worker of ops.compile_ahead: `python -m hivetune.ops.compile_worker` reads one job a
-line on stdin (JSON: a Triton kernel's module and name, the specialization Triton serialises
-for its hooks, the target, the cache hash the parent expects), compiles it into Triton's
-on-disk cache with the launcher it needs, and answers one JSON line on stdout. It never opens a
-CUDA context: the target comes from the parent."""
+"""A compile worker of ops.compile_ahead: `python -m hivetune.ops.compile_worker BACKEND ARCH
+WARP_SIZE` reads one job a line on stdin (JSON: a Triton kernel's module and name, the
+specialization Triton serialises for its hooks, the cache hash the parent expects), compiles it
+for that target into Triton's on-disk cache with the launcher it needs, and answers one JSON
+line on stdout. It imports neither torch nor a CUDA context: the kernels live in ops.kernels,
+free of torch, so a worker is ready in about a second."""
 
 from __future__ import annotations
 
@@ -26,17 +27,24 @@ def _constant(value, tl):
     return value
 
 
-def compile_job(job: dict) -> dict:
-    """Compile one job; {"hash": the compiled kernel's cache hash, "seconds": ...}."""
+def launcher_driver(target):
+    """The Triton driver of `target`'s backend, for its launcher class (not Triton's active
+    driver, which asks torch for the current device)."""
+    from triton.backends import backends
+
+    for backend in backends.values():
+        if backend.compiler.supports_target(target):
+            return backend.driver()
+    raise RuntimeError(f"no Triton backend for {target}")
+
+
+def compile_job(job: dict, target, drivers: dict) -> dict:
+    """Compile one job for `target`; {"hash": the compiled kernel's cache hash, "seconds": ...}."""
     import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
-    from hivetune.ops.triton_util import load_kernels
-
     t0 = time.perf_counter()
-    load_kernels()  # the op modules define their kernels as globals here
     fn = getattr(importlib.import_module(job["module"]), job["name"])
     spec = json.loads(job["spec"])
     constants = {tuple(k): _constant(v, tl) for k, v in zip(spec["constant_keys"], spec["constant_vals"])}
@@ -44,14 +52,14 @@ def compile_job(job: dict) -> dict:
     signature = {k: _tuples(v) for k, v in spec["signature"].items()}
     options = {k: _tuples(v) for k, v in spec["options"].items()}
     src = ASTSource(fn, signature, constants, attrs)
-    kernel = triton.compile(src, target=GPUTarget(*job["target"]), options=options)
+    kernel = triton.compile(src, target=target, options=options)
     if kernel.hash != job["hash"]:
         return {"error": f"{job['name']}: compiled under hash {kernel.hash[:12]}, the parent looks for {job['hash'][:12]}"}
     t1 = time.perf_counter()
     try:  # the launcher Triton builds with the C compiler at the kernel's first launch (cached on disk too)
-        from triton.runtime.driver import driver
-
-        driver.active.launcher_cls(kernel.src, kernel.metadata)
+        if "driver" not in drivers:
+            drivers["driver"] = launcher_driver(target)
+        drivers["driver"].launcher_cls(kernel.src, kernel.metadata)
     except Exception:  # noqa: BLE001 - the parent's first launch builds it
         pass
     return {"hash": kernel.hash, "seconds": round(t1 - t0, 3), "launcher_s": round(time.perf_counter() - t1, 3)}
@@ -59,22 +67,23 @@ def compile_job(job: dict) -> dict:
 
 def main() -> int:
     t0 = time.perf_counter()
+    from triton.backends.compiler import GPUTarget
+
+    backend, arch, warp_size = sys.argv[1:4]
+    target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, int(warp_size))
+    drivers: dict = {}
     try:  # what every job needs, before the first arrives
         from triton.runtime.cache import triton_key
-        from triton.runtime.driver import driver
 
-        from hivetune.ops.triton_util import load_kernels
-
-        load_kernels()
         triton_key()  # hashes Triton's installation once
-        driver.active  # noqa: B018 - loads (or builds) Triton's CUDA utilities
+        drivers["driver"] = launcher_driver(target)  # loads (or builds) the backend's utilities
     except Exception:  # noqa: BLE001 - each job then reports what fails
         pass
     sys.stdout.write(json.dumps({"ready_s": round(time.perf_counter() - t0, 3)}) + "\n")
     sys.stdout.flush()
     for line in sys.stdin:
         try:
-            reply = compile_job(json.loads(line))
+            reply = compile_job(json.loads(line), target, drivers)
         except Exception as e:  # noqa: BLE001 - the parent's own launch then compiles it
             reply = {"error": f"{type(e).__name__}: {str(e).strip()[:300]}"}
         sys.stdout.write(json.dumps(reply) + "\n")

@@ -22,21 +22,13 @@ from hivetune.ops.triton_util import kernels, load_kernels, triton
 
 @kernels
 def _define_kernels():
-    """The Triton kernels: defined at the first fused call, not at import (triton_util.kernels)."""
+    """The Triton kernels (ops.kernels.host_embedding): imported at the first fused call, not at import
+    (triton_util.kernels)."""
     global triton, tl, _gather_rows
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _gather_rows(TABLE, IDS, OUT, D, BLOCK: tl.constexpr):
-        """OUT[i] = TABLE[IDS[i]]: one program a row, BLOCK columns at a time."""
-        row = tl.program_id(0)
-        src = tl.load(IDS + row).to(tl.int64) * D
-        dst = row.to(tl.int64) * D
-        cols = tl.arange(0, BLOCK)
-        for c in range(0, D, BLOCK):
-            inside = c + cols < D
-            tl.store(OUT + dst + c + cols, tl.load(TABLE + src + c + cols, mask=inside), mask=inside)
+    from hivetune.ops.kernels.host_embedding import _gather_rows
 
 
 class HostEmbedding(nn.Module):

@@ -1,0 +1,70 @@
+"""The Triton kernels of ops.rope (see ops.kernels)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate(x1, x2, c1, c2, s1, s2, sign):
+    """Rotate-half RoPE of the halves x1, x2 (sign -1: the transpose, i.e. backward)."""
+    if sign > 0:
+        return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    return x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
+
+
+@triton.jit
+def _rope(X, COS, SIN, Y, heads, HALF, X_TOKEN_STRIDE, sign, H_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
+    # One token, all heads: y1 = x1 c1 - sign x2 s1, y2 = x2 c2 + sign x1 s2 (sign -1: the
+    # transpose, i.e. backward: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1).
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, H_BLOCK)[:, None]
+    d = tl.arange(0, D_BLOCK)[None, :]
+    mask = (h < heads) & (d < HALF)
+    base = t * heads * 2 * HALF + h * 2 * HALF + d
+    at = t * X_TOKEN_STRIDE + h * 2 * HALF + d  # X may be a column slice of a q/k/v output
+    x1 = tl.load(X + at, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(X + at + HALF, mask=mask, other=0.0).to(tl.float32)
+    dm = d < HALF
+    c1 = tl.load(COS + t * 2 * HALF + d, mask=dm, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + t * 2 * HALF + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + t * 2 * HALF + d, mask=dm, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + t * 2 * HALF + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    y1, y2 = _rotate(x1, x2, c1, c2, s1, s2, sign)
+    tl.store(Y + base, y1.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + base + HALF, y2.to(Y.dtype.element_ty), mask=mask)
+@triton.jit
+def _rope_heads(SRC, DST, src_at, dst_at, c1, c2, s1, s2, heads, HALF, sign, ROTATE: tl.constexpr,
+                H_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
+    # one token's `heads` heads of 2 HALF: rotated as _rope does (ROTATE), or copied
+    h = tl.arange(0, H_BLOCK)[:, None]
+    d = tl.arange(0, D_BLOCK)[None, :]
+    mask = (h < heads) & (d < HALF)
+    src = SRC + src_at + h * 2 * HALF + d
+    dst = DST + dst_at + h * 2 * HALF + d
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if ROTATE:
+        y1, y2 = _rotate(x1, x2, c1, c2, s1, s2, sign)
+    else:
+        y1 = x1
+        y2 = x2
+    tl.store(dst, y1.to(DST.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, y2.to(DST.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_qkv(QS, KS, VS, QD, KD, VD, COS, SIN, HQ, HK, HALF, Q_SRC, KV_SRC, Q_DST, KV_DST, sign,
+              HQ_BLOCK: tl.constexpr, HK_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
+    """One token: RoPE of its q and k heads and a copy of its v heads, from Q/K/VS to Q/K/VD
+    (token strides *_SRC, *_DST): forward, a joined q/k/v projection into three tensors;
+    backward (sign -1), their gradients into one joined gradient."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, D_BLOCK)[None, :]
+    dm = d < HALF
+    c1 = tl.load(COS + t * 2 * HALF + d, mask=dm, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + t * 2 * HALF + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + t * 2 * HALF + d, mask=dm, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + t * 2 * HALF + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    _rope_heads(QS, QD, t * Q_SRC, t * Q_DST, c1, c2, s1, s2, HQ, HALF, sign, True, HQ_BLOCK, D_BLOCK)
+    _rope_heads(KS, KD, t * KV_SRC, t * KV_DST, c1, c2, s1, s2, HK, HALF, sign, True, HK_BLOCK, D_BLOCK)
+    _rope_heads(VS, VD, t * KV_SRC, t * KV_DST, c1, c2, s1, s2, HK, HALF, sign, False, HK_BLOCK, D_BLOCK)
