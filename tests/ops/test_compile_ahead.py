@@ -58,9 +58,15 @@ def test_a_pass_that_skipped_launches_is_undone_and_run_again(ahead):
     fake = ahead(skips=3)
     weight, frozen = torch.nn.Parameter(torch.arange(8.0)), torch.nn.Parameter(torch.ones(2))
     weight.grad = torch.full((8,), 0.25)  # what earlier micro-batches left
-    stats, calls = torch.tensor([1.0]), []
+    stats, calls, counts = torch.tensor([1.0]), [], {"passes": 3}
+
+    def counted():
+        counts["passes"] += 1
+        counts["new"] = 1
+        return pass_fn(weight, stats, calls)()
+
     torch.manual_seed(7)
-    loss = compile_ahead.first_pass(pass_fn(weight, stats, calls), lambda: [weight, frozen], keep=(stats,))
+    loss = compile_ahead.first_pass(counted, lambda: [weight, frozen], keep=(stats,), counters=(counts,))
 
     torch.manual_seed(7)
     ref_weight = torch.nn.Parameter(torch.arange(8.0))
@@ -71,6 +77,7 @@ def test_a_pass_that_skipped_launches_is_undone_and_run_again(ahead):
     assert torch.equal(loss, ref_loss)  # the same dropout mask: the RNG state was put back
     assert torch.equal(weight.grad, ref_weight.grad) and torch.equal(stats, ref_stats)
     assert frozen.grad is None  # None before the passes, None after the discovery pass
+    assert counts == {"passes": 4, "new": 1}  # counted once: the real pass
     assert compile_ahead.STATS["kernels"] == 3 and compile_ahead.STATS["errors"] == []
     # later calls: the function alone
     compile_ahead.first_pass(pass_fn(weight, stats, calls), lambda: [weight])

@@ -57,11 +57,11 @@ class Workers:
         env = dict(os.environ)
         root = str(Path(hivetune.__file__).resolve().parents[1])  # this hivetune, wherever it was imported from
         env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        self.started, self.started_wall = time.perf_counter(), time.time()
         self.jobs: queue.Queue = queue.Queue()
         command = [sys.executable, "-m", "hivetune.ops.compile_worker", *map(str, target)]
         self.procs = [subprocess.Popen(command, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        stderr=subprocess.DEVNULL) for _ in range(n)]
-        self.started = time.perf_counter()
         self.ready_at: list[float] = []  # each worker's ready time, seconds from the start
         self.threads = [threading.Thread(target=self._feed, args=(p,), daemon=True, name="hivetune-compile")
                         for p in self.procs]
@@ -70,9 +70,11 @@ class Workers:
 
     def _feed(self, proc: subprocess.Popen) -> None:
         try:
-            proc.stdout.readline()  # {"ready_s": ...}: its imports done
-            self.ready_at.append(round(time.perf_counter() - self.started, 3))
-        except OSError:
+            ready = json.loads(proc.stdout.readline())  # its imports done: {"started": time.time(), ...}
+            ready["started"] = round(ready["started"] - self.started_wall, 3)  # from the spawn
+            ready["read_at"] = round(time.perf_counter() - self.started, 3)
+            self.ready_at.append(ready)
+        except (OSError, ValueError, KeyError):
             pass
         while True:
             item = self.jobs.get()
@@ -202,11 +204,11 @@ def trained(model: torch.nn.Module) -> list:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def first_pass(fn, params, keep: tuple = ()):
+def first_pass(fn, params, keep: tuple = (), counters: tuple = ()):
     """fn(), the process's first forward and backward, with its missing Triton kernels compiled
     in parallel first (the module's doc); later calls run fn() alone. `params()`: the parameters
-    whose gradients fn adds to; `keep`: other tensors fn adds to in place; both are restored
-    between the two passes."""
+    whose gradients fn adds to; `keep`: other tensors fn adds to in place; `counters`: dicts fn
+    counts in (the activation offload's stats); all are restored between the two passes."""
     global STATS
     ahead = _AHEAD
     if ahead is None or ahead.done:
@@ -215,6 +217,7 @@ def first_pass(fn, params, keep: tuple = ()):
     params = list(params())
     grads = [None if p.grad is None else p.grad.clone() for p in params]
     kept = [t.clone() for t in keep]
+    counted = [dict(c) for c in counters]
     rng = torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     error = None
     with ahead.discovering():
@@ -240,6 +243,9 @@ def first_pass(fn, params, keep: tuple = ()):
             p.grad.copy_(g)
     for t, saved in zip(keep, kept):
         t.copy_(saved)
+    for c, saved in zip(counters, counted):
+        c.clear()
+        c.update(saved)
     torch.set_rng_state(rng[0])
     if rng[1] is not None:
         torch.cuda.set_rng_state(rng[1])
@@ -249,7 +255,7 @@ def first_pass(fn, params, keep: tuple = ()):
              "workers_started_early": ahead.started_early, "errors": errors[:3],
              # when the pass began and the workers were ready, in seconds from the workers' start
              "pass_at_s": round(t0 - workers.started, 3) if workers else None,
-             "ready_at_s": sorted(workers.ready_at)[-1:] if workers else None,
+             "ready": sorted(workers.ready_at, key=lambda r: r["read_at"])[::5] if workers else None,
              "compile_s": sorted(r.get("seconds", 0) for r in replies)[-3:],
              "launcher_s": sorted(r.get("launcher_s", 0) for r in replies)[-3:]}
     ahead.finish()

@@ -67,6 +67,7 @@ def compile_job(job: dict, target, drivers: dict) -> dict:
 
 def main() -> int:
     t0 = time.perf_counter()
+    times = {"started": time.time()}
     from triton.backends.compiler import GPUTarget
 
     backend, arch, warp_size = sys.argv[1:4]
@@ -75,11 +76,14 @@ def main() -> int:
     try:  # what every job needs, before the first arrives
         from triton.runtime.cache import triton_key
 
+        times["import_s"] = time.perf_counter() - t0
         triton_key()  # hashes Triton's installation once
+        times["key_s"] = time.perf_counter() - t0
         drivers["driver"] = launcher_driver(target)  # loads (or builds) the backend's utilities
     except Exception:  # noqa: BLE001 - each job then reports what fails
         pass
-    sys.stdout.write(json.dumps({"ready_s": round(time.perf_counter() - t0, 3)}) + "\n")
+    times["ready_s"] = time.perf_counter() - t0
+    sys.stdout.write(json.dumps({k: round(v, 3) for k, v in times.items()}) + "\n")
     sys.stdout.flush()
     for line in sys.stdin:
         try:

@@ -28,7 +28,7 @@ from hivetune.ops.lora_casts import given_seeds
 from hivetune.ops.preference import (dpo_loss, fused_target_logprobs, orpo_loss, sequence_sums,
                                      target_logprobs)
 from hivetune.parallel import distributed
-from hivetune.train.step import autocast
+from hivetune.train.step import autocast, pass_counters
 
 STAT_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy")
 
@@ -98,7 +98,7 @@ class PreferenceStep:
         reward sums (train.pair_graph's pad pairs: 0), None: all 1. The process's first call
         compiles its missing Triton kernels in parallel first (ops.compile_ahead)."""
         return first_pass(lambda: self._body(batch, n_pairs, weights), lambda: trained(self.run.model),
-                          keep=(self.stats,))
+                          keep=(self.stats,), counters=pass_counters(self.run))
 
     def _body(self, batch: PairBatch, n_pairs, weights: torch.Tensor | None) -> torch.Tensor:
         run = self.run

@@ -98,7 +98,14 @@ def forward_backward(run: Run, batch, n_targets: int, loss_fn) -> torch.Tensor:
     """One micro-batch: forward, loss over its targets divided by the step's target count,
     backward (gradients accumulate in the LoRA parameters). Returns the detached loss. The
     process's first call compiles its missing Triton kernels in parallel first (ops.compile_ahead)."""
-    return first_pass(lambda: _forward_backward(run, batch, n_targets, loss_fn), lambda: trained(run.model))
+    return first_pass(lambda: _forward_backward(run, batch, n_targets, loss_fn), lambda: trained(run.model),
+                      counters=pass_counters(run))
+
+
+def pass_counters(run: Run) -> tuple:
+    """What a forward and backward counts in besides gradients (ops.compile_ahead restores them)."""
+    offload = getattr(run.model, "activation_offload", None)
+    return (offload.stats,) if offload is not None else ()
 
 
 def _forward_backward(run: Run, batch, n_targets: int, loss_fn) -> torch.Tensor:
