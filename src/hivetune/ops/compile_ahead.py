@@ -50,6 +50,20 @@ def _tuples(value):
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
+def cache_entry(jit, backend, signature: dict, constants: dict, attrs: dict, spec: str) -> tuple[str, bool]:
+    """The hash under which triton.compile caches this specialization of `jit` (the one a worker's
+    compile of Triton's serialised `spec` checks), and whether Triton's on-disk cache holds it."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.compiler.compiler import ASTSource
+    from triton.runtime.cache import get_cache_key, get_cache_manager
+
+    options = backend.parse_options({k: _tuples(v) for k, v in json.loads(spec)["options"].items()})
+    src = ASTSource(jit, signature, constants, attrs)
+    digest = hashlib.sha256(get_cache_key(src, backend, options, get_cache_invalidating_env_vars())
+                            .encode("utf-8")).hexdigest()
+    return digest, get_cache_manager(digest).get_group(f"{src.name[:150]}.json") is not None
+
+
 class Workers:
     """`n` compile worker processes, each fed by a thread: submit(job) -> Future of its reply."""
 
@@ -124,19 +138,12 @@ class CompileAhead:
             if seen in self.sent:  # launched again in this pass: sent already
                 self.skipped += 1
                 return True
-            from triton._C.libtriton import get_cache_invalidating_env_vars
-            from triton.compiler.compiler import ASTSource
-            from triton.runtime.cache import get_cache_key, get_cache_manager
-
             jit = fn.jit_function
             _, _, target, backend, _ = jit.device_caches[compile["device"]]
-            spec = json.loads(compile["specialization_data"])
-            options = backend.parse_options({k: _tuples(v) for k, v in spec["options"].items()})
-            src = ASTSource(jit, compile["signature"], compile["constants"], compile["configs"][0])
-            digest = hashlib.sha256(get_cache_key(src, backend, options, get_cache_invalidating_env_vars())
-                                    .encode("utf-8")).hexdigest()
-            if get_cache_manager(digest).get_group(f"{src.name[:150]}.json") is not None:
-                return False  # cached: Triton loads it as usual
+            digest, cached = cache_entry(jit, backend, compile["signature"], compile["constants"],
+                                         compile["configs"][0], compile["specialization_data"])
+            if cached:
+                return False  # Triton loads it as usual
             if digest not in self.pending:
                 if (target.backend, target.arch, target.warp_size) != self.target:
                     return False  # another device's kernel: compiled where it launches
