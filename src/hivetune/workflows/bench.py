@@ -320,6 +320,9 @@ def measure(w: Workload, device: torch.device, max_steps: int, overrides: dict |
               "setting": setting_text(overrides, memory_cap_gib, env["reference_paths"], max_steps),
               "environment": env, "max_steps": max_steps, "overrides": overrides or {},
               "hivetune": run_hivetune(w, device, overrides, max_steps, memory_cap_gib)}
+    compiled = (record["hivetune"].get("compile_ahead") or {}).get("kernels", 0)
+    if compiled:  # a first run of this workload on this machine: its own row of the table
+        record["setting"] = setting_text(overrides, memory_cap_gib, env["reference_paths"], max_steps, compiled)
     _release_memory(device)
     env["host_probe"] = host_probe(device)
     if baseline:

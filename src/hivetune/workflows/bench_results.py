@@ -31,8 +31,9 @@ def device_kind(gpu_name: str | None, gpus: int = 1) -> str:
 
 
 def setting_text(overrides: dict | None, memory_cap_gib: float | None = None, reference: str = "",
-                 max_steps: int = 0) -> str:
-    """What a measurement changed from the defaults, in one short phrase ("defaults" if nothing)."""
+                 max_steps: int = 0, compiled: int = 0) -> str:
+    """What a measurement changed from the defaults, in one short phrase ("defaults" if nothing);
+    `compiled`: the kernels its first pass compiled (ops.compile_ahead), a first run's mark."""
     parts = [", ".join(f"{k}={v}" for k, v in (overrides or {}).items())]
     if memory_cap_gib:
         parts.append(f"memory cap {memory_cap_gib:g} GiB")
@@ -40,6 +41,8 @@ def setting_text(overrides: dict | None, memory_cap_gib: float | None = None, re
         parts.append(f"HIVETUNE_REFERENCE={reference}")
     if max_steps:
         parts.append(f"max_steps {max_steps}")
+    if compiled:
+        parts.append(f"first run ({compiled} kernels compiled)")
     return "; ".join(p for p in parts if p) or "defaults"
 
 
