@@ -130,9 +130,10 @@ def spread(values: list[float]) -> dict:
             "max": round(max(values), 3), "values": [round(v, 3) for v in values]}
 
 
-def measure(runs: int, cold_pyc: bool, job: bool, work: Path, small_job: Path | None = None) -> dict:
+def measure(runs: int, cold_pyc: bool, job: bool, work: Path, small_job: Path | None = None,
+            only: tuple[str, ...] = ()) -> dict:
     """Each figure's runs, interleaved (one process of each figure per round) so that a slower
-    moment of the machine falls on all of them alike."""
+    moment of the machine falls on all of them alike; `only`: these figures alone."""
     py = sys.executable
     commands = {"python": [py, "-c", "pass"], "help": [py, "-m", "hivetune", "--help"],
                 "import_torch": [py, "-c", "import torch"], "import_train": [py, "-c", IMPORT_TRAIN],
@@ -149,7 +150,13 @@ def measure(runs: int, cold_pyc: bool, job: bool, work: Path, small_job: Path | 
     if small_job is not None:
         commands["small_job"] = [py, "-m", "hivetune", "train", "--model", str(small_job), "--epochs", "3",
                                  "--quiet", "--output"]
-    extra = (["job_train_s"] if job else []) + (["small_job_train_s", "small_job_eval_s"] if small_job else [])
+    if only:
+        unknown = sorted(set(only) - set(commands))
+        if unknown:
+            sys.exit(f"--only: no figure named {', '.join(unknown)} (figures: {', '.join(commands)})")
+        commands = {name: cmd for name, cmd in commands.items() if name in only}
+    extra = (["job_train_s"] if "job" in commands else []) + (
+        ["small_job_train_s", "small_job_eval_s"] if "small_job" in commands else [])
     values: dict[str, list[float]] = {name: [] for name in [*commands, *extra]}
     for i in range(runs):
         for name, cmd in commands.items():
@@ -167,8 +174,9 @@ def measure(runs: int, cold_pyc: bool, job: bool, work: Path, small_job: Path | 
                     wall = float(stdout.strip().splitlines()[-1])
             values[name].append(wall)
     figures = {name: spread(v) for name, v in values.items()}
-    figures["train_share_by_difference"] = round(figures["import_train"]["median"]
-                                                 - figures["import_torch"]["median"], 3)
+    if "import_train" in figures and "import_torch" in figures:
+        figures["train_share_by_difference"] = round(figures["import_train"]["median"]
+                                                     - figures["import_torch"]["median"], 3)
     return figures
 
 
@@ -180,6 +188,7 @@ def main() -> None:
     parser.add_argument("--cold-pyc", action="store_true", help="every process compiles its sources")
     parser.add_argument("--small-job", metavar="DIR", type=Path,
                         help="an HF model folder: time `hivetune train --model DIR --epochs 3` too (the small job)")
+    parser.add_argument("--only", default="", help="comma-separated figures to time, e.g. small_job (default: all)")
     parser.add_argument("--results", default="benchmarks/results", help="folder of the JSONL results files")
     parser.add_argument("--commit", default="", help="the commit measured (default: git rev-parse HEAD)")
     parser.add_argument("--note", default="", help="free text (what else ran on the machine)")
@@ -187,7 +196,8 @@ def main() -> None:
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        figures = measure(args.runs, args.cold_pyc, args.job, Path(tmp), args.small_job)
+        only = tuple(name for name in args.only.split(",") if name)
+        figures = measure(args.runs, args.cold_pyc, args.job, Path(tmp), args.small_job, only)
         loaded = json.loads(run_once([sys.executable, "-c", LOADED], False, Path(tmp))[1].strip().splitlines()[-1])
     load_after = os.getloadavg()
 
@@ -203,7 +213,8 @@ def main() -> None:
     record = {"workload": "startup", "device": device_kind(torch.cuda.get_device_name() if cuda else None),
               "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "commit": env["commit"],
               "setting": ("cold pyc" if args.cold_pyc else "warm pyc") + f", {args.runs} runs"
-              + (f", small job on {args.small_job.name}" if args.small_job else ""),
+              + (f", small job on {args.small_job.name}" if args.small_job else "")
+              + (f", only {args.only}" if args.only else ""),
               "environment": env, "runs": args.runs, "figures": figures, "heavy_modules_after_import": loaded}
     path = append_result(Path(args.results), record)
     for name, f in figures.items():
