@@ -39,6 +39,7 @@ import hivetune
 
 _AHEAD: "CompileAhead | None" = None
 STATS: dict | None = None  # the last first_pass's figures (bench records them)
+WAIT_S = 180  # the longest first_pass waits for the workers; what is not compiled by then compiles at its launch
 
 
 def default_workers() -> int:
@@ -92,7 +93,12 @@ class Workers:
             pass
         while True:
             item = self.jobs.get()
-            if item is None:
+            if item is None:  # close(): the worker ends at the end of its input
+                try:
+                    proc.stdin.close()
+                    proc.wait(timeout=30)
+                except (OSError, subprocess.TimeoutExpired):
+                    proc.kill()
                 return
             job, future = item
             try:
@@ -109,13 +115,9 @@ class Workers:
         return future
 
     def close(self) -> None:
+        """Each feeding thread ends its worker once the jobs before it are answered."""
         for _ in self.threads:
             self.jobs.put(None)
-        for p in self.procs:
-            try:
-                p.stdin.close()  # the worker ends at end of input
-            except OSError:
-                pass
 
 
 class CompileAhead:
@@ -240,8 +242,8 @@ def first_pass(fn, params, keep: tuple = (), counters: tuple = ()):
         return out
     del out
     t1 = time.perf_counter()
-    wait(list(ahead.pending.values()))
-    replies = [f.result() for f in ahead.pending.values()]
+    wait(list(ahead.pending.values()), timeout=WAIT_S)
+    replies = [f.result() if f.done() else {"error": f"not compiled within {WAIT_S} s"} for f in ahead.pending.values()]
     errors = [r["error"] for r in replies if "error" in r]
     for p, g in zip(params, grads):
         if g is None:
