@@ -127,3 +127,13 @@ def test_compile_workers_below_minus_one_is_refused(tmp_path):
     path.write_text("compile_workers: -2\n")
     with pytest.raises(UserError, match=r"compile_workers: must be >= -1 \(-1: auto, 0: off\), got -2"):
         load_config(path)
+
+
+def test_a_compile_that_never_ends_is_left_to_the_real_pass(ahead, monkeypatch):
+    fake = ahead(skips=0)
+    fake.pending["stuck"] = Future()  # a worker that never answers
+    fake.skipped = 1
+    monkeypatch.setattr(compile_ahead, "WAIT_S", 0.1)
+    calls = []
+    compile_ahead.first_pass(lambda: calls.append(1), lambda: [])
+    assert len(calls) == 2 and compile_ahead.STATS["errors"] == ["not compiled within 0.1 s"]
