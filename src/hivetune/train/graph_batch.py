@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hivetune.core.device import cuda_index
+from hivetune.core.device import FP16_NO_GRAPHS, cuda_index
 from hivetune.data.batch import MicroBatch
 from hivetune.ops.attention import Packed
 from hivetune.ops.fused_ce import fused_target_loss_sum
@@ -75,6 +75,18 @@ def ignoring_loss_fn(loss_fn):
                                                                              softcap=softcap)
     if loss_fn is target_loss_sum:  # F.cross_entropy ignores -100 already
         return target_loss_sum
+    return None
+
+
+def step_refusal(run) -> str | None:
+    """Why no training step of this run can be graphed (the SFT and the preference step alike):
+    FSDP sharding, fp16 loss scaling, a precision without flash varlen attention; else None."""
+    if getattr(run, "strategy", "none") == "fsdp":
+        return "FSDP sharding"
+    if run.scaler is not None:
+        return FP16_NO_GRAPHS
+    if run.precision not in ("bf16", "fp16"):
+        return f"{run.precision}: flash varlen attention needs bf16"
     return None
 
 

@@ -14,12 +14,11 @@ import sys
 
 import torch
 
-from hivetune.core.device import FP16_NO_GRAPHS
 from hivetune.ops.attention import varlen_supported
 from hivetune.parallel.distributed import all_gather_objects
 from hivetune.plan.graph_sizes import BUCKET_TOKENS, grid_keys
 from hivetune.train import step
-from hivetune.train.graph_batch import ignoring_loss_fn
+from hivetune.train.graph_batch import ignoring_loss_fn, step_refusal
 from hivetune.train.replay import GraphedForwardBackward, PlanInputs
 
 
@@ -67,12 +66,9 @@ def graphed(run, loss_fn, eager, **options) -> GraphedForwardBackward:
 
 def graphs_unsupported(run, loss_fn) -> str | None:
     """Why this CUDA run cannot be graphed, or None."""
-    if getattr(run, "strategy", "none") == "fsdp":
-        return "FSDP sharding"
-    if run.scaler is not None:
-        return FP16_NO_GRAPHS
-    if run.precision not in ("bf16", "fp16"):
-        return f"{run.precision}: flash varlen attention needs bf16"
+    refusal = step_refusal(run)
+    if refusal:
+        return refusal
     if not run.cfg.packing:
         return "packing is off"
     if ignoring_loss_fn(loss_fn) is None:

@@ -25,13 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hivetune.core.device import FP16_NO_GRAPHS
 from hivetune.data.pairs import EncodedPair, PairBatch, collate_pairs
 from hivetune.model.lora import lora_parameters
 from hivetune.ops.lora_grads import GradArena
 from hivetune.ops.shared_prompt import pairs_usable
 from hivetune.train import step as step_mod
-from hivetune.train.graph_batch import first_line, release_generator
+from hivetune.train.graph_batch import first_line, release_generator, step_refusal
 from hivetune.train.replay import attach_persistent_grads
 
 ROW_GRAIN = 64  # S* and N* rounded up to a multiple of this
@@ -112,12 +111,9 @@ def graphs_unsupported(run) -> str | None:
     """Why this run's preference step is not graphed, or None."""
     if run.parallel.enabled:
         return "torchrun"
-    if getattr(run, "strategy", "none") == "fsdp":
-        return "FSDP sharding"
-    if run.scaler is not None:
-        return FP16_NO_GRAPHS
-    if run.precision not in ("bf16", "fp16"):
-        return f"{run.precision}: flash varlen attention needs bf16"
+    refusal = step_refusal(run)
+    if refusal:
+        return refusal
     if not run.cfg.preference.shared_prompt:
         return "preference.shared_prompt is off"
     dtype = torch.bfloat16 if run.precision == "bf16" else torch.float16
