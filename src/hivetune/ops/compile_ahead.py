@@ -77,7 +77,7 @@ class Workers:
         command = [sys.executable, "-m", "hivetune.ops.compile_worker", *map(str, target)]
         self.procs = [subprocess.Popen(command, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        stderr=subprocess.DEVNULL) for _ in range(n)]
-        self.ready_at: list[float] = []  # each worker's ready time, seconds from the start
+        self.ready_at: list[dict] = []  # each ready worker: its start-up times, and when its line was read
         self.threads = [threading.Thread(target=self._feed, args=(p,), daemon=True, name="hivetune-compile")
                         for p in self.procs]
         for t in self.threads:
@@ -194,7 +194,6 @@ def start(device: torch.device, workers: int) -> None:
     try:
         import triton
         from triton import knobs
-
         from triton.runtime.driver import driver
 
         if not hasattr(knobs.runtime, "jit_cache_hook"):
