@@ -54,3 +54,20 @@ def test_a_worker_compiles_into_the_cache_under_the_parents_hash(tmp_path, monke
     assert wrong["error"] == f"_rms_norm_fwd: compiled under hash {digest[:12]}, the parent looks for 000000000000"
     assert missing["error"].startswith("AttributeError: module 'hivetune.ops.kernels.norm' has no attribute")
     assert set(workers.ready_at[0]) == {"started", "import_s", "key_s", "ready_s", "read_at"}
+
+
+def test_compiles_are_counted_with_their_seconds_and_cache_hits(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    from hivetune.ops.compile_ahead import counting_compiles
+    from hivetune.ops.kernels import host_embedding
+
+    jit = host_embedding._gather_rows  # (TABLE, IDS, OUT, D, BLOCK: constexpr)
+    signature = {"TABLE": "*bf16", "IDS": "*i64", "OUT": "*bf16", "D": "i32", "BLOCK": "constexpr"}
+    constants = {(4,): 64}
+    with counting_compiles() as counts:
+        for _ in range(2):
+            triton.compile(ASTSource(jit, signature, constants), target=GPUTarget("cuda", 90, 32))
+    assert counts["compiled"] == 1 and counts["from_cache"] == 1 and 0 < counts["compile_s"] < 60

@@ -267,30 +267,36 @@ def first_pass(fn, params, keep: tuple = (), counters: tuple = ()):
              "compile_s": sorted(r.get("seconds", 0) for r in replies)[-3:],
              "launcher_s": sorted(r.get("launcher_s", 0) for r in replies)[-3:]}
     ahead.finish()
-    with _counting_misses() as missed:
+    with counting_compiles() as counts:
         out = fn()
-    STATS["missed"] = missed[0]  # kernels the real pass still compiled itself (0 when all went well)
+    STATS["missed"] = counts["compiled"]  # kernels the real pass still compiled itself (0 when all went well)
     return out
 
 
 @contextmanager
-def _counting_misses():
-    """Yields [n]: the Triton compiles inside the block that did not come from the cache."""
-    missed = [0]
+def counting_compiles():
+    """Yields {"compiled", "from_cache", "compile_s"}: the Triton compiles inside the block in this
+    process, those that found the on-disk cache, and the seconds of the others' stages."""
+    counts = {"compiled": 0, "from_cache": 0, "compile_s": 0.0}
     try:
         from triton import knobs
     except ImportError:
-        yield missed
+        yield counts
         return
     before = knobs.compilation.listener
 
     def listener(*, src, metadata, metadata_group, times, cache_hit):
-        missed[0] += not cache_hit
+        if cache_hit:
+            counts["from_cache"] += 1
+        else:
+            counts["compiled"] += 1
+            counts["compile_s"] += getattr(times, "total", 0) / 1e6  # Triton's CompileTimes, in microseconds
         if before is not None:
             before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
 
     knobs.compilation.listener = listener
     try:
-        yield missed
+        yield counts
     finally:
         knobs.compilation.listener = before
+        counts["compile_s"] = round(counts["compile_s"], 3)

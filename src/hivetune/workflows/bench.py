@@ -177,7 +177,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
             graphs.last_stats = pair_graph.last_stats = {}
             before = allocator_counts(device)
             t0 = time.perf_counter()
-            with first_step_clock(device) as first:
+            with first_step_clock(device) as first, compile_ahead.counting_compiles() as compiles:
                 result = fit(run, progress=False)
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -221,6 +221,9 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
         # positive: the loop waited for it), and how its run of the step's tail kernels went
         "prewarm_done_s": round(prewarm.PREWARM_DONE_AT - t0, 3) if prewarm.PREWARM_DONE_AT else None,
         "prewarm_tail": prewarm.PREWARM_TAIL,
+        # Triton's compiles in this process during the loop (none on a warm cache; after compile_ahead's
+        # first pass, the kernels of shapes met later), those that found the cache, and their stages' seconds
+        "triton_compiles": compiles,
         "compile_ahead": compile_ahead.STATS,  # the first pass's kernels compiled by the workers, and how long it waited
     }
 
