@@ -202,9 +202,9 @@ def start(device: torch.device, workers: int) -> None:
             t = driver.active.get_current_target()
         target = (t.backend, t.arch, t.warp_size)
         marker = Path(knobs.cache.dir) / f"hivetune-{hivetune.__version__}-triton-{triton.__version__}.warm"
-    except Exception:  # noqa: BLE001 - a Triton without these parts compiles at each launch
-        return
-    _AHEAD = CompileAhead(workers, start_now=not marker.exists(), marker=marker, target=target)
+        _AHEAD = CompileAhead(workers, start_now=not marker.exists(), marker=marker, target=target)
+    except Exception:  # noqa: BLE001 - a Triton without these parts, no way to start a worker: each
+        return  # kernel compiles at its launch
 
 
 def trained(model: torch.nn.Module) -> list:
