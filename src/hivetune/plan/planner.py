@@ -219,8 +219,13 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     if not data and not cfg.model:  # the embedded default job trains on the shipped dataset
         data = str(default_train_data())
         cfg = dataclasses.replace(cfg, data=data)
+    # train.pair_graph replays a preference step from one graph (bf16, the shared-prompt rows, one process)
+    pair_graphs = preference and bool(getattr(cfg, "cuda_graphs", False)) and precision == "bf16" \
+        and cfg.preference.shared_prompt
     if preference:
-        notes.append(f"method {cfg.method}: one row a pair, [prompt, chosen, rejected]; eager steps (no CUDA graphs)"
+        notes.append(f"method {cfg.method}: one row a pair, [prompt, chosen, rejected]; "
+                     + ("steps replayed from one CUDA graph (timed as graphed; memory as for eager steps)"
+                        if pair_graphs else "eager steps (no CUDA graphs)")
                      + ("; the reference pass (LoRA off, no gradient) adds a third to the step's work"
                         if cfg.method == "dpo" else ""))
     if data:
@@ -298,7 +303,8 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
         tflops = entry.tflops(precision)
         micro_tokens = cfg.batch_size * avg_len
         p.step_seconds = cfg.grad_accum * micro_batch_seconds(args, micro_tokens, avg_len, ckpt, precision, tflops,
-                                                              graphs) * (REFERENCE_PASS if cfg.method == "dpo" else 1.0)
+                                                              graphs or pair_graphs) * (
+            REFERENCE_PASS if cfg.method == "dpo" else 1.0)
         per_step = cfg.batch_size * cfg.grad_accum
         if examples:
             p.epoch_seconds = examples / per_step * p.step_seconds
