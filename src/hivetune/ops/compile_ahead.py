@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 import hivetune
+from hivetune.ops.compile_worker import json_tuples
 
 _AHEAD: "CompileAhead | None" = None
 STATS: dict | None = None  # the last first_pass's figures (bench records them)
@@ -47,10 +48,6 @@ def default_workers() -> int:
     return max(2, min(12, (os.cpu_count() or 4) - 2))
 
 
-def _tuples(value):
-    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
-
-
 def cache_entry(jit, backend, signature: dict, constants: dict, attrs: dict, spec: str) -> tuple[str, bool]:
     """The hash under which triton.compile caches this specialization of `jit` (the one a worker's
     compile of Triton's serialised `spec` checks), and whether Triton's on-disk cache holds it."""
@@ -58,7 +55,7 @@ def cache_entry(jit, backend, signature: dict, constants: dict, attrs: dict, spe
     from triton.compiler.compiler import ASTSource
     from triton.runtime.cache import get_cache_key, get_cache_manager
 
-    options = backend.parse_options({k: _tuples(v) for k, v in json.loads(spec)["options"].items()})
+    options = backend.parse_options({k: json_tuples(v) for k, v in json.loads(spec)["options"].items()})
     src = ASTSource(jit, signature, constants, attrs)
     digest = hashlib.sha256(get_cache_key(src, backend, options, get_cache_invalidating_env_vars())
                             .encode("utf-8")).hexdigest()

@@ -13,9 +13,9 @@ import sys
 import time
 
 
-def _tuples(value):
+def json_tuples(value):
     """JSON lists back to the tuples Triton serialised (signatures of tuple arguments, options)."""
-    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+    return tuple(json_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 def _constant(value, tl):
@@ -50,8 +50,8 @@ def compile_job(job: dict, target) -> dict:
     spec = json.loads(job["spec"])
     constants = {tuple(k): _constant(v, tl) for k, v in zip(spec["constant_keys"], spec["constant_vals"])}
     attrs = {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"])}
-    signature = {k: _tuples(v) for k, v in spec["signature"].items()}
-    options = {k: _tuples(v) for k, v in spec["options"].items()}
+    signature = {k: json_tuples(v) for k, v in spec["signature"].items()}
+    options = {k: json_tuples(v) for k, v in spec["options"].items()}
     src = ASTSource(fn, signature, constants, attrs)
     kernel = triton.compile(src, target=target, options=options)
     if kernel.hash != job["hash"]:

@@ -186,6 +186,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
             seconds = time.perf_counter() - t0 - result.save_seconds
             allocator = {k: v - before.get(k, 0) for k, v in allocator_counts(device).items()}
             losses = [json.loads(line)["loss"] for line in (run.folder / "metrics.jsonl").read_text().splitlines()]
+            graph_stats = graphs.last_stats or pair_graph.last_stats  # the SFT or the preference step's graphs
     finally:
         if capped:  # the next workload of `bench all` runs uncapped unless capped itself
             cap_memory(device, 0)
@@ -205,8 +206,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
         "peak_memory_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None,
         "peak_memory_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 3) if device.type == "cuda" else None,
         "final_loss": result.final_loss, "losses_logged": losses,
-        "cuda_graphs": (dict(graphs.last_stats or pair_graph.last_stats)
-                        if cfg.cuda_graphs and (graphs.last_stats or pair_graph.last_stats) else None),
+        "cuda_graphs": dict(graph_stats) if cfg.cuda_graphs and graph_stats else None,
         "memory_cap_gib": memory_cap_gib or None,
         # the first optimizer step's wall seconds (to the GPU's end of it): several seconds where
         # Triton compiled this workload's kernels (a cache warm with other shapes' kernels only)
@@ -318,14 +318,13 @@ def measure(w: Workload, device: torch.device, max_steps: int, overrides: dict |
     """One workload's record (a line of its results file): hivetune's figures, the host probe and,
     with `baseline`, the peer's figures and the ratio."""
     env = environment(device, commit)
-    record = {"workload": w.name, "device": device_kind(env["gpu"]),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": env["commit"],
-              "setting": setting_text(overrides, memory_cap_gib, env["reference_paths"], max_steps),
-              "environment": env, "max_steps": max_steps, "overrides": overrides or {},
-              "hivetune": run_hivetune(w, device, overrides, max_steps, memory_cap_gib)}
-    compiled = (record["hivetune"].get("compile_ahead") or {}).get("kernels", 0)
-    if compiled:  # a first run of this workload on this machine: its own row of the table
-        record["setting"] = setting_text(overrides, memory_cap_gib, env["reference_paths"], max_steps, compiled)
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    ours = run_hivetune(w, device, overrides, max_steps, memory_cap_gib)
+    # kernels compiled by the first pass: a first run of this workload on this machine, its own row of the table
+    compiled = (ours.get("compile_ahead") or {}).get("kernels", 0)
+    record = {"workload": w.name, "device": device_kind(env["gpu"]), "date": date, "commit": env["commit"],
+              "setting": setting_text(overrides, memory_cap_gib, env["reference_paths"], max_steps, compiled),
+              "environment": env, "max_steps": max_steps, "overrides": overrides or {}, "hivetune": ours}
     _release_memory(device)
     env["host_probe"] = host_probe(device)
     if baseline:
