@@ -71,3 +71,4 @@ def test_compiles_are_counted_with_their_seconds_and_cache_hits(tmp_path, monkey
         for _ in range(2):
             triton.compile(ASTSource(jit, signature, constants), target=GPUTarget("cuda", 90, 32))
     assert counts["compiled"] == 1 and counts["from_cache"] == 1 and 0 < counts["compile_s"] < 60
+    assert counts["names"] == ["_gather_rows"]

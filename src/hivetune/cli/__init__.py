@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from hivetune.core.errors import UserError
+from hivetune.ops import triton_early
 
 from hivetune.cli import data, loop, measure, models, serve, train
 from hivetune.cli.train import train_overrides  # noqa: F401  (tests and tools)
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command is None:
         parser.print_help()
         return 2
+    triton_early.start(ns.command)  # Triton's start-up beside torch's import (ops.triton_early)
     try:
         return COMMANDS[ns.command](ns)
     except UserError as e:

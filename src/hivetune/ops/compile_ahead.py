@@ -272,9 +272,10 @@ def first_pass(fn, params, keep: tuple = (), counters: tuple = ()):
 
 @contextmanager
 def counting_compiles():
-    """Yields {"compiled", "from_cache", "compile_s"}: the Triton compiles inside the block in this
-    process, those that found the on-disk cache, and the seconds of the others' stages."""
-    counts = {"compiled": 0, "from_cache": 0, "compile_s": 0.0}
+    """Yields {"compiled", "from_cache", "compile_s", "names"}: the Triton compiles inside the block
+    in this process, those that found the on-disk cache, the seconds of the others' stages and
+    their kernels' names."""
+    counts = {"compiled": 0, "from_cache": 0, "compile_s": 0.0, "names": []}
     try:
         from triton import knobs
     except ImportError:
@@ -287,6 +288,7 @@ def counting_compiles():
             counts["from_cache"] += 1
         else:
             counts["compiled"] += 1
+            counts["names"].append(getattr(src, "name", "?"))
             counts["compile_s"] += getattr(times, "total", 0) / 1e6  # Triton's CompileTimes, in microseconds
         if before is not None:
             before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)

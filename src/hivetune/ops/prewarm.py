@@ -9,7 +9,7 @@ import time
 import torch
 
 from hivetune.core.fallbacks import forced
-from hivetune.ops import compile_ahead
+from hivetune.ops import compile_ahead, triton_early
 from hivetune.ops.adamw import FusedAdamW, clip_grad_norm
 from hivetune.ops.triton_util import load_kernels
 
@@ -43,6 +43,7 @@ def prewarm(device: torch.device, compile_workers: int = -1) -> None:
     def warm():
         global PREWARM_DONE_AT, PREWARM_TAIL
         if with_triton:
+            triton_early.join()  # the CLI's early start of the work below, where it began one
             try:
                 compile_ahead.start(torch.device("cuda", index),
                                     compile_ahead.default_workers() if compile_workers < 0 else compile_workers)

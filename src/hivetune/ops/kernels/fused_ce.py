@@ -12,7 +12,10 @@ def _capped(x, cap, HAS_CAP: tl.constexpr):
     return x
 
 
-@triton.jit
+# TARGETS and LOSS are a chunk's slices, 8- or 4-byte aligned by where the chunk starts: one
+# specialization for all (a CUDA graph's capture would otherwise compile another; one load or
+# store a row either way)
+@triton.jit(do_not_specialize_on_alignment=["TARGETS", "LOSS"])
 def _ce_rows(LOGITS, TARGETS, LOSS, stride, V, ignore, cap, BLOCK: tl.constexpr, HAS_CAP: tl.constexpr):
     """One row per program: LOSS[row] = lse - logit[target] (0 for ignored rows), and the row
     overwritten with d loss / d logits = softmax - onehot(target) (zeros when ignored); with

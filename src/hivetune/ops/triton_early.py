@@ -1,0 +1,69 @@
+"""Triton's own start-up work, begun in a thread before a GPU command imports torch.
+
+A process's first Triton kernel launch first imports Triton (~0.5 s), hashes Triton's installation
+for its cache key (~0.4-0.9 s on the device's hosts) and builds or loads the driver's C
+utilities (a C compiler run on a fresh machine, ~0.5 s). None of that needs torch, which takes
+2-6 s to import (6 s on a fresh machine's cold disk), so the CLI starts it here first for the
+commands that run a model (``EARLY_COMMANDS``) and ops.prewarm joins the thread before its own
+Triton work. Nothing where no GPU device node exists, where Triton is not installed, or where
+``HIVETUNE_REFERENCE`` forces the PyTorch layers. This module imports neither torch nor Triton
+at its own import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+
+from hivetune.core.fallbacks import forced
+
+EARLY_COMMANDS = ("train", "bench", "cycle", "eval", "generate", "chat")
+# the backend whose device nodes exist -> its driver module and C utilities class
+DRIVERS = {"/dev/nvidiactl": ("triton.backends.nvidia.driver", "CudaUtils"),
+           "/dev/kfd": ("triton.backends.amd.driver", "HIPUtils")}
+
+_THREAD: threading.Thread | None = None
+DONE: dict = {}  # what the thread finished: {"key": True, "utils": True} (tests and bench read it)
+
+
+def driver_utils():
+    """(module, class name) of the driver utilities of the GPU this host has, or None."""
+    for node, utils in DRIVERS.items():
+        if os.path.exists(node):
+            return utils
+    return None
+
+
+def start(command: str | None) -> None:
+    """Start the thread for `command` if it runs a model and this host has a GPU and Triton."""
+    global _THREAD
+    if _THREAD is not None or command not in EARLY_COMMANDS:
+        return
+    utils = driver_utils()
+    if utils is None or forced("fused_layers") or importlib.util.find_spec("triton") is None:
+        return
+    _THREAD = threading.Thread(target=_warm, args=(utils,), name="hivetune-triton", daemon=True)
+    _THREAD.start()
+
+
+def _warm(utils: tuple[str, str]) -> None:
+    try:
+        from triton.runtime.cache import triton_key
+
+        triton_key()  # lru_cached
+        DONE["key"] = True
+        import triton.experimental.gluon  # noqa: F401 - imported at the first launch
+
+        module, name = utils
+        getattr(importlib.import_module(module), name)()  # a singleton: the driver's own reuses it
+        DONE["utils"] = True
+    except Exception:  # noqa: BLE001 - a Triton without these parts: the first launch does it
+        pass
+
+
+def join(timeout: float = 30.0) -> None:
+    """Wait for the thread if it still runs: Triton's cache key is an lru_cache without a lock,
+    so a second caller beside it would hash the installation again."""
+    if _THREAD is not None and _THREAD.is_alive():
+        _THREAD.join(timeout)

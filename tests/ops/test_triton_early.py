@@ -1,0 +1,46 @@
+"""ops.triton_early: Triton's start-up begun before torch's import, for the commands that run a model."""
+
+import importlib.util
+import sys
+import types
+
+import pytest
+
+from hivetune.ops import triton_early
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    monkeypatch.setattr(triton_early, "_THREAD", None)
+    monkeypatch.setattr(triton_early, "DONE", {})
+    monkeypatch.delenv("HIVETUNE_REFERENCE", raising=False)
+    return monkeypatch
+
+
+def test_nothing_for_other_commands_or_without_a_gpu_node(fresh, tmp_path):
+    fresh.setattr(triton_early, "DRIVERS", {str(tmp_path / "nvidiactl"): ("m", "C")})  # no such node
+    triton_early.start("train")
+    assert triton_early._THREAD is None
+    (tmp_path / "nvidiactl").touch()
+    for command in ("plan", "export", "data", None):
+        triton_early.start(command)
+        assert triton_early._THREAD is None
+    fresh.setenv("HIVETUNE_REFERENCE", "fused_layers")
+    triton_early.start("train")
+    assert triton_early._THREAD is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_thread_hashes_triton_and_builds_the_drivers_utilities(fresh, tmp_path):
+    built = []
+    fake = types.ModuleType("fake_driver")
+    fake.Utils = lambda: built.append(True)
+    fresh.setitem(sys.modules, "fake_driver", fake)
+    (tmp_path / "node").touch()
+    fresh.setattr(triton_early, "DRIVERS", {str(tmp_path / "node"): ("fake_driver", "Utils")})
+    triton_early.start("bench")
+    triton_early.join(120)
+    assert triton_early.DONE == {"key": True, "utils": True} and built == [True]
+    from triton.runtime.cache import triton_key
+
+    assert triton_key.cache_info().currsize == 1  # the first launch's key lookup finds it done
