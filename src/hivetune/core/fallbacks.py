@@ -21,6 +21,8 @@ for a GPU or build where a fast path misbehaves:
                     matmul group (ops.lora_group)              (model.lora)
     cublaslt      LoRA-group and fused-CE matmuls through    torch.mm / addmm
                     cached cuBLASLt plans (ops.blas)
+    decode_graphs greedy decode steps replayed as one      eager decode steps
+                    CUDA graph (workflows.decode_graph)
 
 The fast and reference paths are compared in tests/train/test_robust_fallbacks.py (CPU) and
 tests/gpu/test_fallbacks.py (CUDA).
@@ -33,7 +35,8 @@ import sys
 import threading
 
 FORCE_ENV = "HIVETUNE_REFERENCE"
-PATHS = ("varlen", "pairs", "fused_adamw", "cpu_bf16", "gpu_bf16", "fused_layers", "fused_lora", "cublaslt")
+PATHS = ("varlen", "pairs", "fused_adamw", "cpu_bf16", "gpu_bf16", "fused_layers", "fused_lora", "cublaslt",
+         "decode_graphs")
 NOTED: dict[str, str] = {}  # fast path -> the line printed when it fell back (tests read it)
 
 _WANTED: tuple[str, frozenset] = ("", frozenset())  # the last HIVETUNE_REFERENCE value, parsed

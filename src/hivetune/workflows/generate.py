@@ -13,6 +13,7 @@ from hivetune.core.errors import UserError
 from hivetune.model.decoder import CausalLM, KVCache
 from hivetune.model.tokenizer import eos_ids
 from hivetune.ops.attention import Masked, Packed
+from hivetune.workflows import decode_graph
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -58,10 +59,13 @@ def greedy_ids(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
 @torch.no_grad()
 def greedy_decode(model: CausalLM, cache: KVCache, lengths: tuple[int, ...], first: torch.Tensor,
                   max_new_tokens: int, stop_ids: set[int]) -> list[list[int]]:
-    """The decode loop of ``greedy_ids`` after a packed prefill: `cache` holds prompt e's
+    """The decode loop of ``greedy_ids`` after a packed prefill (on CUDA a graph replays its steps:
+    workflows.decode_graph): `cache` holds prompt e's
     `lengths[e]` keys and values in row e, right-aligned at column max(lengths) = cache.length,
     and `first` [rows] the tokens its last positions chose. ``hivetune.workflows.eval_scoring`` prefills with
     its loss pass over prompt + reference (``KVCache.prefix``) and decodes from there."""
+    if decode_graph.usable(model, cache, max_new_tokens):
+        return decode_graph.decode(model, cache, lengths, first, max_new_tokens, stop_ids)
     device, dtype = first.device, cache.k[0].dtype
     batch, width = len(lengths), max(lengths)
     # bias[row, column]: 0 where the row has a real token, -inf on its left padding
