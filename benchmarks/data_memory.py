@@ -8,7 +8,7 @@ appended to benchmarks/results/data-memory-<device>.jsonl.
 Each size runs in its own process: the tiny tokenizer loads, then the resident set is read
 (/proc/self/statm) before `index_dataset` (records are re-read by byte offset: keep_records_below=0,
 as for any file over 64 MiB), after it, after `plan_steps` of one epoch (8 examples a step, the
-balanced order: the shipped default with packing) and after `train.setup.data_plan`, the calls
+balanced order: the shipped default with packing) and after `data.step_plan.data_plan`, the calls
 setup makes for the data plan (the same plan, 5% held out for validation). Each of these two runs
 in a fork of the indexed process, so that neither reuses memory the other freed; its growth and
 peak (VmHWM, reset through /proc/self/clear_refs) count from the fork. Each runs once more in a
@@ -35,7 +35,7 @@ import json, os, resource, sys, time, tracemalloc
 from hivetune.data.dataset import index_dataset
 from hivetune.data.step_plan import plan_steps
 from hivetune.model.tokenizer import load_tokenizer
-from hivetune.train.setup import data_plan
+from hivetune.data.step_plan import data_plan
 
 def rss():  # resident now
     with open("/proc/self/statm") as f:

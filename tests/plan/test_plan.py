@@ -331,9 +331,34 @@ def test_plan_with_data_uses_real_lengths(tiny_model_dir, alpaca_file):
     cfg = train_config(tiny_model_dir, data=str(alpaca_file), batch_size=4, max_length=1024, precision="fp32")
     p = plan(cfg, gpu="H100")
     lengths = index_dataset(alpaca_file, "auto", load_tokenizer(str(tiny_model_dir)), 1024, False).lengths
-    assert p.micro_batch_tokens == sum(sorted(lengths, reverse=True)[:4])
     assert p.examples == len(lengths) and p.tokens_per_epoch == sum(lengths)
     assert p.epoch_seconds == pytest.approx(len(lengths) / 4 * p.step_seconds)
+
+
+@pytest.mark.parametrize("values", [{"batch_size": 4}, {"batch_size": 2, "grad_accum": 3},
+                                    {"batch_size": 3, "packing": False}, {"batch_size": 4, "batch_order": "random"}])
+def test_plan_sizes_the_largest_micro_batch_the_run_takes(tiny_model_dir, alpaca_file, tmp_path, values):
+    """The run's own steps (its order, its split of a step into micro-batches), not the
+    batch_size longest examples together: under the balanced default those never meet."""
+    from hivetune.data.dataset import index_dataset
+    from hivetune.model.tokenizer import load_tokenizer
+    from hivetune.train.setup import setup
+    from hivetune.train.step import micro_parts
+
+    cfg = train_config(tiny_model_dir, data=str(alpaca_file), max_length=1024, precision="fp32", epochs=2,
+                       device="cpu", output_dir=str(tmp_path / "run"), eval_prompts=0, **values)
+    run = setup(cfg)
+    lengths = run.data.lengths
+    pad = cfg.packing is False
+    taken = max((len(part) * max(lengths[i] for i in part)) if pad else sum(lengths[i] for i in part)
+                for ids in run.steps for part in micro_parts(run, ids))
+    assert plan(cfg, gpu="H100").micro_batch_tokens == taken
+    every = index_dataset(alpaca_file, "auto", load_tokenizer(str(tiny_model_dir)), 1024, False).lengths
+    b = cfg.batch_size
+    bound = b * max(every) if pad else sum(sorted(every, reverse=True)[:b])
+    assert taken <= bound
+    if not pad and "batch_order" not in values:  # packed in the balanced order: below the bound
+        assert taken < bound
 
 
 def test_train_auto_flag_reports_its_choice(tiny_model_dir, alpaca_file, tmp_path, capsys, monkeypatch):

@@ -10,7 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hivetune.parallel.distributed import Dist, balanced_shares, torchrun_argv
+from hivetune.data import shares
+from hivetune.data.shares import balanced_shares
+from hivetune.parallel.distributed import Dist, torchrun_argv
 from hivetune.core.errors import UserError
 from hivetune.train.setup import setup
 from hivetune.workflows.train_job import train
@@ -52,17 +54,16 @@ def test_balanced_shares_are_remembered_but_fresh_each_call():
     """balanced_shares remembers a split by its arguments (the graphs' plan and the loop split the
     same steps again) and hands out new lists each time: a caller that edits its copy changes no
     later answer; another world size is another split."""
-    from hivetune.parallel import distributed
     lens = [300, 120, 95, 410, 60, 220, 180, 75]
-    distributed._balanced_shares.cache_clear()
+    shares._balanced_shares.cache_clear()
     first = balanced_shares(lens, 2)
     assert sorted(first[0] + first[1]) == list(range(8))
     first[0].append(99)
     first[1].clear()
     again = balanced_shares(lens, 2)
     assert again != first and sorted(again[0] + again[1]) == list(range(8))
-    assert distributed._balanced_shares.cache_info().hits == 1
-    distributed._balanced_shares.cache_clear()
+    assert shares._balanced_shares.cache_info().hits == 1
+    shares._balanced_shares.cache_clear()
     assert balanced_shares(lens, 2) == again  # computed anew: the same split
 
 

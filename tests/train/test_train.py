@@ -17,7 +17,8 @@ from hivetune.core.errors import UserError
 from hivetune.model.lora import lora_parameters, lora_state_dict
 from hivetune.ops.loss import target_loss_sum
 from hivetune.train.loop import fit
-from hivetune.train.setup import setup, split_validation
+from hivetune.data.step_plan import split_validation
+from hivetune.train.setup import setup
 from hivetune.workflows.train_job import train
 
 
@@ -277,7 +278,7 @@ def test_a_run_config_without_batch_order_resumes_in_random_order(tmp_path):
 
 
 def test_accumulated_micro_batches_are_token_balanced_shares(tiny_model_dir, alpaca_file, tmp_path):
-    from hivetune.parallel.distributed import balanced_shares
+    from hivetune.data.shares import balanced_shares
     from hivetune.train.graph_plan import planned_micro_batches
     from hivetune.train.step import micro_batches, micro_parts
 

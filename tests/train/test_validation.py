@@ -14,7 +14,8 @@ from hivetune.ops.loss import target_loss_sum
 from hivetune.train.loop import fit, validation_loss
 from hivetune.checkpoint import plan_hash
 from hivetune.data.step_plan import StepPlan
-from hivetune.train.setup import data_plan, setup, split_validation
+from hivetune.data.step_plan import data_plan, split_validation
+from hivetune.train.setup import setup
 
 from conftest import tiny_config
 

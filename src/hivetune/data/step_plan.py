@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hivetune.core.errors import UserError
+
 BLOCK = 4096  # steps turned into lists at a time (iterating, hashing)
 PAIRS = 1024  # pairs of steps even_totals weighs at a time (its temporaries: ~30 bytes an example of them)
 
@@ -192,3 +194,29 @@ def even_totals(steps: np.ndarray, lengths, rounds: int = 8) -> np.ndarray:
         if not swapped:
             break
     return steps
+
+
+def data_plan(data, per_step: int, epochs: float, max_steps: int, seed: int, val_split: float,
+              order: str) -> tuple[StepPlan, int, array]:
+    """(the step plan over the training examples, as ids into `data`; their count; the validation
+    ids): what a run holds for its data plan, in flat integer arrays (data.step_plan)."""
+    lengths = np.asarray(data.lengths)
+    if val_split <= 0:
+        return plan_steps(len(data), per_step, epochs, max_steps, seed, lengths, order), len(data), array("i")
+    train_ids, val_ids = split_validation(len(data), val_split, seed)
+    positions = np.frombuffer(train_ids, dtype=np.dtype(f"i{train_ids.itemsize}"))
+    steps = plan_steps(len(positions), per_step, epochs, max_steps, seed, lengths[positions], order)
+    return steps.remapped(positions), len(positions), val_ids
+
+
+def split_validation(n: int, fraction: float, seed: int) -> tuple[array, array]:
+    """(train ids, validation ids), each sorted in a typed array: a seeded random `fraction` of
+    range(n) held out, at least one."""
+    code = "i" if id_dtype(n) == np.int32 else "q"
+    if fraction <= 0:
+        return array(code, range(n)), array(code)
+    k = max(1, round(fraction * n))
+    if k >= n:
+        raise UserError(f"val_split: {fraction:g} of {n} examples leaves none to train on")
+    order = shuffled_range(n, random.Random(seed * 1_000_003 + 7919))
+    return array(code, np.sort(order[k:]).tobytes()), array(code, np.sort(order[:k]).tobytes())

@@ -23,7 +23,6 @@ Rank 0 alone writes files (config, metrics, checkpoints, adapter); the others wa
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import sys
 from contextlib import nullcontext
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from hivetune.core.errors import UserError
 from hivetune.core.fileio import die_with_parent
 from hivetune.ops.adamw import one_buffer
+from hivetune.data.shares import balanced_split
 from hivetune.plan import plan
 
 STRATEGIES = ("auto", "ddp", "fsdp")
@@ -68,52 +68,6 @@ class Dist:
         if lengths is None:
             return [ids[r::self.world] for r in range(self.world)]
         return balanced_split(ids, lengths, self.world)
-
-
-def balanced_split(ids: list, lengths, n: int) -> list[list]:
-    """These examples in `n` shares of near-equal count and token sum (balanced_shares over their
-    `lengths`, indexed by example), each share keeping the examples' order."""
-    return [[ids[k] for k in sorted(share)] for share in balanced_shares([lengths[i] for i in ids], n)]
-
-
-def balanced_shares(sizes: list[int], world: int) -> list[list[int]]:
-    """Positions of `sizes` split into `world` shares of near-equal count and sum: longest first
-    to the lightest share with room, then swaps between the heaviest and the lightest share
-    while a swap lowers the heaviest sum. Remembered by its arguments (fresh lists each call):
-    the CUDA graphs' plan splits every step of the run at its start and again for each rank's
-    own micro-batches (W2: ~9 ms a pass on a small CPU, with the GPU idle at the second); the
-    loop's Dist.shard then finds each step's split made."""
-    return [list(share) for share in _balanced_shares(tuple(sizes), world)]
-
-
-@functools.lru_cache(maxsize=8192)
-def _balanced_shares(sizes: tuple[int, ...], world: int) -> tuple[tuple[int, ...], ...]:
-    room = [len(sizes) // world + (r < len(sizes) % world) for r in range(world)]
-    shares: list[list[int]] = [[] for _ in range(world)]
-    load = [0] * world
-    for k in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
-        r = min((r for r in range(world) if room[r]), key=lambda r: (load[r] + sizes[k], r))
-        room[r] -= 1
-        shares[r].append(k)
-        load[r] += sizes[k]
-    for _ in range(4 * len(sizes)):
-        hi = max(range(world), key=lambda r: (load[r], -r))
-        lo = min(range(world), key=lambda r: (load[r], r))
-        worst = load[hi]
-        best = None
-        for i in shares[hi]:
-            for j in shares[lo]:
-                d = sizes[i] - sizes[j]
-                after = max(load[hi] - d, load[lo] + d)
-                if d > 0 and after < worst and (best is None or after < best[2]):
-                    best = (i, j, after, d)
-        if best is None:
-            break
-        i, j, _, d = best
-        shares[hi][shares[hi].index(i)], shares[lo][shares[lo].index(j)] = j, i
-        load[hi] -= d
-        load[lo] += d
-    return tuple(tuple(share) for share in shares)
 
 
 def env_world() -> Dist:

@@ -11,18 +11,21 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from hivetune.core.config import TrainConfig
+from hivetune.core.config import TrainConfig, step_order
 from hivetune.core.device import FP16_NO_GRAPHS, auto_gpu_precision, device_auto_precision
 from hivetune.core.embedded import DEFAULT_DATA_DIR, default_train_data
 from hivetune.core.hub import model_path as hub_model_path
 from hivetune.core.errors import UserError
 from hivetune.core.fallbacks import forced
 from hivetune.core.fileio import atomic_write_with
+from hivetune.data import shares
 from hivetune.data.dataset import index_dataset
 from hivetune.data.pairs import PAIR_FILES, index_pairs
 from hivetune.data.sources import train_source
+from hivetune.data.step_plan import data_plan
 from hivetune.model.config import ModelArgs
 from hivetune.model.load import GGUF_DENSE_TYPES, gguf_to_hf_name, is_gguf, load_args, open_gguf
 from hivetune.model.quant import linear_shapes, quantizes
@@ -150,6 +153,32 @@ def data_index(cfg: TrainConfig, model_path: Path):
     return index_dataset(train_source(cfg), cfg.format, tokenizer, cfg.max_length, cfg.train_on_inputs)
 
 
+class _Lengths:
+    """Examples known by their lengths alone (what data.step_plan.data_plan reads)."""
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+def largest_planned_micro_batch(cfg: TrainConfig, lengths) -> int:
+    """Tokens of the largest micro-batch the run's own step plan holds (data.step_plan.data_plan
+    in the config's order, each step cut as data.shares.micro_parts cuts it): packed, their sum;
+    padded, its rows times its longest. One process."""
+    per_step = cfg.batch_size * cfg.grad_accum
+    steps, _, _ = data_plan(_Lengths(lengths), per_step, cfg.epochs, cfg.max_steps, cfg.seed, cfg.val_split,
+                            step_order(cfg))
+    lens = np.asarray(lengths, dtype=np.int64)
+    if cfg.grad_accum == 1 or not cfg.packing:  # consecutive runs of batch_size
+        parts = lens[steps.rows()].reshape(len(steps), cfg.grad_accum, cfg.batch_size)
+        sizes = parts.sum(-1) if cfg.packing else cfg.batch_size * parts.max(-1)
+        return int(sizes.max())
+    return max(sum(lengths[i] for i in part)
+               for ids in steps for part in shares.micro_parts(ids, lengths, cfg.batch_size, True))
+
+
 def preference_worst(cfg: TrainConfig, index) -> int:
     """Tokens of the largest preference micro-batch of a PairIndex: the batch_size longest shared
     rows, or with preference.shared_prompt false 2 x batch_size rows padded to the longest prompt
@@ -189,11 +218,12 @@ def auto_precision(entry: GPU | None, memory_gib: float | None) -> tuple[str, st
 
 
 def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = None,
-         model_args: ModelArgs | None = None) -> Plan:
+         model_args: ModelArgs | None = None, index=None) -> Plan:
     """Predict peak memory, the largest micro-batch that fits and the time per epoch.
 
     `cfg` is a training config (model, data, batch_size, grad_accum, max_length, precision,
-    gradient_checkpointing, lora.*, packing, fused_loss); `model_args` skips reading cfg.model.
+    gradient_checkpointing, lora.*, packing, fused_loss); `model_args` skips reading cfg.model,
+    `index` (the examples' .lengths and .n_targets, as data_index gives) reading cfg.data.
     """
     model_path = hub_model_path(cfg.model)
     args = model_args or load_args(model_path)
@@ -228,15 +258,13 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
                         if pair_graphs else "eager steps (no CUDA graphs)")
                      + ("; the reference pass (LoRA off, no gradient) adds a third to the step's work"
                         if cfg.method == "dpo" else ""))
-    if data:
-        index = data_index(cfg, model_path)
+    if data or index is not None:
+        index = index if index is not None else data_index(cfg, model_path)
         lengths, n_targets = index.lengths, index.n_targets
         ordered = sorted(lengths, reverse=True)
-        b = cfg.batch_size
-        worst = (preference_worst(cfg, index) if preference
-                 else sum(ordered[:b]) if cfg.packing else b * ordered[0])
+        worst = preference_worst(cfg, index) if preference else largest_planned_micro_batch(cfg, lengths)
         target_fraction = sum(n_targets) / max(1, sum(lengths))
-        source = f"data {cfg.data} ({len(lengths)} examples, longest {ordered[0]} tokens)"
+        source = f"data {cfg.data or 'given'} ({len(lengths)} examples, longest {ordered[0]} tokens)"
         avg_len = sum(lengths) / len(lengths)
         examples, tokens_epoch = len(lengths), sum(lengths)
     else:
@@ -249,7 +277,7 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     ckpt = cfg.gradient_checkpointing
     graphs = uses_graphs(cfg, precision) and not preference
     tokens = bucketed(worst, graphs, args, ckpt)
-    graphs = graphs and tokens != worst
+    graphs = graphs and launch_bound(args.linear_weight_count, worst, ckpt)  # else eager at their own size
     mc = memory_config(cfg, precision, ckpt, graphs=graphs, args=args, tokens=tokens, memory_bytes=int(mem_gib * GIB))
     if mc.base_quant == "keep":
         mc = dataclasses.replace(mc, kept_bytes=kept_linear_bytes(model_path))

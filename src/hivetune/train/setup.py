@@ -8,10 +8,8 @@ import json
 import math
 import random
 import sys
-from array import array
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from hivetune.checkpoint import load_lora_weights, restore_rng, resume_point, resume_run
@@ -28,7 +26,7 @@ from hivetune.core.fileio import create_run_folder, hold_run_lock, sha256_file
 from hivetune.core.metrics import require_tensorboard
 from hivetune.core.trackers import open_trackers, require_tracker
 from hivetune.data.dataset import index_dataset
-from hivetune.data.step_plan import StepPlan, id_dtype, plan_steps, shuffled_range
+from hivetune.data.step_plan import data_plan
 from hivetune.data.pairs import index_pairs
 from hivetune.data.sources import held_out_source, source_exists, train_source
 from hivetune.doctor.preflight import check_stack
@@ -334,29 +332,3 @@ def restore_rank_rng(run: Run) -> None:
         torch.manual_seed(run.cfg.seed + 1_000_003 * run.parallel.rank + run.start_step)
         run.notes.append(f"resumed on {run.parallel.world} processes from a checkpoint of {world}: "
                          f"dropout masks are drawn afresh")
-
-
-def data_plan(data, per_step: int, epochs: float, max_steps: int, seed: int, val_split: float,
-              order: str) -> tuple[StepPlan, int, array]:
-    """(the step plan over the training examples, as ids into `data`; their count; the validation
-    ids): what a run holds for its data plan, in flat integer arrays (data.step_plan)."""
-    lengths = np.asarray(data.lengths)
-    if val_split <= 0:
-        return plan_steps(len(data), per_step, epochs, max_steps, seed, lengths, order), len(data), array("i")
-    train_ids, val_ids = split_validation(len(data), val_split, seed)
-    positions = np.frombuffer(train_ids, dtype=np.dtype(f"i{train_ids.itemsize}"))
-    steps = plan_steps(len(positions), per_step, epochs, max_steps, seed, lengths[positions], order)
-    return steps.remapped(positions), len(positions), val_ids
-
-
-def split_validation(n: int, fraction: float, seed: int) -> tuple[array, array]:
-    """(train ids, validation ids), each sorted in a typed array: a seeded random `fraction` of
-    range(n) held out, at least one."""
-    code = "i" if id_dtype(n) == np.int32 else "q"
-    if fraction <= 0:
-        return array(code, range(n)), array(code)
-    k = max(1, round(fraction * n))
-    if k >= n:
-        raise UserError(f"val_split: {fraction:g} of {n} examples leaves none to train on")
-    order = shuffled_range(n, random.Random(seed * 1_000_003 + 7919))
-    return array(code, np.sort(order[k:]).tobytes()), array(code, np.sort(order[:k]).tobytes())

@@ -19,6 +19,7 @@ from hivetune.checkpoint import checkpoint_folders
 from hivetune.core.device import DTYPES
 from hivetune.core.errors import UserError
 from hivetune.data.batch import collate_packed, collate_padded
+from hivetune.data import shares
 from hivetune.data.pairs import collate_pairs
 from hivetune.model.decoder import CausalLM
 from hivetune.ops.compile_ahead import first_pass, trained
@@ -46,17 +47,10 @@ def micro_batches(run: Run, example_ids: list[int], size: int = 0, step: int | N
 
 
 def micro_parts(run: Run, example_ids: list[int], size: int = 0) -> list[list[int]]:
-    """These examples cut into micro-batches of at most `size` (default batch_size): with packing
-    and the examples' lengths, as many micro-batches as `size` gives, of near-equal counts and
-    token sums (distributed.balanced_split, as Dist.shares splits a step among ranks), so that one
-    process's grad_accum micro-batches are the shares that as many ranks would take (the same
-    sums, in the same groups); else consecutive runs of `size`."""
-    size = size or run.cfg.batch_size
-    lengths = getattr(run.data, "lengths", None)
-    n = -(-len(example_ids) // size)
-    if n <= 1 or not run.cfg.packing or lengths is None:
-        return [example_ids[i:i + size] for i in range(0, len(example_ids), size)]
-    return distributed.balanced_split(example_ids, lengths, n)
+    """These examples cut into micro-batches of at most `size` (default batch_size), as
+    data.shares.micro_parts cuts them (token-balanced with packing)."""
+    return shares.micro_parts(example_ids, getattr(run.data, "lengths", None), size or run.cfg.batch_size,
+                              run.cfg.packing)
 
 
 def dropout_seeds(run: Run, step: int, micro: int) -> torch.Tensor | None:

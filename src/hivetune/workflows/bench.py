@@ -26,6 +26,7 @@ from hivetune.core.config import load_config
 from hivetune.core.device import DTYPES, cap_memory
 from hivetune.core.errors import UserError
 from hivetune.core.versions import installed_version
+from hivetune.plan import plan
 from hivetune.plan.gpus import gpu_for_device_name
 from hivetune.plan.timing import flops_per_token
 from hivetune.ops import compile_ahead, prewarm
@@ -225,7 +226,35 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
         # first pass, the kernels of shapes met later), those that found the cache, and their stages' seconds
         "triton_compiles": compiles,
         "compile_ahead": compile_ahead.STATS,  # the first pass's kernels compiled by the workers, and how long it waited
+        "plan": planned(w, cfg, examples, device, memory_cap_gib, len(run.steps), seconds),
     }
+
+
+def planned(w: Workload, cfg, examples, device: torch.device, memory_cap_gib: float, steps: int,
+            seconds: float) -> dict | None:
+    """`hivetune plan`'s prediction for this run (its config, the workload's examples, the GPU by
+    name, the memory cap) against what it measured: peak memory allocated (the plan's peak less
+    the CUDA context and the allocator's slack), reserved (less the context) and the loop's
+    seconds (its step time x steps), each with its error in percent. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    gpu = gpu_for_device_name(torch.cuda.get_device_name(device))
+    try:
+        p = plan(cfg, gpu=gpu.name if gpu else None, memory_gib=memory_cap_gib or None, model_args=w.args,
+                 index=examples)
+    except Exception as e:  # noqa: BLE001 - the figure is recorded, not the run's concern
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    parts = p.parts_gib
+    predicted = {"allocated_gib": p.peak_gib - parts.get("CUDA context", 0) - parts.get("allocator slack", 0),
+                 "reserved_gib": p.peak_gib - parts.get("CUDA context", 0),
+                 "seconds": p.step_seconds * steps if p.step_seconds else None}
+    measured = {"allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30, "seconds": seconds}
+    out = {"micro_batch_tokens": p.micro_batch_tokens, "cuda_graphs": p.cuda_graphs}
+    for key, value in predicted.items():
+        out[f"planned_{key}"] = round(value, 3) if value is not None else None
+        out[f"{key}_error_pct"] = round(100 * (value / measured[key] - 1), 1) if value is not None else None
+    return out
 
 
 @contextmanager
