@@ -9,7 +9,10 @@ Each command group lives in its own module with a ``COMMANDS`` table of name -> 
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import sys
+import threading
 
 from hivetune.core.errors import UserError
 from hivetune.ops import triton_early
@@ -59,5 +62,37 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The `hivetune` command: main(), then a quick exit where the interpreter's teardown costs
+    time and does nothing for the user (exit_quickly)."""
+    code = main()
+    torchrun = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    if torchrun or cuda_used():
+        exit_quickly(code, join=not torchrun)
+    sys.exit(code)
+
+
+def cuda_used() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
+def exit_quickly(code: int | None, join: bool = True) -> None:
+    """Leave without the interpreter's teardown, once the work is done: the output flushed, the
+    threads that are not daemons joined (join), the atexit handlers run. After a GPU command the
+    teardown (freeing the CUDA context, the caching allocator's blocks, every module) takes ~0.9 s
+    of the process on an H200 host. A torchrun worker leaves without joining its threads: the
+    teardown can meet a gloo thread that is joinable and abort with "terminate called without an
+    active exception" (3 times in ~330 2-process CPU runs)."""
+    if join:
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
