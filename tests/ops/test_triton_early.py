@@ -44,3 +44,10 @@ def test_the_thread_hashes_triton_and_builds_the_drivers_utilities(fresh, tmp_pa
     from triton.runtime.cache import triton_key
 
     assert triton_key.cache_info().currsize == 1  # the first launch's key lookup finds it done
+
+
+def test_prefetch_asks_for_torchs_libraries_first():
+    files = triton_early.library_files()
+    assert files and files[0].parent.name == "lib" and files[0].parent.parent.name == "torch"
+    assert all(".so" in f.name for f in files)
+    assert triton_early.prefetch() == len(files)
