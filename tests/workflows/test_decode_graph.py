@@ -10,22 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import build_tiny_model
-from hivetune.model.load import load_model
 from hivetune.workflows import decode_graph
 from hivetune.workflows.generate import greedy_ids
-from test_generate import NEW_TOKENS, plain_greedy, prompts_of
-
-
-def randomised(folder, model_type="llama", **kw):
-    build_tiny_model(folder, model_type, vocab_size=64, seed=3, **kw)
-    net = load_model(folder, torch.float32, "cpu").eval()
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():  # weights at a scale where they shape the logits (no near-uniform ties)
-        for name, p in net.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else noise / p.shape[-1] ** 0.5)
-    return net
+from test_generate import NEW_TOKENS, plain_greedy, prompts_of, randomised
 
 
 @pytest.fixture

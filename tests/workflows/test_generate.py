@@ -14,17 +14,22 @@ from hivetune.model.load import load_model
 NEW_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-generate")
-    build_tiny_model(folder, vocab_size=64, seed=3)  # 4 query heads on 2 K/V heads (GQA)
+def randomised(folder, model_type: str = "llama", **kw):
+    """A tiny fp32 model (4 query heads on 2 K/V heads: GQA) with weights at a scale where they
+    shape the logits (no near-uniform ties)."""
+    build_tiny_model(folder, model_type, vocab_size=64, seed=3, **kw)
     net = load_model(folder, torch.float32, "cpu").eval()
     g = torch.Generator().manual_seed(7)
-    with torch.no_grad():  # weights at a scale where they shape the logits (no near-uniform ties)
+    with torch.no_grad():
         for name, p in net.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else noise / p.shape[-1] ** 0.5)
     return net
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return randomised(tmp_path_factory.mktemp("tiny-generate"))
 
 
 @torch.no_grad()
