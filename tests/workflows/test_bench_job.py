@@ -218,3 +218,27 @@ def test_a_w4_like_workload_runs_both_sides_on_the_cpu():
     if HAS_PEFT:
         theirs = bench.run_hf_peft(w, cpu)
         assert theirs["batches_tried"] == ["8 x 1: ran"] and theirs["steps_run"] == 2
+
+
+def test_a_runs_record_holds_the_plan_against_what_it_measured(monkeypatch):
+    """bench.plan_against on a CUDA device (faked: an H200 that measured 3.0 / 3.2 GiB and 8.0 s):
+    the plan's peak less the CUDA context and the allocator's slack against the allocated peak,
+    less the context against the reserved one, its step time x steps against the seconds."""
+    from hivetune.plan import plan
+    from hivetune.workflows import bench
+
+    w = WORKLOADS["W1"]
+    cfg = load_config(None, {"model": "random", "data": "generator", "precision": "bf16", "device": "cuda",
+                             "batch_size": 8, "lora": w.lora, "max_length": 4096})
+    examples = w.data()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3.0 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 3.2 * 2**30)
+    got = bench.plan_against(cfg, torch.device("cuda"), 562, 8.0, model_args=w.args, index=examples)
+    p = plan(cfg, gpu="H200", model_args=w.args, index=examples)
+    allocated = p.peak_gib - p.parts_gib["CUDA context"] - p.parts_gib["allocator slack"]
+    assert got["planned_allocated_gib"] == round(allocated, 3)
+    assert got["allocated_gib_error_pct"] == round(100 * (allocated / 3.0 - 1), 1)
+    assert got["reserved_gib_error_pct"] == round(100 * ((p.peak_gib - p.parts_gib["CUDA context"]) / 3.2 - 1), 1)
+    assert got["planned_seconds"] == round(p.step_seconds * 562, 3) and got["micro_batch_tokens"] == 1792
+    assert bench.plan_against(cfg, torch.device("cpu"), 562, 8.0) is None

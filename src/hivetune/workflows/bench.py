@@ -226,22 +226,22 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
         # first pass, the kernels of shapes met later), those that found the cache, and their stages' seconds
         "triton_compiles": compiles,
         "compile_ahead": compile_ahead.STATS,  # the first pass's kernels compiled by the workers, and how long it waited
-        "plan": planned(w, cfg, examples, device, memory_cap_gib, len(run.steps), seconds),
+        "plan": plan_against(cfg, device, len(run.steps), seconds, memory_cap_gib, model_args=w.args, index=examples),
     }
 
 
-def planned(w: Workload, cfg, examples, device: torch.device, memory_cap_gib: float, steps: int,
-            seconds: float) -> dict | None:
-    """`hivetune plan`'s prediction for this run (its config, the workload's examples, the GPU by
-    name, the memory cap) against what it measured: peak memory allocated (the plan's peak less
-    the CUDA context and the allocator's slack), reserved (less the context) and the loop's
-    seconds (its step time x steps), each with its error in percent. None off CUDA."""
+def plan_against(cfg, device: torch.device, steps: int, seconds: float, memory_cap_gib: float = 0.0,
+                 **given) -> dict | None:
+    """`hivetune plan`'s prediction for a finished run (its config, the GPU by name, the memory
+    cap; `given`: plan's model_args / index where the run's model and data are not files) against
+    what it measured: peak memory allocated (the plan's peak less the CUDA context and the
+    allocator's slack), reserved (less the context) and the loop's seconds (its step time x
+    steps), each with its error in percent. None off CUDA."""
     if device.type != "cuda":
         return None
     gpu = gpu_for_device_name(torch.cuda.get_device_name(device))
     try:
-        p = plan(cfg, gpu=gpu.name if gpu else None, memory_gib=memory_cap_gib or None, model_args=w.args,
-                 index=examples)
+        p = plan(cfg, gpu=gpu.name if gpu else None, memory_gib=memory_cap_gib or None, **given)
     except Exception as e:  # noqa: BLE001 - the figure is recorded, not the run's concern
         return {"error": f"{type(e).__name__}: {e}"[:300]}
     parts = p.parts_gib

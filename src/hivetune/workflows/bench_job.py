@@ -29,7 +29,7 @@ from hivetune.core.hub import model_path, split_hub_id
 from hivetune.doctor.probe import gather_environment
 from hivetune.train.loop import fit
 from hivetune.train.setup import setup
-from hivetune.workflows.bench import BASELINES, peak_tflops, train_flops
+from hivetune.workflows.bench import BASELINES, peak_tflops, plan_against, train_flops
 from hivetune.workflows.trl_baseline import run_trl_pairs, trl_missing
 from hivetune.workflows.hf_baseline import HFJob, baseline_missing, epoch_means, pretrained_hf_model, run_hf_job
 
@@ -134,6 +134,7 @@ def job_figures(run, result, setup_s: float) -> dict:
         "peak_memory_reserved_gib": torch.cuda.max_memory_reserved(run.device) / 2**30 if cuda else None,
         "precision": run.precision, "micro_batch": f"{run.cfg.batch_size} x {run.cfg.grad_accum}",
         "setup_s": round(setup_s, 3), "adapter_save_s": round(result.save_seconds, 3),
+        "plan": plan_against(run.cfg, run.device, steps, seconds, model_args=run.model.args, index=run.data),
     }
 
 
