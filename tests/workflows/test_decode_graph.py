@@ -52,3 +52,22 @@ def test_where_graphs_are_used(monkeypatch):
     assert not decode_graph.usable(model, fake_cache("cuda", 101), 96)
     monkeypatch.setenv("HIVETUNE_REFERENCE", "decode_graphs")
     assert not decode_graph.usable(model, fake_cache("cuda", 100), 96)
+
+
+def test_a_failed_capture_goes_on_eagerly_with_one_note(tmp_path, monkeypatch, capsys):
+    """On the CPU every capture fails: the steps go on eagerly from the warm-up's tokens, the same
+    tokens, with one note line for the process."""
+    from hivetune.core import fallbacks
+
+    monkeypatch.setattr(decode_graph, "usable", lambda *a: True)  # decode(graphed=True) as on a GPU
+    monkeypatch.setattr(fallbacks, "NOTED", {})
+    model = randomised(tmp_path)
+    prompts = prompts_of([7, 1, 19, 4], seed=2)
+    capsys.readouterr()  # the model's build
+    failed = decode_graph.STATS["failed"]
+    assert greedy_ids(model, prompts, NEW_TOKENS, set()) == [plain_greedy(model, p, NEW_TOKENS, set()) for p in prompts]
+    greedy_ids(model, prompts, NEW_TOKENS, set())
+    assert decode_graph.STATS["failed"] == failed + 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hivetune:")]
+    assert len(err) == 1 and err[0].startswith("hivetune: note: CUDA graphs for decoding unavailable (capture failed: ")
+    assert err[0].endswith("; using eager decode steps")

@@ -12,18 +12,16 @@ step is a replay and one read of the new tokens.
 Rows are not compacted as the eager loop does (``generate.greedy_decode``): a finished row's
 replay costs no host time, and the step's GPU time hardly depends on its rows. Used on CUDA for
 models without a sliding window shorter than the cache and outside training;
-``HIVETUNE_REFERENCE=decode_graphs`` or a failed capture (one line) keeps the eager loop. The
+``HIVETUNE_REFERENCE=decode_graphs`` or a failed capture (one note line) keeps the eager steps. The
 step itself runs without a graph too (``graphed=False``): tests compare it with the eager loop
 token for token.
 """
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from hivetune.core.fallbacks import forced
+from hivetune.core.fallbacks import forced, note_fallback
 from hivetune.model.decoder import KVCache
 from hivetune.ops.attention import Masked
 
@@ -84,13 +82,13 @@ def usable(model, cache: KVCache, max_new_tokens: int) -> bool:
 
 
 def capture(step: DecodeStep):
-    """The step captured as a CUDA graph (after an eager warm-up step); None, with one line, if
-    the capture fails (the eager loop then goes on from the warm-up's tokens)."""
-    stream = torch.cuda.Stream()
-    main = torch.cuda.current_stream()
-    stream.wait_stream(main)
-    graph = torch.cuda.CUDAGraph()
+    """The step captured as a CUDA graph (after an eager warm-up step); None, with one note line,
+    if the capture fails (the eager steps then go on from the warm-up's tokens)."""
     try:
+        main = torch.cuda.current_stream()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(main)
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
             graph.capture_begin(capture_error_mode="thread_local")
             try:
@@ -98,10 +96,11 @@ def capture(step: DecodeStep):
             finally:
                 graph.capture_end()
     except Exception as e:  # noqa: BLE001 - a step that cannot be captured: eager steps
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"hivetune: note: CUDA graphs off for decoding (capture failed: {line[:200]}); eager steps",
-              file=sys.stderr)
+        note_fallback("decode_graphs", "CUDA graphs for decoding", f"capture failed: {line[:200]}",
+                      "eager decode steps")
         STATS["failed"] += 1
         return None
     main.wait_stream(stream)
