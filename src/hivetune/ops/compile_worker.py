@@ -12,6 +12,7 @@ import json
 import sys
 import threading
 import time
+import types
 
 
 def json_tuples(value):
@@ -61,8 +62,6 @@ def compile_job(job: dict, target) -> dict:
     """Compile one job for `target`; {"hash": the compiled kernel's cache hash, "seconds": ...}.
     The launcher's C build (~0.4 s) runs in a thread beside the kernel's compile: it needs the
     signature and the constants only, unless the kernel has tensor descriptors (built after)."""
-    import types
-
     import triton
     import triton.language as tl
     from triton.compiler.compiler import ASTSource

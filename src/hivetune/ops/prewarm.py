@@ -48,12 +48,9 @@ def prewarm(device: torch.device, compile_workers: int = -1) -> None:
                 compile_ahead.start(torch.device("cuda", index),
                                     compile_ahead.default_workers() if compile_workers < 0 else compile_workers)
                 load_kernels()  # Triton's import and the ops' kernels, which the first fused call needs
-                from triton.runtime.cache import triton_key
-
-                triton_key()  # lru_cached: the first kernel's cache lookup then finds it done
-                import triton.experimental.gluon  # noqa: F401
             except Exception:  # noqa: BLE001 - a Triton without these private parts: its first launch pays
                 pass
+            triton_early.warm()  # Triton's cache key and gluon modules (done already where the CLI began them)
         t0 = time.perf_counter()
         try:
             tail_kernels(torch.device("cuda", index))

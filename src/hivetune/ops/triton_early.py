@@ -30,7 +30,7 @@ DRIVERS = {"/dev/nvidiactl": ("triton.backends.nvidia.driver", "CudaUtils"),
            "/dev/kfd": ("triton.backends.amd.driver", "HIPUtils")}
 
 _THREAD: threading.Thread | None = None
-DONE: dict = {}  # what the thread finished: {"key": True, "utils": True} (tests and bench read it)
+DONE: dict = {}  # what warm finished: {"key": True, "utils": True} (tests read it)
 
 
 def driver_utils():
@@ -50,7 +50,7 @@ def start(command: str | None) -> None:
     if utils is None or forced("fused_layers") or importlib.util.find_spec("triton") is None:
         return
     threading.Thread(target=prefetch, name="hivetune-prefetch", daemon=True).start()
-    _THREAD = threading.Thread(target=_warm, args=(utils,), name="hivetune-triton", daemon=True)
+    _THREAD = threading.Thread(target=warm, args=(utils,), name="hivetune-triton", daemon=True)
     _THREAD.start()
 
 
@@ -81,17 +81,21 @@ def prefetch() -> int:
     return asked
 
 
-def _warm(utils: tuple[str, str]) -> None:
+def warm(utils: tuple[str, str] | None = None) -> None:
+    """What Triton does at its first kernel launch without torch: its cache key (lru_cached: the
+    first launch's cache lookup then finds it done), its gluon modules and, given `utils` (module,
+    class), the driver's C utilities. ops.prewarm calls it too, where the CLI did not start it."""
     try:
         from triton.runtime.cache import triton_key
 
-        triton_key()  # lru_cached
+        triton_key()
         DONE["key"] = True
         import triton.experimental.gluon  # noqa: F401 - imported at the first launch
 
-        module, name = utils
-        getattr(importlib.import_module(module), name)()  # a singleton: the driver's own reuses it
-        DONE["utils"] = True
+        if utils is not None:
+            module, name = utils
+            getattr(importlib.import_module(module), name)()  # a singleton: the driver's own reuses it
+            DONE["utils"] = True
     except Exception:  # noqa: BLE001 - a Triton without these parts: the first launch does it
         pass
 

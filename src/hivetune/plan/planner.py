@@ -261,10 +261,9 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     if data or index is not None:
         index = index if index is not None else data_index(cfg, model_path)
         lengths, n_targets = index.lengths, index.n_targets
-        ordered = sorted(lengths, reverse=True)
         worst = preference_worst(cfg, index) if preference else largest_planned_micro_batch(cfg, lengths)
         target_fraction = sum(n_targets) / max(1, sum(lengths))
-        source = f"data {cfg.data or 'given'} ({len(lengths)} examples, longest {ordered[0]} tokens)"
+        source = f"data {cfg.data or 'given'} ({len(lengths)} examples, longest {max(lengths)} tokens)"
         avg_len = sum(lengths) / len(lengths)
         examples, tokens_epoch = len(lengths), sum(lengths)
     else:
