@@ -69,27 +69,40 @@ def point_dict(row, graphs: bool = False) -> dict:
             "gradient_checkpointing": ckpt, "r": r, "dropout": dropout, "targets": targets, "cuda_graphs": graphs}
 
 
-def predict(p: dict) -> dict:
-    """hivetune.plan's prediction for the point, on this machine's torch (varlen GQA or not)."""
+def point_config(p: dict, device: str = "cuda"):
+    """The TrainConfig a point trains with (run_point) and is planned with (predict)."""
+    from hivetune.core.config import load_config
+
+    lora = {"r": p["r"], "alpha": 2 * p["r"], "dropout": p["dropout"]}
+    if p["targets"]:
+        lora["targets"] = p["targets"]
+    steps = 4 if p["precision"] == "fp32" and p["model"] == "7B" else 6
+    return load_config(None, {"cuda_graphs": p["cuda_graphs"], "save_every_minutes": 0,
+                              "attention": p.get("attention", "auto"), "model": "random", "data": "generator",
+                              "precision": p["precision"], "device": device, "batch_size": p["batch_size"],
+                              "grad_accum": 1, "max_steps": steps, "max_length": p["length"], "lora": lora,
+                              "gradient_checkpointing": p["gradient_checkpointing"], "eval_prompts": 0,
+                              "log_every": 1, "lr": 1e-4})
+
+
+def predict(p: dict, memory_bytes: int) -> dict:
+    """hivetune.plan's prediction for the point as train resolves its config (planner.memory_config
+    on this machine's torch: varlen GQA or not), `memory_bytes` the device's (lora_inputs auto
+    keeps the dropped inputs where they fit)."""
     from hivetune.workflows.workloads import qwen25_shape
-    from hivetune.ops.attention import _varlen_fn
-    from hivetune.plan.memory import MemoryConfig, breakdown
-    from hivetune.plan.planner import bucketed, training_path
+    from hivetune.plan.memory import breakdown
+    from hivetune.plan.planner import bucketed, memory_config
 
     args = qwen25_shape(*SHAPES[p["model"]])
     tokens = bucketed(p["batch_size"] * p["length"], p["cuda_graphs"], args)
     targets = p["batch_size"] * (p["length"] - p["length"] // 4)  # every response token is a target
     if p["cuda_graphs"]:
         targets = tokens  # the graphed loss runs a bucket of rows, the pad rows ignored
-    kw = {"targets": tuple(p["targets"])} if p["targets"] else {}
-    fn, _, gqa = _varlen_fn()
-    varlen = p["precision"] != "fp32" and fn is not None and p.get("attention", "auto") != "sdpa"
-    path = training_path(p["precision"], cuda=True)
-    mc = MemoryConfig(precision=p["precision"], r=p["r"], dropout=p["dropout"],
-                      gradient_checkpointing=p["gradient_checkpointing"], attention="varlen" if varlen else "sdpa",
-                      gqa_native=gqa, **path, **kw)
+    mc = memory_config(point_config(p), p["precision"], p["gradient_checkpointing"], graphs=p["cuda_graphs"],
+                       args=args, tokens=tokens, memory_bytes=memory_bytes)
     b = breakdown(args, mc, tokens, targets)
-    return {"predicted_reserved_bytes": b.reserved, "peak_phase": b.peak_phase, "path": path,
+    return {"predicted_reserved_bytes": b.reserved, "peak_phase": b.peak_phase,
+            "path": {"joined": mc.joined, "fused_layers": mc.fused_layers, "keep_inputs": mc.keep_inputs},
             "parts": {k: v for k, v in b.parts.items()}}
 
 
@@ -110,7 +123,6 @@ def run_point(p: dict) -> dict:
     import torch
 
     from hivetune.workflows.workloads import init_like_hf, qwen25_shape
-    from hivetune.core.config import load_config
     from hivetune.data.dataset import TokenizedExamples
     from hivetune.data.formats import Encoded
     from hivetune.core.device import DTYPES
@@ -139,14 +151,7 @@ def run_point(p: dict) -> dict:
         ids = torch.randint(args.vocab_size // 8, args.vocab_size - 1, (length,), generator=gen).tolist()
         examples.append(Encoded(ids, [False] * (length // 4) + [True] * (length - length // 4), False))
     data = TokenizedExamples(examples)
-    steps = 4 if p["precision"] == "fp32" and p["model"] == "7B" else 6
-    lora = {"r": p["r"], "alpha": 2 * p["r"], "dropout": p["dropout"]}
-    if p["targets"]:
-        lora["targets"] = p["targets"]
-    cfg = load_config(None, {"cuda_graphs": p["cuda_graphs"], "save_every_minutes": 0, "attention": p.get("attention", "auto"), "model": "random", "data": "generator", "precision": p["precision"], "device": device.type,
-                             "batch_size": n, "grad_accum": 1, "max_steps": steps, "max_length": length,
-                             "lora": lora, "gradient_checkpointing": p["gradient_checkpointing"],
-                             "eval_prompts": 0, "log_every": 1, "lr": 1e-4})
+    cfg = point_config(p, device.type)
     with tempfile.TemporaryDirectory() as tmp:
         run = assemble(cfg, model, data, None, device, p["precision"], Path(tmp) / "run", Path("random"))
         mem.synchronize()
@@ -290,10 +295,11 @@ def main() -> int:
     import torch
 
     from hivetune.workflows.bench import environment
-    from hivetune.plan.gpus import gpu_for_device_name
+    from hivetune.plan.gpus import device_memory_bytes, gpu_for_device_name
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     env = environment(device, ns.commit)
+    env["device_memory_bytes"] = device_memory_bytes(device)  # what lora_inputs auto sizes against
     gpu = gpu_for_device_name(env["gpu"]) if env.get("gpu") else None
     points = []
     todo = [(i, point_dict(row)) for i, row in enumerate(GRID)]
@@ -303,7 +309,7 @@ def main() -> int:
     start, longest = time.time(), 0.0
     record, stem = write_results(env, points, Path(ns.out), gpu)
     for i, p in todo:
-        entry = {"index": i, "point": p, **predict(p)}
+        entry = {"index": i, "point": p, **predict(p, env["device_memory_bytes"])}
         left = ns.budget - (time.time() - start)
         need = min(ns.timeout, max(longest, 20.0))
         if left < need:

@@ -308,6 +308,38 @@ def test_timing_constants_match_the_h200_grid():
     assert cal["dispatch_s_per_layer"] == pytest.approx(timing.DISPATCH_S_PER_LAYER, rel=0.1)
 
 
+def test_memory_plan_replays_the_h200_grid(monkeypatch):
+    """Each measured point of the recorded H200 grid, planned now as train resolves its config
+    (lora_inputs auto against the device's memory, varlen as the device had it): the predicted
+    peak within 10% of the peak reserved measured there."""
+    import importlib.util
+
+    from hivetune.ops import attention
+    from hivetune.plan.gpus import find_gpu
+
+    root = Path(__file__).parents[2]
+    spec = importlib.util.spec_from_file_location("plan_grid", root / "benchmarks" / "plan_grid.py")
+    plan_grid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_grid)
+    record = json.loads((root / "benchmarks" / "results" / "plan-grid-h200.json").read_text())
+    env = record["environment"]
+    memory = env.get("device_memory_bytes") or int(find_gpu(env["gpu"]).memory_gib * GIB)
+    errors, kept = {}, set()
+    for pt in record["points"]:
+        if not (m := pt.get("measured")):
+            continue
+        monkeypatch.setattr(attention, "_varlen_fn", lambda m=m: (object() if m["varlen"] else None, True,
+                                                                   m["varlen_gqa"]))
+        predicted = plan_grid.predict(pt["point"], memory)
+        key = (pt["index"], pt["point"]["cuda_graphs"])
+        errors[key] = round(predicted["predicted_reserved_bytes"] / m["max_memory_reserved"] - 1, 3)
+        if predicted["path"]["keep_inputs"]:
+            kept.add(key)
+    assert len(errors) == 25
+    assert kept == {(5, True), (5, False), (11, True), (11, False), (16, False)}  # the bf16 points with dropout
+    assert max(abs(e) for e in errors.values()) <= 0.10, errors
+
+
 def test_plan_cli_json_and_errors(tmp_path, capsys):
     model = write_config(tmp_path, QWEN25_7B, "qwen2.5-7b")
     assert main(["plan", "--model", str(model), "--gpu", "RTX 4090", "--batch-size", "8",
