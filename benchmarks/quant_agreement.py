@@ -4,6 +4,7 @@ to benchmarks/results/quant-agreement-<device>.jsonl.
 
     python benchmarks/quant_agreement.py                  # trains the default job first (~3 min, 2-core CPU)
     python benchmarks/quant_agreement.py --run runs/ops --quant q5_k_m
+    python benchmarks/quant_agreement.py --run runs/ops --imatrix train   # the quantizer calibrated
 
 The run's adapter is merged into its base and written as f16 and as --quant (llama.cpp's own
 quantizer on that f16 file, as `hivetune export --format gguf --quant` does). Each file scores
@@ -47,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", type=Path, help="a finished run folder (default: train the default job first)")
     parser.add_argument("--quant", default="q4_k_m", help="the quantized type to compare with f16 (default q4_k_m)")
+    parser.add_argument("--imatrix", default="", help="export --imatrix for the quantized file (train: the run's data)")
     parser.add_argument("--tokens", type=int, default=32, help="greedy answer length at most (default 32)")
     parser.add_argument("--results", default="benchmarks/results", help="folder of the JSONL results files")
     parser.add_argument("--commit", default="", help="the commit measured (default: git rev-parse HEAD)")
@@ -74,7 +76,7 @@ def main() -> None:
             train(cfg, progress=False)
         train_s = time.perf_counter() - t0
         files = {}
-        for name, kw in (("f16", {"dtype": "f16"}), (args.quant, {"quant": args.quant})):
+        for name, kw in (("f16", {"dtype": "f16"}), (args.quant, {"quant": args.quant, "imatrix": args.imatrix})):
             out = export(run, "gguf", tmp / name, **kw)
             files[name] = out.out / f"model-{name}.gguf"
         config = load_config(run / "config.yaml", {})
@@ -98,7 +100,8 @@ def main() -> None:
                "train_s": round(train_s, 1), "score_s": round(score_s, 1)}
     record = {"workload": "quant-agreement", "device": "cpu",
               "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "commit": env["commit"],
-              "setting": f"{args.quant} against f16, {'the default job' if args.run is None else args.run.name}, "
+              "setting": f"{args.quant}{' with --imatrix ' + args.imatrix if args.imatrix else ''} against f16, "
+                         f"{'the default job' if args.run is None else args.run.name}, "
                          f"{len(examples)} held-out prompts", "environment": env, "figures": figures}
     path = append_result(Path(args.results), record)
     g = figures["greedy"]

@@ -118,6 +118,9 @@ def add_export_parser(sub) -> None:
     ex.add_argument("--dtype", default=None, help="merged: f32 (default) | f16 | bf16; gguf: f16 (default) | bf16 | q8_0 | f32")
     ex.add_argument("--quant", default=None, help="gguf: q4_k_m | q5_k_m | q6_k | q4_0 (llama.cpp's quantizer on the f16 "
                                                   "file; needs llama-cpp-python) | q8_0 | f16 | bf16 | f32")
+    ex.add_argument("--imatrix", default="", metavar="DATA",
+                    help="with a llama.cpp --quant: weigh each tensor's rounding by its inputs on DATA (a data "
+                         "file, folder or Hub dataset; `train`: the run's training data)")
     ex.add_argument("--out", required=True, metavar="DIR", help="folder to create")
     ex.add_argument("--force", action="store_true", help="replace an existing --out")
     ex.add_argument("--model", default="", metavar="PATH", help="base model (default: the one the adapter names)")
@@ -126,7 +129,8 @@ def add_export_parser(sub) -> None:
 def run_export(ns) -> int:
     from hivetune.workflows.export import export
 
-    result = export(ns.run, ns.format, ns.out, dtype=ns.dtype, force=ns.force, model=ns.model, quant=ns.quant)
+    result = export(ns.run, ns.format, ns.out, dtype=ns.dtype, force=ns.force, model=ns.model, quant=ns.quant,
+                    imatrix=ns.imatrix)
     dtype = f" ({result.dtype})" if result.dtype else ""
     print(f"exported {ns.run} as {result.format}{dtype} to {result.out}: {', '.join(result.files)}")
     if result.commands:

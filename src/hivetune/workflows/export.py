@@ -10,7 +10,9 @@ failed export never leaves half a folder under the final name.
 - gguf:    model-<type>.gguf (merged), lora-adapter.gguf (for ``llama-server --lora``), an
            Ollama Modelfile and llama-server.sh, and a README with the commands. f32 / f16 / bf16 /
            q8_0 are written by hivetune; the K-quants and q4_0 by llama.cpp's own quantizer
-           (llama-cpp-python's llama_model_quantize) from the f16 file hivetune writes first.
+           (llama-cpp-python's llama_model_quantize) from the f16 file hivetune writes first,
+           with ``imatrix`` weighing each tensor's rounding by its inputs' mean squares on
+           calibration text (model.imatrix).
 """
 
 from __future__ import annotations
@@ -50,15 +52,18 @@ class ExportResult:
 
 
 def export(run: str | Path, format: str, out: str | Path, dtype: str | None = None, force: bool = False,
-           model: str = "", shard_bytes: int = SHARD_BYTES, quant: str | None = None) -> ExportResult:
+           model: str = "", shard_bytes: int = SHARD_BYTES, quant: str | None = None,
+           imatrix: str = "") -> ExportResult:
     """Export the run (or adapter folder) `run` as `format` into the new folder `out`; `quant`
-    (gguf only) names the GGUF type like `dtype` does and adds the llama.cpp-made types."""
+    (gguf only) names the GGUF type like `dtype` does and adds the llama.cpp-made types;
+    `imatrix` ("train": the run's training data, or a data source) calibrates those."""
     from hivetune.model.load import load_args
 
     if format not in FORMATS:
         raise UserError(f"--format: unknown format {format!r} (adapter, merged, gguf)")
     dtype = check_quant(format, dtype, quant) if quant else check_dtype(format, dtype)
     adapter = finished_adapter(Path(run))
+    calibration = calibration_source(imatrix, dtype, adapter) if imatrix else None
     out = Path(out)
     if out.exists() and not force:
         raise UserError(f"{out}: already exists; pass --force to replace it")
@@ -81,7 +86,8 @@ def export(run: str | Path, format: str, out: str | Path, dtype: str | None = No
             if format == "merged":
                 result = write_merged(tmp, net, tokenizer, dtype, base, adapter, shard_bytes)
             else:
-                result = write_gguf(tmp, net, tokenizer, dtype, base, adapter, out)
+                importance = measure_importance(net, tokenizer, *calibration) if calibration else None
+                result = write_gguf(tmp, net, tokenizer, dtype, base, adapter, out, importance)
         replace_folder(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -119,6 +125,42 @@ def check_quant(format: str, dtype: str | None, quant: str) -> str:
     if quant in LLAMA_CPP_QUANTS:
         require_llama_cpp(f"--quant {quant}")
     return quant
+
+
+def calibration_source(imatrix: str, dtype: str | None, adapter: Path):
+    """(the data source, max_length) --imatrix names: "train" for the run's training data."""
+    from hivetune.data.sources import DataSource, source_exists, train_source
+
+    if dtype not in LLAMA_CPP_QUANTS:
+        raise UserError(f"--imatrix: only with --quant {', '.join(LLAMA_CPP_QUANTS)} (llama.cpp's quantizer "
+                        f"weighs by it)")
+    if imatrix == "train":
+        from hivetune.core.config import load_config
+
+        config = adapter.parent / "config.yaml"
+        if adapter.name != "adapter" or not config.is_file():
+            raise UserError(f"--imatrix train: {config} not found (an adapter folder alone names no training "
+                            f"data): pass --imatrix DATA")
+        cfg = load_config(config, {})
+        source, max_length = train_source(cfg), cfg.max_length
+    else:
+        source, max_length = DataSource(imatrix), 2048
+    if not source_exists(source):
+        raise UserError(f"--imatrix: {source.spec}: data not found")
+    return source, max_length
+
+
+def measure_importance(net, tokenizer, source, max_length: int) -> dict:
+    """model.imatrix over the first TOKENS tokens of `source`, with one line saying so."""
+    import time
+
+    from hivetune.model.imatrix import TOKENS, calibration_sequences, importance_matrix
+
+    start = time.perf_counter()
+    importance, tokens = importance_matrix(net, calibration_sequences(source, tokenizer, max_length, TOKENS))
+    print(f"hivetune: export: importance matrix from {tokens:,} tokens of {source.spec} "
+          f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    return importance
 
 
 def finished_adapter(run: Path) -> Path:
@@ -364,7 +406,8 @@ def modelfile(model_file: str, chat_template: str | None, eos: str | None, adapt
     return "\n".join(lines) + "\n"
 
 
-def write_gguf(tmp: Path, net, tokenizer, dtype: str, base: Path, adapter: Path, out: Path) -> ExportResult:
+def write_gguf(tmp: Path, net, tokenizer, dtype: str, base: Path, adapter: Path, out: Path,
+               importance: dict | None = None) -> ExportResult:
     from hivetune.model.gguf_quantize import quantize_gguf
     from hivetune.model.gguf_write import gguf_context_length, window_note, write_lora_gguf, write_model_gguf
     from hivetune.model.load import is_gguf
@@ -377,7 +420,7 @@ def write_gguf(tmp: Path, net, tokenizer, dtype: str, base: Path, adapter: Path,
     if dtype in LLAMA_CPP_QUANTS:
         f16_file = tmp / ".model-f16.gguf"
         write_model_gguf(f16_file, net, "f16", name, tokenizer, base)
-        fallback = quantize_gguf(f16_file, tmp / model_file, dtype)
+        fallback = quantize_gguf(f16_file, tmp / model_file, dtype, imatrix=importance)
         f16_file.unlink()
         if fallback:  # rows not a multiple of 256 values: those tensors get llama.cpp's fallback type
             print(f"hivetune: export: {dtype}: {fallback} got llama.cpp's fallback type "
@@ -405,6 +448,8 @@ def write_gguf(tmp: Path, net, tokenizer, dtype: str, base: Path, adapter: Path,
                 f"Ollama:     {ollama}\n"
                 f"  (Modelfile.adapter: the base with ADAPTER ./{lora_file})")
     made = ", quantized by llama.cpp from hivetune's f16" if dtype in LLAMA_CPP_QUANTS else ""
+    if importance:
+        made += " with an importance matrix"
     body = (f"Files: `{model_file}` (the merged model, {dtype}{made}), `{lora_file}` (the LoRA update alone, "
             f"for `llama-server --lora`), `Modelfile` / `Modelfile.adapter` (Ollama), `llama-server.sh`.\n\n"
             f"```sh\n{commands}\n```\n")
