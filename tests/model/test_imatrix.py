@@ -18,7 +18,8 @@ from conftest import build_tiny_model, build_tokenizer, ops_records, write_jsonl
 from hivetune.cli import main
 from hivetune.core.errors import UserError
 from hivetune.model.gguf_write import hf_to_gguf_name
-from hivetune.model.imatrix import calibration_sequences, importance_matrix
+from hivetune.data.dataset import calibration_sequences
+from hivetune.model.imatrix import importance_matrix
 from hivetune.model.load import load_model
 from hivetune.model.lora import LoRASpec, apply_lora, lora_modules
 from hivetune.model.tokenizer import load_tokenizer
@@ -98,7 +99,7 @@ def test_calibration_sequences_stop_at_the_budget(tmp_path):
     assert [len(s) for s in calibration_sequences(data, tok, 512, tokens=budget)] == [len(s) for s in every[:4]]
     (tmp_path / "bad.jsonl").write_text('{"instruction": "a", "output": "b"}\nnot json\n')
     with pytest.raises(UserError, match=r"bad.jsonl:2"):
-        list(calibration_sequences(tmp_path / "bad.jsonl", tok, 512))
+        list(calibration_sequences(tmp_path / "bad.jsonl", tok, 512, tokens=10**9))
 
 
 def test_export_imatrix_reaches_llama_cpps_quantizer(llama_cpp, tmp_path, capsys):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,3 +120,19 @@ class TokenizedExamples:
 def to_json(index: DatasetIndex) -> str:
     return json.dumps({"path": str(index.path), "format": index.format, "examples": len(index),
                        "tokens": index.total_tokens, "truncated": index.truncated})
+
+
+def calibration_sequences(source, tokenizer, max_length: int, tokens: int) -> Iterator[list[int]]:
+    """Token ids of the records of a data source (any `--data` source: a file, a folder, a Hub
+    dataset id), as training renders them (prompt and answer), until `tokens` are given; errors
+    name file:line."""
+    given = 0
+    for _, where, _, _, record, fmt in checked_source(source, "auto", setting=None):
+        try:
+            ids = encode_record(record, fmt, tokenizer, max_length, train_on_inputs=True).ids
+        except UserError as e:
+            raise UserError(f"{where}: {e}") from None
+        yield ids
+        given += len(ids)
+        if given >= tokens:
+            return

@@ -10,7 +10,7 @@ output matmul.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -72,21 +72,3 @@ def importance_matrix(net: nn.Module, sequences: Iterable[list[int]]) -> tuple[d
         net.train(was_training)
     return {key: (value / max(tokens, 1)).cpu().numpy().astype(np.float32) for key, value in sums.items()}, tokens
 
-
-def calibration_sequences(source, tokenizer, max_length: int, tokens: int = TOKENS) -> Iterator[list[int]]:
-    """Token ids of the records of a data source (any `--data` source: a file, a folder, a Hub
-    dataset id), as training renders them (prompt and answer), until `tokens` are given; errors
-    name file:line."""
-    from hivetune.data.formats import checked_source, encode_record
-    from hivetune.core.errors import UserError
-
-    given = 0
-    for _, where, _, _, record, fmt in checked_source(source, "auto", setting=None):
-        try:
-            ids = encode_record(record, fmt, tokenizer, max_length, train_on_inputs=True).ids
-        except UserError as e:
-            raise UserError(f"{where}: {e}") from None
-        yield ids
-        given += len(ids)
-        if given >= tokens:
-            return

@@ -154,7 +154,8 @@ def measure_importance(net, tokenizer, source, max_length: int) -> dict:
     """model.imatrix over the first TOKENS tokens of `source`, with one line saying so."""
     import time
 
-    from hivetune.model.imatrix import TOKENS, calibration_sequences, importance_matrix
+    from hivetune.data.dataset import calibration_sequences
+    from hivetune.model.imatrix import TOKENS, importance_matrix
 
     start = time.perf_counter()
     importance, tokens = importance_matrix(net, calibration_sequences(source, tokenizer, max_length, TOKENS))
