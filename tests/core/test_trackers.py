@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -64,13 +66,12 @@ def test_mlflow_file_store_gets_the_records(mlflow_store, tmp_path):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
 
 
-def wandb_history(folder) -> list[dict]:
-    """The history rows of an offline W&B run: its .wandb file is LevelDB's log format (a 7-byte
-    file header, 32 KiB blocks of records with a 7-byte header each) of protobuf Records."""
+def wandb_records(path: Path) -> list:
+    """The protobuf Records of an offline W&B run file: LevelDB's log format (a 7-byte file
+    header, 32 KiB blocks of records with a 7-byte header each)."""
     from wandb.proto import wandb_internal_pb2
 
-    [path] = folder.rglob("run-*.wandb")
-    data, rows, index, pending = path.read_bytes(), [], 7, b""
+    data, records, index, pending = path.read_bytes(), [], 7, b""
     block = 32768
     while index + 7 <= len(data):
         if block - index % block < 7:  # the block's tail is padding
@@ -85,11 +86,25 @@ def wandb_history(folder) -> list[dict]:
         if kind in (1, 4):  # FULL or LAST: a whole record
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
+            records.append(record)
             pending = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
-    return rows
+    return records
+
+
+def wandb_history(folder, wait_s: float = 60) -> list[dict]:
+    """The history rows of the offline W&B run below `folder`, read once its exit record is in
+    the file (W&B's service process writes it; at most `wait_s`)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        [path] = folder.rglob("run-*.wandb")
+        records = wandb_records(path)
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert "exit" in kinds, f"{path}: no exit record after {wait_s} s: {kinds}"
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+            for r in records if r.WhichOneof("record_type") == "history"]
 
 
 def test_wandb_offline_run_gets_the_records(tmp_path, monkeypatch):
