@@ -294,3 +294,19 @@ def test_phi3_joined_linears_quantize(family):
                 dense.get_submodule(name).weight.copy_(m.dequantized())
     ids = ids_of(20, seed=8)
     assert rel_diff(our_logits(quantized, ids), our_logits(dense, ids)) <= PARITY_TOL
+
+
+def test_importance_matrix_has_an_entry_per_quantized_weight(family):
+    """model.imatrix on each family's model: one entry for each 2-D weight the GGUF export writes
+    (the names llama.cpp's quantizer looks its entries up by), as long as that weight's input; the
+    token embeddings only where they are the output head too (a lookup has no input to weigh)."""
+    from hivetune.model.gguf_write import plan_model_tensors
+    from hivetune.model.imatrix import importance_matrix
+
+    entries, tokens = importance_matrix(family.ours, [list(range(3, 40)), [5, 9, 300]])
+    planned = {t.name: t.shape for t in plan_model_tensors(family.ours, "f16") if len(t.shape) == 2}
+    if "output.weight" in planned:
+        del planned["token_embd.weight"]
+    assert tokens == 40 and sorted(entries) == sorted(planned)
+    for name, values in entries.items():
+        assert values.shape == (planned[name][-1],) and (values > 0).all(), name

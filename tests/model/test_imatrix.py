@@ -102,10 +102,11 @@ def test_calibration_sequences_stop_at_the_budget(tmp_path):
         list(calibration_sequences(tmp_path / "bad.jsonl", tok, 512, tokens=10**9))
 
 
-def test_export_imatrix_reaches_llama_cpps_quantizer(llama_cpp, tmp_path, capsys):
-    """The quantizer takes an entry for each of the 15 tensors (no "did not find weights") and
-    its rounding changes: the Q4_0 files with and without the importance matrix differ."""
-    _, run = make_run(tmp_path / "tiny", "llama")
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # tied, untied
+def test_export_imatrix_reaches_llama_cpps_quantizer(llama_cpp, tmp_path, capsys, model_type):
+    """The quantizer finds an entry for each tensor it weighs (no line naming one without) and its
+    rounding changes: the Q4_0 files with and without the importance matrix differ."""
+    _, run = make_run(tmp_path / "tiny", model_type)
     data = write_jsonl(tmp_path / "calib.jsonl", ops_records(12))
     plain = export(run, "gguf", tmp_path / "plain", quant="q4_0")
     weighed = export(run, "gguf", tmp_path / "weighed", quant="q4_0", imatrix=str(data))

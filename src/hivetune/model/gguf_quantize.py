@@ -82,8 +82,9 @@ def quantize_gguf(source: Path, target: Path, quant: str, threads: int = 0,
     if rc != 0:
         last = log.splitlines()[-1] if log else "no log"
         raise UserError(f"{source}: llama.cpp's quantizer failed for {quant} (return code {rc}): {last}")
-    unweighed = UNWEIGHED.findall(log) if imatrix else []
-    if unweighed:  # every quantized tensor should have its entry (model.imatrix)
+    # every quantized tensor has its entry (model.imatrix) but an untied model's token embeddings
+    unweighed = [name for name in UNWEIGHED.findall(log) if name != "token_embd.weight"] if imatrix else []
+    if unweighed:
         print(f"hivetune: export: {quant}: no importance matrix entry for {', '.join(unweighed)}", file=sys.stderr)
     fallback = FALLBACK.search(log)
     return f"{fallback.group(1)} of {fallback.group(2)} tensors" if fallback else ""

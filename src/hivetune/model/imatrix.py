@@ -3,9 +3,9 @@
 For each weight llama.cpp quantizes, the mean square of each input column over calibration tokens:
 what llama.cpp's ``llama-imatrix`` tool collects (its ``in_sum2 / counts``), keyed by the GGUF
 tensor name. The quantizer weighs each column's rounding error by it, so the columns that carry the
-largest activations on the calibration text keep the most precision. A tied output head shares
-``token_embd.weight``: its entry is the final norm's output, as llama-imatrix records it for the
-output matmul.
+largest activations on the calibration text keep the most precision. The output head's entry
+is the final norm's output, as llama-imatrix records it for the output matmul: under
+``token_embd.weight`` where the GGUF ties the head to the embeddings.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hivetune.model.gguf_write import hf_to_gguf_name
+from hivetune.model.gguf_write import hf_to_gguf_name, model_tensors
 from hivetune.model.lora import LoRALinear
 
 TOKENS = 8192  # calibration tokens: 30 s for SmolLM2-135M in fp32 on the 2-core CPU (docs/deploy.md)
@@ -56,7 +56,9 @@ def importance_matrix(net: nn.Module, sequences: Iterable[list[int]]) -> tuple[d
 
     hooks = [module.register_forward_pre_hook(lambda m, inputs, key=key: add(key, inputs[0]))
              for key, modules in weight_inputs(net).items() for module in modules]
-    head = "token_embd.weight" if net.args.tie_word_embeddings else "output.weight"
+    # the output head as the GGUF holds it: output.weight, or the token embeddings where tied
+    untied = any(name == "lm_head.weight" for name, _, _ in model_tensors(net))
+    head = "output.weight" if untied else "token_embd.weight"
     hooks.append(net.model.norm.register_forward_hook(lambda m, inputs, out: add(head, out)))
     device = next(net.parameters()).device
     was_training = net.training
