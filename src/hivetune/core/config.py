@@ -62,6 +62,13 @@ def merge(base: dict, extra: dict) -> dict:
     return out
 
 
+def adapter_run_config(adapter: Path) -> Path | None:
+    """The config.yaml of the run that wrote `adapter` (RUN/config.yaml beside RUN/adapter), or
+    None for an adapter folder alone."""
+    config = Path(adapter).parent / "config.yaml"
+    return config if Path(adapter).name == "adapter" and config.is_file() else None
+
+
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     try:

@@ -50,10 +50,10 @@ def run_max_new_tokens(adapter_folder: Path) -> int:
     """The max_new_tokens of the run the adapter belongs to (RUN/config.yaml beside RUN/adapter),
     so that `hivetune eval --adapter RUN` answers as long as the run's own A/B did (64 in the
     default job); DEFAULT_MAX_NEW_TOKENS for any other adapter folder."""
-    from hivetune.core.config import read_yaml
+    from hivetune.core.config import adapter_run_config, read_yaml
 
-    config = adapter_folder.parent / "config.yaml"
-    if adapter_folder.name != "adapter" or not config.is_file():
+    config = adapter_run_config(adapter_folder)
+    if config is None:
         return DEFAULT_MAX_NEW_TOKENS
     value = read_yaml(config).get("max_new_tokens")
     return value if isinstance(value, int) and value > 0 else DEFAULT_MAX_NEW_TOKENS

@@ -135,12 +135,12 @@ def calibration_source(imatrix: str, dtype: str | None, adapter: Path):
         raise UserError(f"--imatrix: only with --quant {', '.join(LLAMA_CPP_QUANTS)} (llama.cpp's quantizer "
                         f"weighs by it)")
     if imatrix == "train":
-        from hivetune.core.config import load_config
+        from hivetune.core.config import adapter_run_config, load_config
 
-        config = adapter.parent / "config.yaml"
-        if adapter.name != "adapter" or not config.is_file():
-            raise UserError(f"--imatrix train: {config} not found (an adapter folder alone names no training "
-                            f"data): pass --imatrix DATA")
+        config = adapter_run_config(adapter)
+        if config is None:
+            raise UserError(f"--imatrix train: {adapter.parent / 'config.yaml'} not found (an adapter folder alone "
+                            f"names no training data): pass --imatrix DATA")
         cfg = load_config(config, {})
         source, max_length = train_source(cfg), cfg.max_length
     else:

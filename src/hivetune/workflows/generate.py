@@ -127,8 +127,10 @@ def resolve_adapter_folder(path: str | Path) -> Path:
 def run_base_quant(adapter: Path) -> str:
     """base_quant of the run that wrote `adapter` (RUN/adapter beside RUN/config.yaml): the base
     its LoRA trained on; none for an adapter folder alone."""
-    config = adapter.parent / "config.yaml"
-    if adapter.name != "adapter" or not config.is_file():
+    from hivetune.core.config import adapter_run_config
+
+    config = adapter_run_config(adapter)
+    if config is None:
         return "none"
     try:
         values = yaml.safe_load(config.read_text()) or {}
