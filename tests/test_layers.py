@@ -140,9 +140,11 @@ def test_imports_are_read_everywhere(tmp_path, monkeypatch, source, expected):
 
 MAX_LINES = 600
 # The only environment names the package reads: its cache folder, the reference switch (docs/fast-paths.md),
-# the tests' slow-checkpoint hook, and serve's shared key (an environment variable so that the key stays out
-# of shell history and `ps`; docs/serve.md).
-ENVIRONMENT = {"HIVETUNE_CACHE", "HIVETUNE_REFERENCE", "HIVETUNE_TEST_SLOW_CHECKPOINT", "HIVETUNE_API_KEY"}
+# the bytecode cache's switch (read before any config or torch: core.bytecode), the tests' slow-checkpoint hook,
+# and serve's shared key (an environment variable so that the key stays out of shell history and `ps`;
+# docs/serve.md).
+ENVIRONMENT = {"HIVETUNE_CACHE", "HIVETUNE_REFERENCE", "HIVETUNE_BYTECODE_CACHE", "HIVETUNE_TEST_SLOW_CHECKPOINT",
+               "HIVETUNE_API_KEY"}
 
 
 def test_no_source_file_over_600_lines():

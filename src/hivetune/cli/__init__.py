@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 
+from hivetune.core import bytecode
 from hivetune.core.errors import UserError
 from hivetune.ops import triton_early
 
@@ -64,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The `hivetune` command: main(), then a quick exit where the interpreter's teardown costs
-    time and does nothing for the user (exit_quickly)."""
+    time and does nothing for the user (exit_quickly). Where Python would compile torch at each
+    import, its bytecode is kept in hivetune's cache (core.bytecode)."""
+    bytecode.enable()
     code = main()
     torchrun = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
     if torchrun or cuda_used():
