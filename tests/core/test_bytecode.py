@@ -82,12 +82,18 @@ def test_a_cold_cache_starts_the_precompile_a_warm_one_does_not(sandbox, tmp_pat
     assert prefix == tmp_path / "cache" / "bytecode" and sys.pycache_prefix == str(prefix)
     assert not sys.dont_write_bytecode
     assert calls == [([folder], prefix, 3)]
-    cached = Path(importlib.util.cache_from_source(str(folder / "__init__.py")))  # under the prefix now
-    cached.parent.mkdir(parents=True)
-    cached.write_bytes(b"")
     sys.pycache_prefix, sys.dont_write_bytecode = None, True
     assert bytecode.enable(("fakepkg",), workers=3) == prefix
-    assert len(calls) == 1
+    assert len(calls) == 1, "one pool a cache: the next process, still without torch's bytecode, starts none"
+    sys.pycache_prefix, sys.dont_write_bytecode = str(prefix), False
+    cached = Path(importlib.util.cache_from_source(str(folder / "__init__.py")))  # under the prefix
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"")
+    for marker in prefix.glob("precompile-*"):
+        marker.unlink()
+    sys.pycache_prefix, sys.dont_write_bytecode = None, True
+    assert bytecode.enable(("fakepkg",), workers=3) == prefix
+    assert len(calls) == 1, "a warm cache starts none"
 
 
 @pytest.mark.parametrize("case", ["python writes it", "user prefix", "switched off", "bytecode beside it", "not installed"])

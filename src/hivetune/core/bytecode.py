@@ -72,10 +72,23 @@ def enable(packages: tuple[str, ...] = PACKAGES, workers: int | None = None) -> 
     sys.dont_write_bytecode = False
     os.environ["PYTHONPYCACHEPREFIX"] = str(prefix)
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    if not Path(importlib.util.cache_from_source(str(folder / "__init__.py"))).exists():
+    init = folder / "__init__.py"
+    if not Path(importlib.util.cache_from_source(str(init))).exists() and first_claim(prefix, init):
         folders = [f for f in map(package_dir, packages) if f is not None]
         precompile(folders, prefix, workers if workers is not None else min(8, (os.cpu_count() or 1) - 2))
     return prefix
+
+
+def first_claim(prefix: Path, init: Path) -> bool:
+    """Whether this process is the first to precompile into `prefix` for this interpreter and this
+    installation of the package (`init`'s mtime): processes started together on a cold cache (a
+    test suite, several runs) start one pool, not one each."""
+    try:
+        stamp = f"{sys.implementation.cache_tag}-{init.stat().st_mtime_ns}"
+        os.close(os.open(prefix / f"precompile-{stamp}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except OSError:
+        return False
 
 
 def precompile(folders: list[Path], prefix: Path, workers: int) -> subprocess.Popen | None:
