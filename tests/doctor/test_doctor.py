@@ -13,6 +13,7 @@ import hivetune.doctor as doctor_module
 from hivetune.cli import main
 from hivetune.doctor import (ENV_VARS, Check, CPUInfo, Environment, Finding, GPUInfo, arch_covered, diagnose,
                              doctor, gfx_to_version, kfd_archs, same_isa_family, version_to_gfx)
+from hivetune.doctor.preflight import preflight
 
 GIB = 2**30
 NO_VARS = {k: None for k in ENV_VARS}
@@ -225,6 +226,19 @@ def test_torchao_that_needs_a_newer_torch():
         "transformers import it when it is installed",
         "pip uninstall torchao (hivetune does not need it), or upgrade torch")]
     assert diagnose(replace(env, torch_has_int1=True)) == []
+
+
+def test_torch_compiled_at_each_start():
+    env = cuda_env(bytecode="compiled at each import")
+    assert diagnose(env) == [Finding(
+        "warning", "torch-compiled-each-start",
+        "Python compiles torch's modules from source in every process (no bytecode beside them, and it writes "
+        "none: PYTHONDONTWRITEBYTECODE or a read-only site-packages): 2-4 s of each command",
+        "let hivetune keep it in its cache (HIVETUNE_BYTECODE_CACHE unset, HIVETUNE_CACHE writable: "
+        "docs/config.md), or run `python -m compileall -q` on torch's folder once")]
+    for kept in ("beside the sources", "prefix /home/u/.cache/hivetune/bytecode", ""):
+        assert diagnose(replace(env, bytecode=kept)) == []
+    assert preflight(env, "cuda") == []  # a warning: train goes on
 
 
 def test_liger_kernel_without_triton():

@@ -106,3 +106,15 @@ def precompile(folders: list[Path], prefix: Path, workers: int) -> subprocess.Po
                                 stderr=subprocess.DEVNULL, start_new_session=True)
     except OSError:
         return None
+
+
+def state(package: str = "torch") -> str:
+    """Where this process finds `package`'s bytecode, for the doctor: "prefix <folder>" (a
+    pycache prefix: hivetune's or the user's), "compiled at each import", "beside the sources",
+    or "" where the package is not installed."""
+    folder = package_dir(package)
+    if folder is None:
+        return ""
+    if sys.pycache_prefix is not None:
+        return f"prefix {sys.pycache_prefix}"
+    return "compiled at each import" if keeps_no_bytecode(folder) else "beside the sources"

@@ -13,7 +13,8 @@ def diagnose(env: Environment) -> list[Finding]:
     """Every known failure this environment shows, each with its fix; errors first."""
     findings = []
     for rule in (_driver_findings, _visibility_findings, _arch_findings, _hsa_override_findings,
-                 _precision_findings, _package_findings, _selftest_findings, _attention_findings):
+                 _precision_findings, _package_findings, _bytecode_findings, _selftest_findings,
+                 _attention_findings):
         findings += rule(env)
     return sorted(findings, key=lambda f: SEVERITIES.index(f.severity))
 
@@ -168,6 +169,16 @@ def _package_findings(env: Environment) -> list[Finding]:
                            "pip install the Triton that matches your torch (pytorch-triton-rocm on ROCm), "
                            "or pip uninstall liger-kernel"))
     return out
+
+
+def _bytecode_findings(env: Environment) -> list[Finding]:
+    if env.bytecode != "compiled at each import":
+        return []
+    return [Finding("warning", "torch-compiled-each-start",
+                    "Python compiles torch's modules from source in every process (no bytecode beside them, "
+                    "and it writes none: PYTHONDONTWRITEBYTECODE or a read-only site-packages): 2-4 s of each command",
+                    "let hivetune keep it in its cache (HIVETUNE_BYTECODE_CACHE unset, HIVETUNE_CACHE "
+                    "writable: docs/config.md), or run `python -m compileall -q` on torch's folder once")]
 
 
 def _selftest_findings(env: Environment) -> list[Finding]:

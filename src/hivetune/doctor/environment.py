@@ -79,6 +79,7 @@ class Environment:
     attention: dict[str, str] = field(default_factory=dict)  # back-end -> "ok" | "unsupported: ..." | ...
     checks: list[Check] = field(default_factory=list)
     speed: dict[str, float] = field(default_factory=dict)  # matmul_bf16_tflops, copy_gbps, ...
+    bytecode: str = ""  # where torch's bytecode comes from (core.bytecode.state)
 
 
 

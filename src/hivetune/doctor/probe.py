@@ -14,6 +14,7 @@ import warnings
 
 import torch
 
+from hivetune.core import bytecode
 from hivetune.core.device import device_auto_precision
 from hivetune.core.versions import installed_version
 from hivetune.doctor.environment import ENV_VARS, PACKAGES, CPUInfo, Environment, GPUInfo, first_line
@@ -39,6 +40,7 @@ def gather_environment(selftest: bool = True, triton: bool = True) -> Environmen
         torch_has_int1=hasattr(torch, "int1"),
         env_vars={k: os.environ.get(k) for k in ENV_VARS},
     )
+    env.bytecode = bytecode.state()
     env.nvidia_driver, env.driver_cuda_version = _nvidia_driver()
     rocm_path = os.environ.get("ROCM_PATH", "/opt/rocm")
     env.system_rocm_version = _read(os.path.join(rocm_path, ".info", "version"))

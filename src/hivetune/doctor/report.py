@@ -23,6 +23,7 @@ def build_report(env: Environment, findings: list[Finding]) -> dict:
         "gpu_error": env.gpu_error,
         "triton": {"version": env.triton_version, "error": env.triton_error},
         "packages": env.packages,
+        "bytecode": env.bytecode,
         "env": env.env_vars,
         "attention": env.attention,
         "selftest": {"checks": [dict(asdict(c), passed=c.passed) for c in env.checks], "speed": env.speed},
@@ -53,6 +54,8 @@ def format_report(report: dict) -> str:
     triton = report["triton"]
     lines.append(f"triton       {triton['version'] or 'not importable (' + (triton['error'] or '?') + ')'}")
     lines.append("packages     " + ", ".join(f"{k} {v or '-'}" for k, v in report["packages"].items()))
+    if report.get("bytecode"):
+        lines.append(f"bytecode     torch's: {report['bytecode']}")
     set_vars = " ".join(f"{k}={v}" for k, v in report["env"].items() if v is not None)
     lines.append(f"environment  {set_vars or '(none of the GPU variables set)'}")
     if report["attention"]:
