@@ -1,4 +1,4 @@
-"""GPU microseconds of a LoRA group's dropout + A matmuls, two ways, at W1's and W2's shapes:
+"""GPU microseconds of a LoRA group's dropout + A matmuls, two ways, at W1's, W2's and W4's shapes:
 dropout_seeded then cuBLAS ("apart") against the Triton kernels that drop x's tiles as they load
 them ("fused": ops.lora_dropout.drop_matmul, drop_matmul_grad, matmul_drop_add_).
 
@@ -30,7 +30,8 @@ from hivetune.ops.lora_grads import mm_fp32  # noqa: E402
 # (workload, group, tokens, d, n x r)
 SHAPES = [("W1", "q/k/v", 1600, 896, 24), ("W1", "gate/up", 1600, 896, 16), ("W1", "o", 1600, 896, 8),
           ("W1", "down", 1600, 4864, 8), ("W2", "q/k/v", 3000, 3584, 96), ("W2", "gate/up", 3000, 3584, 64),
-          ("W2", "o", 3000, 3584, 32), ("W2", "down", 3000, 18944, 32)]
+          ("W2", "o", 3000, 3584, 32), ("W2", "down", 3000, 18944, 32), ("W4", "q/k/v", 9706, 2048, 48),
+          ("W4", "gate/up", 9706, 2048, 32), ("W4", "o", 9706, 2048, 16), ("W4", "down", 9706, 6144, 16)]
 
 
 def sweep(results: str, commit: str) -> None:
@@ -52,7 +53,7 @@ def sweep(results: str, commit: str) -> None:
                 assert torch.allclose(got, want, atol=2e-2, rtol=2e-2), (bt, splits)
                 row["forward"][f"bt{bt}-s{splits}"] = round(
                     gpu_us(lambda: drop_matmul(x, a, seed, p, s, bt=bt, splits=splits)), 1)
-        for splits in (1, 2, 4, 8, 16, 32):
+        for splits in (1, 2, 4, 8, 16, 32, 64, 128):
             row["grad_a"][f"s{splits}"] = round(gpu_us(lambda: drop_matmul_grad(g, x, seed, p, splits=splits)), 1)
         best_f = min(row["forward"], key=row["forward"].get)
         best_g = min(row["grad_a"], key=row["grad_a"].get)
