@@ -26,6 +26,7 @@ from kernel_timing import add_result_flags, append_kernel_rows, gpu_us  # noqa: 
 from hivetune.ops.dropout import dropout_seeded, seeded_masked_add_  # noqa: E402
 from hivetune.ops.lora_dropout import drop_matmul, drop_matmul_grad, matmul_drop_add_  # noqa: E402
 from hivetune.ops.lora_grads import mm_fp32  # noqa: E402
+from hivetune.ops.triton_util import load_kernels  # noqa: E402
 
 # (workload, group, tokens, d, n x r)
 SHAPES = [("W1", "q/k/v", 1600, 896, 24), ("W1", "gate/up", 1600, 896, 16), ("W1", "o", 1600, 896, 8),
@@ -69,6 +70,7 @@ def main() -> None:
     add_result_flags(parser)
     parser.add_argument("--sweep", action="store_true", help="time the kernels' split choices")
     opts = parser.parse_args()
+    load_kernels()  # the kernels are defined at the first fused call of a training step
     if opts.sweep:
         sweep(opts.results, opts.commit)
         return
