@@ -54,7 +54,9 @@ def main() -> None:
     add_result_flags(parser)
     ns = parser.parse_args()
     from hivetune.ops.dropout import dropout_seeded, seeded_masked_add_
+    from hivetune.ops.triton_util import load_kernels
 
+    load_kernels()  # the kernels are defined at the first fused call of a training step
     rows = []
     seed = torch.tensor([7], device="cuda")
     for name, shape in SHAPES.items():
