@@ -8,7 +8,9 @@ model-specific class, which transformers 5 rebuilds from the vocabulary with the
 normaliser and pre-tokenizer (LlamaTokenizer's non-legacy Metaspace, Qwen2Tokenizer's NFC), not
 always what tokenizer.json holds. The tokenizer AutoTokenizer builds is saved as tokenizer.json
 with a generic class under the cache folder, keyed by the source files' names, sizes and mtimes,
-and every load after that is a FolderTokenizer: transformers' import (1-3 s) is paid once.
+and every load after that is a FolderTokenizer: transformers' import (1-3 s) is paid once. A
+tokenizer converted from a GGUF file is then made to split text as llama.cpp does with that file
+(follow_llama_cpp).
 """
 
 from __future__ import annotations
@@ -55,10 +57,10 @@ def load_tokenizer(model_path: str):
     if not path.exists():
         raise UserError(f"{path}: model path not found")
     if is_gguf(path):
-        cached = file_cache_folder(path, "tokenizers")
+        cached = file_cache_folder(path, f"tokenizers/gguf-{GGUF_RULES}")
         build = lambda: auto_tokenizer(path.parent, f"{path}: cannot build a tokenizer from the GGUF metadata",
                                        gguf_file=path.name)
-        return converted(cached, build)
+        return converted(cached, build, lambda folder: follow_llama_cpp(folder, path))
     folder = path if path.is_dir() else path.parent
     if generic_folder(folder):
         return load_saved(folder)
@@ -83,15 +85,78 @@ def auto_tokenizer(folder: Path, failure: str, **kwargs):
         raise UserError(f"{failure} ({type(e).__name__}: {e})") from None
 
 
-def converted(cached: Path, build):
+def converted(cached: Path, build, amend=None):
     """The FolderTokenizer saved in `cached`; the first time, build() converted and saved there
-    (save_generic). A cache that cannot be written leaves build()'s tokenizer to use as it is."""
+    (save_generic), then amend(folder) where given. A cache that cannot be written leaves build()'s
+    tokenizer to use as it is."""
     if not (cached / "tokenizer.json").exists():
         tok = build()
-        fill_cache_folder(cached, lambda tmp: save_generic(tok, tmp))
+
+        def write(tmp: Path) -> None:
+            save_generic(tok, tmp)
+            if amend is not None:
+                amend(tmp)
+
+        fill_cache_folder(cached, write)
         if not (cached / "tokenizer.json").exists():
             return tok
     return load_saved(cached)
+
+
+# The version of the rules follow_llama_cpp applies: part of a GGUF tokenizer's cache key.
+GGUF_RULES = 2
+# llama.cpp's BPE pre-tokenizers that take a word found whole in the vocabulary before any merge
+# (llama-vocab.cpp: ignore_merges), as the tokenizer.json they come from says (Llama 3's).
+IGNORE_MERGES_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "jina-v5-nano", "minicpm5", "youtu", "glm4", "glm5", "tekken", "granite-embed-multi-97m")
+SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def follow_llama_cpp(folder: Path, gguf_path: Path) -> None:
+    """Make the tokenizer saved in `folder`, converted from a GGUF file's metadata, split text as
+    llama.cpp does with that file, where transformers' conversion reads the file otherwise:
+    - its tokens are the file's: one transformers adds past them (a Llama 3 file's
+      <|endoftext|> as unknown token) is dropped, or the tokenizer would outgrow the model;
+    - SentencePiece (tokenizer.ggml.model llama): llama.cpp puts a space before the text and
+      after each special token when tokenizer.ggml.add_space_prefix says so (its default), then
+      makes every space the visible one; a text that starts with a space keeps both (Llama 2's
+      " Hello" is [▁, ▁Hello]). transformers 5 converts a llama file to a Metaspace that adds
+      the first space only where none is there;
+    - byte-level BPE (gpt2): the pre-tokenizers of IGNORE_MERGES_PRE take a word whole when the
+      vocabulary has it (Llama 3's "Việt" is one token; its merges make two)."""
+    from hivetune.model.load import gguf_field, open_gguf
+
+    reader = open_gguf(gguf_path)
+    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
+    model = gguf_field(reader, "tokenizer.ggml.model")
+    spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    dropped = {t["content"] for t in spec.get("added_tokens", []) if t["id"] >= n_tokens}
+    spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t["id"] < n_tokens]
+    if isinstance(spec["model"].get("vocab"), dict):
+        spec["model"]["vocab"] = {t: i for t, i in spec["model"]["vocab"].items() if i < n_tokens}
+    if model == "llama":
+        prefix = bool(gguf_field(reader, "tokenizer.ggml.add_space_prefix", True))
+        replace = {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}
+        spec["normalizer"] = ({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": SPACE}, replace]}
+                              if prefix else replace)
+        spec["pre_tokenizer"] = None
+        decoders = [{"type": "Replace", "pattern": {"String": SPACE}, "content": " "}, {"type": "ByteFallback"},
+                    {"type": "Fuse"}]
+        if prefix:
+            decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+        spec["decoder"] = {"type": "Sequence", "decoders": decoders}
+    elif model == "gpt2" and spec["model"].get("type") == "BPE":
+        spec["model"]["ignore_merges"] = gguf_field(reader, "tokenizer.ggml.pre") in IGNORE_MERGES_PRE
+    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    config_path = folder / "tokenizer_config.json"
+    if dropped and config_path.is_file():
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config["added_tokens_decoder"] = {k: v for k, v in config.get("added_tokens_decoder", {}).items()
+                                          if int(k) < n_tokens}
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            if config.get(key) in dropped:
+                config[key] = None
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def eos_ids(tokenizer, args=None) -> set[int]:
