@@ -58,3 +58,22 @@ def test_a_converted_gguf_tokenizer_gives_the_original_ids(folder, name):
     unread = [text for text, want in cases(folder, name) if tok.decode(want) != text]
     assert not unread, f"{len(unread)} texts decode otherwise, first: {unread[:3]}"
 
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_special_tokens_split_as_llama_cpp_splits_them(folder, llama_cpp, name):
+    """Text around the vocabulary's special tokens (chat markers, <s>, </s>): the ids llama.cpp
+    gives with the file (Phi-3's drop the whitespace after them; SentencePiece puts ▁ after them)."""
+    from hivetune.model.tokenizer import load_tokenizer
+
+    path = folder / f"ggml-vocab-{name}.gguf"
+    tok = load_tokenizer(str(path))
+    specials = [t.content for _, t in sorted(tok.backend_tokenizer.get_added_tokens_decoder().items()) if t.special]
+    picked = specials[:3] + specials[-3:]
+    texts = [f"{s}\nHello" for s in picked] + [f"x{s} y" for s in picked] + [f" {s}  z\n" for s in picked]
+    texts += ["".join(f"{s}turn {i}\n" for i, s in enumerate(picked))]
+    reference = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    wrong = [(text, want, got) for text in texts
+             if (got := tok.encode(text, add_special_tokens=False))
+             != (want := reference.tokenize(text.encode(), add_bos=False, special=True))]
+    assert not wrong, f"{len(wrong)} of {len(texts)} texts split otherwise, first: {wrong[:2]}"

@@ -123,7 +123,11 @@ def follow_llama_cpp(folder: Path, gguf_path: Path) -> None:
       " Hello" is [▁, ▁Hello]). transformers 5 converts a llama file to a Metaspace that adds
       the first space only where none is there;
     - byte-level BPE (gpt2): the pre-tokenizers of IGNORE_MERGES_PRE take a word whole when the
-      vocabulary has it (Llama 3's "Việt" is one token; its merges make two)."""
+      vocabulary has it (Llama 3's "Việt" is one token; its merges make two);
+    - a general.name holding "phi3" or "phi-3": llama.cpp drops the whitespace after each special
+      token but <unk>, <s> and <|endoftext|> (gguf_vocab.PHI3_NAME), as Phi-3's own tokenizer does
+      ("<|user|>\nHello" is [<|user|>, ▁Hello]); GGUF keeps no per-token flag for it."""
+    from hivetune.model.gguf_vocab import PHI3_NAME, RSTRIP_EXEMPT
     from hivetune.model.load import gguf_field, open_gguf
 
     reader = open_gguf(gguf_path)
@@ -147,12 +151,19 @@ def follow_llama_cpp(folder: Path, gguf_path: Path) -> None:
         spec["decoder"] = {"type": "Sequence", "decoders": decoders}
     elif model == "gpt2" and spec["model"].get("type") == "BPE":
         spec["model"]["ignore_merges"] = gguf_field(reader, "tokenizer.ggml.pre") in IGNORE_MERGES_PRE
+    rstrip = bool(PHI3_NAME.search(str(gguf_field(reader, "general.name", "") or "")))
+    for token in spec["added_tokens"]:
+        if rstrip and token["content"] not in RSTRIP_EXEMPT:
+            token["rstrip"] = True
     (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
     config_path = folder / "tokenizer_config.json"
-    if dropped and config_path.is_file():
+    if (dropped or rstrip) and config_path.is_file():
         config = json.loads(config_path.read_text(encoding="utf-8"))
         config["added_tokens_decoder"] = {k: v for k, v in config.get("added_tokens_decoder", {}).items()
                                           if int(k) < n_tokens}
+        for entry in config["added_tokens_decoder"].values():
+            if rstrip and entry.get("content") not in RSTRIP_EXEMPT:
+                entry["rstrip"] = True
         for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
             if config.get(key) in dropped:
                 config[key] = None
