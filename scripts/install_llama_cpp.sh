@@ -20,13 +20,15 @@ vocab_files() {
   local dest="$WHEELS/llama-vocab-$VERSION" tmp name
   [ -f "$dest/ggml-vocab-qwen2.gguf.out" ] && return 0
   tmp=$(mktemp -d)
-  "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$tmp"
-  tar -xzf "$tmp/llama_cpp_python-$VERSION.tar.gz" -C "$tmp" --wildcards "*/vendor/llama.cpp/models/ggml-vocab-*"
+  # (called in an || list, where set -e does not apply: each step checks itself)
+  "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$tmp" || return 1
+  tar -xzf "$tmp/llama_cpp_python-$VERSION.tar.gz" -C "$tmp" --wildcards "*/vendor/llama.cpp/models/ggml-vocab-*" \
+    || return 1
   mkdir -p "$tmp/out"
   for name in $VOCABS; do
-    cp "$tmp/llama_cpp_python-$VERSION/vendor/llama.cpp/models/$name".gguf* "$tmp/out/"
+    cp "$tmp/llama_cpp_python-$VERSION/vendor/llama.cpp/models/$name".gguf* "$tmp/out/" || return 1
   done
-  rm -rf "$dest" && mv "$tmp/out" "$dest"
+  rm -rf "$dest" && mv "$tmp/out" "$dest" || return 1
   rm -rf "$tmp"
 }
 
