@@ -67,6 +67,7 @@ def sandbox(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "pycache_prefix", None)
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     monkeypatch.setenv("HIVETUNE_CACHE", str(tmp_path / "cache"))
+    # set, then removed: monkeypatch records a variable only when it exists, and enable() may set it
     monkeypatch.setenv("PYTHONPYCACHEPREFIX", "")
     monkeypatch.delenv("PYTHONPYCACHEPREFIX")
     monkeypatch.delenv(bytecode.OFF, raising=False)

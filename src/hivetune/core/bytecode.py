@@ -8,11 +8,11 @@ process: 3-4 s of a `hivetune train` on the device's H200 hosts, where the train
 takes 2 s. There ``enable`` points ``sys.pycache_prefix`` at hivetune's cache and lets this
 process write there, leaving site-packages as they are; child processes (the compile workers,
 torchrun's ranks) read and write the same cache (``PYTHONPYCACHEPREFIX`` set,
-``PYTHONDONTWRITEBYTECODE`` unset in their environment). Where that cache holds
-no torch yet (the first command on a machine), ``precompile`` compiles torch's and numpy's
-(and Triton's) sources into it in a background process pool while this process imports torch, which then finds
-most of its modules compiled: a fresh machine's first import takes ~8 s on those hosts, the
-compilation ~3 s of it.
+``PYTHONDONTWRITEBYTECODE`` unset in their environment). Where that cache holds no torch yet
+(the first command on a machine), ``precompile`` compiles the sources of torch, numpy and Triton
+into it in a background process pool while this process imports torch, which then finds most of
+its modules compiled: a fresh machine's first import takes ~8 s on those hosts, the compilation
+~3 s of it.
 
 Nothing changes where the interpreter already keeps bytecode for torch or will write it, where
 the user chose a prefix (``PYTHONPYCACHEPREFIX``), or with ``HIVETUNE_BYTECODE_CACHE=0``. This
