@@ -63,11 +63,23 @@ def test_bench_appends_a_line_and_rewrites_the_table_beside_its_results(tmp_path
     assert len(written) == 1 and out["W1"]["path"].endswith("W1-cpu.jsonl")
     line = json.loads(written[0])
     assert line["commit"] == "f00ba47" == line["environment"]["commit"] and line["setting"] == "max_steps 1"
+    assert isinstance(line["environment"]["process_s"], float) and line["environment"]["process_s"] > 0
     for _ in range(2):
         bench.bench("W1", max_steps=1, out_dir="benchmarks/results", table=str(table), commit="f00ba47")
     assert len((tmp_path / "benchmarks" / "results" / "W1-cpu.jsonl").read_text().splitlines()) == 2
     rows = [line for line in table.read_text().splitlines() if line.startswith("| W1")]
     assert "| old row |" not in table.read_text() and len(rows) == 1
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc")
+def test_process_seconds_is_the_age_of_the_process():
+    """The whole command's figure counts from the process's start, as ps counts it (to a second)."""
+    import os
+    import subprocess
+
+    age = bench.process_seconds()
+    ps = int(subprocess.check_output(["ps", "-o", "etimes=", "-p", str(os.getpid())], text=True))
+    assert ps - 1.5 <= age <= ps + 1.5
 
 
 def test_unknown_workload_is_a_user_error():

@@ -101,6 +101,17 @@ def environment(device, commit: str = "") -> dict:
     return env
 
 
+def process_seconds() -> float | None:
+    """Seconds since this process started, the interpreter's own start included (Linux: from
+    /proc, to the clock tick); None where /proc does not say."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime: ticks after boot
+        return round(float(Path("/proc/uptime").read_text().split()[0]) - started, 2)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def launch_us(device, calls: int = 2000) -> float:
     """Host microseconds one small kernel launch takes (an in-place add on a 256-element tensor,
     the mean of `calls`, after a warm-up): the CPU that eager steps wait on."""
@@ -335,6 +346,8 @@ def bench(workload: str = "W1", max_steps: int = 0, out_dir: str = "benchmarks/r
     for name in names:
         results[name] = measure(WORKLOADS[name], device, max_steps, overrides, baseline, baseline_steps,
                                 memory_cap_gib, commit)
+        # the whole command so far: imports, the workloads before this one, the host probe
+        results[name]["environment"]["process_s"] = process_seconds()
         results[name]["path"] = str(append_result(Path(out_dir), results[name]))
     made_from = Path(table).parent / "benchmarks" / "results" if table else None
     if made_from is not None and Path(table).is_file() and Path(out_dir).resolve() == made_from.resolve():
