@@ -19,6 +19,7 @@ and without that capture time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -27,10 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hivetune.workflows.workloads import WORKLOADS, random_model, workload_examples  # noqa: E402
+from hivetune.workflows.workloads import WORKLOADS, random_model  # noqa: E402
 from hivetune.core.config import load_config, parse_overrides  # noqa: E402
 from hivetune.core.device import cap_memory  # noqa: E402
-from hivetune.data.dataset import TokenizedExamples  # noqa: E402
 from hivetune.ops import prewarm  # noqa: E402
 from hivetune.train.loop import fit  # noqa: E402
 from hivetune.train.setup import assemble  # noqa: E402
@@ -72,13 +72,11 @@ def main() -> None:
     cfg = load_config(None, values)
     args = w.args
     if opts.narrow:
-        import dataclasses
-
         heads = args.num_attention_heads
         args = dataclasses.replace(args, hidden_size=16 * heads, head_dim=16, intermediate_size=512, vocab_size=8192)
     if opts.first:  # as train's setup and the benchmark do: Triton's first-launch work overlaps the build
         prewarm.prewarm(device)
-    examples = TokenizedExamples(workload_examples(w.n_examples, args.vocab_size, w.cap))
+    examples = dataclasses.replace(w, args=args).data()  # the workload's own lengths (W4's long tail)
     model = random_model(args, device, torch.bfloat16)
     if opts.cap:  # after the build, as bench does (W2's random init runs in fp32)
         cap_memory(device, opts.cap)
