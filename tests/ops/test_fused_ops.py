@@ -67,6 +67,51 @@ def test_rms_norm_matches_float64(dtype, shape):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("part", ["q", "k"])
+def test_rms_norm_reads_heads_of_a_joined_projection_in_place(dtype, part):
+    """A Qwen3 layer's q / k norm: [B, T, H, 128] views into the joined q/k/v output (rows 4,096
+    apart, not one tensor of rows), 37 tokens x heads: rows not a multiple of a program's 16.
+    The same values as on a contiguous copy, float64's accuracy both ways, nothing copied."""
+    torch.manual_seed(4)
+    b, t, heads, kv, d = 1, 37, 4, 2, 128
+    joined = (torch.randn(b, t, (heads + 2 * kv) * d) * 3).to(dtype).to(DEVICE)
+    q, k, _ = joined.split([heads * d, kv * d, kv * d], dim=-1)
+    x = (q.view(b, t, heads, d) if part == "q" else k.view(b, t, kv, d))
+    rows, h, stride_t, stride_h = norm_op.rows_of(x)
+    assert rows.data_ptr() == x.data_ptr() and (h, stride_t, stride_h) == (x.shape[2], joined.shape[-1], d)
+    w = (1 + 0.2 * torch.randn(d)).to(dtype).to(DEVICE)
+    assert torch.equal(norm_op.rms_norm(x, w, 1e-6), norm_op.rms_norm(x.contiguous(), w, 1e-6))
+    dy = torch.randn(x.shape, device=DEVICE)
+    _, (g_copy,) = forward_backward(lambda a: norm_op.rms_norm(a, w, 1e-6), [x.contiguous()], dy)
+    leaf = joined.detach().clone().requires_grad_(True)
+    qv, kv_, _ = leaf.split([heads * d, kv * d, kv * d], dim=-1)
+    view = qv.view(b, t, heads, d) if part == "q" else kv_.view(b, t, kv, d)
+    norm_op.rms_norm(view, w, 1e-6).backward(dy.to(dtype))
+    got = leaf.grad[..., :heads * d] if part == "q" else leaf.grad[..., heads * d:(heads + kv) * d]
+    assert torch.equal(got.reshape(x.shape), g_copy)
+    check(lambda a: norm_op.rms_norm(a, w, 1e-6), lambda a: norm_op.rms_norm_reference(a, w.to(a.dtype), 1e-6),
+          [x], dy)
+
+
+def test_rows_of_reads_in_place_where_the_layout_allows():
+    """Rows folded into one stride (H 1), heads of a [B, T, H, D] view (H rows a token), else a copy."""
+    x = torch.randn(2, 5, 24)
+    rows, h, st, sh = norm_op.rows_of(x)
+    assert rows.data_ptr() == x.data_ptr() and (h, st, sh) == (1, 24, 0)
+    wide = torch.randn(2, 5, 3 * 64)
+    q = wide[..., :128].view(2, 5, 2, 64)
+    rows, h, st, sh = norm_op.rows_of(q)
+    assert rows.data_ptr() == q.data_ptr() and (h, st, sh) == (2, 192, 64) and rows.shape == (10, 2, 64)
+    t = torch.randn(5, 2, 24).transpose(0, 1)  # [2, 5, 24], its 5 rows 48 apart, the 2 blocks 24
+    rows, h, st, sh = norm_op.rows_of(t)
+    assert rows.data_ptr() == t.data_ptr() and (h, st, sh) == (5, 24, 48)
+    c = torch.randn(24, 10).t()  # columns apart: a copy
+    rows, h, st, sh = norm_op.rows_of(c)
+    assert rows.data_ptr() != c.data_ptr() and (h, st, sh) == (1, 24, 0) and torch.equal(rows, c)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 41, 200), (3, 7, 1025)])
 def test_swiglu_matches_float64(dtype, shape):
     torch.manual_seed(1)

@@ -146,7 +146,8 @@ class Attention(nn.Module):
             return self._attend(q, k, v, layout, cache, residual)
         if joined is not None:
             q, k, v = joined.split(self.qkv.sizes, dim=-1)  # views: RoPE reads q and k in place
-            v = v.contiguous()  # attention saves v: a view would keep all of q/k/v alive
+            if self.q_norm is None:  # attention saves v: a view would keep all of q/k/v alive
+                v = v.contiguous()  # (the q/k norms read and keep their views: joined stays alive)
         else:
             q, k, v = project_shared_input(h, self.q_proj, self.k_proj, self.v_proj)
         q = q.view(b, t, self.n_heads, self.head_dim)

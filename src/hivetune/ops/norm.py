@@ -41,28 +41,63 @@ def _define_kernels():
 
 # ---------------------------------------------------------------- autograd Functions
 
+def rows_of(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """x as rows of its last dim without a copy where its layout allows: (t, H, stride_t,
+    stride_h), row r of x starting at (r // H) * stride_t + (r % H) * stride_h of t's storage.
+    H = 1 where the leading dims fold into one; H = x.shape[-2] where only those before it fold
+    (q or k of a Qwen3 layer: heads of a [B, T, H, D] view into the joined q/k/v projection);
+    else a contiguous copy."""
+    n = x.shape[-1]
+    if x.stride(-1) == 1:
+        try:
+            x2 = x.view(-1, n)
+            return x2, 1, x2.stride(0), 0
+        except RuntimeError:
+            pass
+        if x.dim() >= 3:
+            try:
+                x3 = x.view(-1, x.shape[-2], n)
+                return x3, x3.shape[1], x3.stride(0), x3.stride(1)
+            except RuntimeError:
+                pass
+    x2 = x.reshape(-1, n).contiguous()
+    return x2, 1, x2.stride(0), 0
+
+
+def _norm_grid(rows: int, n: int) -> tuple[int, dict]:
+    """Rows a program and warps: ~2,048 elements a program (narrow rows, q/k norms' 128, go 16
+    to a program instead of one warp each)."""
+    block = triton.next_power_of_2(n)
+    per = max(1, 2048 // block)
+    return per, {"ROWS": per, "BLOCK": block, "num_warps": min(16, max(1, per * block // 256))}
+
+
 class RMSNormFunction(torch.autograd.Function):
+    """Saves x as it came where its rows can be read in place (rows_of; the q/k norms of a joined
+    projection keep a view of it, which attention's v keeps anyway) and an fp32 1/rms per row."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float):
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).contiguous()
-        n = x2.shape[-1]
-        y = torch.empty_like(x2)
-        rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
-        block = triton.next_power_of_2(n)
-        _rms_norm_fwd[(x2.shape[0],)](x2, weight, y, rstd, x2.stride(0), n, eps, BLOCK=block,
-                                      num_warps=min(16, max(1, block // 256)))
-        ctx.save_for_backward(x2, weight, rstd)
-        return y.view(shape)
+        shape, n = x.shape, x.shape[-1]
+        t, heads, stride_t, stride_h = rows_of(x)
+        m = x.numel() // n
+        y = torch.empty(shape, dtype=x.dtype, device=x.device)
+        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+        per, meta = _norm_grid(m, n)
+        _rms_norm_fwd[(triton.cdiv(m, per),)](t, weight, y, rstd, m, heads, stride_t, stride_h, n, eps, **meta)
+        ctx.save_for_backward(t, weight, rstd)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, rstd = ctx.saved_tensors
-        dy2 = dy.reshape(x2.shape).contiguous()
-        dx = torch.empty_like(x2)
-        block = triton.next_power_of_2(x2.shape[-1])
-        _rms_norm_bwd[(x2.shape[0],)](dy2, x2, weight, rstd, dx, x2.stride(0), x2.shape[-1], BLOCK=block,
-                                      num_warps=min(16, max(1, block // 256)))
+        t, weight, rstd = ctx.saved_tensors
+        n = t.shape[-1]
+        m = rstd.shape[0]
+        t, heads, stride_t, stride_h = rows_of(t)  # as saved: an offload may hand back a copy
+        dy2 = dy.reshape(m, n).contiguous()
+        dx = torch.empty((m, n), dtype=t.dtype, device=t.device)
+        per, meta = _norm_grid(m, n)
+        _rms_norm_bwd[(triton.cdiv(m, per),)](dy2, t, weight, rstd, dx, m, heads, stride_t, stride_h, n, **meta)
         return dx.view(dy.shape), None, None
 
 

@@ -22,7 +22,7 @@ import hivetune.model.decoder as decoder
 from hivetune.core.device import DTYPES
 from hivetune.ops import dropout, norm, swiglu as swiglu_op
 from hivetune.ops.attention import Packed
-from hivetune.ops.norm import rms_norm_reference
+from hivetune.ops.norm import rms_norm_reference, rows_of
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.ops.loss import target_loss_sum
 from hivetune.ops.swiglu import swiglu_reference
@@ -78,26 +78,27 @@ def varlen_standin():
 
 
 class _RMSNormStandIn(torch.autograd.Function):
-    """Saves what ops.norm.RMSNormFunction saves: x [N, h] (a view of the input), the
-    weight and an fp32 1/rms per row; computes with the reference."""
+    """Saves what ops.norm.RMSNormFunction saves: x's rows as ops.norm.rows_of reads them (a
+    view of the input where its layout allows), the weight and an fp32 1/rms per row; computes
+    with the reference."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        rows = rows_of(x)[0]
         with torch.no_grad():
             y = rms_norm_reference(x, weight, eps)
-            rstd = torch.rsqrt(x2.float().pow(2).mean(-1) + eps)
-        ctx.save_for_backward(x2, weight, rstd)
+            rstd = torch.rsqrt(x.float().pow(2).mean(-1) + eps).reshape(-1)
+        ctx.save_for_backward(rows, weight, rstd)
         ctx.eps = eps
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, _ = ctx.saved_tensors
+        rows, weight, _ = ctx.saved_tensors
         with torch.enable_grad():
-            x_ = x2.detach().requires_grad_()
-            (dx,) = torch.autograd.grad(rms_norm_reference(x_, weight, ctx.eps), x_, dy.reshape(x2.shape))
-        return dx.view(dy.shape), None, None
+            x_ = rows.detach().requires_grad_()
+            (dx,) = torch.autograd.grad(rms_norm_reference(x_, weight, ctx.eps), x_, dy.reshape(rows.shape))
+        return dx.reshape(dy.shape), None, None
 
 
 class _SwiGLUStandIn(torch.autograd.Function):

@@ -6,34 +6,46 @@ import triton.language as tl
 from hivetune.ops.kernels.dropout import _keep_eighths
 
 
+@triton.jit
+def _row_starts(rows, H, stride_t, stride_h):
+    """Where each row of x starts: row r is head r % H of token r // H (H = 1: rows stride_t apart)."""
+    return (rows // H) * stride_t + (rows % H) * stride_h
+
+
 @triton.jit(do_not_specialize=["eps"])
-def _rms_norm_fwd(X, W, Y, RSTD, stride, N, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _rms_norm_fwd(X, W, Y, RSTD, M, H, stride_t, stride_h, N, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # ROWS rows a program; y is written as contiguous [M, N] rows
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(X + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = (x * rstd).to(Y.dtype.element_ty).to(tl.float32)  # the reference's x.to(dtype)
-    tl.store(Y + row * stride + cols, (w * normed).to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + row, rstd)
+    live = rows < M
+    mask = live[:, None] & (cols < N)[None, :]
+    x = tl.load(X + _row_starts(rows, H, stride_t, stride_h)[:, None] + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    normed = (x * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)  # the reference's x.to(dtype)
+    tl.store(Y + rows[:, None] * N + cols[None, :], (w[None, :] * normed).to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=live)
 
 
 @triton.jit
-def _rms_norm_bwd(DY, X, W, RSTD, DX, stride, N, BLOCK: tl.constexpr):
+def _rms_norm_bwd(DY, X, W, RSTD, DX, M, H, stride_t, stride_h, N, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     # y = w * xhat, xhat = x * r, r = (mean(x^2) + eps)^-1/2, w frozen:
-    # dx = r * (g - xhat * mean(g * xhat)), g = dy * w
-    row = tl.program_id(0).to(tl.int64)
+    # dx = r * (g - xhat * mean(g * xhat)), g = dy * w; dy and dx contiguous [M, N]
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(X + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(RSTD + row)
-    xhat = x * r
-    g = dy * w
-    dx = r * (g - xhat * (tl.sum(g * xhat, axis=0) / N))
-    tl.store(DX + row * stride + cols, dx.to(DX.dtype.element_ty), mask=mask)
+    live = rows < M
+    mask = live[:, None] & (cols < N)[None, :]
+    x = tl.load(X + _row_starts(rows, H, stride_t, stride_h)[:, None] + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    at = rows[:, None] * N + cols[None, :]
+    dy = tl.load(DY + at, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    r = tl.load(RSTD + rows, mask=live, other=0.0)
+    xhat = x * r[:, None]
+    g = dy * w[None, :]
+    dx = r[:, None] * (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None])
+    tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=mask)
 
 
 # RMSNorm with the LoRA dropout of its output in the same pass (a q/k/v or gate/up group
