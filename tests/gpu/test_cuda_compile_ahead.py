@@ -47,11 +47,14 @@ def test_kernels_compiled_ahead_leave_the_real_pass_nothing_and_the_losses_uncha
     stats = ahead["stats"]
     assert stats["kernels"] >= 5 and stats["errors"] == [] and stats["missed"] == 0, stats
     assert stats["workers_started_early"] is True  # an empty cache has no marker
+    # the twin (train.twin) met them all before the weights loaded: the first pass found no new one
+    assert stats["early"]["kernels"] == stats["kernels"] and "error" not in stats["early"], stats
     assert plain["stats"] is None  # compile_workers: 0
     assert ahead["losses"][0] == plain["losses"][0]  # the discovery pass left no trace in the first step
     assert ahead["losses"] == pytest.approx(plain["losses"], rel=1e-3)
     assert list((tmp_path / "cache-ahead").glob("hivetune-*.warm"))
 
     again = train(tiny_model_dir, alpaca_file, tmp_path / "again", 4, tmp_path / "cache-ahead")
-    assert again["stats"] == {"kernels": 0, "workers_started_early": False}
+    assert {k: again["stats"][k] for k in ("kernels", "workers_started_early", "early")} == {
+        "kernels": 0, "workers_started_early": False, "early": None}
     assert again["losses"][0] == ahead["losses"][0]

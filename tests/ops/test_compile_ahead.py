@@ -137,3 +137,46 @@ def test_a_compile_that_never_ends_is_left_to_the_real_pass(ahead, monkeypatch):
     calls = []
     compile_ahead.first_pass(lambda: calls.append(1), lambda: [])
     assert len(calls) == 2 and compile_ahead.STATS["errors"] == ["not compiled within 0.1 s"]
+
+
+def test_kernels_met_before_the_load_leave_the_first_pass_one_run(ahead):
+    """discover_early (train.twin's pass): what it met goes to the workers, its error is kept, not
+    raised; the first pass, finding everything compiled, skips nothing and runs once."""
+    fake = ahead(skips=3)
+    calls = []
+
+    def twin():
+        calls.append("twin")
+        raise RuntimeError("garbage where launches were skipped")
+
+    early = compile_ahead.discover_early(twin)
+    assert early["kernels"] == 3 and early["error"].startswith("RuntimeError: garbage")
+    assert fake.skipped == 0 and not fake.sent and not fake.done
+    fake.skips = 0  # the real pass: all on disk by now
+    weight, stats = torch.nn.Parameter(torch.ones(8)), torch.zeros(1)
+    compile_ahead.first_pass(lambda: (calls.append("real"), pass_fn(weight, stats, [])())[1], lambda: [weight])
+    assert calls == ["twin", "real"] and fake.done
+    assert compile_ahead.STATS["kernels"] == 3 and compile_ahead.STATS["early"] == early
+    assert compile_ahead.STATS["missed"] == 0 and compile_ahead.STATS["errors"] == []
+
+
+def test_a_cold_cache_is_told_without_importing_triton(tmp_path, monkeypatch):
+    """The marker a finished first pass leaves, looked for where Triton keeps its cache."""
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    assert compile_ahead.cache_looks_cold()
+    marker = compile_ahead.warm_marker(tmp_path / "cache", "9.9.9")
+    marker.parent.mkdir()
+    marker.touch()
+    assert not compile_ahead.cache_looks_cold()
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path / "home"))
+    assert compile_ahead.cache_looks_cold()
+    (tmp_path / "home" / ".triton" / "cache").mkdir(parents=True)
+    compile_ahead.warm_marker(tmp_path / "home" / ".triton" / "cache", "9.9.9").touch()
+    assert not compile_ahead.cache_looks_cold()
+    assert compile_ahead.may_start(-1) and not compile_ahead.may_start(0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not compile_ahead.may_start(4)

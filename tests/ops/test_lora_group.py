@@ -342,12 +342,11 @@ def test_wide_layout_only_where_micro_batches_are_small(monkeypatch):
     from hivetune.workflows.workloads import WORKLOADS
     from hivetune.data.dataset import TokenizedExamples
     from hivetune.data.formats import Encoded
-    from hivetune.train.setup import wide_groups
+    from hivetune.train.prepare import wide_groups
 
     def run(name, batch, mean, device="cuda", asked="true", strategy="none"):
         data = TokenizedExamples([Encoded([1] * mean, [True] * mean, truncated=False)] * 4)
-        model = SimpleNamespace(args=WORKLOADS[name].args)
-        return wide_groups(model, SimpleNamespace(batch_size=batch, wide_lora=asked), data, torch.device(device),
+        return wide_groups(WORKLOADS[name].args, SimpleNamespace(batch_size=batch, wide_lora=asked), data, torch.device(device),
                            strategy)
 
     assert run("W1", 8, 199) and not run("W2", 16, 171) and run("W2", 1, 171)

@@ -298,7 +298,8 @@ def test_train_sizes_the_scaled_offload_for_one_process_only(tiny_model_dir, alp
 
     from hivetune.parallel.distributed import Dist
     from hivetune.train.graph_plan import planned_micro_batches
-    from hivetune.train.setup import planned_memory, setup
+    from hivetune.train.prepare import planned_memory
+    from hivetune.train.setup import setup
     from conftest import tiny_config
 
     run = setup(tiny_config(tiny_model_dir, alpaca_file, tmp_path / "run", batch_size=2, max_steps=3))

@@ -40,6 +40,7 @@ from hivetune.ops.compile_worker import json_tuples
 
 _AHEAD: "CompileAhead | None" = None
 STATS: dict | None = None  # the last first_pass's figures (bench records them)
+EARLY: dict | None = None  # discover_early's: the kernels a twin of the model met before the weights loaded
 WAIT_S = 180  # the longest first_pass waits for the workers; what is not compiled by then compiles at its launch
 
 
@@ -180,13 +181,37 @@ class CompileAhead:
                 pass
 
 
+def may_start(workers: int) -> bool:
+    """Workers asked for (the config's compile_workers: -1 auto, 0 off), and not under torchrun."""
+    return workers != 0 and int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1
+
+
+def warm_marker(cache_dir: Path, triton_version: str) -> Path:
+    """The file a finished first pass leaves in Triton's cache: this hivetune's kernels are there."""
+    return cache_dir / f"hivetune-{hivetune.__version__}-triton-{triton_version}.warm"
+
+
+def cache_looks_cold() -> bool:
+    """Whether Triton's cache lacks the marker, found without importing Triton (its cache folder as
+    Triton picks it: TRITON_CACHE_DIR, else TRITON_HOME or home, then .triton/cache). True where
+    Triton's version cannot be read: the caller then asks the workers (discovers_early)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        triton_version = version("triton")
+    except PackageNotFoundError:
+        return True
+    folder = os.environ.get("TRITON_CACHE_DIR") or os.path.join(
+        os.environ.get("TRITON_HOME") or os.path.expanduser("~"), ".triton", "cache")
+    return not warm_marker(Path(folder), triton_version).exists()
+
+
 def start(device: torch.device, workers: int) -> None:
     """Make this process's first pass compile ahead (prewarm, with Triton imported): workers
     start now where Triton's cache lacks this hivetune's marker. Nothing off CUDA, under
     torchrun or with workers <= 0."""
     global _AHEAD
-    if (_AHEAD is not None or device.type != "cuda" or workers <= 0
-            or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1):
+    if _AHEAD is not None or device.type != "cuda" or workers <= 0 or not may_start(workers):
         return
     try:
         import triton
@@ -198,10 +223,38 @@ def start(device: torch.device, workers: int) -> None:
         with torch.cuda.device(device):
             t = driver.active.get_current_target()
         target = (t.backend, t.arch, t.warp_size)
-        marker = Path(knobs.cache.dir) / f"hivetune-{hivetune.__version__}-triton-{triton.__version__}.warm"
+        marker = warm_marker(Path(knobs.cache.dir), triton.__version__)
         _AHEAD = CompileAhead(workers, start_now=not marker.exists(), marker=marker, target=target)
     except Exception:  # noqa: BLE001 - a Triton without these parts, no way to start a worker: each
         return  # kernel compiles at its launch
+
+
+def discovers_early() -> bool:
+    """Whether a pass before the weights load would help: the workers started at prewarm (a cold
+    cache) and the first pass has not run (train.twin)."""
+    return _AHEAD is not None and not _AHEAD.done and _AHEAD.started_early
+
+
+def discover_early(fn) -> dict:
+    """fn() under the discovery hook, its result and any exception dropped: the kernels it meets
+    go to the workers, so that the process's first pass finds them compiled, or waits for those
+    still compiling. fn works on throwaway tensors (a twin of the model): nothing is put back.
+    Returns {"kernels", "seconds"} (also EARLY, which first_pass's STATS carries)."""
+    global EARLY
+    ahead = _AHEAD
+    t0 = time.perf_counter()
+    error = None
+    with ahead.discovering():
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - garbage where launches were skipped: what it met is sent
+            error = f"{type(e).__name__}: {str(e).strip()[:200]}"
+    ahead.sent.clear()  # the first pass asks again: cached by then, or pending (it waits)
+    ahead.skipped = 0
+    EARLY = {"kernels": len(ahead.pending), "seconds": round(time.perf_counter() - t0, 3)}
+    if error:
+        EARLY["error"] = error
+    return EARLY
 
 
 def trained(model: torch.nn.Module) -> list:
@@ -231,8 +284,9 @@ def first_pass(fn, params, keep: tuple = (), counters: tuple = ()):
         except Exception as e:  # noqa: BLE001 - from garbage where launches were skipped, or real: see below
             out, error = None, e
     if not ahead.skipped:
-        ahead.finish()
-        STATS = {"kernels": 0, "workers_started_early": ahead.started_early}
+        ahead.finish()  # every kernel it met was on disk: compiled by the workers since discover_early
+        STATS = {"kernels": len(ahead.pending), "workers_started_early": ahead.started_early, "early": EARLY,
+                 "pass_s": round(time.perf_counter() - t0, 3), "errors": [], "missed": 0}
         if error is not None:
             raise error
         return out
@@ -255,7 +309,7 @@ def first_pass(fn, params, keep: tuple = (), counters: tuple = ()):
     if rng[1] is not None:
         torch.cuda.set_rng_state(rng[1])
     workers = ahead.workers
-    STATS = {"kernels": len(replies), "skipped_launches": ahead.skipped, "discovery_s": round(t1 - t0, 3),
+    STATS = {"kernels": len(replies), "early": EARLY, "skipped_launches": ahead.skipped, "discovery_s": round(t1 - t0, 3),
              "compile_wait_s": round(time.perf_counter() - t1, 3), "workers": ahead.n,
              "workers_started_early": ahead.started_early, "errors": errors[:3],
              # when the pass began and the workers were ready, in seconds from the workers' start

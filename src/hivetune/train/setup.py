@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
 from pathlib import Path
 
 import torch
@@ -19,9 +18,7 @@ from hivetune.core.embedded import default_heldout_data
 from hivetune.core.hub import base_model_name, model_path as hub_model_path
 from hivetune.core.errors import UserError
 from hivetune.ops.adamw import adamw
-from hivetune.ops.lora_group import fused_lora_usable
 from hivetune.ops.prewarm import prewarm
-from hivetune.ops.switches import configure_ops
 from hivetune.core.fileio import create_run_folder, hold_run_lock, sha256_file
 from hivetune.core.metrics import require_tensorboard
 from hivetune.core.trackers import open_trackers, require_tracker
@@ -32,23 +29,13 @@ from hivetune.data.sources import held_out_source, source_exists, train_source
 from hivetune.doctor.preflight import check_stack
 from hivetune.model.decoder import CausalLM
 from hivetune.model.load import load_args, load_model
-from hivetune.model.lora import (ADAPTER_WEIGHTS, LoRASpec, apply_lora, fuse_projections, lora_parameters,
-                                 read_adapter_spec)
-from hivetune.model.quant import is_quantized, quantize_model
+from hivetune.model.lora import ADAPTER_WEIGHTS, LoRASpec, lora_parameters, read_adapter_spec
 from hivetune.model.tokenizer import load_tokenizer
-from hivetune.ops import blas
-from hivetune.ops.attention import varlen_supported
-from hivetune.ops.host_embedding import move_embeddings
-from hivetune.ops.offload import ActivationOffload
 from hivetune.parallel import distributed
-from hivetune.plan.gpus import device_memory_bytes
-from hivetune.plan.graph_sizes import launch_bound
-from hivetune.plan.memory import keep_inputs_extra_bytes, offloaded_bytes, offloaded_layer_bytes
-from hivetune.plan.planner import memory_config
-from hivetune.train.graph_plan import planned_micro_batches
 from hivetune.train.preference import preference_sources
+from hivetune.train.prepare import activation_offload, check_offload_layers, lora_spec, planned_memory, prepare_model
 from hivetune.train.run import Run, new_run_folder
-from hivetune.train.step import runs_in_dtype
+from hivetune.train.twin import compile_early
 
 def setup(cfg: TrainConfig) -> Run:
     """Resolve paths, read and check data, load the model, add LoRA; then create the run folder.
@@ -92,6 +79,8 @@ def setup(cfg: TrainConfig) -> Run:
                         f"vocab_size {args.vocab_size}")
     data = index_data(cfg, data_path, tokenizer)
 
+    # the first step's missing Triton kernels compile while the weights load (a cold cache)
+    compile_early(cfg, args, data, device, precision)
     # fp16 / bf16 runs keep the frozen base in half precision; only LoRA is fp32.
     model = load_model(model_path, dtype=DTYPES[precision], device=device, base_quant=cfg.base_quant)
     run = assemble(cfg, model, data, tokenizer, device, precision, folder, model_path, parallel)
@@ -185,59 +174,13 @@ def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
     return f
 
 
-def wide_groups(model: CausalLM, cfg: TrainConfig, data, device: torch.device, strategy: str = "none") -> bool:
-    """Whether q/k/v and gate/up take the wide layout (lora.fuse_projections): wide_lora true or
-    auto, but not FSDP (auto); on CUDA, where a micro-batch's matmuls are small enough for CUDA
-    graphs (plan.graph_sizes.launch_bound, from the data's mean length). There the LoRA update
-    riding in the base matmul saves W1 ~5% of its loop and W2's DDP ranks 2-7%; W2 on one GPU
-    (16 x 1, ~80 TFLOP a micro-batch, not graphed) runs 8% slower with it (docs/log.md)."""
-    asked = cfg.wide_lora == "true" or (cfg.wide_lora == "auto" and strategy != "fsdp")
-    if not asked or device.type != "cuda" or not len(data):
-        return False
-    tokens = cfg.batch_size * data.total_tokens / len(data)
-    return launch_bound(model.args.linear_weight_count, tokens)
-
-
 def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.device, precision: str,
              folder: Path, model_path: Path, parallel: distributed.Dist = distributed.Dist()) -> Run:
     """Add LoRA, wrap for several processes, plan the steps, build optimizer and schedule,
     create the run folder."""
-    if cfg.base_quant in ("nf4", "int8") and not is_quantized(model):  # a model built in memory (bench, tune)
-        quantize_model(model, cfg.base_quant)
-    spec = LoRASpec(cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.targets), cfg.lora.rslora)
-    torch.manual_seed(cfg.seed)  # LoRA init independent of anything loaded before (and alike on every rank)
-    apply_lora(model, spec, param_dtype=torch.float32)
-    model.gradient_checkpointing = cfg.gradient_checkpointing
-    model.checkpoint_layers = cfg.checkpoint_layers
-    configure_ops(cfg.attention, cfg.fused_ops)
-    if device.type == "cuda" and precision != "fp32":  # probe flash varlen now, not inside a checkpointed forward
-        varlen_supported(torch.empty((1, 1, 1, 1), dtype=DTYPES[precision], device=device))
-    strategy, module = "none", model
-    quantized = is_quantized(model)
-    if parallel.enabled and quantized:  # FSDP2 shards parameters: the packed blocks are buffers
-        if cfg.distributed == "fsdp":
-            raise UserError(f"distributed: fsdp does not shard a quantized base (base_quant {cfg.base_quant}: its "
-                            f"weights are buffers of packed blocks); use ddp or auto, or base_quant none")
-        strategy = "ddp"
-    elif parallel.enabled:
-        base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-        strategy = distributed.choose_strategy(cfg.distributed, base_bytes, device, cfg, model.args)
-    if strategy != "fsdp" and fused_lora_usable():  # FSDP shards each weight: it keeps them apart
-        # on a quantized base each group dequantizes its members into one weight per call, kept
-        # for backward under gradient checkpointing (lora.fuse_projections)
-        fuse_projections(model, wide=wide_groups(model, cfg, data, device, strategy),
-                         keep_weight=cfg.gradient_checkpointing)
-    if cfg.host_embeddings and device.type == "cuda":
-        if strategy == "fsdp":
-            print("hivetune: host_embeddings: off under FSDP (it shards the table with the rest)", file=sys.stderr)
-        else:
-            move_embeddings(model)
+    strategy = prepare_model(cfg, model, data, device, precision, parallel)
     model.activation_offload = activation_offload(cfg, model, device, strategy)  # after the fusing: it reads the storages
-    if device.type == "cuda":
-        blas.available(device)  # loads cuBLAS / cuBLASLt here, not in the first step (~85 ms on an H100 host)
-    model.runs_in_dtype = runs_in_dtype(model, precision, strategy)
-    if parallel.enabled:
-        module = distributed.wrap(model, strategy, parallel, device)
+    module = distributed.wrap(model, strategy, parallel, device) if parallel.enabled else model
 
     per_step = cfg.batch_size * cfg.grad_accum * parallel.world  # the global batch
     steps, n_train, val_ids = data_plan(data, per_step, cfg.epochs, cfg.max_steps, cfg.seed, cfg.val_split,
@@ -260,65 +203,12 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     distributed.barrier(parallel)
     if parallel.enabled:
         torch.manual_seed(cfg.seed + 1_000_003 * parallel.rank)  # each rank its own dropout masks
-    run = Run(cfg, folder, model_path, device, precision, tokenizer, data, model, spec, steps,
+    run = Run(cfg, folder, model_path, device, precision, tokenizer, data, model, lora_spec(cfg), steps,
               optimizer, scheduler, scaler, val=(data, val_ids) if val_ids else None,
               train_examples=n_train, parallel=parallel, strategy=strategy, module=module,
               trackers=trackers)
     planned_memory(run)
     return run
-
-
-def planned_memory(run: Run) -> None:
-    """What the planner's memory model decides for the run, at the step plan's largest
-    micro-batch (so a resumed run decides the same): cfg.lora_inputs on the model's CastCache
-    (whether the seeded-dropout LoRA groups keep their dropped inputs for backward; auto:
-    plan.memory.resolve_keep_inputs), the micro-batch activation_offload's layer count is for, and
-    the host memory it will use, pinned before the loop (W2 with 8 layers: ~2.9 GB; pinning it in
-    the first steps instead costs ~1 s, docs/log.md)."""
-    casts, offload = getattr(run.model, "lora_casts", None), run.model.activation_offload
-    if casts is None and offload is None:
-        return
-    tokens = max((t for t, _ in planned_micro_batches(run, start=0)), default=0)
-    mc = memory_config(run.cfg, run.precision, run.cfg.gradient_checkpointing, cuda=run.device.type == "cuda",
-                       args=run.model.args, tokens=tokens, memory_bytes=device_memory_bytes(run.device))
-    if casts is not None:
-        casts.keep_inputs = mc.keep_inputs
-        # what recomputing would free, for the out-of-memory message (auto's choice only)
-        casts.kept_by_auto_bytes = (keep_inputs_extra_bytes(run.model.args, mc, tokens)
-                                    if mc.keep_inputs and run.cfg.lora_inputs == "auto" else 0)
-    if offload is not None and tokens:
-        # smaller micro-batches offload fewer layers (ActivationOffload.layers_for); not under
-        # torchrun, where a step that runs out of memory cannot be redone on one rank (back_off)
-        offload.max_tokens = None if run.parallel.enabled else tokens
-        offload.reserve(offloaded_bytes(run.model.args, mc, tokens), offloaded_layer_bytes(run.model.args, mc, tokens))
-
-
-def check_offload_layers(cfg: TrainConfig, layers: int) -> None:
-    """activation_offload and checkpoint_layers name at most the model's decoder layers."""
-    for key, verb in (("activation_offload", "offload"), ("checkpoint_layers", "checkpoint")):
-        if getattr(cfg, key) > layers:
-            raise UserError(f"{key}: {getattr(cfg, key)} exceeds the model's {layers} decoder "
-                            f"layers ({verb} at most {layers})")
-
-
-def activation_offload(cfg: TrainConfig, model: CausalLM, device: torch.device, strategy: str):
-    """The ops.offload.ActivationOffload of cfg.activation_offload layers, or None: off, with one
-    line on stderr, on the CPU, with gradient checkpointing and under FSDP (its per-layer weight
-    gathers are saved too). CUDA-graphed micro-batches skip it at capture (ops.offload)."""
-    if not cfg.activation_offload:
-        return None
-    check_offload_layers(cfg, model.args.num_hidden_layers)
-    reason = None
-    if device.type != "cuda":
-        reason = f"CUDA only, this run is on {device.type}"
-    elif cfg.gradient_checkpointing:
-        reason = "gradient_checkpointing keeps only each layer's input already"
-    elif strategy == "fsdp":
-        reason = "not under FSDP"
-    if reason:
-        print(f"hivetune: activation_offload off ({reason})", file=sys.stderr)
-        return None
-    return ActivationOffload(model, cfg.activation_offload)
 
 
 def restore_rank_rng(run: Run) -> None:

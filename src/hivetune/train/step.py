@@ -92,7 +92,7 @@ def forward_backward(run: Run, batch, n_targets: int, loss_fn) -> torch.Tensor:
     """One micro-batch: forward, loss over its targets divided by the step's target count,
     backward (gradients accumulate in the LoRA parameters). Returns the detached loss. The
     process's first call compiles its missing Triton kernels in parallel first (ops.compile_ahead)."""
-    return first_pass(lambda: _forward_backward(run, batch, n_targets, loss_fn), lambda: trained(run.model),
+    return first_pass(lambda: forward_backward_pass(run, batch, n_targets, loss_fn), lambda: trained(run.model),
                       counters=pass_counters(run))
 
 
@@ -102,7 +102,7 @@ def pass_counters(run: Run) -> tuple:
     return (offload.stats,) if offload is not None else ()
 
 
-def _forward_backward(run: Run, batch, n_targets: int, loss_fn) -> torch.Tensor:
+def forward_backward_pass(run: Run, batch, n_targets: int, loss_fn) -> torch.Tensor:
     model = run.model
     with autocast(run), given_seeds(batch.dropout_seeds):
         hidden = (run.module or model)(batch.input_ids, batch.position_ids, batch.layout)

@@ -35,6 +35,7 @@ from hivetune.train import replay as graphs
 from hivetune.train import loop as train_loop
 from hivetune.train.loop import fit
 from hivetune.train.setup import assemble
+from hivetune.train.twin import compile_early
 from hivetune.workflows.bench_results import append_result, device_kind, setting_text, write_table
 from hivetune.workflows.report import head_commit
 from hivetune.workflows.hf_baseline import baseline_missing, random_hf_model, run_hf_job, workload_job
@@ -175,8 +176,11 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
     values.update(overrides or {})
     cfg = load_config(None, values)
     quant = cfg.base_quant if cfg.base_quant in ("nf4", "int8") else "none"  # quantized before any memory cap
-    model = model if model is not None else random_model(w.args, device, DTYPES[cfg.precision], quant)
     capped = device.type == "cuda" and memory_cap_gib > 0
+    if model is None:  # as train's setup: the first step's kernels compile while the model is built
+        compile_early(cfg, w.args, examples, device, cfg.precision,
+                      memory_bytes=int(memory_cap_gib * 2**30) if capped else None)
+    model = model if model is not None else random_model(w.args, device, DTYPES[cfg.precision], quant)
     if capped:  # before assemble: lora_inputs auto reads it (train.device_memory_bytes)
         cap_memory(device, memory_cap_gib)
     try:

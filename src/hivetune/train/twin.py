@@ -1,0 +1,100 @@
+"""The first step's Triton kernels found before the weights load.
+
+On a cold Triton cache the first training pass sends its missing kernels to the compile workers
+and waits for them (ops.compile_ahead): W2's 15 kernels cost its first step ~1.6 s. A twin of
+the model finds the same kernels before the real weights exist: the architecture cut to
+TWIN_LAYERS decoder layers, its weights zeros of the run's dtype (quantized as the run's), made
+ready as the run's model (train.prepare.prepare_model, with the choices made for the whole
+model: the wide LoRA groups, lora_inputs), runs the first micro-batch of the step plan under
+the discovery hook. The workers then compile while the weights load, and the first pass finds
+the kernels on disk. Cutting the layers changes no kernel: every layer runs the same ones, and
+the second layer's backward has the input-gradient products the first lacks.
+
+Only with a cold cache (compile_ahead.discovers_early), supervised fine-tuning, one process. The
+twin leaves nothing behind: the RNG states are put back, its memory is freed before the load,
+and a failure of any kind leaves the kernels to the first pass, as without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from hivetune.core.config import TrainConfig, step_order
+from hivetune.core.device import DTYPES
+from hivetune.data.step_plan import data_plan
+from hivetune.model.config import ModelArgs
+from hivetune.model.decoder import CausalLM
+from hivetune.model.load import build_model
+from hivetune.ops import compile_ahead
+from hivetune.ops.fused_ce import fused_target_loss_sum
+from hivetune.ops.loss import target_loss_sum
+from hivetune.ops.prewarm import join_prewarm
+from hivetune.train import step
+from hivetune.train.run import Run
+from hivetune.train.prepare import lora_spec, planned_memory, prepare_model
+
+TWIN_LAYERS = 2
+
+
+def twin_args(args: ModelArgs, layers: int = TWIN_LAYERS) -> ModelArgs:
+    """The architecture cut to its first `layers` decoder layers."""
+    n = min(layers, args.num_hidden_layers)
+    return dataclasses.replace(args, num_hidden_layers=n,
+                               layer_types=args.layer_types[:n] if args.layer_types else None)
+
+
+def twin_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, base_quant: str = "none") -> CausalLM:
+    """A model of `args` with every weight zero, built as a loaded one is (model.load.build_model)."""
+    with torch.device("meta"):
+        shapes = [(name, p.shape) for name, p in CausalLM(args).named_parameters()]
+    tensors = ((name, torch.zeros(shape, dtype=dtype, device=device)) for name, shape in shapes)
+    return build_model(args, tensors, dtype, device, "twin", base_quant)
+
+
+def compile_early(cfg: TrainConfig, args: ModelArgs, data, device: torch.device, precision: str,
+                  memory_bytes: int | None = None) -> dict | None:
+    """Run the twin's first micro-batch under the discovery hook (the module's doc), where it
+    helps; returns compile_ahead.EARLY's figures, or None where nothing ran. `memory_bytes`: the
+    device memory the run decides lora_inputs for (a benchmark's cap set after the model is built)."""
+    if (device.type != "cuda" or cfg.method != "sft" or not len(data) or not compile_ahead.may_start(cfg.compile_workers)
+            or not compile_ahead.cache_looks_cold()):
+        return None
+    join_prewarm()  # the workers start in prewarm's thread
+    if not compile_ahead.discovers_early():
+        return None
+    states = torch.get_rng_state(), torch.cuda.get_rng_state(device)
+    try:
+        run = twin_run(cfg, args, data, device, precision, memory_bytes)
+        ids = run.steps[0]
+        batch = next(step.micro_batches(run, ids, 0, 0)).to(device)
+        n_targets = sum(run.data.n_targets[i] for i in ids)
+        loss_fn = fused_target_loss_sum if cfg.fused_loss else target_loss_sum
+        return compile_ahead.discover_early(lambda: step.forward_backward_pass(run, batch, n_targets, loss_fn))
+    except Exception as e:  # noqa: BLE001 - a twin that cannot be built: the first pass finds the kernels
+        compile_ahead.EARLY = {"kernels": 0, "error": f"{type(e).__name__}: {str(e).strip()[:200]}"}
+        return compile_ahead.EARLY
+    finally:
+        run = batch = None
+        torch.set_rng_state(states[0])
+        torch.cuda.set_rng_state(states[1], device)
+        torch.cuda.empty_cache()
+
+
+def twin_run(cfg: TrainConfig, args: ModelArgs, data, device: torch.device, precision: str,
+             memory_bytes: int | None) -> Run:
+    """The twin made ready as assemble makes the run's model, with the step plan the run will
+    have; no activation offload (it moves tensors, it launches no Triton kernel), no optimizer,
+    no folder."""
+    quant = cfg.base_quant if cfg.base_quant in ("nf4", "int8") else "none"
+    model = twin_model(twin_args(args), DTYPES[precision], device, quant)
+    prepare_model(cfg, model, data, device, precision, args=args)
+    model.activation_offload = None
+    steps, n_train, _ = data_plan(data, cfg.batch_size * cfg.grad_accum, cfg.epochs, cfg.max_steps, cfg.seed,
+                                  cfg.val_split, step_order(cfg))
+    run = Run(cfg, Path("twin"), Path("twin"), device, precision, None, data, model, lora_spec(cfg), steps,
+              None, None, None, train_examples=n_train)
+    planned_memory(run, args=args, memory_bytes=memory_bytes)
+    return run
