@@ -32,7 +32,14 @@ from hivetune.ops import compile_ahead
 from hivetune.ops.fused_ce import fused_target_loss_sum
 from hivetune.ops.loss import target_loss_sum
 from hivetune.ops.prewarm import join_prewarm
+from hivetune.model.lora import lora_parameters
+from hivetune.ops.attention import Packed
+from hivetune.ops.lora_grads import GradArena
+from hivetune.plan.graph_sizes import max_tflop, micro_batch_tflop
 from hivetune.train import step
+from hivetune.train.graph_batch import Bucket, batch_key, pad_packed_batch
+from hivetune.train.graph_plan import graphs_unsupported, ignoring_loss_fn
+from hivetune.train.replay import attach_persistent_grads
 from hivetune.train.run import Run
 from hivetune.train.prepare import lora_spec, planned_memory, prepare_model
 
@@ -69,10 +76,10 @@ def compile_early(cfg: TrainConfig, args: ModelArgs, data, device: torch.device,
     try:
         run = twin_run(cfg, args, data, device, precision, memory_bytes)
         ids = run.steps[0]
-        batch = next(step.micro_batches(run, ids, 0, 0)).to(device)
+        batch = next(step.micro_batches(run, ids, 0, 0))
         n_targets = sum(run.data.n_targets[i] for i in ids)
         loss_fn = fused_target_loss_sum if cfg.fused_loss else target_loss_sum
-        return compile_ahead.discover_early(lambda: step.forward_backward_pass(run, batch, n_targets, loss_fn))
+        return compile_ahead.discover_early(first_call(run, args, batch, n_targets, loss_fn))
     except Exception as e:  # noqa: BLE001 - a twin that cannot be built: the first pass finds the kernels
         compile_ahead.EARLY = {"kernels": 0, "error": f"{type(e).__name__}: {str(e).strip()[:200]}"}
         return compile_ahead.EARLY
@@ -81,6 +88,40 @@ def compile_early(cfg: TrainConfig, args: ModelArgs, data, device: torch.device,
         torch.set_rng_state(states[0])
         torch.cuda.set_rng_state(states[1], device)
         torch.cuda.empty_cache()
+
+
+def graphed(run: Run, args: ModelArgs, batch, loss_fn) -> bool:
+    """Whether the loop's first call of this run goes through CUDA graphs (train.graph_plan,
+    train.replay): asked for, nothing refusing them, and a micro-batch small enough for the
+    whole model (replay's launch-bound check)."""
+    return (run.cfg.cuda_graphs and run.precision == "bf16" and isinstance(batch.layout, Packed)
+            and graphs_unsupported(run, loss_fn) is None
+            and micro_batch_tflop(args.linear_weight_count, batch.input_ids.numel()) <= max_tflop(
+                run.cfg.gradient_checkpointing))
+
+
+def first_call(run: Run, args: ModelArgs, batch, n_targets: int, loss_fn):
+    """The loop's first forward and backward on the twin, as the loop would make it: eager on the
+    micro-batch, or, graphed, replay's warm-up: the micro-batch padded to its grid bucket in a
+    graph's static inputs, the loss that ignores pad targets, gradients added into the
+    persistent arena (their shapes and addresses pick the kernels' specialisations)."""
+    if not graphed(run, args, batch, loss_fn):
+        on_device = batch.to(run.device)
+        return lambda: step.forward_backward_pass(run, on_device, n_targets, loss_fn)
+    key = batch_key(batch)
+    padded = pad_packed_batch(batch, key[0], run.pad_id)
+    seeds = batch.dropout_seeds.numel() if batch.dropout_seeds is not None else 0
+    bucket = Bucket(key[0], key[1] - 1, padded.n_examples, run.device, seeds)
+    bucket.load(padded, n_targets)
+    params = lora_parameters(run.model)
+    arena = GradArena(params, getattr(run.model, "lora_casts", None), move_params=True) if GradArena.usable(params) else None
+    attach_persistent_grads(params, arena.grads if arena is not None else [torch.zeros_like(p) for p in params], arena)
+    ignoring = ignoring_loss_fn(loss_fn)
+
+    def warm_up():
+        bucket.cu.copy_(bucket.cu_src)
+        return step.forward_backward_pass(run, bucket.batch, bucket.n_targets, ignoring)
+    return warm_up
 
 
 def twin_run(cfg: TrainConfig, args: ModelArgs, data, device: torch.device, precision: str,
