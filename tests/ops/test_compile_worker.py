@@ -35,9 +35,10 @@ def test_a_worker_compiles_into_the_cache_under_the_parents_hash(tmp_path, monke
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     jit = norm._rms_norm_fwd
-    signature = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "RSTD": "*fp32", "stride": "i32", "N": "i32",
-                 "eps": "fp32", "BLOCK": "constexpr"}
-    constants, attrs = {(7,): 1024}, {(i,): [["tt.divisibility", 16]] for i in range(6)}
+    signature = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "RSTD": "*fp32", "M": "i32", "H": "i32",
+                 "stride_t": "i32", "stride_h": "i32", "N": "i32", "eps": "fp32", "ROWS": "constexpr",
+                 "BLOCK": "constexpr"}
+    constants, attrs = {(10,): 2, (11,): 1024}, {(i,): [["tt.divisibility", 16]] for i in range(9)}
     spec = serialize_specialization_data("norm", signature, constants, attrs, backend.parse_options({}), "key")
     digest, cached = cache_entry(jit, backend, signature, constants, attrs, spec)
     assert not cached
