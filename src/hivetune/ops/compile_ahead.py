@@ -191,19 +191,23 @@ def warm_marker(cache_dir: Path, triton_version: str) -> Path:
     return cache_dir / f"hivetune-{hivetune.__version__}-triton-{triton_version}.warm"
 
 
+def triton_cache_dir() -> Path:
+    """Triton's on-disk kernel cache as Triton picks it, without importing Triton: TRITON_CACHE_DIR,
+    else TRITON_HOME or home, then .triton/cache."""
+    return Path(os.environ.get("TRITON_CACHE_DIR") or os.path.join(
+        os.environ.get("TRITON_HOME") or os.path.expanduser("~"), ".triton", "cache"))
+
+
 def cache_looks_cold() -> bool:
-    """Whether Triton's cache lacks the marker, found without importing Triton (its cache folder as
-    Triton picks it: TRITON_CACHE_DIR, else TRITON_HOME or home, then .triton/cache). True where
-    Triton's version cannot be read: the caller then asks the workers (discovers_early)."""
+    """Whether Triton's cache (triton_cache_dir) lacks the marker, found without importing Triton.
+    True where Triton's version cannot be read: the caller then asks the workers (discovers_early)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         triton_version = version("triton")
     except PackageNotFoundError:
         return True
-    folder = os.environ.get("TRITON_CACHE_DIR") or os.path.join(
-        os.environ.get("TRITON_HOME") or os.path.expanduser("~"), ".triton", "cache")
-    return not warm_marker(Path(folder), triton_version).exists()
+    return not warm_marker(triton_cache_dir(), triton_version).exists()
 
 
 def start(device: torch.device, workers: int) -> None:

@@ -64,7 +64,7 @@ def rows_of(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return x2, 1, x2.stride(0), 0
 
 
-def _norm_grid(rows: int, n: int) -> tuple[int, dict]:
+def _norm_grid(n: int) -> tuple[int, dict]:
     """Rows a program and warps: ~2,048 elements a program (narrow rows, q/k norms' 128, go 16
     to a program instead of one warp each)."""
     block = triton.next_power_of_2(n)
@@ -83,7 +83,7 @@ class RMSNormFunction(torch.autograd.Function):
         m = x.numel() // n
         y = torch.empty(shape, dtype=x.dtype, device=x.device)
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-        per, meta = _norm_grid(m, n)
+        per, meta = _norm_grid(n)
         _rms_norm_fwd[(triton.cdiv(m, per),)](t, weight, y, rstd, m, heads, stride_t, stride_h, n, eps, **meta)
         ctx.save_for_backward(t, weight, rstd)
         return y
@@ -96,7 +96,7 @@ class RMSNormFunction(torch.autograd.Function):
         t, heads, stride_t, stride_h = rows_of(t)  # as saved: an offload may hand back a copy
         dy2 = dy.reshape(m, n).contiguous()
         dx = torch.empty((m, n), dtype=t.dtype, device=t.device)
-        per, meta = _norm_grid(m, n)
+        per, meta = _norm_grid(n)
         _rms_norm_bwd[(triton.cdiv(m, per),)](dy2, t, weight, rstd, dx, m, heads, stride_t, stride_h, n, **meta)
         return dx.view(dy.shape), None, None
 

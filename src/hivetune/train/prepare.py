@@ -8,9 +8,10 @@ import sys
 
 import torch
 
-from hivetune.core.config import TrainConfig
+from hivetune.core.config import TrainConfig, step_order
 from hivetune.core.device import DTYPES
 from hivetune.core.errors import UserError
+from hivetune.data.step_plan import data_plan
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM
 from hivetune.model.lora import LoRASpec, apply_lora, fuse_projections
@@ -42,6 +43,18 @@ def wide_groups(args: ModelArgs, cfg: TrainConfig, data, device: torch.device, s
         return False
     tokens = cfg.batch_size * data.total_tokens / len(data)
     return launch_bound(args.linear_weight_count, tokens)
+
+
+def step_plan(cfg: TrainConfig, data, world: int = 1):
+    """(steps, training examples, validation ids): data.step_plan.data_plan at the config's global
+    batch (batch_size x grad_accum on each of `world` processes)."""
+    return data_plan(data, cfg.batch_size * cfg.grad_accum * world, cfg.epochs, cfg.max_steps, cfg.seed,
+                     cfg.val_split, step_order(cfg))
+
+
+def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | None:
+    """fp16's loss scaling (none in bf16 / fp32)."""
+    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
 
 def lora_spec(cfg: TrainConfig) -> LoRASpec:

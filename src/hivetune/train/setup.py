@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from hivetune.checkpoint import load_lora_weights, restore_rng, resume_point, resume_run
-from hivetune.core.config import TrainConfig, save_config, step_order, to_dict
+from hivetune.core.config import TrainConfig, save_config, to_dict
 from hivetune.core.device import DTYPES, resolve_device, resolve_precision, set_threads
 from hivetune.core.embedded import default_heldout_data
 from hivetune.core.hub import base_model_name, model_path as hub_model_path
@@ -23,7 +23,6 @@ from hivetune.core.fileio import create_run_folder, hold_run_lock, sha256_file
 from hivetune.core.metrics import require_tensorboard
 from hivetune.core.trackers import open_trackers, require_tracker
 from hivetune.data.dataset import index_dataset
-from hivetune.data.step_plan import data_plan
 from hivetune.data.pairs import index_pairs
 from hivetune.data.sources import held_out_source, source_exists, train_source
 from hivetune.doctor.preflight import check_stack
@@ -33,7 +32,8 @@ from hivetune.model.lora import ADAPTER_WEIGHTS, LoRASpec, lora_parameters, read
 from hivetune.model.tokenizer import load_tokenizer
 from hivetune.parallel import distributed
 from hivetune.train.preference import preference_sources
-from hivetune.train.prepare import activation_offload, check_offload_layers, lora_spec, planned_memory, prepare_model
+from hivetune.train.prepare import (activation_offload, check_offload_layers, grad_scaler, lora_spec, planned_memory,
+                                    prepare_model, step_plan)
 from hivetune.train.run import Run, new_run_folder
 from hivetune.train.twin import compile_early
 
@@ -182,9 +182,7 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     model.activation_offload = activation_offload(cfg, model, device, strategy)  # after the fusing: it reads the storages
     module = distributed.wrap(model, strategy, parallel, device) if parallel.enabled else model
 
-    per_step = cfg.batch_size * cfg.grad_accum * parallel.world  # the global batch
-    steps, n_train, val_ids = data_plan(data, per_step, cfg.epochs, cfg.max_steps, cfg.seed, cfg.val_split,
-                                        step_order(cfg))
+    steps, n_train, val_ids = step_plan(cfg, data, parallel.world)
     params = lora_parameters(model)
     # Fused on the CPU too: one pass over all LoRA tensors instead of ~10 foreach kernels each
     # (SmolLM2's 420 on a 2-core CPU: ~35 -> ~10 ms a step).
@@ -192,7 +190,7 @@ def assemble(cfg: TrainConfig, model: CausalLM, data, tokenizer, device: torch.d
     warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, round(0.03 * len(steps)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.schedule, warmup, len(steps), cfg.min_lr_ratio))
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    scaler = grad_scaler(device, precision)
 
     # report_to's trackers start before the folder exists: one that does not start leaves nothing
     trackers = open_trackers(cfg.report_to, folder, to_dict(cfg)) if parallel.is_main else {}

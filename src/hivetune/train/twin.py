@@ -22,26 +22,25 @@ from pathlib import Path
 
 import torch
 
-from hivetune.core.config import TrainConfig, step_order
+from hivetune.core.config import TrainConfig
 from hivetune.core.device import DTYPES
-from hivetune.data.step_plan import data_plan
 from hivetune.model.config import ModelArgs
 from hivetune.model.decoder import CausalLM
 from hivetune.model.load import build_model
+from hivetune.model.lora import lora_parameters
 from hivetune.ops import compile_ahead
+from hivetune.ops.attention import Packed
 from hivetune.ops.fused_ce import fused_target_loss_sum
+from hivetune.ops.lora_grads import GradArena
 from hivetune.ops.loss import target_loss_sum
 from hivetune.ops.prewarm import join_prewarm
-from hivetune.model.lora import lora_parameters
-from hivetune.ops.attention import Packed
-from hivetune.ops.lora_grads import GradArena
-from hivetune.plan.graph_sizes import max_tflop, micro_batch_tflop
+from hivetune.plan.graph_sizes import launch_bound
 from hivetune.train import step
 from hivetune.train.graph_batch import Bucket, batch_key, pad_packed_batch
 from hivetune.train.graph_plan import graphs_unsupported, ignoring_loss_fn
+from hivetune.train.prepare import grad_scaler, lora_spec, planned_memory, prepare_model, step_plan
 from hivetune.train.replay import attach_persistent_grads
 from hivetune.train.run import Run
-from hivetune.train.prepare import lora_spec, planned_memory, prepare_model
 
 TWIN_LAYERS = 2
 
@@ -54,7 +53,8 @@ def twin_args(args: ModelArgs, layers: int = TWIN_LAYERS) -> ModelArgs:
 
 
 def twin_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, base_quant: str = "none") -> CausalLM:
-    """A model of `args` with every weight zero, built as a loaded one is (model.load.build_model)."""
+    """A model of `args` with every weight zero, built as a loaded one is (model.load.build_model:
+    nf4 / int8 quantized a weight at a time)."""
     with torch.device("meta"):
         shapes = [(name, p.shape) for name, p in CausalLM(args).named_parameters()]
     tensors = ((name, torch.zeros(shape, dtype=dtype, device=device)) for name, shape in shapes)
@@ -94,10 +94,8 @@ def graphed(run: Run, args: ModelArgs, batch, loss_fn) -> bool:
     """Whether the loop's first call of this run goes through CUDA graphs (train.graph_plan,
     train.replay): asked for, nothing refusing them, and a micro-batch small enough for the
     whole model (replay's launch-bound check)."""
-    return (run.cfg.cuda_graphs and run.precision == "bf16" and isinstance(batch.layout, Packed)
-            and graphs_unsupported(run, loss_fn) is None
-            and micro_batch_tflop(args.linear_weight_count, batch.input_ids.numel()) <= max_tflop(
-                run.cfg.gradient_checkpointing))
+    return (run.cfg.cuda_graphs and isinstance(batch.layout, Packed) and graphs_unsupported(run, loss_fn) is None
+            and launch_bound(args.linear_weight_count, batch.input_ids.numel(), run.cfg.gradient_checkpointing))
 
 
 def first_call(run: Run, args: ModelArgs, batch, n_targets: int, loss_fn):
@@ -127,15 +125,14 @@ def first_call(run: Run, args: ModelArgs, batch, n_targets: int, loss_fn):
 def twin_run(cfg: TrainConfig, args: ModelArgs, data, device: torch.device, precision: str,
              memory_bytes: int | None) -> Run:
     """The twin made ready as assemble makes the run's model, with the step plan the run will
-    have; no activation offload (it moves tensors, it launches no Triton kernel), no optimizer,
-    no folder."""
+    have and its loss scaling; no activation offload (it moves tensors, it launches no Triton
+    kernel), no optimizer, no folder."""
     quant = cfg.base_quant if cfg.base_quant in ("nf4", "int8") else "none"
     model = twin_model(twin_args(args), DTYPES[precision], device, quant)
     prepare_model(cfg, model, data, device, precision, args=args)
     model.activation_offload = None
-    steps, n_train, _ = data_plan(data, cfg.batch_size * cfg.grad_accum, cfg.epochs, cfg.max_steps, cfg.seed,
-                                  cfg.val_split, step_order(cfg))
+    steps, n_train, _ = step_plan(cfg, data)
     run = Run(cfg, Path("twin"), Path("twin"), device, precision, None, data, model, lora_spec(cfg), steps,
-              None, None, None, train_examples=n_train)
+              None, None, grad_scaler(device, precision), train_examples=n_train)
     planned_memory(run, args=args, memory_bytes=memory_bytes)
     return run

@@ -67,11 +67,10 @@ def git_commit(commit: str = "") -> str:
 
 
 def triton_cache_has_kernels() -> bool:
-    """Whether Triton's on-disk kernel cache (TRITON_CACHE_DIR or ~/.triton/cache) holds a file
-    (stops at the first: this runs when the module is imported)."""
-    folder = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    """Whether Triton's on-disk kernel cache (compile_ahead.triton_cache_dir) holds a file (stops at
+    the first: this runs when the module is imported)."""
     try:
-        return any(p.is_file() for p in folder.rglob("*"))
+        return any(p.is_file() for p in compile_ahead.triton_cache_dir().rglob("*"))
     except OSError:
         return False
 
@@ -180,7 +179,7 @@ def run_hivetune(w: Workload, device: torch.device, overrides: dict | None = Non
     if model is None:  # as train's setup: the first step's kernels compile while the model is built
         compile_early(cfg, w.args, examples, device, cfg.precision,
                       memory_bytes=int(memory_cap_gib * 2**30) if capped else None)
-    model = model if model is not None else random_model(w.args, device, DTYPES[cfg.precision], quant)
+        model = random_model(w.args, device, DTYPES[cfg.precision], quant)
     if capped:  # before assemble: lora_inputs auto reads it (train.device_memory_bytes)
         cap_memory(device, memory_cap_gib)
     try:
