@@ -195,8 +195,8 @@ def one_capture_after_every_replay(monkeypatch):
 
 def test_deferred_captures_take_one_size_after_each_replay(tmp_path, monkeypatch):
     """defers_captures, with neither the lead nor the wait for instantiations: the first call
-    captures the largest size only; each later call captures the next one (largest first) after its replay, and a
-    micro-batch takes the smallest size captured so far that holds it. The losses and the
+    captures the largest size only; each later call captures the next one (those most micro-batches take first)
+    after its replay, and a micro-batch takes the smallest size captured so far that holds it. The losses and the
     accumulated gradients equal those of the graphs all captured at once (other padding: bf16
     tolerance)."""
     one_capture_after_every_replay(monkeypatch)
@@ -228,6 +228,9 @@ def test_deferred_captures_take_one_size_after_each_replay(tmp_path, monkeypatch
     assert deferred.stats["deferred"] == n - 1 and deferred.stats["replays"] == len(got) - 1
     assert all(k[0] >= r[0] for k, r in zip(keys[1:], ref_keys[1:]))  # larger sizes while some wait
     assert keys[1][0] == max(deferred.sizes[keys[1][1]]) and keys[-1] == ref_keys[-1]
+    later = list(deferred.buckets)[1:]
+    assert sum(deferred.uses.values()) == len(deferred.plan_inputs().micro)
+    assert [deferred.uses[k] for k in later] == sorted((deferred.uses[k] for k in later), reverse=True)
     assert got == pytest.approx(ref, rel=5e-3)
     assert (got_grads - ref_grads).norm() / ref_grads.norm() < 2e-2
 

@@ -335,6 +335,35 @@ def test_captures_are_deferred_where_a_replay_covers_a_quarter_of_a_capture():
     assert not defers_captures(0.14, 0.017) and not defers_captures(0.41, 0.1)
 
 
+def test_size_uses_count_the_micro_batches_each_size_takes():
+    """Deferred captures go in the order of size_uses: the smallest planned size of a micro-batch's
+    segment count above its tokens; a micro-batch no size holds counts for none."""
+    from hivetune.plan.graph_sizes import size_uses
+
+    sizes = {10: [1536, 1408, 1728], 6: [512]}
+    micro = [(1400, 10), (1300, 10), (1500, 10), (1450, 10), (1700, 10), (1000, 10), (400, 6), (512, 6), (90, 3)]
+    assert size_uses(sizes, micro) == {(1408, 10): 3, (1536, 10): 2, (1728, 10): 1, (512, 6): 1}
+
+
+def test_a_deferred_capture_counts_an_eighth_in_the_plan():
+    """W4's 100 micro-batches (the balanced step order puts most at 8,150-8,190 tokens) at its
+    measured capture cost (0.3 s a capture, 1.7e-5 s a token: 16,384 tokens): 2 sizes and 25,526
+    pad tokens captured at once; deferred, a capture counts an eighth: 4 sizes, 9,318 pad tokens."""
+    from hivetune.plan.graph_sizes import DEFERRED_CAPTURE_SHARE, plan_sizes
+
+    from hivetune.data.step_plan import plan_steps
+    from hivetune.workflows.workloads import WORKLOADS
+
+    lengths = list(WORKLOADS["W4"].data().lengths)
+    tokens = [sum(lengths[i] for i in step) for step in plan_steps(len(lengths), 8, 1.0, 0, 0, lengths, "balanced")]
+    assert len(tokens) == 100 and sum(tokens) == 831_370
+    pads = []
+    for share in (1.0, DEFERRED_CAPTURE_SHARE):
+        sizes = plan_sizes(tokens, capture_cost_tokens(0.3 * share, 1.7e-5))
+        pads.append((sizes, sum(next(s for s in sizes if s > t) - t for t in tokens)))
+    assert pads == [([8208, 9712], 25_526), ([8192, 8416, 8944, 9712], 9_318)]
+
+
 def test_each_segment_counts_largest_size_is_captured_at_once():
     """Deferred captures wait for all sizes but each segment count's largest: a micro-batch of
     another segment count (a step's short last micro-batch) still finds a planned graph."""

@@ -9,6 +9,7 @@ sizes they return. The planner (plan.planner) uses the same grid for its memory 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 # The fixed grid for micro-batches no planned size holds. W1: 7 token buckets, 8% pad tokens
 # (128: 13 buckets, 4%; 512: 4, 16%).
@@ -24,6 +25,11 @@ MAX_TFLOP_PER_MICRO_BATCH = 60.0
 # host-bound further up: W2 on an nf4 base (~82 TFLOP a micro-batch) ran 300 ms a step eager
 # against 250 graphed on an H200 (docs/log.md).
 MAX_TFLOP_PER_MICRO_BATCH_CHECKPOINTING = 120.0
+# A deferred capture's host pass runs while the GPU works through the replays queued ahead of it,
+# so the GPU loses little to it: what it costs is its instantiation beside the replays and the
+# micro-batches that take a larger graph until it is ready. plan_sizes counts it as this share of
+# a capture with the GPU idle. W4: 4 graphs and 9,318 pad tokens against 2 and 25,526 (docs/log.md).
+DEFERRED_CAPTURE_SHARE = 1 / 8
 
 
 def bucket_tokens(n_tokens: int, bucket: int = BUCKET_TOKENS) -> int:
@@ -79,6 +85,17 @@ def plan_sizes(tokens: list[int], capture_tokens: float, grain: int = GRAIN) -> 
         sizes.append(need[j - 1])
         j = cut[j]
     return sorted(sizes)
+
+
+def size_uses(sizes: dict[int, list[int]], micro: list[tuple[int, int]]) -> Counter:
+    """How many of these (tokens, cu_seqlens entries) micro-batches take each planned (size,
+    entries) key: the smallest size of their segment count above their tokens."""
+    uses: Counter = Counter()
+    for t, segments in micro:
+        size = next((s for s in sorted(sizes.get(segments) or ()) if s > t), None)
+        if size is not None:
+            uses[(size, segments)] += 1
+    return uses
 
 
 def target_capacities(sizes: dict[int, list[int]], micro: list[tuple[int, int]],

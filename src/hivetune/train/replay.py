@@ -17,9 +17,10 @@ lazy inits capture needs). Then the largest planned size is captured, timed on t
 next micro-batch's replay of it times the GPU a token; plan.graph_sizes.plan_sizes weighs the
 two and picks the other sizes, agreed across processes through ``gather``. They are captured
 largest first (smaller graphs reuse the shared pool's blocks), at once, or, where a replay's GPU
-time covers a quarter of a capture's host time (defers_captures), one after each replay once
-CAPTURE_LEAD replays are queued and no instantiation is in flight, their shapes met first by a
-capture of the model cut to PRELOAD_LAYERS layers while the GPU idles. A micro-batch no size
+time covers a quarter of a capture's host time (defers_captures), the sizes most micro-batches
+take first, one after each replay once CAPTURE_LEAD replays are queued and no instantiation is in
+flight, their shapes met first by a capture of the model cut to PRELOAD_LAYERS layers while the
+GPU idles; the plan then counts a capture at DEFERRED_CAPTURE_SHARE of its cost. A micro-batch no size
 holds takes the fixed grid (BUCKET_TOKENS), captured when met.
 
 Instantiation runs on a worker thread where torch can capture without instantiating
@@ -47,9 +48,9 @@ from hivetune.data.batch import MicroBatch
 from hivetune.model.lora import lora_parameters
 from hivetune.ops.attention import Packed
 from hivetune.ops.lora_grads import GradArena
-from hivetune.plan.graph_sizes import (BUCKET_TOKENS, GRAIN, bucket_tokens, max_tflop,
-                                       capture_cost_tokens, deferrable, defers_captures, grid_keys, plan_sizes,
-                                       target_capacities)
+from hivetune.plan.graph_sizes import (BUCKET_TOKENS, DEFERRED_CAPTURE_SHARE, GRAIN, bucket_tokens,
+                                       capture_cost_tokens, deferrable, defers_captures, grid_keys, max_tflop,
+                                       plan_sizes, size_uses, target_capacities)
 from hivetune.train.graph_batch import Bucket, first_line, batch_key, keeps_graphs, pad_packed_batch, release_generator
 
 MAX_GRAPHS = 48  # keys beyond this many run eagerly
@@ -145,6 +146,7 @@ class GraphedForwardBackward:
         self.warmed = False
         self.n_seeds = 0  # dropout seeds a micro-batch (set at the warm-up: fit's micro-batches carry them)
         self.defer, self.pending = defer, []  # the deferred keys still to capture
+        self.uses: collections.Counter = collections.Counter()  # the plan's micro-batches taking each key
         self.preloaded: dict[tuple[int, int], Bucket] = {}  # deferred keys whose shapes _preload met
         self.plan_due: dict | None = None  # the plan left for the next call (_finish_plan)
         self.calls = 0
@@ -332,6 +334,9 @@ class GraphedForwardBackward:
                 self.pending.append(planned)
             elif self.off or (planned not in self.buckets and not self._capture_key(planned, None)):
                 break
+        # the sizes most micro-batches take first (all are below their segment count's largest,
+        # captured already, whose pool blocks they reuse)
+        self.pending.sort(key=lambda k: -self.uses[k])
         if self.pending and not self.off:
             self._preload(self.pending)
 
@@ -392,9 +397,9 @@ class GraphedForwardBackward:
             self.on_sizes(self.sizes)
             return grid_keys(self.plan_inputs().upcoming, self.bucket)
         capture_s, s_per_token = (sum(t[i] for t in timings) / len(timings) for i in (0, 1))
-        capture_tokens = capture_cost_tokens(capture_s, s_per_token)
         if self.defer is None:
             self.defer = defers_captures(capture_s, s_per_token * sum(t for t, _ in micro) / len(micro))
+        capture_tokens = capture_cost_tokens(capture_s * (DEFERRED_CAPTURE_SHARE if self.defer else 1.0), s_per_token)
         self.stats["capture_tokens"] = round(capture_tokens)
         groups: dict[int, list[int]] = {}
         for t, segments in micro:
@@ -409,6 +414,7 @@ class GraphedForwardBackward:
         self.sizes = sizes
         self.on_sizes(sizes)
         inputs = self.plan_inputs()
+        self.uses = size_uses(sizes, inputs.micro)
         if inputs.own and len(inputs.own) == len(inputs.targets):
             self.capacity = target_capacities(self.sizes, inputs.own, inputs.targets)
             self.stats["target_capacity"] = {f"{t}x{seg}": c for (t, seg), c in sorted(self.capacity.items())}
