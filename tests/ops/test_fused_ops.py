@@ -336,6 +336,59 @@ def test_rope_qkv_gives_the_split_rope_bits_both_ways(hq, hk, d):
 
 
 @needs_triton
+@pytest.mark.parametrize("hq, hk, d", [(16, 8, 128), (4, 4, 32), (6, 2, 8)])
+def test_qk_norm_rope_matches_the_norms_then_rope_both_ways(hq, hk, d):
+    """qk_norm_rope on a joined q/k/v output (Qwen3's q/k RMSNorms, then RoPE; one kernel each
+    way): q and k within a bf16 rounding of split + rms_norm + apply_rope (the kernels one by one;
+    1/rms is summed in another order), v a view of the joined tensor; the joined gradient
+    likewise against theirs and the cat; both as close to float64 as they are."""
+    gen = torch.Generator().manual_seed(hq + d)
+    b, t = 2, 7
+    joined = (3 * torch.randn(b, t, (hq + 2 * hk) * d, generator=gen)).to(DEVICE, torch.bfloat16)
+    angles = torch.randn(b, t, d // 2, generator=gen).repeat(1, 1, 2)
+    cos, sin = angles.cos().to(DEVICE, torch.bfloat16), angles.sin().to(DEVICE, torch.bfloat16)
+    grads = [torch.randn(b, t, h, d, generator=gen).to(DEVICE, torch.bfloat16) for h in (hq, hk, hk)]
+    q_norm, k_norm = (torch.nn.Module() for _ in range(2))
+    for norm, seed in ((q_norm, 1), (k_norm, 2)):
+        norm.weight = (1 + 0.3 * torch.randn(d, generator=torch.Generator().manual_seed(seed))).to(DEVICE, torch.bfloat16)
+        norm.eps = 1e-6
+    assert rope_op.qk_norm_rope_ok(joined, cos, q_norm, k_norm)
+    k_norm.eps = 1e-5
+    assert not rope_op.qk_norm_rope_ok(joined, cos, q_norm, k_norm)
+    k_norm.eps = 1e-6
+
+    def run(how, dtype=torch.bfloat16):
+        x = joined.detach().to(dtype).requires_grad_(True)
+        c, s_ = cos.to(dtype), sin.to(dtype)
+        if how == "fused":
+            outs = rope_op.qk_norm_rope(x, c, s_, q_norm, k_norm, hq, hk)
+        else:
+            norm = norm_op.rms_norm if how == "kernels" else norm_op.rms_norm_reference
+            rope = rope_op.apply_rope if how == "kernels" else rope_op.rope_reference
+            q, k, v = x.split([hq * d, hk * d, hk * d], dim=-1)
+            outs = tuple(rope(norm(z.reshape(b, t, -1, d), w.weight.to(dtype), 1e-6), c, s_)
+                         for z, w in ((q, q_norm), (k, k_norm))) + (v.reshape(b, t, hk, d),)
+        torch.autograd.backward(outs, [g.to(dtype) for g in grads])
+        assert outs[2].data_ptr() == x.data_ptr() + (hq + hk) * d * x.element_size()  # v: a view of x
+        return [o.detach() for o in outs], x.grad
+
+    outs, grad = run("fused")
+    ref_outs, ref_grad = run("kernels")
+    outs64, grad64 = run("reference", torch.float64)
+    assert torch.equal(outs[2], joined[..., (hq + hk) * d:].reshape(b, t, hk, d))
+    for o, r in zip(outs[:2], ref_outs[:2]):
+        assert o.is_contiguous() and o.shape == r.shape
+        assert (o.float() - r.float()).abs().max() <= 2 * 2 ** -7 * r.float().abs().max()
+        assert (o != r).float().mean() < 0.02
+    assert grad.shape == joined.shape and (grad - ref_grad).float().norm() <= 1e-2 * ref_grad.float().norm()
+    assert torch.equal(grad[..., (hq + hk) * d:], grads[2].reshape(b, t, -1))
+    slack = 3.0 if not joined.is_cuda else 1.5
+    for o, r, o64 in zip(outs[:2], ref_outs[:2], outs64[:2]):
+        assert rel(o, o64) <= slack * rel(r, o64) + 1e-4, (rel(o, o64), rel(r, o64))
+    assert rel(grad, grad64) <= slack * rel(ref_grad, grad64) + 1e-4, (rel(grad, grad64), rel(ref_grad, grad64))
+
+
+@needs_triton
 def test_hashed_dropout_keeps_1_minus_p_independently():
     """dropout_hashed (swiglu_dropped's mask): keeps ~1 - p of the elements in any stretch of
     them, neighbours' keeps uncorrelated, another seed another mask, kept values x * scale."""

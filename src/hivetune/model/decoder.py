@@ -144,6 +144,10 @@ class Attention(nn.Module):
         if joined is not None and self.q_norm is None and rope_op.rope_qkv_ok(joined, cos):
             q, k, v = rope_op.rope_qkv(joined, cos, sin, self.n_heads, self.n_kv)  # one kernel each way
             return self._attend(q, k, v, layout, cache, residual)
+        if joined is not None and self.q_norm is not None and rope_op.qk_norm_rope_ok(joined, cos, self.q_norm,
+                                                                                      self.k_norm):
+            q, k, v = rope_op.qk_norm_rope(joined, cos, sin, self.q_norm, self.k_norm, self.n_heads, self.n_kv)
+            return self._attend(q, k, v, layout, cache, residual)
         if joined is not None:
             q, k, v = joined.split(self.qkv.sizes, dim=-1)  # views: RoPE reads q and k in place
             if self.q_norm is None:  # attention saves v: a view would keep all of q/k/v alive

@@ -1,6 +1,8 @@
 """Rotate-half RoPE as one Triton kernel each way, and the RoPE of q and k with v's copy out of a
-joined q/k/v projection in one kernel (rope_qkv), beside the plain-PyTorch reference. The
-kernels save nothing but the cos / sin tables every layer shares.
+joined q/k/v projection in one kernel (rope_qkv), or with the q and k RMSNorms of Qwen3-style
+layers before it (qk_norm_rope), beside the plain-PyTorch reference. The RoPE kernels save
+nothing but the cos / sin tables every layer shares; qk_norm_rope saves the joined projection,
+which its v (a view of it) keeps alive for attention anyway.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 def _define_kernels():
     """The Triton kernels (ops.kernels.rope): imported at the first fused call, not at import
     (triton_util.kernels)."""
-    global triton, tl, _rotate, _rope, _rope_heads, _rope_qkv
+    global triton, tl, _rope, _rope_qkv, _qk_norm_rope, _qk_norm_rope_bwd
     import triton
     import triton.language as tl
 
-    from hivetune.ops.kernels.rope import _rotate, _rope, _rope_heads, _rope_qkv
+    from hivetune.ops.kernels.rope import _rope, _rope_qkv, _qk_norm_rope, _qk_norm_rope_bwd
 
 
 def _rope_launch(x, cos, sin, sign: int):
@@ -107,6 +109,59 @@ def rope_qkv(joined: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int
     [B, T, heads, D]: one kernel each way, against a split, two RoPE kernels and v's copy (and in
     backward two RoPE kernels and a cat)."""
     return RoPEQKVFunction.apply(joined, cos, sin, hq, hk)
+
+
+def _blocks(hq: int, hk: int, d: int) -> dict:
+    return {"HQ_BLOCK": triton.next_power_of_2(hq), "HK_BLOCK": triton.next_power_of_2(hk),
+            "D_BLOCK": triton.next_power_of_2(d // 2)}
+
+
+class QKNormRoPEFunction(torch.autograd.Function):
+    """A joined q/k/v projection [B, T, (HQ + 2 HK) D] -> RoPE(RMSNorm(q)) [B, T, HQ, D],
+    RoPE(RMSNorm(k)) [B, T, HK, D] (contiguous) and v, a view of the joined tensor: one kernel
+    each way, the backward writing the joined gradient (q, k through RoPE and the norms, v's as
+    it comes). The norms' weights are frozen (no gradient); 1/rms is recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, joined, q_weight, k_weight, eps: float, cos, sin, hq: int, hk: int):
+        b, t, width = joined.shape
+        d = width // (hq + 2 * hk)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        q, k = joined.new_empty((b, t, hq, d)), joined.new_empty((b, t, hk, d))
+        _qk_norm_rope[(b * t,)](joined, q, k, q_weight, k_weight, cos, sin, hq, hk, d // 2, width, eps,
+                                **_blocks(hq, hk, d))
+        ctx.save_for_backward(joined, q_weight, k_weight, cos, sin)
+        ctx.eps, ctx.hq, ctx.hk = eps, hq, hk
+        return q, k, joined[..., (hq + hk) * d:].view(b, t, hk, d)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        joined, q_weight, k_weight, cos, sin = ctx.saved_tensors
+        hq, hk = ctx.hq, ctx.hk
+        b, t, width = joined.shape
+        d = width // (hq + 2 * hk)
+        dq, dk, dv = (g.contiguous() if g is not None else joined.new_zeros((b, t, h, d))
+                      for g, h in ((dq, hq), (dk, hk), (dv, hk)))
+        dx = torch.empty_like(joined)
+        _qk_norm_rope_bwd[(b * t,)](dq, dk, dv, joined, dx, q_weight, k_weight, cos, sin, hq, hk, d // 2, width,
+                                    ctx.eps, **_blocks(hq, hk, d))
+        return dx, None, None, None, None, None, None, None
+
+
+def qk_norm_rope_ok(joined: torch.Tensor, cos: torch.Tensor, q_norm, k_norm) -> bool:
+    """Whether qk_norm_rope takes a joined q/k/v output with these q / k RMSNorms (weight times
+    the normalised row, decoder.RMSNorm): frozen weights of the head's width in its dtype, one
+    eps, and what rope_qkv_ok asks of the rest."""
+    return (rope_qkv_ok(joined, cos) and q_norm.eps == k_norm.eps and all(
+        not norm.weight.requires_grad and norm.weight.shape == (cos.shape[-1],) and norm.weight.dtype == joined.dtype
+        and norm.weight.is_contiguous() for norm in (q_norm, k_norm)))
+
+
+def qk_norm_rope(joined: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm, k_norm, hq: int, hk: int):
+    """(RoPE(q_norm(q)), RoPE(k_norm(k)), v) of a joined q/k/v projection [B, T, (hq + 2 hk) D]:
+    one kernel each way, against two norm and two RoPE kernels and, in backward, a cat of the
+    three gradients."""
+    return QKNormRoPEFunction.apply(joined, q_norm.weight, k_norm.weight, float(q_norm.eps), cos, sin, hq, hk)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

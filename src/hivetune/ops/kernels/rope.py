@@ -68,3 +68,95 @@ def _rope_qkv(QS, KS, VS, QD, KD, VD, COS, SIN, HQ, HK, HALF, Q_SRC, KV_SRC, Q_D
     _rope_heads(QS, QD, t * Q_SRC, t * Q_DST, c1, c2, s1, s2, HQ, HALF, sign, True, HQ_BLOCK, D_BLOCK)
     _rope_heads(KS, KD, t * KV_SRC, t * KV_DST, c1, c2, s1, s2, HK, HALF, sign, True, HK_BLOCK, D_BLOCK)
     _rope_heads(VS, VD, t * KV_SRC, t * KV_DST, c1, c2, s1, s2, HK, HALF, sign, False, HK_BLOCK, D_BLOCK)
+
+
+@triton.jit
+def _norm_rope_heads(SRC, DST, src_at, dst_at, W, c1, c2, s1, s2, heads, HALF, eps, H_BLOCK: tl.constexpr,
+                     D_BLOCK: tl.constexpr):
+    # one token's `heads` heads of 2 HALF: RMSNorm with weight W, rounded as ops.norm rounds (the
+    # normalised row, then its product with W, in the output's dtype), then RoPE
+    h = tl.arange(0, H_BLOCK)[:, None]
+    d = tl.arange(0, D_BLOCK)[None, :]
+    dm = d < HALF
+    mask = (h < heads) & dm
+    src = SRC + src_at + h * 2 * HALF + d
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    rstd = (1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps))[:, None]
+    w1 = tl.load(W + d, mask=dm, other=0.0).to(tl.float32)
+    w2 = tl.load(W + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    ty = DST.dtype.element_ty
+    n1 = (w1 * (x1 * rstd).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    n2 = (w2 * (x2 * rstd).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    y1, y2 = _rotate(n1, n2, c1, c2, s1, s2, 1)
+    dst = DST + dst_at + h * 2 * HALF + d
+    tl.store(dst, y1.to(ty), mask=mask)
+    tl.store(dst + HALF, y2.to(ty), mask=mask)
+
+
+@triton.jit
+def _norm_rope_heads_bwd(DY, DX, X, dy_at, x_at, W, c1, c2, s1, s2, heads, HALF, eps, H_BLOCK: tl.constexpr,
+                         D_BLOCK: tl.constexpr):
+    # the gradient of _norm_rope_heads: dn = RoPE's transpose of dy (in dy's dtype, as ops.rope's
+    # backward stores it), g = dn w, dx = r (g - xhat mean(g xhat)) with r recomputed from x
+    h = tl.arange(0, H_BLOCK)[:, None]
+    d = tl.arange(0, D_BLOCK)[None, :]
+    dm = d < HALF
+    mask = (h < heads) & dm
+    dy = DY + dy_at + h * 2 * HALF + d
+    dy1 = tl.load(dy, mask=mask, other=0.0).to(tl.float32)
+    dy2 = tl.load(dy + HALF, mask=mask, other=0.0).to(tl.float32)
+    dn1, dn2 = _rotate(dy1, dy2, c1, c2, s1, s2, -1)
+    ty = DX.dtype.element_ty
+    w1 = tl.load(W + d, mask=dm, other=0.0).to(tl.float32)
+    w2 = tl.load(W + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    g1 = dn1.to(ty).to(tl.float32) * w1
+    g2 = dn2.to(ty).to(tl.float32) * w2
+    x = X + x_at + h * 2 * HALF + d
+    x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
+    r = (1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps))[:, None]
+    xh1 = x1 * r
+    xh2 = x2 * r
+    mean = ((tl.sum(g1 * xh1, axis=1) + tl.sum(g2 * xh2, axis=1)) / (2 * HALF))[:, None]
+    dx = DX + x_at + h * 2 * HALF + d
+    tl.store(dx, (r * (g1 - xh1 * mean)).to(ty), mask=mask)
+    tl.store(dx + HALF, (r * (g2 - xh2 * mean)).to(ty), mask=mask)
+
+
+@triton.jit
+def _cos_sin(COS, SIN, t, HALF, D_BLOCK: tl.constexpr):
+    d = tl.arange(0, D_BLOCK)[None, :]
+    dm = d < HALF
+    c1 = tl.load(COS + t * 2 * HALF + d, mask=dm, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + t * 2 * HALF + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + t * 2 * HALF + d, mask=dm, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + t * 2 * HALF + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit(do_not_specialize=["eps"])
+def _qk_norm_rope(X, Q, K, WQ, WK, COS, SIN, HQ, HK, HALF, X_STRIDE, eps, HQ_BLOCK: tl.constexpr,
+                  HK_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
+    """One token of a joined q/k/v projection X (token stride X_STRIDE): RoPE(RMSNorm(q)) into Q
+    [T, HQ, 2 HALF] and RoPE(RMSNorm(k)) into K [T, HK, 2 HALF]."""
+    t = tl.program_id(0).to(tl.int64)
+    c1, c2, s1, s2 = _cos_sin(COS, SIN, t, HALF, D_BLOCK)
+    _norm_rope_heads(X, Q, t * X_STRIDE, t * HQ * 2 * HALF, WQ, c1, c2, s1, s2, HQ, HALF, eps, HQ_BLOCK, D_BLOCK)
+    _norm_rope_heads(X, K, t * X_STRIDE + HQ * 2 * HALF, t * HK * 2 * HALF, WK, c1, c2, s1, s2, HK, HALF, eps,
+                     HK_BLOCK, D_BLOCK)
+
+
+@triton.jit(do_not_specialize=["eps"])
+def _qk_norm_rope_bwd(DQ, DK, DV, X, DX, WQ, WK, COS, SIN, HQ, HK, HALF, X_STRIDE, eps, HQ_BLOCK: tl.constexpr,
+                      HK_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
+    """One token of _qk_norm_rope's gradient: DQ, DK (contiguous [T, H, 2 HALF]) through RoPE and
+    the norms, and DV copied, into the joined gradient DX (laid out as X)."""
+    t = tl.program_id(0).to(tl.int64)
+    c1, c2, s1, s2 = _cos_sin(COS, SIN, t, HALF, D_BLOCK)
+    _norm_rope_heads_bwd(DQ, DX, X, t * HQ * 2 * HALF, t * X_STRIDE, WQ, c1, c2, s1, s2, HQ, HALF, eps,
+                         HQ_BLOCK, D_BLOCK)
+    _norm_rope_heads_bwd(DK, DX, X, t * HK * 2 * HALF, t * X_STRIDE + HQ * 2 * HALF, WK, c1, c2, s1, s2, HK, HALF,
+                         eps, HK_BLOCK, D_BLOCK)
+    _rope_heads(DV, DX, t * HK * 2 * HALF, t * X_STRIDE + (HQ + HK) * 2 * HALF, c1, c2, s1, s2, HK, HALF, 1,
+                False, HK_BLOCK, D_BLOCK)
