@@ -409,3 +409,39 @@ def test_swiglu_with_down_projs_dropout_matches_swiglu_then_the_dropout(lora_mod
     monkeypatch.setattr(swiglu_op, "swiglu_dropped", real)
     monkeypatch.setattr(swiglu_op, "swiglu_dropped_ok", lambda gate_up: False)  # SwiGLU apart: the same tensors kept
     assert loss_grads_saved(model, batch)[2] == saved
+
+
+@pytest.mark.skipif(triton_util.triton is None, reason="needs Triton")
+def test_qk_norms_and_rope_of_the_joined_qkv_match_the_norms_then_rope(monkeypatch):
+    """Qwen3's q/k norms and RoPE of the joined q/k/v output in one kernel each way
+    (rope_op.qk_norm_rope): the loss of split + the two norms + RoPE (qk_norm_rope_ok false) to a
+    bf16 rounding, its LoRA gradients to rounding, and no more saved for backward."""
+    from hivetune.data.batch import collate_packed
+    from hivetune.model.config import qwen3_shape
+    from hivetune.model.lora import LoRASpec, apply_lora
+    from hivetune.workflows.workloads import random_model, workload_examples
+
+    model = random_model(qwen3_shape(4096, 256, 704, 2, 4, 2, 64, True), "cuda", torch.bfloat16)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.normal_(1.0, 0.3)
+    apply_lora(model, LoRASpec(r=8, alpha=16, dropout=0.1))
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.normal_(0, 0.02)
+    fuse_projections(model)
+    model.train()
+    batch = collate_packed(workload_examples(6, 4096, cap=0, seed=1), pad_id=0).to("cuda")
+    calls = []
+    real = rope_op.qk_norm_rope
+    monkeypatch.setattr(rope_op, "qk_norm_rope", lambda *a: calls.append(1) or real(*a))
+    loss, grads, saved = loss_grads_saved(model, batch)
+    assert len(calls) == 2  # both layers
+    monkeypatch.setattr(rope_op, "qk_norm_rope_ok", lambda *a: False)
+    ref_loss, ref_grads, ref_saved = loss_grads_saved(model, batch)
+    assert len(calls) == 2
+    assert loss == pytest.approx(ref_loss, rel=2e-3) and saved <= ref_saved
+    flat, ref_flat = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in ref_grads])
+    assert ((flat - ref_flat).norm() / ref_flat.norm()).item() < 1e-2
