@@ -196,6 +196,11 @@ class GraphedForwardBackward:
         if bucket is None:
             return self._capture(key, batch, padded, n_targets)
         bucket.load(padded, n_targets)
+        return self._replay(key, bucket)
+
+    def _replay(self, key: tuple[int, int], bucket: Bucket) -> torch.Tensor:
+        """The loss of the micro-batch loaded into `bucket`, its graph replayed (timed where the
+        size plan waits for that); then the next deferred capture, where one is due."""
         due = self.plan_due
         if due is not None and key == due["top"] and due["events"] is None:  # the plan's timing
             due["events"] = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -289,11 +294,14 @@ class GraphedForwardBackward:
     def _capture(self, key, batch: MicroBatch, padded: MicroBatch, n_targets: int) -> torch.Tensor:
         """A key without a graph: returns this micro-batch's loss, having captured what it can.
 
-        The first time, an eager run on the capture stream (cuBLAS workspace, lazy inits) does
-        this micro-batch's real work; then the graphs of every key the step plan will meet are
-        captured, largest first, so that the smaller ones reuse the shared pool's blocks (capture
-        executes nothing, so the static inputs' contents do not matter then). A key the plan did
-        not foresee is captured when met, then replayed."""
+        The first time, an eager run on the capture stream meets the lazy inits capture needs
+        (cuBLAS plans, Triton's module loads): of the model cut to PRELOAD_LAYERS layers, whose
+        gradients are dropped (_warm_up_cut), or where the cut does not apply, of the whole model,
+        which does this micro-batch's real work. Then the graphs of every key the step plan will
+        meet are captured, largest first, so that the smaller ones reuse the shared pool's blocks
+        (capture executes nothing, so the static inputs' contents do not matter then), and after
+        a cut warm-up this micro-batch replays in its graph. A key the plan did not foresee is
+        captured when met, then replayed."""
         t0 = time.perf_counter()
         loss = None
         if not self.warmed:
@@ -301,12 +309,15 @@ class GraphedForwardBackward:
             self.n_seeds = batch.dropout_seeds.numel() if batch.dropout_seeds is not None else 0
             bucket = Bucket(key[0], key[1] - 1, padded.n_examples, self.device, self.n_seeds)
             bucket.load(padded, n_targets)
-            main = torch.cuda.current_stream()
-            self.stream.wait_stream(main)
-            with torch.cuda.stream(self.stream):
-                loss = self._body(bucket)
-            main.wait_stream(self.stream)
-            loss.record_stream(main)
+            cut = self._warm_up_cut(bucket)
+            if not cut:
+                main = torch.cuda.current_stream()
+                self.stream.wait_stream(main)
+                with torch.cuda.stream(self.stream):
+                    loss = self._body(bucket)
+                main.wait_stream(self.stream)
+                loss.record_stream(main)
+            self.stats["warmup_layers"] = PRELOAD_LAYERS if cut else len(self.model.model.layers)
             self.warmed = True
             self.stats["warmup_s"] = round(time.perf_counter() - t0, 3)  # host time; the GPU runs on
             # The warm-up's activations went back to the ordinary allocator's cache, where the
@@ -315,6 +326,8 @@ class GraphedForwardBackward:
             torch.cuda.empty_cache()
             keys = self._plan(batch) if self.planned else grid_keys(self.plan_inputs().upcoming, self.bucket)
             self._capture_planned(sorted(set(keys) | {self.key_of(batch)}, reverse=True))
+            if cut:
+                loss = self._first_replay(batch, key, n_targets)
         elif self._capture_key(key, None) and self._ready(self.buckets[key]):
             bucket = self.buckets[key]
             bucket.load(padded, n_targets)
@@ -323,6 +336,40 @@ class GraphedForwardBackward:
             loss = bucket.loss.clone()
         self.stats["capture_s"] = round(self.stats["capture_s"] + time.perf_counter() - t0, 3)
         return loss if loss is not None else self.eager(batch, n_targets)
+
+    def _warm_up_cut(self, bucket: Bucket) -> bool:
+        """The warm-up through the model cut to its first PRELOAD_LAYERS layers (embedding, final
+        norm, head and loss kept: every kernel and shape of the whole model's pass, at a fraction
+        of its host time), its LoRA gradients zeroed after. False where it does not apply (fewer
+        layers, activation offload: it plans per layer index)."""
+        model = self.model
+        layers = model.model.layers
+        if len(layers) <= PRELOAD_LAYERS or getattr(model, "activation_offload", None) is not None:
+            return False
+        main = torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        model.model.layers = torch.nn.ModuleList(layers[:PRELOAD_LAYERS])
+        try:
+            with torch.cuda.stream(self.stream):
+                self._body(bucket)
+        finally:
+            model.model.layers = layers
+        main.wait_stream(self.stream)
+        for p in self.params:
+            p.grad = None
+        self._attach_grads()  # the persistent gradients, zeroed
+        return True
+
+    def _first_replay(self, batch: MicroBatch, warm_key: tuple[int, int], n_targets: int) -> torch.Tensor | None:
+        """After a cut warm-up: the first micro-batch's loss from its graph (None: none is
+        captured that holds it; it runs eagerly). Its pad tokens were counted for `warm_key`."""
+        key = self.key_of(batch)
+        bucket = self.buckets.get(key)
+        if self.off or bucket is None or not self._ready(bucket):
+            return None
+        bucket.load(pad_packed_batch(batch, key[0], self.pad_id, bucket.targets), n_targets)
+        self.stats["pad_tokens"] += key[0] - warm_key[0]
+        return self._replay(key, bucket)
 
     def _capture_planned(self, keys: list[tuple[int, int]]) -> None:
         """The planned keys (largest first): captured now, or left pending where deferred (their
