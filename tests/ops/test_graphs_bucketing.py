@@ -345,10 +345,10 @@ def test_size_uses_count_the_micro_batches_each_size_takes():
     assert size_uses(sizes, micro) == {(1408, 10): 3, (1536, 10): 2, (1728, 10): 1, (512, 6): 1}
 
 
-def test_a_deferred_capture_counts_an_eighth_in_the_plan():
+def test_a_deferred_capture_counts_a_quarter_in_the_plan():
     """W4's 100 micro-batches (the balanced step order puts most at 8,150-8,190 tokens) at its
     measured capture cost (0.3 s a capture, 1.7e-5 s a token: 16,384 tokens): 2 sizes and 25,526
-    pad tokens captured at once; deferred, a capture counts an eighth: 4 sizes, 9,318 pad tokens."""
+    pad tokens captured at once; deferred, a capture counts a quarter: 4 sizes, 9,318 pad tokens."""
     from hivetune.plan.graph_sizes import DEFERRED_CAPTURE_SHARE, plan_sizes
 
     from hivetune.data.step_plan import plan_steps

@@ -28,8 +28,9 @@ MAX_TFLOP_PER_MICRO_BATCH_CHECKPOINTING = 120.0
 # A deferred capture's host pass runs while the GPU works through the replays queued ahead of it,
 # so the GPU loses little to it: what it costs is its instantiation beside the replays and the
 # micro-batches that take a larger graph until it is ready. plan_sizes counts it as this share of
-# a capture with the GPU idle. W4: 4 graphs and 9,318 pad tokens against 2 and 25,526 (docs/log.md).
-DEFERRED_CAPTURE_SHARE = 1 / 8
+# a capture with the GPU idle. W4: 4 graphs and 9,318 pad tokens against 2 and 25,526; at an
+# eighth, 7 graphs whose preloads and instantiations cost more than their padding saved (docs/log.md).
+DEFERRED_CAPTURE_SHARE = 1 / 4
 
 
 def bucket_tokens(n_tokens: int, bucket: int = BUCKET_TOKENS) -> int:
