@@ -11,8 +11,9 @@ by ``calibrate`` from the H200 grid (benchmarks/results/plan-grid-h200.json: eac
 steps, timed from a synchronisation after each) and checked against it by tests/plan/test_plan.py.
 The grid's equal-length micro-batches reach 0.49 of the bf16 rate; the workloads' mixed lengths
 (`hivetune bench` records the plan beside each run: W2 0.42, W4 0.45) less, so bf16 takes 0.45.
-Graphed replays of small micro-batches take 0.6-0.8 ms a layer on an H200 (W1 0.61 at 1,592
-tokens a micro-batch, the grid's 0.5B point 0.79 at 2,048): 0.7.
+Graphed replays of small micro-batches take 0.6-0.8 ms a layer on an H200 (W1's whole runs warm
+0.58-0.61 at 1,592 tokens a micro-batch, first runs 0.63-0.70; the grid's 0.5B point, timed step
+by step, 0.79 at 2,048): 0.62, W1's warm epoch within 7%.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from hivetune.model.config import ModelArgs, qwen25_shape
 
 EFFICIENCY = {"bf16": 0.45, "fp16": 0.45, "fp32": 0.63}  # of the datasheet dense rate
 DISPATCH_S_PER_LAYER = 0.0054  # eager, per micro-batch (fwd + bwd + the optimizer step's share)
-GRAPHED_DISPATCH_S_PER_LAYER = 0.0007  # CUDA graphs replay (train.cuda_graphs)
+GRAPHED_DISPATCH_S_PER_LAYER = 0.00062  # CUDA graphs replay (train.cuda_graphs)
 # method dpo: the reference pass (a forward with LoRA off, no backward) on top of the policy's
 # forward + backward, in compute and in dispatch (PW1 on an H200: eager ~190 ms a step measured,
-# 24 layers x 5.4 ms x 4/3 = 173 ms planned; graphed 31 ms measured, 24 x 0.7 ms x 4/3 = 22 ms planned)
+# 24 layers x 5.4 ms x 4/3 = 173 ms planned; graphed 31 ms measured, 24 x 0.62 ms x 4/3 = 20 ms planned)
 REFERENCE_PASS = 4 / 3
 
 
