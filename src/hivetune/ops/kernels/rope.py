@@ -59,15 +59,35 @@ def _rope_qkv(QS, KS, VS, QD, KD, VD, COS, SIN, HQ, HK, HALF, Q_SRC, KV_SRC, Q_D
     (token strides *_SRC, *_DST): forward, a joined q/k/v projection into three tensors;
     backward (sign -1), their gradients into one joined gradient."""
     t = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, D_BLOCK)[None, :]
-    dm = d < HALF
-    c1 = tl.load(COS + t * 2 * HALF + d, mask=dm, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + t * 2 * HALF + HALF + d, mask=dm, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + t * 2 * HALF + d, mask=dm, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + t * 2 * HALF + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = _cos_sin(COS, SIN, t, HALF, D_BLOCK)
     _rope_heads(QS, QD, t * Q_SRC, t * Q_DST, c1, c2, s1, s2, HQ, HALF, sign, True, HQ_BLOCK, D_BLOCK)
     _rope_heads(KS, KD, t * KV_SRC, t * KV_DST, c1, c2, s1, s2, HK, HALF, sign, True, HK_BLOCK, D_BLOCK)
     _rope_heads(VS, VD, t * KV_SRC, t * KV_DST, c1, c2, s1, s2, HK, HALF, sign, False, HK_BLOCK, D_BLOCK)
+
+
+@triton.jit
+def _head_offsets(heads, HALF, H_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
+    """Offsets of the first halves of one token's `heads` heads of 2 HALF, and their mask."""
+    h = tl.arange(0, H_BLOCK)[:, None]
+    d = tl.arange(0, D_BLOCK)[None, :]
+    return h * 2 * HALF + d, (h < heads) & (d < HALF)
+
+
+@triton.jit
+def _halves(X, at, mask, HALF):
+    return (tl.load(X + at, mask=mask, other=0.0).to(tl.float32),
+            tl.load(X + at + HALF, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _inv_rms(x1, x2, HALF, eps):
+    return (1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps))[:, None]
+
+
+@triton.jit
+def _weight_halves(W, HALF, D_BLOCK: tl.constexpr):
+    d = tl.arange(0, D_BLOCK)[None, :]
+    return _halves(W, d, d < HALF, HALF)
 
 
 @triton.jit
@@ -75,23 +95,16 @@ def _norm_rope_heads(SRC, DST, src_at, dst_at, W, c1, c2, s1, s2, heads, HALF, e
                      D_BLOCK: tl.constexpr):
     # one token's `heads` heads of 2 HALF: RMSNorm with weight W, rounded as ops.norm rounds (the
     # normalised row, then its product with W, in the output's dtype), then RoPE
-    h = tl.arange(0, H_BLOCK)[:, None]
-    d = tl.arange(0, D_BLOCK)[None, :]
-    dm = d < HALF
-    mask = (h < heads) & dm
-    src = SRC + src_at + h * 2 * HALF + d
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    rstd = (1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps))[:, None]
-    w1 = tl.load(W + d, mask=dm, other=0.0).to(tl.float32)
-    w2 = tl.load(W + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    rows, mask = _head_offsets(heads, HALF, H_BLOCK, D_BLOCK)
+    x1, x2 = _halves(SRC + src_at, rows, mask, HALF)
+    rstd = _inv_rms(x1, x2, HALF, eps)
+    w1, w2 = _weight_halves(W, HALF, D_BLOCK)
     ty = DST.dtype.element_ty
     n1 = (w1 * (x1 * rstd).to(ty).to(tl.float32)).to(ty).to(tl.float32)
     n2 = (w2 * (x2 * rstd).to(ty).to(tl.float32)).to(ty).to(tl.float32)
     y1, y2 = _rotate(n1, n2, c1, c2, s1, s2, 1)
-    dst = DST + dst_at + h * 2 * HALF + d
-    tl.store(dst, y1.to(ty), mask=mask)
-    tl.store(dst + HALF, y2.to(ty), mask=mask)
+    tl.store(DST + dst_at + rows, y1.to(ty), mask=mask)
+    tl.store(DST + dst_at + rows + HALF, y2.to(ty), mask=mask)
 
 
 @triton.jit
@@ -99,39 +112,28 @@ def _norm_rope_heads_bwd(DY, DX, X, dy_at, x_at, W, c1, c2, s1, s2, heads, HALF,
                          D_BLOCK: tl.constexpr):
     # the gradient of _norm_rope_heads: dn = RoPE's transpose of dy (in dy's dtype, as ops.rope's
     # backward stores it), g = dn w, dx = r (g - xhat mean(g xhat)) with r recomputed from x
-    h = tl.arange(0, H_BLOCK)[:, None]
-    d = tl.arange(0, D_BLOCK)[None, :]
-    dm = d < HALF
-    mask = (h < heads) & dm
-    dy = DY + dy_at + h * 2 * HALF + d
-    dy1 = tl.load(dy, mask=mask, other=0.0).to(tl.float32)
-    dy2 = tl.load(dy + HALF, mask=mask, other=0.0).to(tl.float32)
+    rows, mask = _head_offsets(heads, HALF, H_BLOCK, D_BLOCK)
+    dy1, dy2 = _halves(DY + dy_at, rows, mask, HALF)
     dn1, dn2 = _rotate(dy1, dy2, c1, c2, s1, s2, -1)
     ty = DX.dtype.element_ty
-    w1 = tl.load(W + d, mask=dm, other=0.0).to(tl.float32)
-    w2 = tl.load(W + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    w1, w2 = _weight_halves(W, HALF, D_BLOCK)
     g1 = dn1.to(ty).to(tl.float32) * w1
     g2 = dn2.to(ty).to(tl.float32) * w2
-    x = X + x_at + h * 2 * HALF + d
-    x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
-    r = (1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps))[:, None]
+    x1, x2 = _halves(X + x_at, rows, mask, HALF)
+    r = _inv_rms(x1, x2, HALF, eps)
     xh1 = x1 * r
     xh2 = x2 * r
     mean = ((tl.sum(g1 * xh1, axis=1) + tl.sum(g2 * xh2, axis=1)) / (2 * HALF))[:, None]
-    dx = DX + x_at + h * 2 * HALF + d
-    tl.store(dx, (r * (g1 - xh1 * mean)).to(ty), mask=mask)
-    tl.store(dx + HALF, (r * (g2 - xh2 * mean)).to(ty), mask=mask)
+    tl.store(DX + x_at + rows, (r * (g1 - xh1 * mean)).to(ty), mask=mask)
+    tl.store(DX + x_at + rows + HALF, (r * (g2 - xh2 * mean)).to(ty), mask=mask)
 
 
 @triton.jit
 def _cos_sin(COS, SIN, t, HALF, D_BLOCK: tl.constexpr):
+    """One token's cos and sin tables as halves (fp32)."""
     d = tl.arange(0, D_BLOCK)[None, :]
-    dm = d < HALF
-    c1 = tl.load(COS + t * 2 * HALF + d, mask=dm, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + t * 2 * HALF + HALF + d, mask=dm, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + t * 2 * HALF + d, mask=dm, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + t * 2 * HALF + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    c1, c2 = _halves(COS + t * 2 * HALF, d, d < HALF, HALF)
+    s1, s2 = _halves(SIN + t * 2 * HALF, d, d < HALF, HALF)
     return c1, c2, s1, s2
 
 
