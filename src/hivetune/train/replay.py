@@ -12,16 +12,19 @@ T real tokens -> the smallest planned size above T; the pad tokens form their ow
 Targets are padded to the graph's target capacity with IGNORE_INDEX (no loss, no gradient). The
 step's target count (the loss divisor) is a device scalar filled before each replay.
 
-Order of work. The first micro-batch runs eagerly on the capture stream (its real work, and the
-lazy inits capture needs). Then the largest planned size is captured, timed on the host, and the
-next micro-batch's replay of it times the GPU a token; plan.graph_sizes.plan_sizes weighs the
-two and picks the other sizes, agreed across processes through ``gather``. They are captured
-largest first (smaller graphs reuse the shared pool's blocks), at once, or, where a replay's GPU
-time covers a quarter of a capture's host time (defers_captures), the sizes most micro-batches
-take first, one after each replay once CAPTURE_LEAD replays are queued and no instantiation is in
-flight, their shapes met first by a capture of the model cut to PRELOAD_LAYERS layers while the
-GPU idles; the plan then counts a capture at DEFERRED_CAPTURE_SHARE of its cost. A micro-batch no size
-holds takes the fixed grid (BUCKET_TOKENS), captured when met.
+Order of work. The first micro-batch runs eagerly on the capture stream through the model cut
+to PRELOAD_LAYERS layers, its gradients dropped (the lazy inits capture needs, at a fraction of a
+whole pass), or, where the cut does not apply, through the whole model (its real work). Then
+the largest planned size is captured, timed on the host, and its first replay (of the first
+micro-batch after a cut warm-up, else of the next) times the GPU a token;
+plan.graph_sizes.plan_sizes weighs the two and picks the other sizes, agreed across processes
+through ``gather``. They are captured largest first (smaller graphs reuse the shared pool's
+blocks), at once, or, where a replay's GPU time covers a quarter of a capture's host time
+(defers_captures), the sizes most micro-batches take first, one after each replay once
+CAPTURE_LEAD replays are queued and no instantiation is in flight, their shapes met first by a
+capture of the cut model while the GPU idles; the plan then counts a capture at
+DEFERRED_CAPTURE_SHARE of its cost. A micro-batch no size holds takes the fixed grid
+(BUCKET_TOKENS), captured when met.
 
 Instantiation runs on a worker thread where torch can capture without instantiating
 (keep_graph): it overlaps the next capture and the replays; a replay waits only for its own.
@@ -390,7 +393,7 @@ class GraphedForwardBackward:
     def _plan(self, batch: MicroBatch) -> list[tuple[int, int]]:
         """Capture the largest graph the plan needs (its capacity: the most targets of any
         micro-batch) and time its capture, the host pass every graph costs. A fresh run leaves the
-        sizes for the next call, which times the GPU on its replay of that graph (_finish_plan);
+        sizes for the next call (_finish_plan), the first replay of that graph timing the GPU;
         until then every micro-batch of its segment count takes it. A resumed run takes the sizes
         it planned before (PlanInputs.saved: the same padding, the same matmul shapes)."""
         inputs = self.plan_inputs()
@@ -417,10 +420,10 @@ class GraphedForwardBackward:
                 or grid_keys(inputs.upcoming, self.bucket))
 
     def _finish_plan(self) -> None:
-        """At every process's second call: the GPU seconds a token of the replay of the largest
-        graph it just queued (waited for: the GPU then idles through the plan's host work), agreed
-        across processes, plan the sizes; the ones not deferred are captured now. A process whose
-        second micro-batch took another graph (or none) brings no timing."""
+        """At every process's second call: the GPU seconds a token of the largest graph's first
+        replay (waited for; where it was the first call's, the second's runs through the plan's
+        host work), agreed across processes, plan the sizes; the ones not deferred are captured
+        now. A process whose timed micro-batch took another graph (or none) brings no timing."""
         due, self.plan_due = self.plan_due, None
         timing = None
         if due["events"] is not None:
