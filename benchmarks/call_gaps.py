@@ -1,0 +1,103 @@
+"""Where a whole `hivetune bench` run's GPU time goes, call by call, without a profiler: CUDA
+events around each of the loop's micro-step calls (replay, capture or eager) and optimizer steps.
+
+    python benchmarks/call_gaps.py W4                      # after an untimed run has warmed the caches
+    python benchmarks/call_gaps.py W1 cuda_graphs=false    # config overrides as key=value
+
+Prints, and writes as JSON to $OUT (or /tmp)/call-gaps-<workload>.json: the run's figures, the
+GPU's idle time between calls (a call's start event fires when the GPU reaches it, so a gap is
+time the GPU waited for the host), each kind's GPU time (a call's events bracket its own work
+and any idle inside it: the first call's capture shows as its host time), the longest gaps and
+the first calls. Not a results line: the figures of record come from `hivetune bench`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from hivetune.core.config import parse_overrides  # noqa: E402
+from hivetune.train import loop  # noqa: E402
+from hivetune.workflows import bench  # noqa: E402
+
+CALLS: list[tuple] = []  # (kind, start event, end event, host seconds, tokens)
+
+
+def _event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _traced_optimizer_step(step):
+    def traced(*args, **kwargs):
+        t0, start = time.perf_counter(), _event()
+        out = step(*args, **kwargs)
+        CALLS.append(("optimizer", start, _event(), time.perf_counter() - t0, None))
+        return out
+    return traced
+
+
+def _traced_micro_step_fn(make):
+    def traced_make(run, loss_fn):
+        micro_step = make(run, loss_fn)
+
+        class Traced:
+            def __getattr__(self, name):
+                return getattr(micro_step, name)
+
+            def __call__(self, batch, n_targets):
+                before = dict(getattr(micro_step, "stats", None) or {})
+                t0, start = time.perf_counter(), _event()
+                loss = micro_step(batch, n_targets)
+                end, after = _event(), getattr(micro_step, "stats", None) or {}
+                kind = next((k for k, stat in (("capture", "graphs"), ("replay", "replays"), ("eager", "eager"))
+                             if after.get(stat, 0) > before.get(stat, 0)), "eager")
+                CALLS.append((kind, start, end, time.perf_counter() - t0, batch.input_ids.shape[1]))
+                return loss
+        return Traced()
+    return traced_make
+
+
+def summary(result: dict) -> dict:
+    rows, busy, idle = [], {}, 0.0
+    first = CALLS[0][1]
+    for i, (kind, start, end, host_s, tokens) in enumerate(CALLS):
+        gap = CALLS[i - 1][2].elapsed_time(start) if i else 0.0
+        idle += max(gap, 0.0)
+        gpu = start.elapsed_time(end)
+        busy.setdefault(kind, []).append(gpu)
+        rows.append({"i": i, "kind": kind, "tokens": tokens, "gpu_ms": round(gpu, 2), "gap_ms": round(gap, 2),
+                     "at_ms": round(first.elapsed_time(start), 1), "host_ms": round(1000 * host_s, 2)})
+    return {"seconds": result["seconds"], "tokens_per_s": result["tokens_per_s"], "mfu": result["mfu"],
+            "first_step_s": result["first_step_s"], "gpu_span_ms": round(first.elapsed_time(CALLS[-1][2]), 1),
+            "idle_between_calls_ms": round(idle, 1),
+            "by_kind": {k: {"calls": len(v), "gpu_ms": round(sum(v), 1), "mean_ms": round(sum(v) / len(v), 2)}
+                        for k, v in busy.items()},
+            "longest_gaps": sorted(rows, key=lambda r: -r["gap_ms"])[:10], "first_calls": rows[:12],
+            "cuda_graphs": result["cuda_graphs"], "calls": rows}
+
+
+def main() -> None:
+    workload = sys.argv[1] if len(sys.argv) > 1 else "W4"
+    overrides = parse_overrides(sys.argv[2:]) or None
+    loop.optimizer_step = _traced_optimizer_step(loop.optimizer_step)
+    loop.micro_step_fn = _traced_micro_step_fn(loop.micro_step_fn)
+    result = bench.bench(workload, out_dir="/tmp/call-gaps-results", overrides=overrides, table=None)[workload]
+    torch.cuda.synchronize()
+    record = summary(result["hivetune"])
+    print(json.dumps({k: v for k, v in record.items() if k != "calls"}, indent=1))
+    path = Path(os.environ.get("OUT", "/tmp")) / f"call-gaps-{workload}.json"
+    path.write_text(json.dumps(record) + "\n")
+    print(f"-> {path}")
+
+
+if __name__ == "__main__":
+    main()
