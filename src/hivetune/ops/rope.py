@@ -56,14 +56,24 @@ class RoPEFunction(torch.autograd.Function):
         return _rope_launch(dy.contiguous(), cos, sin, -1), None, None
 
 
+def _blocks(hq: int, hk: int, d: int) -> dict:
+    """The joined q/k/v kernels' block sizes: q's and k's head counts, half a head, to powers of two."""
+    return {"HQ_BLOCK": triton.next_power_of_2(hq), "HK_BLOCK": triton.next_power_of_2(hk),
+            "D_BLOCK": triton.next_power_of_2(d // 2)}
+
+
+def _head_grads(grads, heads, b: int, t: int, d: int, like: torch.Tensor) -> list[torch.Tensor]:
+    """The gradients of q, k and v [B, T, heads, D] as the joined kernels read them: contiguous,
+    zeros (like `like`) for an output that got none."""
+    return [g.contiguous() if g is not None else like.new_zeros((b, t, h, d)) for g, h in zip(grads, heads)]
+
+
 def _rope_qkv_launch(src, dst, cos, sin, hq: int, hk: int, sign: int) -> None:
     """src / dst: (q, k, v) pointers' tensors and their token strides, as _rope_qkv takes them."""
     (qs, ks, vs, q_src, kv_src), (qd, kd, vd, q_dst, kv_dst) = src, dst
     half = cos.shape[-1] // 2
     _rope_qkv[(cos.numel() // cos.shape[-1],)](qs, ks, vs, qd, kd, vd, cos, sin, hq, hk, half, q_src, kv_src, q_dst,
-                                               kv_dst, sign, HQ_BLOCK=triton.next_power_of_2(hq),
-                                               HK_BLOCK=triton.next_power_of_2(hk),
-                                               D_BLOCK=triton.next_power_of_2(half))
+                                               kv_dst, sign, **_blocks(hq, hk, 2 * half))
 
 
 class RoPEQKVFunction(torch.autograd.Function):
@@ -89,8 +99,7 @@ class RoPEQKVFunction(torch.autograd.Function):
         hq, hk = ctx.hq, ctx.hk
         b, t, width = ctx.shape
         d = width // (hq + 2 * hk)
-        dq, dk, dv = (g.contiguous() if g is not None else torch.zeros((b, t, h, d), dtype=cos.dtype, device=cos.device)
-                      for g, h in ((dq, hq), (dk, hk), (dv, hk)))
+        dq, dk, dv = _head_grads((dq, dk, dv), (hq, hk, hk), b, t, d, cos)
         dx = dq.new_empty(ctx.shape)
         _rope_qkv_launch((dq, dk, dv, hq * d, hk * d), (dx, dx[..., hq * d:], dx[..., (hq + hk) * d:], width, width),
                          cos, sin, hq, hk, -1)
@@ -109,11 +118,6 @@ def rope_qkv(joined: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int
     [B, T, heads, D]: one kernel each way, against a split, two RoPE kernels and v's copy (and in
     backward two RoPE kernels and a cat)."""
     return RoPEQKVFunction.apply(joined, cos, sin, hq, hk)
-
-
-def _blocks(hq: int, hk: int, d: int) -> dict:
-    return {"HQ_BLOCK": triton.next_power_of_2(hq), "HK_BLOCK": triton.next_power_of_2(hk),
-            "D_BLOCK": triton.next_power_of_2(d // 2)}
 
 
 class QKNormRoPEFunction(torch.autograd.Function):
@@ -140,8 +144,7 @@ class QKNormRoPEFunction(torch.autograd.Function):
         hq, hk = ctx.hq, ctx.hk
         b, t, width = joined.shape
         d = width // (hq + 2 * hk)
-        dq, dk, dv = (g.contiguous() if g is not None else joined.new_zeros((b, t, h, d))
-                      for g, h in ((dq, hq), (dk, hk), (dv, hk)))
+        dq, dk, dv = _head_grads((dq, dk, dv), (hq, hk, hk), b, t, d, joined)
         dx = torch.empty_like(joined)
         _qk_norm_rope_bwd[(b * t,)](dq, dk, dv, joined, dx, q_weight, k_weight, cos, sin, hq, hk, d // 2, width,
                                     ctx.eps, **_blocks(hq, hk, d))

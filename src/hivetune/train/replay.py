@@ -41,6 +41,7 @@ import collections
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -346,17 +347,12 @@ class GraphedForwardBackward:
         of its host time), its LoRA gradients zeroed after. False where it does not apply (fewer
         layers, activation offload: it plans per layer index)."""
         model = self.model
-        layers = model.model.layers
-        if len(layers) <= PRELOAD_LAYERS or getattr(model, "activation_offload", None) is not None:
+        if len(model.model.layers) <= PRELOAD_LAYERS or getattr(model, "activation_offload", None) is not None:
             return False
         main = torch.cuda.current_stream()
         self.stream.wait_stream(main)
-        model.model.layers = torch.nn.ModuleList(layers[:PRELOAD_LAYERS])
-        try:
-            with torch.cuda.stream(self.stream):
-                self._body(bucket)
-        finally:
-            model.model.layers = layers
+        with self._cut(), torch.cuda.stream(self.stream):
+            self._body(bucket)
         main.wait_stream(self.stream)
         for p in self.params:
             p.grad = None
@@ -477,25 +473,33 @@ class GraphedForwardBackward:
         its host pass. Skipped with activation offload (it plans per layer index). stats:
         preloaded (sizes), preload_s."""
         model = self.model
-        layers = model.model.layers
-        if len(layers) < 2 or getattr(model, "activation_offload", None) is not None:
+        if len(model.model.layers) < 2 or getattr(model, "activation_offload", None) is not None:
             return
         t0, key = time.perf_counter(), keys[0]
-        model.model.layers = torch.nn.ModuleList(layers[:PRELOAD_LAYERS])
-        try:
-            for key in keys:
-                bucket = self._new_bucket(key)
-                # never instantiated (where torch can keep a graph uninstantiated): nothing of it runs
-                self._record(torch.cuda.CUDAGraph(keep_graph=True) if keeps_graphs() else torch.cuda.CUDAGraph(),
-                             bucket)
-                self.preloaded[key] = bucket
-        except Exception as e:  # noqa: BLE001 - as a failed capture: eager from here
-            self._capture_failed(f"a preload capture (the first {len(model.model.layers)} layers) of a {key[0]}-token "
-                                 f"bucket failed: {first_line(e)}")
-        finally:
-            model.model.layers = layers
+        with self._cut():
+            try:
+                for key in keys:
+                    bucket = self._new_bucket(key)
+                    # never instantiated (where torch can keep a graph uninstantiated): nothing of it runs
+                    self._record(torch.cuda.CUDAGraph(keep_graph=True) if keeps_graphs() else torch.cuda.CUDAGraph(),
+                                 bucket)
+                    self.preloaded[key] = bucket
+            except Exception as e:  # noqa: BLE001 - as a failed capture: eager from here
+                self._capture_failed(f"a preload capture (the first {len(model.model.layers)} layers) of a "
+                                     f"{key[0]}-token bucket failed: {first_line(e)}")
         self.stats["preloaded"] = len(self.preloaded)
         self.stats["preload_s"] = round(time.perf_counter() - t0, 3)
+
+    @contextmanager
+    def _cut(self):
+        """The model cut to its first PRELOAD_LAYERS decoder layers (embedding, final norm, head
+        and loss kept) while inside; its layers put back after."""
+        layers = self.model.model.layers
+        self.model.model.layers = torch.nn.ModuleList(layers[:PRELOAD_LAYERS])
+        try:
+            yield
+        finally:
+            self.model.model.layers = layers
 
     def _instantiator(self):
         if self.instantiator is None:
