@@ -435,6 +435,40 @@ def test_default_graph_plan_holds_targets_and_replays_everything(tmp_path, monke
     assert all(torch.isfinite(torch.tensor(losses))) and torch.isfinite(grads).all()
 
 
+def test_size_plan_times_one_replay_of_the_largest_graph(tmp_path, monkeypatch):
+    """The plan's GPU seconds a token come from one replay: its timing events are each recorded
+    once, around the replay of the largest graph that the first micro-batch takes, and not again
+    around the second call's replay of that graph (which would time two replays and the host's
+    work between them, and make _finish_plan wait for the second)."""
+    records = []  # (event, replays counted when recorded) of the timing events recorded in _replay
+    inside = {}
+
+    class Spied(torch.cuda.Event):
+        def __init__(self, enable_timing=False, **kwargs):
+            self.timing = enable_timing
+
+        def record(self, stream=None):
+            if self.timing and inside:
+                records.append((self, inside["graphed"].stats["replays"]))
+            return super().record(stream)
+
+    replay_of = replay.GraphedForwardBackward._replay
+
+    def spied_replay(self, key, bucket):
+        inside["graphed"] = self
+        try:
+            return replay_of(self, key, bucket)
+        finally:
+            inside.clear()
+
+    monkeypatch.setattr(torch.cuda, "Event", Spied)
+    monkeypatch.setattr(replay.GraphedForwardBackward, "_replay", spied_replay)
+    _, _, graphed = deferred_run(tmp_path / "timed")
+    assert graphed.stats["plan"] == "on the first replay" and graphed.stats["plan_us_per_token"] > 0
+    assert len(records) == 2 and records[0][0] is not records[1][0]
+    assert (records[0][1], records[1][1]) == (0, 1)
+
+
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 def test_checkpointed_layers_recompute_with_their_forwards_dropout_seeds(graphed, tmp_path):
     """Seeded LoRA dropout (p 0.3) with gradient checkpointing, eager and CUDA-graphed: the

@@ -51,3 +51,24 @@ def test_prefetch_asks_for_torchs_libraries_first():
     assert files and files[0].parent.name == "lib" and files[0].parent.parent.name == "torch"
     assert all(".so" in f.name for f in files)
     assert triton_early.prefetch() == len(files)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_hash_kernels_hashes_every_triton_function_of_the_ops():
+    """The prewarm thread's hash_kernels: every jitted function of hivetune.ops.kernels has its
+    source hash afterwards (the one its first launch would compute), none left at Triton's
+    placeholder, and the count is theirs."""
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import hivetune.ops.kernels as package
+    from hivetune.ops.triton_util import hash_kernels
+
+    hashed = hash_kernels()
+    functions = [value for info in pkgutil.iter_modules(package.__path__)
+                 for value in vars(importlib.import_module(f"{package.__name__}.{info.name}")).values()
+                 if isinstance(value, JITFunction) and value.__module__.startswith(package.__name__ + ".")]
+    functions = list({id(f): f for f in functions}.values())
+    assert hashed == len(functions) > 20
+    assert all(f.hash is not None and len(f.hash) == 64 and not f.hash.startswith("recursion:") for f in functions)

@@ -11,7 +11,7 @@ import torch
 from hivetune.core.fallbacks import forced
 from hivetune.ops import compile_ahead, triton_early
 from hivetune.ops.adamw import FusedAdamW, clip_grad_norm
-from hivetune.ops.triton_util import load_kernels
+from hivetune.ops.triton_util import hash_kernels, load_kernels
 
 _PREWARM: threading.Thread | None = None
 PREWARM_DONE_AT: float | None = None  # time.perf_counter() when the prewarm thread finished (bench records it)
@@ -22,7 +22,8 @@ def prewarm(device: torch.device, compile_workers: int = -1) -> None:
     """Start, in a background thread, work a process otherwise does at its first training step:
     - the compile workers of ops.compile_ahead, where Triton's cache looks cold (compile_workers:
       the config key; -1 auto, 0 off);
-    - the fused ops' first call: importing Triton and defining their kernels (load_kernels);
+    - the fused ops' first call: importing Triton and defining their kernels (load_kernels), and
+      each kernel's first launch: hashing its source (hash_kernels);
     - Triton's, at its first kernel launch: hashing its own installation for the cache key
       (~0.4 s on the device's hosts) and importing its gluon modules (~0.2 s);
     - the kernels the first step meets only after its forward and backward, each run once on a
@@ -48,6 +49,7 @@ def prewarm(device: torch.device, compile_workers: int = -1) -> None:
                 compile_ahead.start(torch.device("cuda", index),
                                     compile_ahead.default_workers() if compile_workers < 0 else compile_workers)
                 load_kernels()  # Triton's import and the ops' kernels, which the first fused call needs
+                hash_kernels()
             except Exception:  # noqa: BLE001 - a Triton without these private parts: its first launch pays
                 pass
             triton_early.warm()  # Triton's cache key and gluon modules (done already where the CLI began them)

@@ -90,6 +90,31 @@ def load_kernels() -> bool:
     return triton is not None
 
 
+def hash_kernels() -> int:
+    """Each Triton function's source hash (JITFunction.cache_key: its source and those of the
+    jitted functions it calls, their ASTs walked), which the first launch of a kernel computes
+    otherwise (a few ms a kernel, in the first step's host time); the prewarm thread calls it
+    after load_kernels. Returns how many functions it hashed (0 without Triton)."""
+    if not load_kernels():
+        return 0
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import hivetune.ops.kernels as package
+
+    hashed = 0
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for value in vars(module).values():
+            fn = value if isinstance(value, JITFunction) else getattr(value, "fn", None)  # or an autotuner's
+            if isinstance(fn, JITFunction) and fn.__module__ == module.__name__:
+                fn.cache_key  # noqa: B018 - computed once, kept by the function (under its lock)
+                hashed += 1
+    return hashed
+
+
 def elementwise_grid(n: int, block: int) -> tuple[int]:
     """A 1-D launch grid covering n elements, `block` a program."""
     return (triton.cdiv(n, block),)

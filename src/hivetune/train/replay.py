@@ -206,12 +206,13 @@ class GraphedForwardBackward:
         """The loss of the micro-batch loaded into `bucket`, its graph replayed (timed where the
         size plan waits for that); then the next deferred capture, where one is due."""
         due = self.plan_due
-        if due is not None and key == due["top"] and due["events"] is None:  # the plan's timing
+        timed = due is not None and key == due["top"] and due["events"] is None  # the plan's timing: this replay alone
+        if timed:
             due["events"] = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             due["events"][0].record()
         bucket.graph.replay()
         self.stats["replays"] += 1
-        if due is not None and due["events"] is not None and key == due["top"]:
+        if timed:
             due["events"][1].record()
         loss = bucket.loss.clone()  # now: the next replay of a graph in this pool may overwrite it
         if self.pending and self._instantiated() and self._lead_enough():
@@ -447,6 +448,7 @@ class GraphedForwardBackward:
             self.defer = defers_captures(capture_s, s_per_token * sum(t for t, _ in micro) / len(micro))
         capture_tokens = capture_cost_tokens(capture_s * (DEFERRED_CAPTURE_SHARE if self.defer else 1.0), s_per_token)
         self.stats["capture_tokens"] = round(capture_tokens)
+        self.stats["plan_us_per_token"] = round(s_per_token * 1e6, 4)
         groups: dict[int, list[int]] = {}
         for t, segments in micro:
             groups.setdefault(segments, []).append(t)
