@@ -11,7 +11,7 @@ time the GPU waited for the host), each kind's GPU time (a call's events bracket
 and any idle inside it: the first call's capture shows as its host time), the longest gaps and
 the first calls. With --kernels N, micro-steps N and N + 1 run under torch's profiler: each kernel's
 time and the GPU's idle time before it (the joins of a replay's kernels), summed by kernel name
-(the profiler's tracing lengthens those calls). Not a results line: the figures of record come from `hivetune bench`.
+and in start order (the profiler's tracing lengthens those calls). Not a results line: the figures of record come from `hivetune bench`.
 """
 
 from __future__ import annotations
@@ -97,8 +97,10 @@ def kernel_gaps(profiler) -> dict:
     busy = sum(r[1] for r in by_name.values())
     rows = sorted(({"name": n, "count": c, "us": round(t), "idle_before_us": round(g), "idle_each_us": round(g / c, 2)}
                    for n, (c, t, g) in by_name.items()), key=lambda r: -r["idle_before_us"])
+    order = [(round(start - kernels[0][0], 1), round(stop - start, 2), name[:60]) for start, stop, name in kernels]
     return {"kernels": len(kernels), "busy_ms": round(busy / 1000, 2), "idle_ms": round(idle / 1000, 2),
-            "span_ms": round((kernels[-1][1] - kernels[0][0]) / 1000, 2) if kernels else 0.0, "by_name": rows}
+            "span_ms": round((kernels[-1][1] - kernels[0][0]) / 1000, 2) if kernels else 0.0, "by_name": rows,
+            "order": order}
 
 
 def summary(result: dict) -> dict:
@@ -135,7 +137,8 @@ def main() -> None:
     record = summary(result["hivetune"])
     shown = {k: v for k, v in record.items() if k not in ("calls", "kernels")}
     if record["kernels"]:
-        shown["kernels"] = dict(record["kernels"], by_name=record["kernels"]["by_name"][:25])
+        shown["kernels"] = {k: v for k, v in record["kernels"].items() if k != "order"}
+        shown["kernels"]["by_name"] = shown["kernels"]["by_name"][:25]
     print(json.dumps(shown, indent=1))
     path = Path(os.environ.get("OUT", "/tmp")) / f"call-gaps-{workload}.json"
     path.write_text(json.dumps(record) + "\n")

@@ -366,6 +366,31 @@ def test_wide_groups_match_the_addmm_of_the_update(lora_model_and_batch, monkeyp
 
 
 @pytest.mark.skipif(triton_util.triton is None, reason="needs Triton")
+def test_wide_groups_take_the_norms_dropout_where_the_in_matmul_kernels_would_suit(lora_model_and_batch, monkeypatch):
+    """Groups whose shapes suit the in-matmul dropout kernels (DROP_MM_MIN_D lowered to the
+    fixture's width) still take the norm's dropout kernel where they are wide (lora.drops_in_matmul),
+    so that the update rides in the base matmul: all 4 groups normed and wide, none through the
+    in-matmul kernels; unwidened (room 0), the same model's groups take those kernels. The
+    losses agree to rounding (the masks are the same)."""
+    from hivetune.model import lora as lora_model
+    from hivetune.ops import lora_group as lg
+    monkeypatch.setattr(lora_dropout, "DROP_MM_MIN_D", 128)
+    model, batch = dropout_model(lora_model_and_batch)
+    assert model.args.hidden_size % 128 == 0
+    normed, wide, in_matmul = [], [], []
+    real_norm, real_wide, real_drop = norm_op.rms_norm_dropped, lg.wide_matrix, lg.drop_matmul
+    monkeypatch.setattr(norm_op, "rms_norm_dropped", lambda *a: normed.append(1) or real_norm(*a))
+    monkeypatch.setattr(lg, "wide_matrix", lambda w, bd: wide.append(real_wide(w, bd) is not None) or real_wide(w, bd))
+    monkeypatch.setattr(lg, "drop_matmul", lambda *a: in_matmul.append(1) or real_drop(*a))
+    loss, _, _ = loss_grads_saved(model, batch)
+    assert len(normed) == 4 and wide == [True] * 4 and not in_matmul
+    monkeypatch.setattr(lora_model, "drops_in_matmul", lambda d, r, room: lora_dropout.drop_matmul_shape(d, r))
+    ref_loss, _, _ = loss_grads_saved(model, batch)
+    assert len(normed) == 4 and len(in_matmul) == 4
+    assert loss == pytest.approx(ref_loss, rel=2e-3)
+
+
+@pytest.mark.skipif(triton_util.triton is None, reason="needs Triton")
 def test_rope_of_the_joined_qkv_matches_split_rope(lora_model_and_batch, monkeypatch):
     """The joined q/k/v output goes through RoPE and v's copy in one kernel (rope_op.rope_qkv):
     the loss of split + RoPE + copy (rope_qkv_ok false) bit for bit, and its LoRA

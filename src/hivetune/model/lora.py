@@ -157,6 +157,16 @@ def project_shared_input(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tens
     return [add_low_rank(m.base_layer(x), a, m.lora_B.weight) for m, a in zip(lora, a_all.split(rank, dim=-1))]
 
 
+def drops_in_matmul(d: int, r: int, room: int) -> bool:
+    """Whether a group of input width d and n r = `r` LoRA rows takes the in-matmul dropout
+    kernels (ops.lora_dropout) rather than the norm's dropout kernel (FusedProjections.normed):
+    where their shapes suit and the group has no wide layout (`room`: its free columns). With
+    one, the norm's dropped input lets the LoRA update ride in the base matmul, which the
+    in-matmul kernels cannot: W4's gate/up otherwise adds a matmul reading and writing all of
+    its [T, 12,288] output each way (docs/log.md)."""
+    return lora_dropout.drop_matmul_shape(d, r) and not room
+
+
 class FusedProjections:
     """Layers that read one input (q/k/v, or gate/up) with their base weights stored as one
     [sum out, in] tensor: each ``base_layer.weight`` is a row view of it, so parameter names,
@@ -241,20 +251,20 @@ class FusedProjections:
         ~140 kernels a step fewer: the dropout, its masked add into dx and autograd's add of the
         residual's gradient, per group and layer. None where that does not apply (no seeded
         dropout in force, a norm that is not the Triton one, autocast into another dtype, the
-        in-matmul dropout kernels chosen for the group); the caller then runs norm(x) and the
-        group."""
+        in-matmul dropout kernels chosen for the group: drops_in_matmul); the caller then runs
+        norm(x) and the group."""
         lora = [m for m in self.layers if isinstance(m, LoRALinear) and m.enabled]
         if not lora or not shares_one_update(lora, self.layers) or not torch.is_grad_enabled():
             return None
         first = lora[0]
         p = first.dropout_p()
         device = x.device.type
+        room = self.room if self.lora_cols == len(lora) * first.lora_A.out_features and casts_active() else 0
         if (p <= 0 or not norm_op.rms_norm_dropped_ok(x, norm.weight)
                 or (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != x.dtype)
-                or lora_dropout.drop_matmul_shape(x.shape[-1], len(lora) * first.lora_A.out_features)):
+                or drops_in_matmul(x.shape[-1], len(lora) * first.lora_A.out_features, room)):
             return None
         seed = dropout_seed(x.device)
-        room = self.room if self.lora_cols == len(lora) * first.lora_A.out_features and casts_active() else 0
         y, yd, residual = norm_op.rms_norm_dropped(x, norm.weight, norm.eps, seed, p, room)
         redo = partial(norm_op.rms_norm_dropped_only, weight=norm.weight, eps=norm.eps, seed=seed, p=p)
         joined = lora_group(y, self.weight, self.bias, self.sizes, p, first.scaling, [m.lora_A.weight for m in lora],
