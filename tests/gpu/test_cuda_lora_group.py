@@ -370,7 +370,8 @@ def test_wide_groups_take_the_norms_dropout_where_the_in_matmul_kernels_would_su
     """Groups whose shapes suit the in-matmul dropout kernels (DROP_MM_MIN_D lowered to the
     fixture's width) still take the norm's dropout kernel where they are wide (lora.drops_in_matmul),
     so that the update rides in the base matmul: all 4 groups normed and wide, none through the
-    in-matmul kernels; unwidened (room 0), the same model's groups take those kernels. The
+    in-matmul kernels (o_proj, no group, takes them); with the in-matmul kernels chosen whatever
+    the layout, the same model's groups take them. The
     losses agree to rounding (the masks are the same)."""
     from hivetune.model import lora as lora_model
     from hivetune.ops import lora_group as lg
@@ -381,12 +382,14 @@ def test_wide_groups_take_the_norms_dropout_where_the_in_matmul_kernels_would_su
     real_norm, real_wide, real_drop = norm_op.rms_norm_dropped, lg.wide_matrix, lg.drop_matmul
     monkeypatch.setattr(norm_op, "rms_norm_dropped", lambda *a: normed.append(1) or real_norm(*a))
     monkeypatch.setattr(lg, "wide_matrix", lambda w, bd: wide.append(real_wide(w, bd) is not None) or real_wide(w, bd))
-    monkeypatch.setattr(lg, "drop_matmul", lambda *a: in_matmul.append(1) or real_drop(*a))
+    r = model.model.layers[0].mlp.gate_proj.lora_A.out_features
+    # each call's A rows: a group's n r, or o_proj's r (one layer, no group: in-matmul either way)
+    monkeypatch.setattr(lg, "drop_matmul", lambda x, a, *rest: in_matmul.append(a.shape[0]) or real_drop(x, a, *rest))
     loss, _, _ = loss_grads_saved(model, batch)
-    assert len(normed) == 4 and wide == [True] * 4 and not in_matmul
+    assert len(normed) == 4 and wide == [True] * 4 and in_matmul == [r] * 2
     monkeypatch.setattr(lora_model, "drops_in_matmul", lambda d, r, room: lora_dropout.drop_matmul_shape(d, r))
     ref_loss, _, _ = loss_grads_saved(model, batch)
-    assert len(normed) == 4 and len(in_matmul) == 4
+    assert len(normed) == 4 and sorted(in_matmul[2:]) == sorted([3 * r, r, 2 * r] * 2)
     assert loss == pytest.approx(ref_loss, rel=2e-3)
 
 
