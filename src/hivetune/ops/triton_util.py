@@ -91,25 +91,24 @@ def load_kernels() -> bool:
 
 
 def hash_kernels() -> int:
-    """Each Triton function's source hash (JITFunction.cache_key: its source and those of the
-    jitted functions it calls, their ASTs walked), which the first launch of a kernel computes
-    otherwise (a few ms a kernel, in the first step's host time); the prewarm thread calls it
-    after load_kernels. Returns how many functions it hashed (0 without Triton)."""
+    """The source hash (JITFunction.cache_key: its source and those of the jitted functions it
+    calls, their ASTs walked) of each Triton function that load_kernels defined (the kernels of
+    the op modules imported), which the first launch of a kernel computes otherwise (a few ms a
+    kernel, in the first step's host time); the prewarm thread calls it after load_kernels.
+    Returns how many functions it hashed (0 without Triton)."""
     if not load_kernels():
         return 0
-    import importlib
-    import pkgutil
+    import sys
 
     from triton.runtime.jit import JITFunction
 
-    import hivetune.ops.kernels as package
-
     hashed = 0
-    for info in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
-        for value in vars(module).values():
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("hivetune.ops.kernels.") or module is None:
+            continue
+        for value in list(vars(module).values()):
             fn = value if isinstance(value, JITFunction) else getattr(value, "fn", None)  # or an autotuner's
-            if isinstance(fn, JITFunction) and fn.__module__ == module.__name__:
+            if isinstance(fn, JITFunction) and fn.__module__ == name:
                 fn.cache_key  # noqa: B018 - computed once, kept by the function (under its lock)
                 hashed += 1
     return hashed
