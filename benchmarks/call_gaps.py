@@ -22,9 +22,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from hivetune.ops import triton_early  # noqa: E402
+
+triton_early.start("bench")  # before torch's import, as the CLI does: else the first step waits for the prewarm
+
+import torch  # noqa: E402
 
 from hivetune.core.config import parse_overrides  # noqa: E402
 from hivetune.train import loop  # noqa: E402
