@@ -223,6 +223,11 @@ class FusedProjections:
                 b.bias = nn.Parameter(self.bias[row:row + size], requires_grad=False)
             row += size
 
+    def _room(self, lora: list) -> int:
+        """The free columns the wide path writes xa into: the layout's room where its LoRA columns
+        are these layers' A rows and the casts are in force, else 0."""
+        return self.room if self.lora_cols == len(lora) * lora[0].lora_A.out_features and casts_active() else 0
+
     def __call__(self, x: torch.Tensor, source=None) -> torch.Tensor | None:
         """`source`: (fn, tensor) with x = fn(tensor), kept for backward anyway (ops.lora_group)."""
         lora = [m for m in self.layers if isinstance(m, LoRALinear) and m.enabled]
@@ -233,7 +238,7 @@ class FusedProjections:
         if not shares_one_update(lora, self.layers):
             return None
         first = lora[0]
-        room = self.room if self.lora_cols == len(lora) * first.lora_A.out_features and casts_active() else 0
+        room = self._room(lora)
         if room and (first.dropout_p() == 0 or not dropout_op.seeded_dropout_ok(x)):
             # x into a buffer with the free columns the wide path writes xa into (the seeded
             # dropout of the group's own is not taken there: no copy for nothing)
@@ -259,7 +264,7 @@ class FusedProjections:
         first = lora[0]
         p = first.dropout_p()
         device = x.device.type
-        room = self.room if self.lora_cols == len(lora) * first.lora_A.out_features and casts_active() else 0
+        room = self._room(lora)
         if (p <= 0 or not norm_op.rms_norm_dropped_ok(x, norm.weight)
                 or (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != x.dtype)
                 or drops_in_matmul(x.shape[-1], len(lora) * first.lora_A.out_features, room)):

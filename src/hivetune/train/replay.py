@@ -316,11 +316,8 @@ class GraphedForwardBackward:
             bucket.load(padded, n_targets)
             cut = self._warm_up_cut(bucket)
             if not cut:
-                main = torch.cuda.current_stream()
-                self.stream.wait_stream(main)
-                with torch.cuda.stream(self.stream):
+                with self._on_capture_stream() as main:
                     loss = self._body(bucket)
-                main.wait_stream(self.stream)
                 loss.record_stream(main)
             self.stats["warmup_layers"] = PRELOAD_LAYERS if cut else len(self.model.model.layers)
             self.warmed = True
@@ -350,11 +347,8 @@ class GraphedForwardBackward:
         model = self.model
         if len(model.model.layers) <= PRELOAD_LAYERS or getattr(model, "activation_offload", None) is not None:
             return False
-        main = torch.cuda.current_stream()
-        self.stream.wait_stream(main)
-        with self._cut(), torch.cuda.stream(self.stream):
+        with self._cut(), self._on_capture_stream():
             self._body(bucket)
-        main.wait_stream(self.stream)
         for p in self.params:
             p.grad = None
         self._attach_grads()  # the persistent gradients, zeroed
@@ -562,9 +556,7 @@ class GraphedForwardBackward:
         on the capture stream: it zeroes the CUDA generator's graph offset, which a replay
         drawing from the generator reads (not fit's: their seeds are static inputs). Ordered
         after the queued replays, and later work after it (GPU-side waits: the host goes on)."""
-        main = torch.cuda.current_stream()
-        self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):
+        with self._on_capture_stream() as main:
             if timed:
                 queued = torch.cuda.Event()
                 queued.record(main)
@@ -577,8 +569,17 @@ class GraphedForwardBackward:
                 loss = self._body(bucket)
             finally:
                 graph.capture_end()
-        main.wait_stream(self.stream)
         return loss
+
+    @contextmanager
+    def _on_capture_stream(self):
+        """Inside: the capture stream current, after the main stream's queued work (a GPU-side
+        wait); yields the main stream, which waits for the capture stream's work after."""
+        main = torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            yield main
+        main.wait_stream(self.stream)
 
     def _capture_failed(self, reason: str) -> None:
         """After a capture that raised: the device settled, the generator released, eager from here."""
