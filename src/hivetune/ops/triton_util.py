@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import threading
 
 import torch
@@ -98,8 +99,6 @@ def hash_kernels() -> int:
     Returns how many functions it hashed (0 without Triton)."""
     if not load_kernels():
         return 0
-    import sys
-
     from triton.runtime.jit import JITFunction
 
     hashed = 0
