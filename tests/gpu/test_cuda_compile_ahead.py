@@ -1,6 +1,7 @@
 """ops.compile_ahead on a GPU, each run a fresh process with its own Triton cache: the first pass's
 missing kernels compiled by the workers leave the real pass nothing to compile, and the run's
-losses are those of a run that compiled at each launch; a warm cache starts no workers."""
+losses are those of a run that compiled at each launch; a warm cache starts no workers; a cache
+warm from another model's run still lets the twin find this model's new kernels early."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def train(model_dir, data, out: Path, workers: int, cache: Path) -> dict:
 
 
 def test_kernels_compiled_ahead_leave_the_real_pass_nothing_and_the_losses_unchanged(
-        tiny_model_dir, alpaca_file, tmp_path):
+        tiny_model_dir, tiny_gemma2_dir, alpaca_file, tmp_path):
     ahead = train(tiny_model_dir, alpaca_file, tmp_path / "ahead", 4, tmp_path / "cache-ahead")
     plain = train(tiny_model_dir, alpaca_file, tmp_path / "plain", 0, tmp_path / "cache-plain")
     stats = ahead["stats"]
@@ -52,9 +53,16 @@ def test_kernels_compiled_ahead_leave_the_real_pass_nothing_and_the_losses_uncha
     assert plain["stats"] is None  # compile_workers: 0
     assert ahead["losses"][0] == plain["losses"][0]  # the discovery pass left no trace in the first step
     assert ahead["losses"] == pytest.approx(plain["losses"], rel=1e-3)
-    assert list((tmp_path / "cache-ahead").glob("hivetune-*.warm"))
+    assert len(list((tmp_path / "cache-ahead").glob("hivetune-*.warm"))) == 2  # hivetune's, the model's
 
     again = train(tiny_model_dir, alpaca_file, tmp_path / "again", 4, tmp_path / "cache-ahead")
     assert {k: again["stats"][k] for k in ("kernels", "workers_started_early", "early")} == {
         "kernels": 0, "workers_started_early": False, "early": None}
     assert again["losses"][0] == ahead["losses"][0]
+
+    # another model on that cache: its marker missing, the twin meets its new kernels before its
+    # weights load (the workers start then), and its first pass leaves its marker
+    other = train(tiny_gemma2_dir, alpaca_file, tmp_path / "other", 4, tmp_path / "cache-ahead")["stats"]
+    assert other["kernels"] >= 1 and other["workers_started_early"] is False, other
+    assert other["early"]["kernels"] == other["kernels"] and other["missed"] == 0 and other["errors"] == [], other
+    assert len(list((tmp_path / "cache-ahead").glob("hivetune-*.warm"))) == 3

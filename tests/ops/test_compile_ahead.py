@@ -180,3 +180,24 @@ def test_a_cold_cache_is_told_without_importing_triton(tmp_path, monkeypatch):
     assert compile_ahead.may_start(-1) and not compile_ahead.may_start(0)
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert not compile_ahead.may_start(4)
+
+
+def test_a_models_marker_lets_the_twin_run_on_a_cache_warm_from_other_models(tmp_path, monkeypatch):
+    """The hivetune-wide marker present, this model's absent: the cache looks cold for its key, the
+    twin may discover (the workers start at its first missing kernel), and the finished first
+    pass leaves both markers; the next run of that model finds its own."""
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    marker = compile_ahead.warm_marker(tmp_path, "9.9.9")
+    marker.touch()
+    assert not compile_ahead.cache_looks_cold() and compile_ahead.cache_looks_cold("k1")
+    assert compile_ahead.warm_marker(tmp_path, "9.9.9", "k1").name == marker.name[:-len(".warm")] + "-k1.warm"
+    warm = compile_ahead.CompileAhead(workers=2, start_now=False, marker=marker)
+    monkeypatch.setattr(compile_ahead, "_AHEAD", warm)
+    assert compile_ahead.discovers_early() is False  # no key: only a cold cache's workers say yes
+    assert compile_ahead.discovers_early("k1") is True and warm.workers is None and not warm.started_early
+    warm.finish()
+    assert not compile_ahead.cache_looks_cold("k1") and compile_ahead.cache_looks_cold("k2")
+    assert compile_ahead.discovers_early("k2") is False  # the first pass has run

@@ -72,3 +72,16 @@ def test_nothing_runs_off_the_gpu_or_for_preferences():
     assert twin.compile_early(config(), ARGS, data, torch.device("cpu"), "fp32") is None
     assert twin.compile_early(config(method="dpo"), ARGS, data, torch.device("cuda"), "bf16") is None
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_the_kernel_key_follows_what_picks_kernels():
+    """Same key for another depth, schedule, seed or output folder; another for a wider model, a
+    LoRA rank, the precision, the batch or the memory planned for."""
+    key = twin.kernel_key(config(), ARGS, "bf16")
+    assert key == twin.kernel_key(config(lr=1e-3, seed=9, max_steps=7, output_dir="elsewhere"),
+                                  dataclasses.replace(ARGS, num_hidden_layers=9), "bf16")
+    assert len({key, twin.kernel_key(config(), dataclasses.replace(ARGS, hidden_size=128), "bf16"),
+                twin.kernel_key(config(lora={"r": 8, "alpha": 8, "dropout": 0.0}), ARGS, "bf16"),
+                twin.kernel_key(config(), ARGS, "fp16"), twin.kernel_key(config(batch_size=8), ARGS, "bf16"),
+                twin.kernel_key(config(), ARGS, "bf16", 24 << 30)}) == 6
+    assert not twin.NOT_KERNELS - {f.name for f in dataclasses.fields(type(config()))}  # each a config key

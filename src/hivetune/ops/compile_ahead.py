@@ -14,7 +14,9 @@ forward and backward twice where that helps:
 A pass that skipped nothing was the real one, and is not repeated (a warm cache costs nothing).
 The workers start with train's prewarm, while the data and the model load, where Triton's cache
 lacks this hivetune's marker (a fresh machine, a new version); else at the first missing
-kernel. Off under torchrun (ranks sharing one cache would disagree on which pass is real) and
+kernel. A finished first pass also leaves one marker per model and configuration (train.twin's
+kernel_key): a cache warm from another model's run still lets the twin find this one's kernels
+before the weights load. Off under torchrun (ranks sharing one cache would disagree on which pass is real) and
 with ``compile_workers: 0``. Anything unexpected (a Triton without these hooks, a worker that
 fails) leaves the kernel to Triton's own compile at its launch.
 """
@@ -123,8 +125,10 @@ class CompileAhead:
 
     def __init__(self, workers: int, start_now: bool, marker: Path | None, target: tuple = ()):
         self.n, self.marker, self.target = workers, marker, target  # target: (backend, arch, warp size)
+        self.markers = [marker] if marker is not None else []  # left by finish(): this hivetune's, one model's
         self.workers = Workers(workers, target) if start_now else None
         self.started_early = start_now
+        self.early_key = ""  # a model's kernel_key whose marker was missing (discovers_early)
         self.pending: dict[str, Future] = {}  # by Triton's cache hash
         self.sent: set = set()
         self.skipped = 0
@@ -173,10 +177,10 @@ class CompileAhead:
         if self.workers is not None:
             self.workers.close()
             self.workers = None
-        if self.marker is not None:
+        for marker in self.markers:
             try:
-                self.marker.parent.mkdir(parents=True, exist_ok=True)
-                self.marker.touch()
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
             except OSError:
                 pass
 
@@ -186,9 +190,10 @@ def may_start(workers: int) -> bool:
     return workers != 0 and int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1
 
 
-def warm_marker(cache_dir: Path, triton_version: str) -> Path:
-    """The file a finished first pass leaves in Triton's cache: this hivetune's kernels are there."""
-    return cache_dir / f"hivetune-{hivetune.__version__}-triton-{triton_version}.warm"
+def warm_marker(cache_dir: Path, triton_version: str, key: str = "") -> Path:
+    """The file a finished first pass leaves in Triton's cache: this hivetune's kernels are there
+    (with `key`, train.twin's kernel_key: one model and configuration's are)."""
+    return cache_dir / f"hivetune-{hivetune.__version__}-triton-{triton_version}{'-' + key if key else ''}.warm"
 
 
 def triton_cache_dir() -> Path:
@@ -198,16 +203,17 @@ def triton_cache_dir() -> Path:
         os.environ.get("TRITON_HOME") or os.path.expanduser("~"), ".triton", "cache"))
 
 
-def cache_looks_cold() -> bool:
-    """Whether Triton's cache (triton_cache_dir) lacks the marker, found without importing Triton.
-    True where Triton's version cannot be read: the caller then asks the workers (discovers_early)."""
+def cache_looks_cold(key: str = "") -> bool:
+    """Whether Triton's cache (triton_cache_dir) lacks the marker (with `key`: that model's, which a
+    first pass leaves beside this hivetune's), found without importing Triton. True where Triton's
+    version cannot be read: the caller then asks the workers (discovers_early)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         triton_version = version("triton")
     except PackageNotFoundError:
         return True
-    return not warm_marker(triton_cache_dir(), triton_version).exists()
+    return not warm_marker(triton_cache_dir(), triton_version, key).exists()
 
 
 def start(device: torch.device, workers: int) -> None:
@@ -233,10 +239,18 @@ def start(device: torch.device, workers: int) -> None:
         return  # kernel compiles at its launch
 
 
-def discovers_early() -> bool:
-    """Whether a pass before the weights load would help: the workers started at prewarm (a cold
-    cache) and the first pass has not run (train.twin)."""
-    return _AHEAD is not None and not _AHEAD.done and _AHEAD.started_early
+def discovers_early(key: str = "") -> bool:
+    """Whether a pass before the weights load would help (train.twin): the first pass has not run,
+    and the workers started at prewarm (a cold cache) or `key` names a model whose marker the
+    cache lacks (cache_looks_cold(key)): the workers then start at the twin's first missing
+    kernel, and the first pass leaves that model's marker too."""
+    ahead = _AHEAD
+    if ahead is None or ahead.done:
+        return False
+    if key and ahead.marker is not None:
+        ahead.early_key = key
+        ahead.markers.append(ahead.marker.with_name(f"{ahead.marker.stem}-{key}{ahead.marker.suffix}"))
+    return ahead.started_early or bool(ahead.early_key)
 
 
 def discover_early(fn) -> dict:

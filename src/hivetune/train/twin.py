@@ -10,7 +10,8 @@ the discovery hook. The workers then compile while the weights load, and the fir
 the kernels on disk. Cutting the layers changes no kernel: every layer runs the same ones, and
 the second layer's backward has the input-gradient products the first lacks.
 
-Only with a cold cache (compile_ahead.discovers_early), supervised fine-tuning, one process. The
+Only where Triton's cache lacks this model's marker (a cold cache, or one warm from other models'
+runs: kernel_key; compile_ahead.discovers_early), supervised fine-tuning, one process. The
 twin leaves nothing behind: the RNG states are put back, its memory is freed before the load,
 and a failure of any kind leaves the kernels to the first pass, as without it.
 """
@@ -18,6 +19,7 @@ and a failure of any kind leaves the kernels to the first pass, as without it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 
 import torch
@@ -43,6 +45,14 @@ from hivetune.train.replay import attach_persistent_grads
 from hivetune.train.run import Run
 
 TWIN_LAYERS = 2
+# config keys that pick no kernel of the first step: left out of kernel_key (a key not named here
+# counts, so a new one errs towards running the twin)
+NOT_KERNELS = frozenset({
+    "model", "data", "data_columns", "data_split", "data_config", "val_data", "val_split", "eval_every",
+    "early_stopping_patience", "output_dir", "init_adapter", "epochs", "max_steps", "lr", "weight_decay", "schedule",
+    "warmup_steps", "min_lr_ratio", "max_grad_norm", "compile_workers", "seed", "device", "threads", "skip_doctor",
+    "log_every", "tensorboard", "report_to", "save_every", "save_every_minutes", "keep_checkpoints", "max_bad_steps",
+    "on_bad_steps", "rollback_lr_factor", "max_rollbacks", "eval_prompts", "max_new_tokens", "eval_examples"})
 
 
 def twin_args(args: ModelArgs, layers: int = TWIN_LAYERS) -> ModelArgs:
@@ -61,16 +71,27 @@ def twin_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, base_q
     return build_model(args, tensors, dtype, device, "twin", base_quant)
 
 
+def kernel_key(cfg: TrainConfig, args: ModelArgs, precision: str, memory_bytes: int | None = None) -> str:
+    """What picks the first step's kernels, hashed: the architecture (its depth aside), the
+    precision, the config keys that shape the model or its micro-batches (not NOT_KERNELS) and
+    the memory the run plans for (compile_early's `memory_bytes`).
+    The marker of a finished first pass under this key (compile_ahead.warm_marker) says its
+    kernels are in Triton's cache."""
+    shape = dataclasses.replace(args, num_hidden_layers=0, layer_types=None)
+    keys = {k: v for k, v in sorted(dataclasses.asdict(cfg).items()) if k not in NOT_KERNELS}
+    return hashlib.sha256(repr((shape, precision, keys, memory_bytes)).encode()).hexdigest()[:16]
+
+
 def compile_early(cfg: TrainConfig, args: ModelArgs, data, device: torch.device, precision: str,
                   memory_bytes: int | None = None) -> dict | None:
     """Run the twin's first micro-batch under the discovery hook (the module's doc), where it
     helps; returns compile_ahead.EARLY's figures, or None where nothing ran. `memory_bytes`: the
     device memory the run decides lora_inputs for (a benchmark's cap set after the model is built)."""
     if (device.type != "cuda" or cfg.method != "sft" or not len(data) or not compile_ahead.may_start(cfg.compile_workers)
-            or not compile_ahead.cache_looks_cold()):
+            or not compile_ahead.cache_looks_cold(key := kernel_key(cfg, args, precision, memory_bytes))):
         return None
     join_prewarm()  # the workers start in prewarm's thread
-    if not compile_ahead.discovers_early():
+    if not compile_ahead.discovers_early(key):
         return None
     states = torch.get_rng_state(), torch.cuda.get_rng_state(device)
     try:
