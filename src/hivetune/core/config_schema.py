@@ -185,7 +185,7 @@ class TrainConfig:
     """On CUDA with Triton: the fused kernels that Triton's on-disk cache lacks (a fresh machine,
     a new shape) are compiled by this many worker processes at once, ahead of the first step's
     real pass, instead of one after the other at their first launches (ops.compile_ahead); where
-    the cache lacks this version's kernels, a two-layer twin of the model finds them before the
+    the cache lacks this model's kernels, a two-layer twin of the model finds them before the
     weights load, so that they compile during the load (train.twin); -1: the host's cores less
     two, 2 to 12; 0: off."""
     seed: int = 0
