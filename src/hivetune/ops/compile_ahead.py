@@ -16,8 +16,8 @@ The workers start with train's prewarm, while the data and the model load, where
 lacks this hivetune's marker (a fresh machine, a new version); else at the first missing
 kernel. A finished first pass also leaves one marker per model and configuration (train.twin's
 kernel_key): a cache warm from another model's run still lets the twin find this one's kernels
-before the weights load. Off under torchrun (ranks sharing one cache would disagree on which pass is real) and
-with ``compile_workers: 0``. Anything unexpected (a Triton without these hooks, a worker that
+before the weights load. Off under torchrun (ranks sharing one cache would disagree on which
+pass is real) and with ``compile_workers: 0``. Anything unexpected (a Triton without these hooks, a worker that
 fails) leaves the kernel to Triton's own compile at its launch.
 """
 
@@ -128,7 +128,6 @@ class CompileAhead:
         self.markers = [marker] if marker is not None else []  # left by finish(): this hivetune's, one model's
         self.workers = Workers(workers, target) if start_now else None
         self.started_early = start_now
-        self.early_key = ""  # a model's kernel_key whose marker was missing (discovers_early)
         self.pending: dict[str, Future] = {}  # by Triton's cache hash
         self.sent: set = set()
         self.skipped = 0
@@ -192,8 +191,14 @@ def may_start(workers: int) -> bool:
 
 def warm_marker(cache_dir: Path, triton_version: str, key: str = "") -> Path:
     """The file a finished first pass leaves in Triton's cache: this hivetune's kernels are there
-    (with `key`, train.twin's kernel_key: one model and configuration's are)."""
-    return cache_dir / f"hivetune-{hivetune.__version__}-triton-{triton_version}{'-' + key if key else ''}.warm"
+    (with `key`, train.twin's kernel_key: one model and configuration's are, keyed_marker)."""
+    marker = cache_dir / f"hivetune-{hivetune.__version__}-triton-{triton_version}.warm"
+    return keyed_marker(marker, key) if key else marker
+
+
+def keyed_marker(marker: Path, key: str) -> Path:
+    """The marker of one model and configuration (`key`) beside this hivetune's `marker`."""
+    return marker.with_name(f"{marker.stem}-{key}{marker.suffix}")
 
 
 def triton_cache_dir() -> Path:
@@ -248,9 +253,11 @@ def discovers_early(key: str = "") -> bool:
     if ahead is None or ahead.done:
         return False
     if key and ahead.marker is not None:
-        ahead.early_key = key
-        ahead.markers.append(ahead.marker.with_name(f"{ahead.marker.stem}-{key}{ahead.marker.suffix}"))
-    return ahead.started_early or bool(ahead.early_key)
+        marker = keyed_marker(ahead.marker, key)
+        if marker not in ahead.markers:
+            ahead.markers.append(marker)
+        return True
+    return ahead.started_early
 
 
 def discover_early(fn) -> dict:
