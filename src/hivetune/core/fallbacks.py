@@ -39,16 +39,23 @@ PATHS = ("varlen", "pairs", "fused_adamw", "cpu_bf16", "gpu_bf16", "fused_layers
          "decode_graphs")
 NOTED: dict[str, str] = {}  # fast path -> the line printed when it fell back (tests read it)
 
-_WANTED: tuple[str, frozenset] = ("", frozenset())  # the last HIVETUNE_REFERENCE value, parsed
+_WANTED: tuple[object, frozenset] = (None, frozenset())  # the last HIVETUNE_REFERENCE value read, parsed
+# os.environ's own mapping and the variable's key in it: the fast paths ask forced() at each call
+# (an eager W2 micro-step ~1,300 times), and os.environ.get encodes the key and decodes the value
+# each time (~1.5 us on the device's hosts); the raw value read here is compared as it is.
+try:
+    _ENV_DATA, _ENV_KEY = os.environ._data, os.environ.encodekey(FORCE_ENV)
+except AttributeError:  # another Python's os.environ: read through it
+    _ENV_DATA, _ENV_KEY = None, None
 
 
 def forced(name: str) -> bool:
     """Whether HIVETUNE_REFERENCE asks for the reference path instead of `name` (the parsed
     value is kept until the variable changes)."""
     global _WANTED
-    raw = os.environ.get(FORCE_ENV, "")
+    raw = _ENV_DATA.get(_ENV_KEY) if _ENV_DATA is not None else os.environ.get(FORCE_ENV)
     if raw != _WANTED[0]:
-        _WANTED = (raw, frozenset(w.strip() for w in raw.split(",")))
+        _WANTED = (raw, frozenset(w.strip() for w in os.environ.get(FORCE_ENV, "").split(",")))
     wanted = _WANTED[1]
     return name in wanted or "all" in wanted
 

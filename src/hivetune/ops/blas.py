@@ -101,7 +101,7 @@ class _Plan:
     """One product's descriptors and algorithm (kept alive for the process: a few hundred of
     them for a training run, each a few hundred bytes)."""
 
-    __slots__ = ("desc", "a_layout", "b_layout", "d_layout", "algo", "shared")
+    __slots__ = ("desc", "a_layout", "b_layout", "d_layout", "algo", "algo_ref", "shared", "handle")
 
     def __init__(self, lib: _Lib, handle, m: int, n: int, k: int, a_op: int, a_ld: int, b_op: int, b_ld: int,
                  in_type: int, out_type: int, out_ld: int, aligns: tuple[int, int, int], algo=None):
@@ -115,9 +115,9 @@ class _Plan:
         self.b_layout = lib.layout(in_type, *((n, k) if b_op == _OP_N else (k, n)), b_ld)
         self.a_layout = lib.layout(in_type, *((k, m) if a_op == _OP_N else (m, k)), a_ld)
         self.d_layout = lib.layout(out_type, n, m, out_ld)
-        self.desc, self.shared = desc, algo is not None
+        self.desc, self.shared, self.handle = desc, algo is not None, handle
         if algo is not None:  # the heuristic's answer for this product's bucket (_bucket_algo)
-            self.algo = algo
+            self.algo, self.algo_ref = algo, ctypes.byref(algo)
             return
         STATS["heuristics"] += 1
         pref = ctypes.c_void_p()
@@ -137,6 +137,7 @@ class _Plan:
             self.destroy(lib)
             raise RuntimeError(f"cuBLASLt has no algorithm for {m}x{k} @ {k}x{n} (status {status})")
         self.algo = result.algo
+        self.algo_ref = ctypes.byref(self.algo)
 
     def destroy(self, lib: _Lib) -> None:
         """Free the descriptors (a CUDA graph that captured this plan's call does not need them)."""
@@ -149,6 +150,7 @@ _LIB: _Lib | None | bool = None  # None: not tried yet; False: unavailable in th
 _PLANS: dict[tuple, _Plan | None] = {}
 MAX_PLANS = 8192  # W2 makes ~14 a step (its token count changes each step); past this all are freed
 _WORKSPACES: dict[int, torch.Tensor] = {}  # raw stream -> its workspace
+_SCALARS: dict[float, object] = {}  # alpha / beta -> a reference to it as a C float (_scalar)
 _LOCK = threading.Lock()
 STATS = {"lt": 0, "torch": 0, "plans": 0, "heuristics": 0}  # calls each way, plans and heuristic queries made
 # Dimensions above 1,024 are bucketed to multiples of this for the heuristic's query: the token
@@ -192,6 +194,19 @@ def _alignment(ptr: int) -> int:
     return min(256, ptr & -ptr) if ptr else 256
 
 
+def _plan_aligns(key: tuple) -> tuple[int, int, int]:
+    """The alignments of a, b and out / c from a plan's key (their pointers' last 8 bits)."""
+    return _alignment(key[-3]), _alignment(key[-2]), _alignment(key[-1])
+
+
+def _scalar(value: float):
+    """alpha or beta as cuBLASLt reads it (a pointer to a float), kept for the next call."""
+    if len(_SCALARS) >= 256:
+        _SCALARS.clear()
+    ref = _SCALARS[value] = ctypes.byref(ctypes.c_float(value))  # byref keeps the float alive
+    return ref
+
+
 def _operand(t: torch.Tensor, rows: int, cols: int) -> tuple[int, int] | None:
     """(op, leading dimension) of a torch [rows, cols] operand as cuBLAS sees its transpose, or
     None for a layout the plan does not take."""
@@ -228,26 +243,27 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, alph
         lib = _LIB if _LIB else _lib(a.device)
         if lib is not None:
             pa, pb, po, pc = a.data_ptr(), b.data_ptr(), out.data_ptr(), c.data_ptr()
-            key = (a.shape, a.stride(), b.shape, b.stride(), out.stride(), a.dtype, out.dtype, a.get_device(),
-                   _alignment(pa), _alignment(pb), min(_alignment(po), _alignment(pc)))
+            device = a.get_device()
+            # the pointers' offsets within 256 bytes stand for their alignments (_plan_aligns)
+            key = (a.shape, a.stride(), b.shape, b.stride(), out.stride(), a.dtype, out.dtype, device,
+                   pa & 255, pb & 255, (po | pc) & 255)
             plan = _PLANS.get(key, False)
             if plan is False:
                 if len(_PLANS) >= MAX_PLANS:
                     _clear(lib)
-                plan = _PLANS[key] = _plan(lib, a, b, out, key[-3:])
+                plan = _PLANS[key] = _plan(lib, a, b, out, _plan_aligns(key))
             if plan is not None:
-                stream = torch._C._cuda_getCurrentRawStream(key[7])
+                stream = torch._C._cuda_getCurrentRawStream(device)
                 workspace = _WORKSPACES.get(stream)
                 if workspace is None:
                     workspace = _WORKSPACES[stream] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8,
                                                                   device=a.device)
-                status = lib.matmul(lib.handle(key[7]), plan.desc, ctypes.byref(ctypes.c_float(alpha)),
-                                    pb, plan.b_layout, pa, plan.a_layout, ctypes.byref(ctypes.c_float(beta)),
-                                    pc, plan.d_layout, po, plan.d_layout, ctypes.byref(plan.algo),
-                                    workspace.data_ptr(), WORKSPACE_BYTES, stream)
+                status = lib.matmul(plan.handle, plan.desc, _SCALARS.get(alpha) or _scalar(alpha), pb, plan.b_layout,
+                                    pa, plan.a_layout, _SCALARS.get(beta) or _scalar(beta), pc, plan.d_layout, po,
+                                    plan.d_layout, plan.algo_ref, workspace.data_ptr(), WORKSPACE_BYTES, stream)
                 if status != 0 and plan.shared:  # the bucket's algorithm refused: this shape's own
                     plan.destroy(lib)
-                    plan = _PLANS[key] = _plan(lib, a, b, out, key[-3:], shared=False)
+                    plan = _PLANS[key] = _plan(lib, a, b, out, _plan_aligns(key), shared=False)
                     return gemm(a, b, out, alpha, beta, c=c)
                 if status == 0:
                     STATS["lt"] += 1
