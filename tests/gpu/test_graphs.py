@@ -96,8 +96,8 @@ def test_graphed_replay_accumulates_and_draws_fresh_dropout(tmp_path):
     assert grads_of(run).norm() > one.norm() * 1.5
 
 
-def fit_losses(tmp_path, name, **cfg):
-    run, _ = small_run(tmp_path / name, **cfg)
+def fit_losses(tmp_path, name, dropout: float = 0.0, **cfg):
+    run, _ = small_run(tmp_path / name, dropout, **cfg)
     fit(run, progress=False)
     return [json.loads(line)["loss"] for line in (run.folder / "metrics.jsonl").read_text().splitlines()]
 
@@ -111,6 +111,19 @@ def test_fit_with_graphs_tracks_eager(tmp_path):
     assert graphed == pytest.approx(eager, rel=1e-2)
 
 
+def test_eager_steps_into_the_persistent_gradients_train_as_plain_eager_steps(tmp_path, monkeypatch):
+    """Graphs off at the first call (compute-bound): the eager steps add into the persistent
+    gradients (GradArena), clip and step over their one buffer; the loss curve is plain eager's
+    (cuda_graphs off: fresh gradients each step), dropout on, two micro-batches a step."""
+    from hivetune.plan import graph_sizes
+
+    plain = fit_losses(tmp_path, "plain", dropout=0.1, cuda_graphs=False, grad_accum=2)
+    monkeypatch.setattr(graph_sizes, "MAX_TFLOP_PER_MICRO_BATCH", 1e-6)
+    arena = fit_losses(tmp_path, "arena", dropout=0.1, cuda_graphs=True, grad_accum=2)
+    assert replay.last_stats["off"].startswith("compute-bound") and replay.last_stats["replays"] == 0
+    assert len(arena) == 10 and arena == pytest.approx(plain, rel=1e-4)
+
+
 def test_compute_bound_micro_batches_stay_eager(tmp_path, monkeypatch, capsys):
     run, examples = small_run(tmp_path)
     from hivetune.plan import graph_sizes
@@ -120,6 +133,8 @@ def test_compute_bound_micro_batches_stay_eager(tmp_path, monkeypatch, capsys):
     ran = []
     graphed = graph_plan.graphed(run, fused_target_loss_sum, eager=lambda b, n: ran.append(n) or n)
     assert graphed(batch, 7) == 7 and ran == [7]
+    # eager calls add into the persistent gradients, as graphs do
+    assert all(p.grad is g for p, g in zip(graphed.params, graphed.grads))
     assert graphed.off.startswith("compute-bound micro-batches, ~0 TFLOP each")
     assert graphed.stats["graphs"] == 0 and graphed.stats["eager"] == 1
     assert "hivetune: CUDA graphs off (compute-bound micro-batches" in capsys.readouterr().err

@@ -182,10 +182,12 @@ class GraphedForwardBackward:
     def _call(self, batch: MicroBatch, n_targets: int) -> torch.Tensor:
         if not self.off and not self.buckets and not self.warmed:
             self._check_launch_bound(batch)
+        # eager calls too: LoRAGroup adds into the persistent gradients (no fresh fp32 tensors,
+        # nothing for autograd to accumulate), and clipping and FusedAdamW run over their one buffer
+        self._attach_grads()
         if self.off or not isinstance(batch.layout, Packed):
             self.stats["eager"] += 1
             return self.eager(batch, n_targets)
-        self._attach_grads()
         key = self.key_of(batch)
         tokens = key[0]
         bucket = self.buckets.get(key)
