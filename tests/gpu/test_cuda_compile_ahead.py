@@ -1,7 +1,8 @@
 """ops.compile_ahead on a GPU, each run a fresh process with its own Triton cache: the first pass's
 missing kernels compiled by the workers leave the real pass nothing to compile, and the run's
 losses are those of a run that compiled at each launch; a warm cache starts no workers; a cache
-warm from another model's run still lets the twin find this model's new kernels early."""
+warm from another model's run still lets the twin find this model's new kernels early; a run whose
+micro-batches are too large for CUDA graphs (eager steps through train.replay) finds them early too."""
 
 from __future__ import annotations
 
@@ -21,21 +22,26 @@ import json, sys
 from hivetune.core.config import load_config
 from hivetune.ops import compile_ahead
 from hivetune.train.loop import fit
+from hivetune.plan import graph_sizes
+from hivetune.train import replay
 from hivetune.train.setup import setup
-model, data, out, workers = sys.argv[1:5]
+model, data, out, workers, eager = sys.argv[1:6]
+if eager == "compute-bound":  # every micro-batch over the cut-off: replay's eager calls
+    graph_sizes.MAX_TFLOP_PER_MICRO_BATCH = 0.0
 values = {"model": model, "data": data, "output_dir": out, "eval_prompts": 0, "device": "cuda",
           "precision": "bf16", "batch_size": 4, "max_steps": 4, "lr": 5e-3, "warmup_steps": 0,
           "lora": {"r": 4, "alpha": 8, "dropout": 0.1}, "compile_workers": int(workers)}
 run = setup(load_config(None, values))
 fit(run, progress=False)
 losses = [json.loads(line)["loss"] for line in open(out + "/metrics.jsonl")]
-print(json.dumps({"stats": compile_ahead.STATS, "losses": losses}))
+off = replay.last_stats["off"] if replay.last_stats else None
+print(json.dumps({"stats": compile_ahead.STATS, "losses": losses, "graphs_off": off}))
 """
 
 
-def train(model_dir, data, out: Path, workers: int, cache: Path) -> dict:
+def train(model_dir, data, out: Path, workers: int, cache: Path, eager: str = "") -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache))
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir), str(data), str(out), str(workers)],
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir), str(data), str(out), str(workers), eager],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -66,3 +72,18 @@ def test_kernels_compiled_ahead_leave_the_real_pass_nothing_and_the_losses_uncha
     assert other["kernels"] >= 1 and other["workers_started_early"] is False, other
     assert other["early"]["kernels"] == other["kernels"] and other["missed"] == 0 and other["errors"] == [], other
     assert len(list((tmp_path / "cache-ahead").glob("hivetune-*.warm"))) == 3
+
+
+def test_compute_bound_eager_steps_find_their_kernels_early(alpaca_file, tmp_path):
+    """Hidden 2,048 takes the in-matmul dropout kernels; replay's eager calls add A's gradient into
+    the persistent arena (the accumulating specialisation), and the twin must meet that one too."""
+    from conftest import build_tiny_model, build_tokenizer
+
+    folder = tmp_path / "wide"
+    build_tokenizer(folder)
+    build_tiny_model(folder, hidden_size=2048, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=8)
+    ran = train(folder, alpaca_file, tmp_path / "out", 4, tmp_path / "cache", eager="compute-bound")
+    stats = ran["stats"]
+    assert ran["graphs_off"].startswith("compute-bound micro-batches"), ran
+    assert stats["kernels"] >= 5 and stats["errors"] == [] and stats["missed"] == 0, stats
+    assert stats["early"]["kernels"] == stats["kernels"] and "compile_wait_s" not in stats, stats

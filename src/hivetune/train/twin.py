@@ -111,11 +111,16 @@ def compile_early(cfg: TrainConfig, args: ModelArgs, data, device: torch.device,
         torch.cuda.empty_cache()
 
 
+def through_replay(run: Run, loss_fn) -> bool:
+    """Whether the loop's calls go through train.replay (train.graph_plan): CUDA graphs asked for
+    and nothing refusing them. Its eager calls too add into the persistent gradients."""
+    return bool(run.cfg.cuda_graphs) and graphs_unsupported(run, loss_fn) is None
+
+
 def graphed(run: Run, args: ModelArgs, batch, loss_fn) -> bool:
-    """Whether the loop's first call of this run goes through CUDA graphs (train.graph_plan,
-    train.replay): asked for, nothing refusing them, and a micro-batch small enough for the
-    whole model (replay's launch-bound check)."""
-    return (run.cfg.cuda_graphs and isinstance(batch.layout, Packed) and graphs_unsupported(run, loss_fn) is None
+    """Whether the loop's first call of this run is graphed: through replay, packed, and a
+    micro-batch small enough for the whole model (replay's launch-bound check)."""
+    return (isinstance(batch.layout, Packed) and through_replay(run, loss_fn)
             and launch_bound(args.linear_weight_count, batch.input_ids.numel(), run.cfg.gradient_checkpointing))
 
 
@@ -123,24 +128,33 @@ def first_call(run: Run, args: ModelArgs, batch, n_targets: int, loss_fn):
     """The loop's first forward and backward on the twin, as the loop would make it: eager on the
     micro-batch, or, graphed, replay's warm-up: the micro-batch padded to its grid bucket in a
     graph's static inputs, the loss that ignores pad targets, gradients added into the
-    persistent arena (their shapes and addresses pick the kernels' specialisations)."""
+    persistent arena (their shapes and addresses pick the kernels' specialisations). Replay's
+    eager calls (compute-bound micro-batches) add into that arena too: the A gradient's
+    in-matmul dropout kernel then accumulates (another specialisation)."""
     if not graphed(run, args, batch, loss_fn):
         on_device = batch.to(run.device)
+        if through_replay(run, loss_fn):
+            persistent_grads(run)
         return lambda: step.forward_backward_pass(run, on_device, n_targets, loss_fn)
     key = batch_key(batch)
     padded = pad_packed_batch(batch, key[0], run.pad_id)
     seeds = batch.dropout_seeds.numel() if batch.dropout_seeds is not None else 0
     bucket = Bucket(key[0], key[1] - 1, padded.n_examples, run.device, seeds)
     bucket.load(padded, n_targets)
-    params = lora_parameters(run.model)
-    arena = GradArena(params, getattr(run.model, "lora_casts", None), move_params=True) if GradArena.usable(params) else None
-    attach_persistent_grads(params, arena.grads if arena is not None else [torch.zeros_like(p) for p in params], arena)
+    persistent_grads(run)
     ignoring = ignoring_loss_fn(loss_fn)
 
     def warm_up():
         bucket.cu.copy_(bucket.cu_src)
         return step.forward_backward_pass(run, bucket.batch, bucket.n_targets, ignoring)
     return warm_up
+
+
+def persistent_grads(run: Run) -> None:
+    """The LoRA parameters' .grad pointed at a persistent arena, as train.replay makes it."""
+    params = lora_parameters(run.model)
+    arena = GradArena(params, getattr(run.model, "lora_casts", None), move_params=True) if GradArena.usable(params) else None
+    attach_persistent_grads(params, arena.grads if arena is not None else [torch.zeros_like(p) for p in params], arena)
 
 
 def twin_run(cfg: TrainConfig, args: ModelArgs, data, device: torch.device, precision: str,
