@@ -27,11 +27,10 @@ import torch
 
 from hivetune.data.pairs import EncodedPair, PairBatch, collate_pairs
 from hivetune.model.lora import lora_parameters
-from hivetune.ops.lora_grads import GradArena
 from hivetune.ops.shared_prompt import pairs_usable
 from hivetune.train import step as step_mod
 from hivetune.train.graph_batch import first_line, release_generator, step_refusal
-from hivetune.train.replay import attach_persistent_grads
+from hivetune.train.replay import attach_persistent_grads, persistent_grads
 
 ROW_GRAIN = 64  # S* and N* rounded up to a multiple of this
 last_stats: dict = {}  # the most recent GraphedPairStep's stats (benchmarks and tests read them)
@@ -130,9 +129,7 @@ class GraphedPairStep:
     def __init__(self, run, eager, sizes: PairSizes):
         self.run, self.eager, self.sizes = run, eager, sizes
         self.params = lora_parameters(run.model)
-        self.arena = (GradArena(self.params, getattr(run.model, "lora_casts", None), move_params=True)
-                      if GradArena.usable(self.params) else None)
-        self.grads = self.arena.grads if self.arena is not None else [torch.zeros_like(p) for p in self.params]
+        self.arena, self.grads = persistent_grads(self.params, run.model)
         self.stream = torch.cuda.Stream(device=run.device)
         self.graph = self.static = self.weights = self.n_pairs = self.loss = None
         self.off: str | None = None

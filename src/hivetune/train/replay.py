@@ -86,6 +86,15 @@ class PlanInputs:
     saved: dict[int, list[int]] | None = None
 
 
+def persistent_grads(params: list, model) -> tuple[GradArena | None, list]:
+    """(arena, gradients): the LoRA parameters' persistent gradients, in one GradArena buffer where
+    it can hold them (the parameters moved into a buffer laid out alike, for FusedAdamW's flat
+    step), else one zeroed tensor each."""
+    arena = (GradArena(params, getattr(model, "lora_casts", None), move_params=True)
+             if GradArena.usable(params) else None)
+    return arena, arena.grads if arena is not None else [torch.zeros_like(p) for p in params]
+
+
 def attach_persistent_grads(params: list, grads: list, arena: GradArena | None) -> None:
     """Point every LoRA .grad at its persistent tensor (a graph accumulates into those): after
     the optimizer set them to None, one memset of the arena; a .grad made elsewhere is copied in."""
@@ -139,9 +148,7 @@ class GraphedForwardBackward:
         self.params = lora_parameters(model)
         # The persistent gradients, in one buffer: LoRAGroup adds into them (no autograd adds),
         # and the parameters in a buffer laid out alike, for FusedAdamW's flat step: before capture.
-        self.arena = (GradArena(self.params, getattr(model, "lora_casts", None), move_params=True)
-                      if GradArena.usable(self.params) else None)
-        self.grads = self.arena.grads if self.arena is not None else [torch.zeros_like(p) for p in self.params]
+        self.arena, self.grads = persistent_grads(self.params, model)
         self.buckets: dict[tuple[int, int], Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=device)

@@ -33,7 +33,6 @@ from hivetune.model.lora import lora_parameters
 from hivetune.ops import compile_ahead
 from hivetune.ops.attention import Packed
 from hivetune.ops.fused_ce import fused_target_loss_sum
-from hivetune.ops.lora_grads import GradArena
 from hivetune.ops.loss import target_loss_sum
 from hivetune.ops.prewarm import join_prewarm
 from hivetune.plan.graph_sizes import launch_bound
@@ -41,7 +40,7 @@ from hivetune.train import step
 from hivetune.train.graph_batch import Bucket, batch_key, pad_packed_batch
 from hivetune.train.graph_plan import graphs_unsupported, ignoring_loss_fn
 from hivetune.train.prepare import grad_scaler, lora_spec, planned_memory, prepare_model, step_plan
-from hivetune.train.replay import attach_persistent_grads
+from hivetune.train.replay import attach_persistent_grads, persistent_grads
 from hivetune.train.run import Run
 
 TWIN_LAYERS = 2
@@ -117,10 +116,11 @@ def through_replay(run: Run, loss_fn) -> bool:
     return bool(run.cfg.cuda_graphs) and graphs_unsupported(run, loss_fn) is None
 
 
-def graphed(run: Run, args: ModelArgs, batch, loss_fn) -> bool:
-    """Whether the loop's first call of this run is graphed: through replay, packed, and a
-    micro-batch small enough for the whole model (replay's launch-bound check)."""
-    return (isinstance(batch.layout, Packed) and through_replay(run, loss_fn)
+def graphed(run: Run, args: ModelArgs, batch, replayed: bool) -> bool:
+    """Whether the loop's first call of this run is graphed: through replay (`replayed`:
+    through_replay), packed, and a micro-batch small enough for the whole model (replay's
+    launch-bound check)."""
+    return (replayed and isinstance(batch.layout, Packed)
             and launch_bound(args.linear_weight_count, batch.input_ids.numel(), run.cfg.gradient_checkpointing))
 
 
@@ -131,17 +131,18 @@ def first_call(run: Run, args: ModelArgs, batch, n_targets: int, loss_fn):
     persistent arena (their shapes and addresses pick the kernels' specialisations). Replay's
     eager calls (compute-bound micro-batches) add into that arena too: the A gradient's
     in-matmul dropout kernel then accumulates (another specialisation)."""
-    if not graphed(run, args, batch, loss_fn):
+    replayed = through_replay(run, loss_fn)
+    if not graphed(run, args, batch, replayed):
         on_device = batch.to(run.device)
-        if through_replay(run, loss_fn):
-            persistent_grads(run)
+        if replayed:
+            attach_arena(run)
         return lambda: step.forward_backward_pass(run, on_device, n_targets, loss_fn)
     key = batch_key(batch)
     padded = pad_packed_batch(batch, key[0], run.pad_id)
     seeds = batch.dropout_seeds.numel() if batch.dropout_seeds is not None else 0
     bucket = Bucket(key[0], key[1] - 1, padded.n_examples, run.device, seeds)
     bucket.load(padded, n_targets)
-    persistent_grads(run)
+    attach_arena(run)
     ignoring = ignoring_loss_fn(loss_fn)
 
     def warm_up():
@@ -150,11 +151,11 @@ def first_call(run: Run, args: ModelArgs, batch, n_targets: int, loss_fn):
     return warm_up
 
 
-def persistent_grads(run: Run) -> None:
-    """The LoRA parameters' .grad pointed at a persistent arena, as train.replay makes it."""
+def attach_arena(run: Run) -> None:
+    """The LoRA parameters' .grad pointed at persistent gradients made as train.replay makes them."""
     params = lora_parameters(run.model)
-    arena = GradArena(params, getattr(run.model, "lora_casts", None), move_params=True) if GradArena.usable(params) else None
-    attach_persistent_grads(params, arena.grads if arena is not None else [torch.zeros_like(p) for p in params], arena)
+    arena, grads = persistent_grads(params, run.model)
+    attach_persistent_grads(params, grads, arena)
 
 
 def twin_run(cfg: TrainConfig, args: ModelArgs, data, device: torch.device, precision: str,
