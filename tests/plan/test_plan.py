@@ -21,7 +21,9 @@ from hivetune.model.lora import LoRASpec, apply_lora
 from hivetune.plan import auto_config, plan, smaller_micro_batch
 from hivetune.model.load import load_args
 from hivetune.plan.measure import saved_activation_bytes, varlen_standin
-from hivetune.plan.planner import memory_config
+from hivetune.plan.graph_sizes import bucket_tokens
+from hivetune.plan.planner import checkpoint_to_fit, memory_config
+from hivetune.plan.timing import flops_per_token
 from hivetune.plan.memory import (GIB, MemoryConfig, activation_bytes, base_parameter_count, breakdown,
                                   largest_micro_batch)
 
@@ -235,8 +237,16 @@ def test_auto_config_fits_and_keeps_the_effective_batch(tmp_path, monkeypatch):
     for layers, fits in ((13, True), (12, False)):
         mc = memory_config(dataclasses.replace(tight, activation_offload=layers), "bf16", False)
         assert (breakdown(load_args(model), mc, 2 * 1024).total <= 20 * GIB) == fits
+    # with CUDA graphs, the fewest first layers checkpointed (at most a quarter) come before offload:
+    # 2 x 1,024 tokens would need more than 7, one example with the embedding on the host takes 3
     graphed, why = auto_config(dataclasses.replace(cfg, cuda_graphs=True), "cpu", memory_gib=20)
-    assert graphed.activation_offload == 13 and not graphed.cuda_graphs and "CUDA graphs off" in why, why
+    assert (graphed.batch_size, graphed.grad_accum, graphed.gradient_checkpointing, graphed.checkpoint_layers,
+            graphed.activation_offload, graphed.cuda_graphs, graphed.host_embeddings) == (1, 16, True, 3, 0, True, True), why
+    assert "checkpointing partial, host_embeddings, the first 3 layers checkpointed (CUDA graphs on)" in why, why
+    for layers, fits in ((3, True), (2, False)):
+        mc = memory_config(dataclasses.replace(graphed, checkpoint_layers=layers), "bf16", True, graphs=True)
+        assert (breakdown(load_args(model), mc, bucket_tokens(1024)).total <= 20 * GIB) == fits
+    assert checkpoint_to_fit(load_args(model), dataclasses.replace(graphed, batch_size=2), "bf16", 2048, 1.0, 20 * GIB) > 7
     tighter, why = auto_config(cfg, "cpu", memory_gib=17)  # offload would need more than 14 of 28 layers
     assert (tighter.batch_size, tighter.gradient_checkpointing, tighter.activation_offload) == (2, True, 0), why
     assert not tighter.host_embeddings
@@ -517,3 +527,31 @@ def test_plan_suggests_host_embeddings_where_they_are_untied(tmp_path):
     moved = plan(dataclasses.replace(cfg, host_embeddings=True), memory_gib=20)
     assert "host_embeddings" not in moved.suggestion
     assert p.parts_gib["base weights"] - moved.parts_gib["base weights"] == pytest.approx(152064 * 3584 * 2 / 2**30)
+
+
+def test_partial_checkpointing_fits_graphed_and_costs_its_share_of_the_recompute(tmp_path):
+    """7B in bf16 on a 24 GB card, 3 x 1,024 tokens, CUDA graphs: too big as it is, and eager (~87 TFLOP); the plan
+    names the fewest first layers to checkpoint (graphs stay on), that plan fits and one layer
+    fewer does not, and its step costs 4N + 2N c / L matmul FLOPs a token, not checkpointing's 6N."""
+    model = write_config(tmp_path, QWEN25_7B, "qwen2.5-7b")
+    args = load_args(model)
+    base = dict(precision="bf16", batch_size=3, max_length=1024, host_embeddings=True)
+
+    def graphed(**values):
+        return dataclasses.replace(train_config(model, **values), cuda_graphs=True)
+    plain = plan(graphed(**base), gpu="RTX 4090")
+    assert not plain.fits and not plain.cuda_graphs  # beyond the 60 TFLOP of plan.graph_sizes
+    n = checkpoint_to_fit(args, graphed(**base), "bf16", 3072, 1.0, int(plain.memory_gib * GIB))
+    assert 0 < n < 28 and f"gradient_checkpointing=true, checkpoint_layers={n} (the first {n} layers" in plain.suggestion
+    fit = plan(graphed(**base, gradient_checkpointing=True, checkpoint_layers=n), gpu="RTX 4090")
+    short = plan(graphed(**base, gradient_checkpointing=True, checkpoint_layers=n - 1), gpu="RTX 4090")
+    assert fit.fits and fit.cuda_graphs and not short.fits
+    every = plan(graphed(**base, gradient_checkpointing=True), gpu="H200")
+    part = plan(graphed(**base, gradient_checkpointing=True, checkpoint_layers=n), gpu="H200")
+    none = plan(graphed(**base), gpu="H200")
+    n_w = args.linear_weight_count
+    attention = 2 * args.num_attention_heads * args.head_dim * 1024 * args.num_hidden_layers
+    assert flops_per_token(args, 1024, n / 28) == pytest.approx((4 + 2 * n / 28) * n_w + (3 + n / 28) * attention, rel=1e-12)
+    assert flops_per_token(args, 1024, True) == pytest.approx(6 * n_w + 4 * attention, rel=1e-12)
+    compute = [p.step_seconds for p in (none, part, every)]  # all compute-bound on an H200
+    assert compute[1] == pytest.approx(compute[0] + (compute[2] - compute[0]) * n / 28, rel=1e-9)

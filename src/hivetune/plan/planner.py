@@ -26,7 +26,7 @@ from hivetune.data.dataset import index_dataset
 from hivetune.data.pairs import PAIR_FILES, index_pairs
 from hivetune.data.sources import train_source
 from hivetune.data.step_plan import data_plan
-from hivetune.model.config import ModelArgs
+from hivetune.model.config import ModelArgs, checkpointed_count
 from hivetune.model.load import GGUF_DENSE_TYPES, gguf_to_hf_name, is_gguf, load_args, open_gguf
 from hivetune.model.quant import linear_shapes, quantizes
 from hivetune.model.tokenizer import load_tokenizer
@@ -301,10 +301,16 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     largest_ckpt = largest if ckpt else largest_micro_batch(args, memory_config(cfg, precision, True), budget,
                                                             target_fraction)
     suggestion = _suggest(cfg, fits, ckpt, worst, largest, largest_ckpt, avg_len)
+    if not fits and not ckpt:
+        n = checkpoint_to_fit(args, cfg, precision, worst, target_fraction, budget)
+        if n and n < args.num_hidden_layers:
+            suggestion += (f"; or keep it and set gradient_checkpointing=true, checkpoint_layers={n} (the first {n} "
+                           "layers recompute their forward in backward; CUDA graphs stay on, so the host's speed "
+                           "does not set the step's)")
     if not fits and not graphs and not ckpt:
         n = offload_to_fit(args, cfg, precision, tokens, target_fraction, budget)
         if n and n != getattr(cfg, "activation_offload", 0):
-            suggestion += (f"; or keep it and set activation_offload={n} (saved activations of {n} layers wait in "
+            suggestion += (f"; or keep it and set activation_offload={n} (saved activations of {n} layer{'s' if n > 1 else ''} wait in "
                            f"pinned host memory; on H200s, W2 with 8 ran 2.9-5.5% slower)")
     if not fits and not args.tie_word_embeddings and not mc.host_embeddings:
         table = args.vocab_size * args.hidden_size * mc.s
@@ -329,7 +335,8 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
     if entry is not None:
         tflops = entry.tflops(precision)
         micro_tokens = cfg.batch_size * avg_len
-        p.step_seconds = cfg.grad_accum * micro_batch_seconds(args, micro_tokens, avg_len, ckpt, precision, tflops,
+        share = checkpointed_count(args.num_hidden_layers, ckpt, getattr(cfg, "checkpoint_layers", 0)) / args.num_hidden_layers
+        p.step_seconds = cfg.grad_accum * micro_batch_seconds(args, micro_tokens, avg_len, share, precision, tflops,
                                                               graphs or pair_graphs) * (
             REFERENCE_PASS if cfg.method == "dpo" else 1.0)
         per_step = cfg.batch_size * cfg.grad_accum
@@ -362,6 +369,22 @@ def offload_to_fit(args: ModelArgs, cfg: TrainConfig, precision: str, tokens: in
     targets = max(1, int(tokens * target_fraction))
     for n in range(1, args.num_hidden_layers + 1):
         if breakdown(args, dataclasses.replace(eager, offload_layers=n), tokens, targets).total <= budget:
+            return n
+    return 0
+
+
+def checkpoint_to_fit(args: ModelArgs, cfg: TrainConfig, precision: str, tokens: int, target_fraction: float,
+                      budget: int) -> int:
+    """The fewest first layers under gradient checkpointing (checkpoint_layers) with which a
+    micro-batch of `tokens` fits `budget` bytes with CUDA graphs on, or 0 where graphs would not
+    run it (plan.graph_sizes.launch_bound; not bf16, packing or cuda_graphs off) or none fits."""
+    if not uses_graphs(cfg, precision) or not launch_bound(args.linear_weight_count, tokens, True):
+        return 0
+    padded = bucket_tokens(tokens)
+    targets = max(1, int(padded * target_fraction))
+    for n in range(1, args.num_hidden_layers + 1):
+        mc = memory_config(dataclasses.replace(cfg, checkpoint_layers=n), precision, True, graphs=True)
+        if breakdown(args, mc, padded, targets).total <= budget:
             return n
     return 0
 

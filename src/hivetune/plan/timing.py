@@ -2,8 +2,10 @@
 
 FLOPs per token of LoRA training: the frozen base needs forward (2N) and the gradient of its
 input (2N), no weight gradient: 4N, N = matmul weights incl. the LM head (ModelArgs.
-linear_weight_count); checkpointing recomputes the forward: 6N. Attention adds 2 q L per token
-and layer forward for an example of L tokens (causal), three times that with backward.
+linear_weight_count); checkpointing recomputes the forward of the layers it covers: 6N with all of
+them, 4N + 2N c / L with the first c of L (checkpoint_layers). Attention adds 2 q L per token and
+layer forward for an example of L tokens (causal), three times that with backward (four in a
+checkpointed layer).
 
 A micro-batch takes max(FLOPs / (peak x efficiency), layers x dispatch): small models are bound
 by eager PyTorch launching ~140 kernels a layer, big ones by the matmuls. Constants calibrated
@@ -33,13 +35,15 @@ GRAPHED_DISPATCH_S_PER_LAYER = 0.00062  # CUDA graphs replay (train.cuda_graphs)
 REFERENCE_PASS = 4 / 3
 
 
-def flops_per_token(args: ModelArgs, example_tokens: float, checkpointing: bool) -> float:
-    dense = (6 if checkpointing else 4) * args.linear_weight_count
+def flops_per_token(args: ModelArgs, example_tokens: float, checkpointing: float) -> float:
+    """`checkpointing`: the share of the decoder layers checkpointed (True: all, False: none)."""
+    share = float(checkpointing)
+    dense = (4 + 2 * share) * args.linear_weight_count
     attn_fwd = 2 * args.num_attention_heads * args.head_dim * example_tokens * args.num_hidden_layers
-    return dense + attn_fwd * (4 if checkpointing else 3)
+    return dense + attn_fwd * (3 + share)
 
 
-def micro_batch_seconds(args: ModelArgs, tokens: float, example_tokens: float, checkpointing: bool,
+def micro_batch_seconds(args: ModelArgs, tokens: float, example_tokens: float, checkpointing: float,
                         precision: str, tflops: float, graphs: bool = False) -> float:
     compute = tokens * flops_per_token(args, example_tokens, checkpointing) / (tflops * 1e12 * EFFICIENCY[precision])
     dispatch = args.num_hidden_layers * (GRAPHED_DISPATCH_S_PER_LAYER if graphs else DISPATCH_S_PER_LAYER)
