@@ -13,7 +13,7 @@ mkdir -p "$OUT/results" "$OUT/logs"
 S="$OUT/summary.txt"
 log() { echo "== $* ($(date +%T))" | tee -a "$S"; }
 bench() { timeout 200 python3 -m hivetune bench "$@" --commit "$COMMIT" 2>&1 | grep -vE "Warning|warn" | tail -3 | tee -a "$S"; }
-W2_24GIB="--set host_embeddings=true --set gradient_checkpointing=true --set checkpoint_layers=4 --memory-cap 24"
+W2_24GIB="--set host_embeddings=true --set activation_offload=5 --memory-cap 24"
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$S"
 log "GPU tests"

@@ -237,16 +237,8 @@ def test_auto_config_fits_and_keeps_the_effective_batch(tmp_path, monkeypatch):
     for layers, fits in ((13, True), (12, False)):
         mc = memory_config(dataclasses.replace(tight, activation_offload=layers), "bf16", False)
         assert (breakdown(load_args(model), mc, 2 * 1024).total <= 20 * GIB) == fits
-    # with CUDA graphs, the fewest first layers checkpointed (at most a quarter) come before offload:
-    # 2 x 1,024 tokens would need more than 7, one example with the embedding on the host takes 3
     graphed, why = auto_config(dataclasses.replace(cfg, cuda_graphs=True), "cpu", memory_gib=20)
-    assert (graphed.batch_size, graphed.grad_accum, graphed.gradient_checkpointing, graphed.checkpoint_layers,
-            graphed.activation_offload, graphed.cuda_graphs, graphed.host_embeddings) == (1, 16, True, 3, 0, True, True), why
-    assert "checkpointing partial, host_embeddings, the first 3 layers checkpointed (CUDA graphs on)" in why, why
-    for layers, fits in ((3, True), (2, False)):
-        mc = memory_config(dataclasses.replace(graphed, checkpoint_layers=layers), "bf16", True, graphs=True)
-        assert (breakdown(load_args(model), mc, bucket_tokens(1024)).total <= 20 * GIB) == fits
-    assert checkpoint_to_fit(load_args(model), dataclasses.replace(graphed, batch_size=2), "bf16", 2048, 1.0, 20 * GIB) > 7
+    assert graphed.activation_offload == 13 and not graphed.cuda_graphs and "CUDA graphs off" in why, why
     tighter, why = auto_config(cfg, "cpu", memory_gib=17)  # offload would need more than 14 of 28 layers
     assert (tighter.batch_size, tighter.gradient_checkpointing, tighter.activation_offload) == (2, True, 0), why
     assert not tighter.host_embeddings

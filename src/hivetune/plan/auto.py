@@ -15,7 +15,7 @@ from hivetune.core.errors import UserError
 from hivetune.model.load import load_args
 from hivetune.plan.gpus import device_memory_bytes
 from hivetune.plan.memory import GIB, breakdown
-from hivetune.plan.planner import bucketed, checkpoint_to_fit, memory_config, offload_to_fit, uses_graphs
+from hivetune.plan.planner import memory_config, bucketed, offload_to_fit, uses_graphs
 
 TUNE_FILE = "tune.yaml"  # written by `hivetune tune`, read by --auto when present
 
@@ -82,37 +82,15 @@ def offload_fit(cfg: TrainConfig, args, precision: str, tokens: int, budget: flo
     return cfg, breakdown(args, memory_config(cfg, precision, False), tokens).total, f"{moved}, activation_offload={n}"
 
 
-def partial_checkpoint_fit(cfg: TrainConfig, args, precision: str, tokens: int, budget: float):
-    """(cfg, its predicted peak, what changed, for the message) with the fewest first layers
-    checkpointed (checkpoint_layers) with which a graphed micro-batch of `tokens` fits `budget`
-    bytes, the input embedding in host memory first where that is not enough alone; None where
-    graphs would not run it or where it takes more than a quarter of the layers (their recompute
-    adds up to an eighth to the matmul work: beyond, offload or a smaller micro-batch).
-    Preferred to activation offload where graphs run: a replay does not wait on the host. W2
-    (7B, 16 examples) in 24 GiB with 4 layers checkpointed: 15,853-16,498 tokens/s on H200 hosts
-    whatever their speed; 5 layers offloaded, eager: 16,4xx-16,6xx on fast hosts, 13,475-14,421
-    on slow ones (docs/log.md)."""
-    moved = ""
-    for embeddings in ((False, True) if not args.tie_word_embeddings and not cfg.host_embeddings else (False,)):
-        trial = _with(cfg, host_embeddings=True) if embeddings else cfg
-        n = checkpoint_to_fit(args, trial, precision, tokens, 1.0, int(budget))
-        if n and n <= args.num_hidden_layers // 4:
-            new = _with(trial, gradient_checkpointing=True, checkpoint_layers=n)
-            moved = (", host_embeddings" if embeddings else "") + f", the first {n} layers checkpointed (CUDA graphs on)"
-            mc = memory_config(new, precision, True, graphs=True)
-            return new, breakdown(args, mc, bucketed(tokens, True)).total, moved
-    return None
-
-
 def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
                 memory_gib: float | None = None) -> tuple[TrainConfig, str]:
     """Pick batch_size / grad_accum (same batch_size * grad_accum) and gradient_checkpointing.
 
     A tune result (tune_file, or ./tune.yaml) whose effective batch matches wins; otherwise the
     planner: the largest micro-batch (a divisor of the effective batch) that fits the device's
-    memory without checkpointing; where none does, the largest that fits graphed with the fewest
-    first layers checkpointed (partial_checkpoint_fit); then with its input embedding in host
-    memory and the fewest layers of activation offload (offload_fit); else with checkpointing. Micro-batches are sized at max_length tokens an example (the worst case), in
+    memory without checkpointing; where none does, the largest that fits with its input embedding
+    in host memory and the fewest layers of activation offload (offload_fit); else with
+    checkpointing. Micro-batches are sized at max_length tokens an example (the worst case), in
     `memory_gib`, by default what this process may hold on the device (plan.gpus.device_memory_bytes:
     its memory times a per-process fraction where one is set, no more than is free plus what the
     process holds, which a GPU shared with another process or capped allows). On a CPU nothing
@@ -142,19 +120,14 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
     precision = cfg.precision
     if precision == "auto":
         precision = resolve_precision("auto", device) if device.type == "cuda" else "bf16"
-    for ckpt, stage in ((False, ""), (False, "partial"), (False, "offload"), (True, "")):
+    for ckpt, offload in ((False, False), (False, True), (True, False)):
         mcs = {graphed: memory_config(cfg, precision, ckpt, graphs=graphed) for graphed in (False, True)}
         for b in _divisors_desc(effective):
             tokens = bucketed(b * cfg.max_length, uses_graphs(cfg, precision), args, ckpt)
             graphed = tokens != b * cfg.max_length
             new = _with(cfg, batch_size=b, grad_accum=effective // b, gradient_checkpointing=ckpt)
             peak, moved = breakdown(args, mcs[graphed], tokens).total, ""  # graphed: no offload
-            if stage == "partial":
-                found = partial_checkpoint_fit(new, args, precision, b * cfg.max_length, budget)
-                if found is None:
-                    continue
-                new, peak, moved = found
-            if stage == "offload":  # eager at its own size (a captured graph skips the offload)
+            if offload:  # eager at its own size (a captured graph skips the offload)
                 found = offload_fit(_with(new, cuda_graphs=False) if graphed else new, args, precision,
                                     b * cfg.max_length, budget)
                 if found is None:
@@ -163,7 +136,7 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
                 moved += ", CUDA graphs off" if graphed else ""
             if peak <= budget:
                 return new, (f"auto: batch_size {b} x grad_accum {effective // b}, checkpointing "
-                             f"{'on' if ckpt else 'partial' if stage == 'partial' else 'off'}{moved}: predicted peak {peak / GIB:.1f} of "
+                             f"{'on' if ckpt else 'off'}{moved}: predicted peak {peak / GIB:.1f} of "
                              f"{memory_gib:.1f} GiB at {cfg.max_length} tokens an example")
     new = _with(cfg, batch_size=1, grad_accum=effective, gradient_checkpointing=True)
     return new, (f"auto: even one example of {cfg.max_length} tokens is predicted not to fit in "

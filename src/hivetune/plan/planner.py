@@ -305,8 +305,8 @@ def plan(cfg: TrainConfig, gpu: str | None = None, memory_gib: float | None = No
         n = checkpoint_to_fit(args, cfg, precision, worst, target_fraction, budget)
         if n and n < args.num_hidden_layers:
             suggestion += (f"; or keep it and set gradient_checkpointing=true, checkpoint_layers={n} (the first {n} "
-                           "layers recompute their forward in backward; CUDA graphs stay on, so the host's speed "
-                           "does not set the step's)")
+                           f"layers recompute their forward in backward, {100 * n / (2 * args.num_hidden_layers):.0f}% "
+                           "more matmul work; CUDA graphs stay on, so the step does not wait on a slow host)")
     if not fits and not graphs and not ckpt:
         n = offload_to_fit(args, cfg, precision, tokens, target_fraction, budget)
         if n and n != getattr(cfg, "activation_offload", 0):
