@@ -21,7 +21,6 @@ from hivetune.model.lora import LoRASpec, apply_lora
 from hivetune.plan import auto_config, plan, smaller_micro_batch
 from hivetune.model.load import load_args
 from hivetune.plan.measure import saved_activation_bytes, varlen_standin
-from hivetune.plan.graph_sizes import bucket_tokens
 from hivetune.plan.planner import checkpoint_to_fit, memory_config
 from hivetune.plan.timing import flops_per_token
 from hivetune.plan.memory import (GIB, MemoryConfig, activation_bytes, base_parameter_count, breakdown,
@@ -531,10 +530,12 @@ def test_partial_checkpointing_fits_graphed_and_costs_its_share_of_the_recompute
 
     def graphed(**values):
         return dataclasses.replace(train_config(model, **values), cuda_graphs=True)
+
     plain = plan(graphed(**base), gpu="RTX 4090")
     assert not plain.fits and not plain.cuda_graphs  # beyond the 60 TFLOP of plan.graph_sizes
     n = checkpoint_to_fit(args, graphed(**base), "bf16", 3072, 1.0, int(plain.memory_gib * GIB))
-    assert 0 < n < 28 and f"gradient_checkpointing=true, checkpoint_layers={n} (the first {n} layers" in plain.suggestion
+    assert 0 < n < 28
+    assert f"gradient_checkpointing=true, checkpoint_layers={n} (the first {n} layers" in plain.suggestion
     fit = plan(graphed(**base, gradient_checkpointing=True, checkpoint_layers=n), gpu="RTX 4090")
     short = plan(graphed(**base, gradient_checkpointing=True, checkpoint_layers=n - 1), gpu="RTX 4090")
     assert fit.fits and fit.cuda_graphs and not short.fits
@@ -543,7 +544,8 @@ def test_partial_checkpointing_fits_graphed_and_costs_its_share_of_the_recompute
     none = plan(graphed(**base), gpu="H200")
     n_w = args.linear_weight_count
     attention = 2 * args.num_attention_heads * args.head_dim * 1024 * args.num_hidden_layers
-    assert flops_per_token(args, 1024, n / 28) == pytest.approx((4 + 2 * n / 28) * n_w + (3 + n / 28) * attention, rel=1e-12)
+    share = n / 28
+    assert flops_per_token(args, 1024, share) == pytest.approx((4 + 2 * share) * n_w + (3 + share) * attention, rel=1e-12)
     assert flops_per_token(args, 1024, True) == pytest.approx(6 * n_w + 4 * attention, rel=1e-12)
     compute = [p.step_seconds for p in (none, part, every)]  # all compute-bound on an H200
     assert compute[1] == pytest.approx(compute[0] + (compute[2] - compute[0]) * n / 28, rel=1e-9)
