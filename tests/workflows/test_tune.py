@@ -92,3 +92,73 @@ def test_tune_times_steps_read_as_they_end(tiny_model_dir, monkeypatch):
                              "threads": 1, "max_length": 64, "lora": {"r": 4}})
     tune(cfg, batch_sizes=[2], steps=2, length=16, out=None)
     assert seen == [True, True]  # checkpointing off and on
+
+
+def test_memory_savers_keep_a_micro_batch_whole_graphed_or_offloaded():
+    """W2's 7B shape in 24 GiB: its 2,896-token micro-batch does not fit as it is. The savers are
+    the fewest first layers checkpointed with graphs on (host embeddings first where that takes
+    fewer) and the fewest offloaded layers, eager; each fits its prediction and one layer fewer
+    does not. A smaller micro-batch that graphs would run keeps its graphs with the embedding on
+    the host alone. None off CUDA."""
+    from hivetune.workflows.workloads import WORKLOADS
+    from hivetune.plan.graph_sizes import bucket_tokens
+    from hivetune.plan.memory import GIB, breakdown
+    from hivetune.plan.planner import memory_config
+    from hivetune.workflows.tune import memory_savers
+
+    args, budget = WORKLOADS["W2"].args, 24 * GIB
+    cfg = load_config(None, {"model": "m", "precision": "bf16", "lora_inputs": "recompute",
+                             "lora": {"r": 32, "alpha": 64, "dropout": 0.05}})
+    assert breakdown(args, memory_config(cfg, "bf16", False), 2896).total > budget
+    (ckpt, ckpt_peak), (offload, offload_peak) = memory_savers(cfg, args, "bf16", 2896, budget, True)
+    assert ckpt == {"host_embeddings": True, "gradient_checkpointing": True, "checkpoint_layers": 4}
+    assert offload == {"host_embeddings": True, "activation_offload": 1}
+
+    def graphed_peak(layers):
+        changed = dataclasses.replace(cfg, **{**ckpt, "checkpoint_layers": layers})
+        return breakdown(args, memory_config(changed, "bf16", True, graphs=True), bucket_tokens(2896)).total
+
+    assert graphed_peak(4) == ckpt_peak <= budget < graphed_peak(3)
+    eager = dataclasses.replace(cfg, host_embeddings=True)
+    assert offload_peak == breakdown(args, memory_config(dataclasses.replace(eager, activation_offload=1), "bf16",
+                                                         False), 2896).total <= budget
+    assert breakdown(args, memory_config(eager, "bf16", False), 2896).total > budget
+    small = memory_savers(cfg, args, "bf16", 2048, budget, True)
+    assert [changes for changes, _ in small] == [{"gradient_checkpointing": True, "checkpoint_layers": 1},
+                                                 {"host_embeddings": True}]
+    assert memory_savers(cfg, args, "bf16", 2896, budget, False) == []
+
+
+def test_tune_times_the_savers_of_a_micro_batch_over_the_cap_and_auto_takes_them(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    """A micro-batch over the cap as it is gets a row per memory saver, timed with the saver's
+    keys (here on the CPU, partial checkpointing of the tiny model's first layer); the fastest
+    fitting row's keys go into tune.yaml, and --auto applies them."""
+    import hivetune.workflows.tune as tune_module
+    from hivetune.plan.auto import auto_config
+
+    seen = []
+    real = tune_module._time_candidate
+
+    def timed(c, *rest):
+        seen.append((c.batch_size, c.gradient_checkpointing, c.checkpoint_layers))
+        return real(c, *rest)
+
+    saver = {"gradient_checkpointing": True, "checkpoint_layers": 1}
+    monkeypatch.setattr(tune_module, "memory_savers", lambda c, args, precision, tokens, budget, cuda: [(saver, 1.0)])
+    monkeypatch.setattr(tune_module, "_time_candidate", timed)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, {"model": str(tiny_model_dir), "batch_size": 2, "precision": "fp32", "device": "cpu",
+                             "threads": 1, "max_length": 64, "lora": {"r": 4}})
+    result = tune(cfg, batch_sizes=[1, 2], steps=2, length=16, cap_gib=1e-6, out="tune.yaml")
+    assert [(r.batch_size, r.gradient_checkpointing, r.status, r.saver) for r in result.rows] == [
+        (1, False, "over cap (predicted)", {}), (1, True, "ok", saver), (2, False, "over cap (predicted)", {}),
+        (2, True, "ok", saver), (1, True, "over cap (predicted)", {}), (2, True, "over cap (predicted)", {})]
+    assert seen == [(1, True, 1), (2, True, 1)]
+    assert result.best in (result.rows[1], result.rows[3])
+    assert yaml.safe_load((tmp_path / "tune.yaml").read_text()) == {
+        "batch_size": result.best.batch_size, "grad_accum": 2 // result.best.batch_size, **saver}
+    assert "(gradient_checkpointing=True, checkpoint_layers=1)" in format_tune(result)
+    new, why = auto_config(cfg, "cpu")
+    assert (new.batch_size, new.gradient_checkpointing, new.checkpoint_layers) == (result.best.batch_size, True, 1)
+    assert "checkpointing on, checkpoint_layers 1 (measured fastest)" in why, why

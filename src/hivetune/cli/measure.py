@@ -126,7 +126,9 @@ def add_tune_parser(sub) -> None:
     tune = sub.add_parser("tune", help="time short runs of candidate configs here; write the fastest that fits",
                           description="Runs a few steps of each micro-batch size (dividing batch_size * grad_accum), "
                                       "checkpointing off / on and attention back-end on a random-init model of the "
-                                      "configured architecture, within a memory cap; prints the table and writes "
+                                      "configured architecture, within a memory cap; on CUDA a micro-batch over "
+                                      "the cap also with the fewest first layers checkpointed (graphs on) and "
+                                      "with the fewest layers offloaded (eager); prints the table and writes "
                                       "the fastest config that fits as YAML overrides.")
     add_config_flags(tune)
     tune.add_argument("--batch-sizes", default=None, metavar="LIST", help="micro-batch sizes, e.g. 1,2,4,8 "

@@ -18,6 +18,8 @@ from hivetune.plan.memory import GIB, breakdown
 from hivetune.plan.planner import memory_config, bucketed, offload_to_fit, uses_graphs
 
 TUNE_FILE = "tune.yaml"  # written by `hivetune tune`, read by --auto when present
+# what tune.yaml may set beside the micro-batch: the memory savers tune timed (workflows.tune.memory_savers)
+TUNE_SAVERS = ("checkpoint_layers", "host_embeddings", "activation_offload", "cuda_graphs")
 
 
 def _with(cfg: TrainConfig, **changes) -> TrainConfig:
@@ -42,8 +44,8 @@ def smaller_micro_batch(cfg: TrainConfig) -> TrainConfig | None:
 
 
 def read_tune_file(path: str | Path) -> dict:
-    """The overrides a tune run wrote (batch_size, grad_accum, gradient_checkpointing, and
-    lora_inputs where it resolved auto)."""
+    """The overrides a tune run wrote (batch_size, grad_accum, gradient_checkpointing, lora_inputs
+    where it resolved auto, and the memory savers of a micro-batch kept whole: TUNE_SAVERS)."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text()) or {}
@@ -51,7 +53,7 @@ def read_tune_file(path: str | Path) -> dict:
         raise UserError(f"{path}: unreadable tune result ({e})") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping of config keys")
-    allowed = {"batch_size", "grad_accum", "gradient_checkpointing", "lora_inputs"}
+    allowed = {"batch_size", "grad_accum", "gradient_checkpointing", "lora_inputs", *TUNE_SAVERS}
     return {k: v for k, v in data.items() if k in allowed}
 
 
@@ -103,13 +105,15 @@ def auto_config(cfg: TrainConfig, device, tune_file: str | Path | None = None,
         b = found.get("batch_size")  # its grad_accum was for its own effective batch: ours is kept
         if isinstance(b, int) and b > 0 and effective % b == 0:
             ckpt = bool(found.get("gradient_checkpointing", cfg.gradient_checkpointing))
-            new = _with(cfg, batch_size=b, grad_accum=effective // b, gradient_checkpointing=ckpt)
+            savers = {k: found[k] for k in TUNE_SAVERS if k in found}
+            new = _with(cfg, batch_size=b, grad_accum=effective // b, gradient_checkpointing=ckpt, **savers)
             inputs = found.get("lora_inputs")
             pinned = ""
             if cfg.lora_inputs == "auto" and inputs in ("keep", "recompute"):  # what tune measured
                 new, pinned = _with(new, lora_inputs=inputs), f", lora_inputs {inputs}"
+            saved = "".join(f", {k} {v}" for k, v in savers.items())
             return new, (f"auto: from {tune_path}: batch_size {b} x grad_accum {effective // b}, "
-                         f"checkpointing {'on' if ckpt else 'off'}{pinned} (measured fastest)")
+                         f"checkpointing {'on' if ckpt else 'off'}{saved}{pinned} (measured fastest)")
     device = torch.device(device) if not isinstance(device, torch.device) else device
     if device.type != "cuda" and memory_gib is None:
         return cfg, "auto: CPU run, config unchanged (the planner sizes GPU memory)"

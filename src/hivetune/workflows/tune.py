@@ -2,9 +2,13 @@
 
 Candidates: micro-batch sizes (divisors of the effective batch batch_size * grad_accum, so the
 optimisation is unchanged), gradient checkpointing off / on, and on CUDA the attention back-end
-(flash varlen, or the SDPA reference path: the config key attention=sdpa). Each runs `steps` optimizer
-steps of hivetune's own loop (train.assemble + train.fit) on a random-init model of the
-configured architecture (no weights read) over examples of `length` tokens. Candidates the
+(flash varlen, or the SDPA reference path: the config key attention=sdpa). On CUDA, a micro-batch
+that does not fit as it is is also timed with what keeps it whole (memory_savers): the fewest
+first layers checkpointed with CUDA graphs on, and the fewest layers of activation offload,
+eager. Which of those is faster depends on the host as much as on the GPU, so tune measures it.
+Each runs `steps` optimizer steps of hivetune's own loop (train.assemble + train.fit) on a
+random-init model of the configured architecture (no weights read) over examples of `length`
+tokens. Candidates the
 planner puts over the memory cap are skipped unmeasured; a CUDA out-of-memory counts as not
 fitting. Writes the fastest fitting config as YAML overrides for `hivetune train --config`
 (and `train --auto`, which reads ./tune.yaml).
@@ -40,6 +44,7 @@ class TuneRow:
     tokens_per_s: float | None = None
     peak_gib: float | None = None  # measured max_memory_reserved (CUDA)
     wall_seconds: float | None = None  # the candidate's whole cost: model build, warm-up (graph capture), steps
+    saver: dict = field(default_factory=dict)  # the config keys memory_savers set (tune.yaml repeats them)
 
 
 @dataclass
@@ -69,6 +74,48 @@ def _candidate_memory(cfg: TrainConfig, args, precision: str, checkpointing: boo
     if inputs == "auto" and seeded_dropout(mc):
         inputs = "keep" if mc.keep_inputs else "recompute"
     return mc, inputs
+
+
+def memory_savers(cfg: TrainConfig, args, precision: str, tokens: int, budget: int,
+                  cuda: bool) -> list[tuple[dict, float]]:
+    """For a micro-batch of `tokens` that does not fit `budget` bytes as it is: the changes to the
+    config that keep it whole, each with its predicted peak in bytes. The fewest first layers
+    checkpointed with CUDA graphs on (plan.planner.checkpoint_to_fit; the input embedding in host
+    memory first where that alone is not enough), and the input embedding in host memory with
+    the fewest layers of activation offload, eager (plan.auto.offload_fit). Empty off CUDA,
+    where train moves nothing to the host and graphs do not run."""
+    from hivetune.plan.auto import offload_fit
+    from hivetune.plan.graph_sizes import bucket_tokens, launch_bound
+    from hivetune.plan.memory import breakdown
+    from hivetune.plan.planner import checkpoint_to_fit, memory_config, uses_graphs
+
+    if not cuda:
+        return []
+    out = []
+    untied = not args.tie_word_embeddings and not cfg.host_embeddings
+    options = [{}] + ([{"host_embeddings": True}] if untied else [])
+    layers = [checkpoint_to_fit(args, dataclasses.replace(cfg, **o), precision, tokens, 1.0, budget)
+              for o in options]
+    fits = [(n, i) for i, n in enumerate(layers) if 0 < n < args.num_hidden_layers]
+    if fits:  # the fewest checkpointed layers; the embedding stays on the GPU where that needs no more
+        n, i = min(fits)
+        changes = {**options[i], "gradient_checkpointing": True, "checkpoint_layers": n}
+        mc = memory_config(dataclasses.replace(cfg, **changes), precision, True, graphs=True)
+        out.append((changes, breakdown(args, mc, bucket_tokens(tokens)).total))
+    graphed = uses_graphs(cfg, precision) and launch_bound(args.linear_weight_count, tokens)
+    eager = dataclasses.replace(cfg, cuda_graphs=False) if graphed else cfg  # a captured graph skips the offload
+    found = offload_fit(eager, args, precision, tokens, budget)
+    if found is not None:
+        new, peak, _ = found
+        if graphed and new.activation_offload == cfg.activation_offload:  # the embedding alone: graphs may stay
+            mc = memory_config(dataclasses.replace(new, cuda_graphs=True), precision, False, graphs=True)
+            padded = breakdown(args, mc, bucket_tokens(tokens)).total
+            if padded <= budget:
+                new, peak = dataclasses.replace(new, cuda_graphs=True), padded
+        changes = {k: getattr(new, k) for k in ("host_embeddings", "activation_offload", "cuda_graphs")
+                   if getattr(new, k) != getattr(cfg, k)}
+        out.append((changes, peak))
+    return out
 
 
 def _time_candidate(cfg: TrainConfig, args, device: torch.device, precision: str, length: int,
@@ -164,28 +211,25 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
                 predicted = (planned.total if device.type == "cuda" else planned.reserved) / GIB
                 row = TuneRow(b, effective // b, ckpt, backend, round(predicted, 2), inputs)
                 rows.append(row)
-                if predicted > cap_gib:
-                    row.status = "over cap (predicted)"
+                if predicted <= cap_gib:
+                    _measure(row, c, args, device, precision, length, steps, cap_gib)
                     continue
-                t0 = time.perf_counter()
-                try:
-                    seconds, tokens, peak = _time_candidate(c, args, device, precision, length, steps)
-                except torch.cuda.OutOfMemoryError:
-                    row.status = "out of memory"
-                    torch.cuda.empty_cache()
+                row.status = "over cap (predicted)"
+                if ckpt:
                     continue
-                finally:
-                    row.wall_seconds = round(time.perf_counter() - t0, 2)
-                row.step_seconds, row.tokens_per_s = round(seconds, 4), round(tokens / seconds, 1)
-                row.peak_gib = round(peak, 2) if peak is not None else None
-                if peak is not None and peak > cap_gib:
-                    row.status = "over cap (measured)"
+                for changes, peak in memory_savers(c, args, precision, b * length, int(cap_gib * GIB),
+                                                   device.type == "cuda"):
+                    saved = TuneRow(b, effective // b, changes.get("gradient_checkpointing", False), backend,
+                                    round(peak / GIB, 2), inputs, saver=changes)
+                    rows.append(saved)
+                    _measure(saved, dataclasses.replace(c, **changes), args, device, precision, length, steps,
+                             cap_gib)
     fitting = [r for r in rows if r.status == "ok"]
     best = min(fitting, key=lambda r: r.step_seconds) if fitting else None
     result = TuneResult(rows, best, round(cap_gib, 2), str(device), out)
     if best is not None:
         result.overrides = {"batch_size": best.batch_size, "grad_accum": best.grad_accum,
-                            "gradient_checkpointing": best.gradient_checkpointing}
+                            "gradient_checkpointing": best.gradient_checkpointing, **best.saver}
         if best.lora_inputs != cfg.lora_inputs:  # auto, resolved for this candidate
             result.overrides["lora_inputs"] = best.lora_inputs
         if out:
@@ -198,13 +242,32 @@ def tune(cfg: TrainConfig, batch_sizes: list[int] | None = None, steps: int = 3,
     return result
 
 
+def _measure(row: TuneRow, c: TrainConfig, args, device, precision: str, length: int, steps: int,
+             cap_gib: float) -> None:
+    """Time candidate `c` into `row`: its step time, tokens/s and peak, or why it does not fit."""
+    t0 = time.perf_counter()
+    try:
+        seconds, tokens, peak = _time_candidate(c, args, device, precision, length, steps)
+    except torch.cuda.OutOfMemoryError:
+        row.status = "out of memory"
+        torch.cuda.empty_cache()
+        return
+    finally:
+        row.wall_seconds = round(time.perf_counter() - t0, 2)
+    row.step_seconds, row.tokens_per_s = round(seconds, 4), round(tokens / seconds, 1)
+    row.peak_gib = round(peak, 2) if peak is not None else None
+    if peak is not None and peak > cap_gib:
+        row.status = "over cap (measured)"
+
+
 def format_tune(result: TuneResult) -> str:
     # the lora_inputs column where auto was resolved (a GPU in bf16 / fp16 with LoRA dropout)
     inputs = any(r.lora_inputs != "auto" for r in result.rows)
     lines = [f"{'batch':>5} {'accum':>5} {'ckpt':>4} {'attention':>9}{' inputs   ' if inputs else ''} {'pred GiB':>8} "
              f"{'peak GiB':>8} {'s/step':>8} {'tokens/s':>10}  status"]
     for r in result.rows:
-        mark = " <- fastest" if r is result.best else ""
+        mark = (f" ({', '.join(f'{k}={v}' for k, v in r.saver.items())})" if r.saver else "") + (
+            " <- fastest" if r is result.best else "")
         lines.append(f"{r.batch_size:>5} {r.grad_accum:>5} {'on' if r.gradient_checkpointing else 'off':>4} "
                      f"{r.attention:>9}{f' {r.lora_inputs:<9}' if inputs else ''} {r.predicted_gib:>8.2f} "
                      f"{r.peak_gib if r.peak_gib is not None else '-':>8} "
