@@ -8,9 +8,8 @@ first layers checkpointed with CUDA graphs on, and the fewest layers of activati
 eager. Which of those is faster depends on the host as much as on the GPU, so tune measures it.
 Each runs `steps` optimizer steps of hivetune's own loop (train.assemble + train.fit) on a
 random-init model of the configured architecture (no weights read) over examples of `length`
-tokens. Candidates the
-planner puts over the memory cap are skipped unmeasured; a CUDA out-of-memory counts as not
-fitting. Writes the fastest fitting config as YAML overrides for `hivetune train --config`
+tokens. Candidates the planner puts over the memory cap are skipped unmeasured; a CUDA
+out-of-memory counts as not fitting. Writes the fastest fitting config as YAML overrides for `hivetune train --config`
 (and `train --auto`, which reads ./tune.yaml).
 """
 
@@ -80,8 +79,8 @@ def memory_savers(cfg: TrainConfig, args, precision: str, tokens: int, budget: i
                   cuda: bool) -> list[tuple[dict, float]]:
     """For a micro-batch of `tokens` that does not fit `budget` bytes as it is: the changes to the
     config that keep it whole, each with its predicted peak in bytes. The fewest first layers
-    checkpointed with CUDA graphs on (plan.planner.checkpoint_to_fit; the input embedding in host
-    memory first where that alone is not enough), and the input embedding in host memory with
+    checkpointed with CUDA graphs on (plan.planner.checkpoint_to_fit; with the input embedding in
+    host memory where that takes fewer layers), and the input embedding in host memory with
     the fewest layers of activation offload, eager (plan.auto.offload_fit). Empty off CUDA,
     where train moves nothing to the host and graphs do not run."""
     from hivetune.plan.auto import offload_fit
