@@ -9,8 +9,8 @@ eager. Which of those is faster depends on the host as much as on the GPU, so tu
 Each runs `steps` optimizer steps of hivetune's own loop (train.assemble + train.fit) on a
 random-init model of the configured architecture (no weights read) over examples of `length`
 tokens. Candidates the planner puts over the memory cap are skipped unmeasured; a CUDA
-out-of-memory counts as not fitting. Writes the fastest fitting config as YAML overrides for `hivetune train --config`
-(and `train --auto`, which reads ./tune.yaml).
+out-of-memory counts as not fitting. Writes the fastest fitting config as YAML overrides for
+`hivetune train --config` (and `train --auto`, which reads ./tune.yaml).
 """
 
 from __future__ import annotations
