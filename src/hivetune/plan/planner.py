@@ -382,13 +382,19 @@ def checkpoint_to_fit(args: ModelArgs, cfg: TrainConfig, precision: str, tokens:
     run it (plan.graph_sizes.launch_bound; not bf16, packing or cuda_graphs off) or none fits."""
     if not uses_graphs(cfg, precision) or not launch_bound(args.linear_weight_count, tokens, True):
         return 0
-    padded = bucket_tokens(tokens)
-    targets = max(1, int(padded * target_fraction))
     for n in range(1, args.num_hidden_layers + 1):
-        mc = memory_config(dataclasses.replace(cfg, checkpoint_layers=n), precision, True, graphs=True)
-        if breakdown(args, mc, padded, targets).total <= budget:
+        if graphed_checkpoint_peak(args, cfg, precision, tokens, n, target_fraction) <= budget:
             return n
     return 0
+
+
+def graphed_checkpoint_peak(args: ModelArgs, cfg: TrainConfig, precision: str, tokens: int, layers: int,
+                            target_fraction: float = 1.0) -> int:
+    """Predicted peak bytes of a micro-batch of `tokens`, padded to its graph size, with CUDA
+    graphs on and the first `layers` decoder layers checkpointed."""
+    padded = bucket_tokens(tokens)
+    mc = memory_config(dataclasses.replace(cfg, checkpoint_layers=layers), precision, True, graphs=True)
+    return breakdown(args, mc, padded, max(1, int(padded * target_fraction))).total
 
 
 def _suggest(cfg, fits, ckpt, worst, largest, largest_ckpt, avg_len) -> str:

@@ -86,7 +86,7 @@ def memory_savers(cfg: TrainConfig, args, precision: str, tokens: int, budget: i
     from hivetune.plan.auto import offload_fit
     from hivetune.plan.graph_sizes import bucket_tokens, launch_bound
     from hivetune.plan.memory import breakdown
-    from hivetune.plan.planner import checkpoint_to_fit, memory_config, uses_graphs
+    from hivetune.plan.planner import checkpoint_to_fit, graphed_checkpoint_peak, memory_config, uses_graphs
 
     if not cuda:
         return []
@@ -99,8 +99,8 @@ def memory_savers(cfg: TrainConfig, args, precision: str, tokens: int, budget: i
     if fits:  # the fewest checkpointed layers; the embedding stays on the GPU where that needs no more
         n, i = min(fits)
         changes = {**options[i], "gradient_checkpointing": True, "checkpoint_layers": n}
-        mc = memory_config(dataclasses.replace(cfg, **changes), precision, True, graphs=True)
-        out.append((changes, breakdown(args, mc, bucket_tokens(tokens)).total))
+        out.append((changes, graphed_checkpoint_peak(args, dataclasses.replace(cfg, **options[i]), precision,
+                                                     tokens, n)))
     graphed = uses_graphs(cfg, precision) and launch_bound(args.linear_weight_count, tokens)
     eager = dataclasses.replace(cfg, cuda_graphs=False) if graphed else cfg  # a captured graph skips the offload
     found = offload_fit(eager, args, precision, tokens, budget)
