@@ -105,7 +105,9 @@ class Workers:
                 proc.stdin.write(json.dumps(job) + "\n")
                 proc.stdin.flush()
                 line = proc.stdout.readline()
-                future.set_result(json.loads(line) if line else {"error": f"worker exited ({proc.poll()})"})
+                reply = json.loads(line) if line else {"error": f"worker exited ({proc.poll()})"}
+                reply["done_at"] = round(time.perf_counter() - self.started, 3)  # from the workers' spawn
+                future.set_result(reply)
             except Exception as e:  # noqa: BLE001 - a dead worker: the parent compiles this one itself
                 future.set_result({"error": f"{type(e).__name__}: {e}"})
 
@@ -278,7 +280,8 @@ def discover_early(fn) -> dict:
             error = f"{type(e).__name__}: {str(e).strip()[:200]}"
     ahead.sent.clear()  # the first pass asks again: cached by then, or pending (it waits)
     ahead.skipped = 0
-    EARLY = {"kernels": len(ahead.pending), "seconds": round(time.perf_counter() - t0, 3)}
+    EARLY = {"kernels": len(ahead.pending), "seconds": round(time.perf_counter() - t0, 3),
+             "at_s": round(t0 - ahead.workers.started, 3) if ahead.workers else None}  # from the workers' spawn
     if error:
         EARLY["error"] = error
     return EARLY
@@ -344,7 +347,8 @@ def first_pass(fn, params, keep: tuple = (), counters: tuple = ()):
              "pass_at_s": round(t0 - workers.started, 3) if workers else None,
              "ready": sorted(workers.ready_at, key=lambda r: r["read_at"])[::5] if workers else None,
              "compile_s": [f"{r['name']} {r.get('seconds', 0)}" for r in sorted(replies, key=lambda r: r.get("seconds", 0))[-3:]],
-             "launcher_s": sorted(r.get("launcher_s", 0) for r in replies)[-3:]}
+             "launcher_s": sorted(r.get("launcher_s", 0) for r in replies)[-3:],
+             "compiled_by_s": max((r.get("done_at", 0) for r in replies), default=None)}
     ahead.finish()
     with counting_compiles() as counts:
         out = fn()
