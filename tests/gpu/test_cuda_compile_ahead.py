@@ -25,23 +25,25 @@ from hivetune.train.loop import fit
 from hivetune.plan import graph_sizes
 from hivetune.train import replay
 from hivetune.train.setup import setup
-model, data, out, workers, eager = sys.argv[1:6]
+model, data, out, workers, eager, extra = sys.argv[1:7]
 if eager == "compute-bound":  # every micro-batch over the cut-off: replay's eager calls
     graph_sizes.MAX_TFLOP_PER_MICRO_BATCH = 0.0
 values = {"model": model, "data": data, "output_dir": out, "eval_prompts": 0, "device": "cuda",
           "precision": "bf16", "batch_size": 4, "max_steps": 4, "lr": 5e-3, "warmup_steps": 0,
-          "lora": {"r": 4, "alpha": 8, "dropout": 0.1}, "compile_workers": int(workers)}
+          "lora": {"r": 4, "alpha": 8, "dropout": 0.1}, "compile_workers": int(workers), **json.loads(extra)}
 run = setup(load_config(None, values))
 fit(run, progress=False)
 losses = [json.loads(line)["loss"] for line in open(out + "/metrics.jsonl")]
 off = replay.last_stats["off"] if replay.last_stats else None
-print(json.dumps({"stats": compile_ahead.STATS, "losses": losses, "graphs_off": off}))
+embed = type(run.model.model.embed_tokens).__name__
+print(json.dumps({"stats": compile_ahead.STATS, "losses": losses, "graphs_off": off, "embed": embed}))
 """
 
 
-def train(model_dir, data, out: Path, workers: int, cache: Path, eager: str = "") -> dict:
+def train(model_dir, data, out: Path, workers: int, cache: Path, eager: str = "", **extra) -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache))
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir), str(data), str(out), str(workers), eager],
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir), str(data), str(out), str(workers), eager,
+                           json.dumps(extra)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -87,3 +89,19 @@ def test_compute_bound_eager_steps_find_their_kernels_early(alpaca_file, tmp_pat
     assert ran["graphs_off"].startswith("compute-bound micro-batches"), ran
     assert stats["kernels"] >= 5 and stats["errors"] == [] and stats["missed"] == 0, stats
     assert stats["early"]["kernels"] == stats["kernels"], stats  # the first pass met no kernel the twin missed
+
+
+def test_the_twin_reads_its_host_embedding_on_the_gpu_with_the_runs_kernel(alpaca_file, tmp_path):
+    """host_embeddings: the twin's table stays on the GPU (no pinning), the run's goes to pinned host
+    memory; the gather kernel's specialisation is the same, so the first pass meets none the twin
+    did not."""
+    from conftest import build_tiny_model, build_tokenizer
+
+    folder = tmp_path / "untied"
+    build_tokenizer(folder)
+    build_tiny_model(folder, tie_word_embeddings=False)
+    ran = train(folder, alpaca_file, tmp_path / "out", 4, tmp_path / "cache", host_embeddings=True)
+    stats = ran["stats"]
+    assert ran["embed"] == "HostEmbedding", ran
+    assert stats["kernels"] >= 5 and stats["errors"] == [] and stats["missed"] == 0, stats
+    assert stats["early"]["kernels"] == stats["kernels"], stats

@@ -33,6 +33,10 @@ def test_gather_from_host_memory_equals_the_embedding():
     ids = torch.randint(0, VOCAB, (2, 777), device="cuda")
     assert torch.equal(host(ids), embed(ids))
     assert host(ids[:, :0]).shape == (2, 0, 200)
+    # a twin's (train.twin): the table left on the GPU, the same kernel reading it
+    twin = HostEmbedding(embed.weight, pinned=False)
+    assert twin.weight.data_ptr() == embed.weight.data_ptr() and not twin.weight.requires_grad
+    assert torch.equal(twin(ids), embed(ids))
 
 
 def process_caches() -> int:

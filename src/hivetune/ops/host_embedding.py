@@ -7,6 +7,10 @@ space (UVA), so a Triton kernel gathers those rows straight over PCIe: 0.44 ms f
 on an H200 (49 GB/s, docs/log.md), under 0.3% of a W2 step; no host thread, no copy
 stream, and it runs inside CUDA graphs like any other kernel.
 
+A twin of the model (train.twin) keeps its table on the GPU (``pinned=False``): the kernel and
+its specialisation are the same, and pinning W2's table takes ~1.4 s of a fresh process that the
+twin would spend before its kernels go to the compile workers.
+
 Not for tied embeddings (the LM head reads the whole table every step) nor without Triton;
 `move_embeddings` then leaves the table where it is and says why, once.
 """
@@ -32,12 +36,15 @@ def _define_kernels():
 
 
 class HostEmbedding(nn.Module):
-    """nn.Embedding's forward over a frozen table in pinned host memory, for ids on a GPU."""
+    """nn.Embedding's forward over a frozen table in pinned host memory, for ids on a GPU
+    (`pinned` False: the table stays where it is, read by the same kernel)."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, pinned: bool = True):
         super().__init__()
-        table = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=True)
-        table.copy_(weight.detach())  # one copy straight into pinned memory (no pageable staging)
+        table = weight.detach()
+        if pinned:
+            table = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=True)
+            table.copy_(weight.detach())  # one copy straight into pinned memory (no pageable staging)
         self.weight = nn.Parameter(table, requires_grad=False)
         self.num_embeddings, self.embedding_dim = self.weight.shape
         load_kernels()  # its forward launches _gather_rows
@@ -52,9 +59,10 @@ class HostEmbedding(nn.Module):
         return out.view(*input_ids.shape, self.embedding_dim)
 
 
-def move_embeddings(model: nn.Module) -> str | None:
+def move_embeddings(model: nn.Module, pinned: bool = True) -> str | None:
     """Put the model's input embedding in pinned host memory (HostEmbedding); returns why not, or
-    None when it moved. The table's GPU memory is freed (the caller's empty_cache returns it)."""
+    None when it moved. The table's GPU memory is freed (the caller's empty_cache returns it).
+    `pinned` False: a HostEmbedding over the table where it is (a twin's: the module's doc)."""
     body = model.model
     embed = body.embed_tokens
     if isinstance(embed, HostEmbedding):
@@ -72,5 +80,5 @@ def move_embeddings(model: nn.Module) -> str | None:
     if reason:
         note_fallback("host_embeddings", "input embedding in host memory", reason, "the table on the GPU")
         return reason
-    body.embed_tokens = HostEmbedding(weight)
+    body.embed_tokens = HostEmbedding(weight, pinned)
     return None

@@ -62,11 +62,13 @@ def lora_spec(cfg: TrainConfig) -> LoRASpec:
 
 
 def prepare_model(cfg: TrainConfig, model: CausalLM, data, device: torch.device, precision: str,
-                  parallel: distributed.Dist = distributed.Dist(), args: ModelArgs | None = None) -> str:
+                  parallel: distributed.Dist = distributed.Dist(), args: ModelArgs | None = None,
+                  pin_embeddings: bool = True) -> str:
     """The model as the run trains it: quantized (base_quant, a model built in memory), LoRA
     added, ops configured, projections fused, embeddings on the host where asked; returns the
     strategy (none, ddp or fsdp). `args`: the architecture the choices are made for, where
-    `model` is a cut of it (train.twin)."""
+    `model` is a cut of it (train.twin); `pin_embeddings` False: host_embeddings' table stays on
+    the GPU, read by the same kernel (the twin's)."""
     args = args or model.args
     if cfg.base_quant in ("nf4", "int8") and not is_quantized(model):  # a model built in memory (bench, tune)
         quantize_model(model, cfg.base_quant)
@@ -96,7 +98,7 @@ def prepare_model(cfg: TrainConfig, model: CausalLM, data, device: torch.device,
         if strategy == "fsdp":
             print("hivetune: host_embeddings: off under FSDP (it shards the table with the rest)", file=sys.stderr)
         else:
-            move_embeddings(model)
+            move_embeddings(model, pin_embeddings)
     if device.type == "cuda":
         blas.available(device)  # loads cuBLAS / cuBLASLt here, not in the first step (~85 ms on an H100 host)
     model.runs_in_dtype = runs_in_dtype(model, precision, strategy)
