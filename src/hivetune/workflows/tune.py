@@ -41,7 +41,7 @@ class TuneRow:
     status: str = "ok"  # ok | over cap (predicted) | over cap (measured) | out of memory
     step_seconds: float | None = None
     tokens_per_s: float | None = None
-    peak_gib: float | None = None  # measured max_memory_reserved (CUDA)
+    peak_gib: float | None = None  # measured max_memory_reserved over what the process held before (CUDA)
     wall_seconds: float | None = None  # the candidate's whole cost: model build, warm-up (graph capture), steps
     saver: dict = field(default_factory=dict)  # the config keys memory_savers set (tune.yaml repeats them)
 
@@ -119,7 +119,8 @@ def memory_savers(cfg: TrainConfig, args, precision: str, tokens: int, budget: i
 
 def _time_candidate(cfg: TrainConfig, args, device: torch.device, precision: str, length: int,
                     steps: int) -> tuple[float, float, float | None]:
-    """(median seconds per optimizer step after the first, tokens per step, peak reserved GiB)."""
+    """(median seconds per optimizer step after the first, tokens per step, peak reserved GiB over
+    what the process held before)."""
     import json
 
     from hivetune.workflows.workloads import random_model
@@ -134,6 +135,10 @@ def _time_candidate(cfg: TrainConfig, args, device: torch.device, precision: str
     examples = [Encoded(torch.randint(0, args.vocab_size, (length,), generator=gen).tolist(),
                         [False] * (length // 4) + [True] * (length - length // 4), False)
                 for _ in range(per_step * (steps + 1))]
+    held = 0
+    if device.type == "cuda":  # what the process holds already is not the candidate's
+        torch.cuda.empty_cache()
+        held = torch.cuda.memory_reserved(device)
     model = random_model(args, device, DTYPES[precision])
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -147,7 +152,7 @@ def _time_candidate(cfg: TrainConfig, args, device: torch.device, precision: str
         fit(run, progress=False)
         times = [json.loads(x)["elapsed_s"] for x in (run.folder / "metrics.jsonl").read_text().splitlines()]
     deltas = [b - a for a, b in zip(times, times[1:])] or times
-    peak = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+    peak = (torch.cuda.max_memory_reserved(device) - held) / 2**30 if device.type == "cuda" else None
     del run, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
