@@ -2,7 +2,8 @@
 missing kernels compiled by the workers leave the real pass nothing to compile, and the run's
 losses are those of a run that compiled at each launch; a warm cache starts no workers; a cache
 warm from another model's run still lets the twin find this model's new kernels early; a run whose
-micro-batches are too large for CUDA graphs (eager steps through train.replay) finds them early too."""
+micro-batches are too large for CUDA graphs (eager steps through train.replay) finds them early too,
+and so does one with host_embeddings, whose twin reads its table on the GPU."""
 
 from __future__ import annotations
 
