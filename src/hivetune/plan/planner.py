@@ -383,17 +383,17 @@ def checkpoint_to_fit(args: ModelArgs, cfg: TrainConfig, precision: str, tokens:
     if not uses_graphs(cfg, precision) or not launch_bound(args.linear_weight_count, tokens, True):
         return 0
     for n in range(1, args.num_hidden_layers + 1):
-        if graphed_checkpoint_peak(args, cfg, precision, tokens, n, target_fraction) <= budget:
+        if graphed_peak(args, cfg, precision, tokens, n, target_fraction) <= budget:
             return n
     return 0
 
 
-def graphed_checkpoint_peak(args: ModelArgs, cfg: TrainConfig, precision: str, tokens: int, layers: int,
-                            target_fraction: float = 1.0) -> int:
+def graphed_peak(args: ModelArgs, cfg: TrainConfig, precision: str, tokens: int, layers: int = 0,
+                 target_fraction: float = 1.0) -> int:
     """Predicted peak bytes of a micro-batch of `tokens`, padded to its graph size, with CUDA
-    graphs on and the first `layers` decoder layers checkpointed."""
+    graphs on and the first `layers` decoder layers checkpointed (0: none)."""
     padded = bucket_tokens(tokens)
-    mc = memory_config(dataclasses.replace(cfg, checkpoint_layers=layers), precision, True, graphs=True)
+    mc = memory_config(dataclasses.replace(cfg, checkpoint_layers=layers), precision, layers > 0, graphs=True)
     return breakdown(args, mc, padded, max(1, int(padded * target_fraction))).total
 
 

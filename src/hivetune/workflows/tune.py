@@ -84,9 +84,8 @@ def memory_savers(cfg: TrainConfig, args, precision: str, tokens: int, budget: i
     the fewest layers of activation offload, eager (plan.auto.offload_fit). Empty off CUDA,
     where train moves nothing to the host and graphs do not run."""
     from hivetune.plan.auto import offload_fit
-    from hivetune.plan.graph_sizes import bucket_tokens, launch_bound
-    from hivetune.plan.memory import breakdown
-    from hivetune.plan.planner import checkpoint_to_fit, graphed_checkpoint_peak, memory_config, uses_graphs
+    from hivetune.plan.graph_sizes import launch_bound
+    from hivetune.plan.planner import checkpoint_to_fit, graphed_peak, uses_graphs
 
     if not cuda:
         return []
@@ -99,16 +98,14 @@ def memory_savers(cfg: TrainConfig, args, precision: str, tokens: int, budget: i
     if fits:  # the fewest checkpointed layers; the embedding stays on the GPU where that needs no more
         n, i = min(fits)
         changes = {**options[i], "gradient_checkpointing": True, "checkpoint_layers": n}
-        out.append((changes, graphed_checkpoint_peak(args, dataclasses.replace(cfg, **options[i]), precision,
-                                                     tokens, n)))
+        out.append((changes, graphed_peak(args, dataclasses.replace(cfg, **options[i]), precision, tokens, n)))
     graphed = uses_graphs(cfg, precision) and launch_bound(args.linear_weight_count, tokens)
     eager = dataclasses.replace(cfg, cuda_graphs=False) if graphed else cfg  # a captured graph skips the offload
     found = offload_fit(eager, args, precision, tokens, budget)
     if found is not None:
         new, peak, _ = found
         if graphed and new.activation_offload == cfg.activation_offload:  # the embedding alone: graphs may stay
-            mc = memory_config(dataclasses.replace(new, cuda_graphs=True), precision, False, graphs=True)
-            padded = breakdown(args, mc, bucket_tokens(tokens)).total
+            padded = graphed_peak(args, new, precision, tokens)
             if padded <= budget:
                 new, peak = dataclasses.replace(new, cuda_graphs=True), padded
         changes = {k: getattr(new, k) for k in ("host_embeddings", "activation_offload", "cuda_graphs")
