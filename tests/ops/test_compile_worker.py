@@ -51,6 +51,7 @@ def test_a_worker_compiles_into_the_cache_under_the_parents_hash(tmp_path, monke
     finally:
         workers.close()
     assert reply["hash"] == digest and "error" not in reply, reply
+    assert reply["name"] == "_rms_norm_fwd" and reply["done_at"] > 0  # the job's kernel, back after the spawn
     assert cache_entry(jit, backend, signature, constants, attrs, spec) == (digest, True)
     assert wrong["error"] == f"_rms_norm_fwd: compiled under hash {digest[:12]}, the parent looks for 000000000000"
     assert missing["error"].startswith("AttributeError: module 'hivetune.ops.kernels.norm' has no attribute")

@@ -106,6 +106,7 @@ class Workers:
                 proc.stdin.flush()
                 line = proc.stdout.readline()
                 reply = json.loads(line) if line else {"error": f"worker exited ({proc.poll()})"}
+                reply["name"] = job["name"]
                 reply["done_at"] = round(time.perf_counter() - self.started, 3)  # from the workers' spawn
                 future.set_result(reply)
             except Exception as e:  # noqa: BLE001 - a dead worker: the parent compiles this one itself
@@ -131,7 +132,6 @@ class CompileAhead:
         self.workers = Workers(workers, target) if start_now else None
         self.started_early = start_now
         self.pending: dict[str, Future] = {}  # by Triton's cache hash
-        self.names: dict[str, str] = {}  # kernel name by cache hash
         self.sent: set = set()
         self.skipped = 0
         self.done = False
@@ -155,7 +155,6 @@ class CompileAhead:
                     return False  # another device's kernel: compiled where it launches
                 if self.workers is None:
                     self.workers = Workers(self.n, self.target)
-                self.names[digest] = fn.name
                 self.pending[digest] = self.workers.submit({
                     "module": fn.module, "name": fn.name, "spec": compile["specialization_data"], "hash": digest})
             self.sent.add(seen)
@@ -323,8 +322,7 @@ def first_pass(fn, params, keep: tuple = (), counters: tuple = ()):
     del out
     t1 = time.perf_counter()
     wait(list(ahead.pending.values()), timeout=WAIT_S)
-    replies = [dict(f.result() if f.done() else {"error": f"not compiled within {WAIT_S} s"}, name=ahead.names.get(h, "?"))
-               for h, f in ahead.pending.items()]
+    replies = [f.result() if f.done() else {"error": f"not compiled within {WAIT_S} s"} for f in ahead.pending.values()]
     errors = [r["error"] for r in replies if "error" in r]
     for p, g in zip(params, grads):
         if g is None:
@@ -346,7 +344,8 @@ def first_pass(fn, params, keep: tuple = (), counters: tuple = ()):
              # when the pass began and the workers were ready, in seconds from the workers' start
              "pass_at_s": round(t0 - workers.started, 3) if workers else None,
              "ready": sorted(workers.ready_at, key=lambda r: r["read_at"])[::5] if workers else None,
-             "compile_s": [f"{r['name']} {r.get('seconds', 0)}" for r in sorted(replies, key=lambda r: r.get("seconds", 0))[-3:]],
+             "compile_s": [f"{r.get('name', '?')} {r.get('seconds', 0)}"
+                           for r in sorted(replies, key=lambda r: r.get("seconds", 0))[-3:]],
              "launcher_s": sorted(r.get("launcher_s", 0) for r in replies)[-3:],
              "compiled_by_s": max((r.get("done_at", 0) for r in replies), default=None)}
     ahead.finish()
